@@ -1,0 +1,7 @@
+//! Compiles `proto/tern.proto` with protox, so building Tern needs no protoc.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let fds = protox::compile(["proto/tern.proto"], ["proto"])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    println!("cargo:rerun-if-changed=proto/tern.proto");
+    Ok(())
+}

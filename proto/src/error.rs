@@ -1,0 +1,139 @@
+//! Error kinds shared by the control plane (gRPC statuses) and the data plane (error frames).
+
+use std::fmt;
+
+/// What went wrong, coarsely enough that a caller can decide what to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ErrorKind {
+    /// The path, job, file or block does not exist (or is not sealed yet). Check the name.
+    NotFound = 1,
+    /// Create or mkdir on a path that exists. Pick another name or delete first.
+    AlreadyExists = 2,
+    /// Data was acknowledged but its storage server is gone. Recompute it.
+    DataLost = 3,
+    /// Every tier that could hold the data is full. Free space or add servers.
+    OutOfSpace = 4,
+    /// The request is malformed or not allowed in this state. A bug in the caller; do not retry.
+    Invalid = 5,
+    /// A server cannot be reached or is shutting down. Retry later.
+    Unavailable = 6,
+    /// A checksum did not match: bytes were damaged in flight or at rest. Retry, then recompute.
+    Corrupt = 7,
+    /// A bug or broken invariant on the server.
+    Internal = 8,
+}
+
+/// gRPC metadata key carrying the kind, where gRPC codes alone are ambiguous.
+pub const KIND_METADATA_KEY: &str = "tern-kind";
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 8] = [
+        ErrorKind::NotFound,
+        ErrorKind::AlreadyExists,
+        ErrorKind::DataLost,
+        ErrorKind::OutOfSpace,
+        ErrorKind::Invalid,
+        ErrorKind::Unavailable,
+        ErrorKind::Corrupt,
+        ErrorKind::Internal,
+    ];
+
+    /// The code carried in an error frame's status field.
+    pub fn code(self) -> u16 {
+        self as u16
+    }
+
+    pub fn from_code(code: u16) -> Option<ErrorKind> {
+        Self::ALL.into_iter().find(|k| k.code() == code)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorKind::NotFound => "not-found",
+            ErrorKind::AlreadyExists => "already-exists",
+            ErrorKind::DataLost => "data-lost",
+            ErrorKind::OutOfSpace => "out-of-space",
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Corrupt => "corrupt",
+            ErrorKind::Internal => "internal",
+        }
+    }
+
+    fn grpc_code(self) -> tonic::Code {
+        match self {
+            ErrorKind::NotFound => tonic::Code::NotFound,
+            ErrorKind::AlreadyExists => tonic::Code::AlreadyExists,
+            ErrorKind::DataLost | ErrorKind::Corrupt => tonic::Code::DataLoss,
+            ErrorKind::OutOfSpace => tonic::Code::ResourceExhausted,
+            ErrorKind::Invalid => tonic::Code::InvalidArgument,
+            ErrorKind::Unavailable => tonic::Code::Unavailable,
+            ErrorKind::Internal => tonic::Code::Internal,
+        }
+    }
+
+    /// A gRPC status carrying this kind and `message`.
+    pub fn status(self, message: impl Into<String>) -> tonic::Status {
+        let mut status = tonic::Status::new(self.grpc_code(), message);
+        status.metadata_mut().insert(KIND_METADATA_KEY, tonic::metadata::MetadataValue::from_static(self.name()));
+        status
+    }
+
+    /// The kind a status carries: its `tern-kind` entry, else a reading of its gRPC code.
+    pub fn of_status(status: &tonic::Status) -> ErrorKind {
+        let named = status
+            .metadata()
+            .get(KIND_METADATA_KEY)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|name| Self::ALL.into_iter().find(|k| k.name() == name));
+        named.unwrap_or(match status.code() {
+            tonic::Code::NotFound => ErrorKind::NotFound,
+            tonic::Code::AlreadyExists => ErrorKind::AlreadyExists,
+            tonic::Code::DataLoss => ErrorKind::DataLost,
+            tonic::Code::ResourceExhausted => ErrorKind::OutOfSpace,
+            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition | tonic::Code::OutOfRange => {
+                ErrorKind::Invalid
+            }
+            tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted => ErrorKind::Unavailable,
+            _ => ErrorKind::Internal,
+        })
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip() {
+        for kind in ErrorKind::ALL {
+            assert_eq!(ErrorKind::from_code(kind.code()), Some(kind));
+        }
+        assert_eq!(ErrorKind::from_code(0), None);
+        assert_eq!(ErrorKind::from_code(999), None);
+    }
+
+    #[test]
+    fn statuses_carry_the_kind() {
+        for kind in ErrorKind::ALL {
+            let status = kind.status("boom");
+            assert_eq!(ErrorKind::of_status(&status), kind);
+            assert_eq!(status.message(), "boom");
+        }
+        // Without the metadata entry the code still says enough.
+        let bare = tonic::Status::not_found("x");
+        assert_eq!(ErrorKind::of_status(&bare), ErrorKind::NotFound);
+        let bare = tonic::Status::unavailable("x");
+        assert_eq!(ErrorKind::of_status(&bare), ErrorKind::Unavailable);
+    }
+}

@@ -1,0 +1,467 @@
+//! The binary block-frame codec: every data-plane message between clients and storage servers.
+//!
+//! A frame is a fixed 44-byte header followed by `payload_len` bytes of payload. All integers are
+//! little-endian.
+//!
+//! | offset | size | field                                                             |
+//! | ------ | ---- | ----------------------------------------------------------------- |
+//! | 0      | 2    | magic `TB`                                                        |
+//! | 2      | 1    | version (1)                                                       |
+//! | 3      | 1    | op; the high bit marks a response                                 |
+//! | 4      | 2    | status: 0 = ok, else an [`ErrorKind`] code (responses only)       |
+//! | 6      | 2    | reserved, 0                                                       |
+//! | 8      | 8    | request id, echoed by the response (many requests are in flight)  |
+//! | 16     | 8    | block id                                                          |
+//! | 24     | 4    | offset within the block                                           |
+//! | 28     | 4    | length: bytes to read (Read); block length after the op (replies) |
+//! | 32     | 4    | payload length                                                    |
+//! | 36     | 4    | crc32c of the payload                                             |
+//! | 40     | 4    | crc32c of bytes 0..40                                             |
+//!
+//! Every length is bounded on decode: a payload longer than the receiver's limit (never more than
+//! [`MAX_PAYLOAD_BYTES`]) is refused before a byte of it is read. Payloads are [`Bytes`], so a
+//! frame's data is never copied on its way between the socket and its owner.
+
+use std::fmt;
+use std::io;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::error::ErrorKind;
+
+pub const MAGIC: [u8; 2] = *b"TB";
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 44;
+/// Set in the op byte of every response.
+pub const RESPONSE_BIT: u8 = 0x80;
+/// Hard ceiling on any payload, whatever a receiver is configured with.
+pub const MAX_PAYLOAD_BYTES: u32 = crate::MAX_BLOCK_SIZE;
+/// Error messages are cut to this many bytes.
+pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+/// Most block ids one Free frame may carry.
+pub const MAX_FREE_IDS: usize = 8192;
+
+/// What a frame asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    /// Liveness check; the reply is empty.
+    Ping = 1,
+    /// Append the payload to a block at `offset`, which must equal the block's current length.
+    /// The reply's `length` is the block's length afterwards.
+    Write = 2,
+    /// Read `length` bytes of a block from `offset`; the reply's payload is the data.
+    Read = 3,
+    /// Free the blocks whose ids the payload lists (u64 each); unknown ids are skipped.
+    /// The reply's `length` is the number freed.
+    Free = 4,
+    /// Only in error replies to frames whose op could not be read.
+    Malformed = 0x7f,
+}
+
+impl Op {
+    pub fn from_code(code: u8) -> Option<Op> {
+        match code {
+            1 => Some(Op::Ping),
+            2 => Some(Op::Write),
+            3 => Some(Op::Read),
+            4 => Some(Op::Free),
+            0x7f => Some(Op::Malformed),
+            _ => None,
+        }
+    }
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub op: Op,
+    pub response: bool,
+    /// 0 = ok; otherwise an [`ErrorKind`] code.
+    pub status: u16,
+    pub request_id: u64,
+    pub block_id: u64,
+    pub offset: u32,
+    pub length: u32,
+    pub payload_len: u32,
+    pub payload_crc: u32,
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        let mut buf = &mut out[..];
+        buf.put_slice(&MAGIC);
+        buf.put_u8(VERSION);
+        buf.put_u8(self.op as u8 | if self.response { RESPONSE_BIT } else { 0 });
+        buf.put_u16_le(self.status);
+        buf.put_u16_le(0);
+        buf.put_u64_le(self.request_id);
+        buf.put_u64_le(self.block_id);
+        buf.put_u32_le(self.offset);
+        buf.put_u32_le(self.length);
+        buf.put_u32_le(self.payload_len);
+        buf.put_u32_le(self.payload_crc);
+        let crc = crc32c::crc32c(&out[..HEADER_LEN - 4]);
+        out[HEADER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Decodes and checks a header; payloads over `max_payload` bytes are refused.
+    pub fn decode(raw: &[u8; HEADER_LEN], max_payload: u32) -> Result<Header, FrameError> {
+        if raw[..2] != MAGIC {
+            return Err(FrameError::BadMagic([raw[0], raw[1]]));
+        }
+        if raw[2] != VERSION {
+            return Err(FrameError::UnsupportedVersion(raw[2]));
+        }
+        let expected = u32::from_le_bytes(raw[HEADER_LEN - 4..].try_into().expect("4 bytes"));
+        let actual = crc32c::crc32c(&raw[..HEADER_LEN - 4]);
+        if expected != actual {
+            return Err(FrameError::HeaderChecksum { expected, actual });
+        }
+        let mut buf = &raw[3..HEADER_LEN - 4];
+        let op_byte = buf.get_u8();
+        let status = buf.get_u16_le();
+        let _reserved = buf.get_u16_le();
+        let request_id = buf.get_u64_le();
+        let block_id = buf.get_u64_le();
+        let offset = buf.get_u32_le();
+        let length = buf.get_u32_le();
+        let payload_len = buf.get_u32_le();
+        let payload_crc = buf.get_u32_le();
+        let max = max_payload.min(MAX_PAYLOAD_BYTES);
+        if payload_len > max {
+            return Err(FrameError::PayloadTooLarge { len: payload_len, max });
+        }
+        let Some(op) = Op::from_code(op_byte & !RESPONSE_BIT) else {
+            return Err(FrameError::UnknownOp { op: op_byte, request_id, payload_len });
+        };
+        Ok(Header {
+            op,
+            response: op_byte & RESPONSE_BIT != 0,
+            status,
+            request_id,
+            block_id,
+            offset,
+            length,
+            payload_len,
+            payload_crc,
+        })
+    }
+}
+
+/// A whole frame: header and payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub header: Header,
+    pub payload: Bytes,
+}
+
+impl Frame {
+    fn new(op: Op, response: bool, request_id: u64, block_id: u64, offset: u32, length: u32, payload: Bytes) -> Frame {
+        let payload_len = u32::try_from(payload.len()).expect("payloads are bounded by MAX_PAYLOAD_BYTES");
+        Frame {
+            header: Header {
+                op,
+                response,
+                status: 0,
+                request_id,
+                block_id,
+                offset,
+                length,
+                payload_len,
+                payload_crc: crc32c::crc32c(&payload),
+            },
+            payload,
+        }
+    }
+
+    pub fn ping(request_id: u64) -> Frame {
+        Frame::new(Op::Ping, false, request_id, 0, 0, 0, Bytes::new())
+    }
+
+    pub fn write(request_id: u64, block_id: u64, offset: u32, data: Bytes) -> Frame {
+        let len = data.len() as u32;
+        Frame::new(Op::Write, false, request_id, block_id, offset, len, data)
+    }
+
+    pub fn read(request_id: u64, block_id: u64, offset: u32, length: u32) -> Frame {
+        Frame::new(Op::Read, false, request_id, block_id, offset, length, Bytes::new())
+    }
+
+    pub fn free(request_id: u64, block_ids: &[u64]) -> Frame {
+        assert!(block_ids.len() <= MAX_FREE_IDS, "at most {MAX_FREE_IDS} ids per Free frame");
+        let mut payload = BytesMut::with_capacity(block_ids.len() * 8);
+        for id in block_ids {
+            payload.put_u64_le(*id);
+        }
+        Frame::new(Op::Free, false, request_id, 0, 0, block_ids.len() as u32, payload.freeze())
+    }
+
+    /// A successful reply to `request`.
+    pub fn reply(request: &Header, length: u32, payload: Bytes) -> Frame {
+        Frame::new(request.op, true, request.request_id, request.block_id, request.offset, length, payload)
+    }
+
+    /// An error reply: `status` carries the kind, the payload the message (UTF-8, bounded).
+    pub fn error(request_id: u64, op: Op, block_id: u64, kind: ErrorKind, message: &str) -> Frame {
+        let mut end = message.len().min(MAX_ERROR_MESSAGE_BYTES);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        let payload = Bytes::copy_from_slice(&message.as_bytes()[..end]);
+        let mut frame = Frame::new(op, true, request_id, block_id, 0, 0, payload);
+        frame.header.status = kind.code();
+        frame
+    }
+
+    /// For a reply: the frame itself when it says ok, else the kind and message it carries.
+    pub fn into_result(self) -> Result<Frame, (ErrorKind, String)> {
+        if self.header.status == 0 {
+            return Ok(self);
+        }
+        let kind = ErrorKind::from_code(self.header.status).unwrap_or(ErrorKind::Internal);
+        Err((kind, String::from_utf8_lossy(&self.payload).into_owned()))
+    }
+
+    /// The block ids a Free frame lists.
+    pub fn free_ids(&self) -> Result<Vec<u64>, FrameError> {
+        if self.payload.len() % 8 != 0 || self.payload.len() / 8 > MAX_FREE_IDS {
+            return Err(FrameError::BadFreeList { bytes: self.payload.len() });
+        }
+        Ok(self.payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+}
+
+/// Why a frame could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("bad frame magic {0:02x?} (expected \"TB\"): not a Tern block frame")]
+    BadMagic([u8; 2]),
+    #[error("unsupported frame version {0} (this side speaks version {VERSION})")]
+    UnsupportedVersion(u8),
+    #[error("frame header checksum mismatch (header says {expected:#010x}, bytes give {actual:#010x})")]
+    HeaderChecksum { expected: u32, actual: u32 },
+    #[error("unknown frame op {op:#04x}")]
+    UnknownOp { op: u8, request_id: u64, payload_len: u32 },
+    #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
+    PayloadTooLarge { len: u32, max: u32 },
+    #[error("truncated frame: expected {expected} more bytes, the stream ended after {got}")]
+    Truncated { expected: usize, got: usize },
+    #[error("frame payload checksum mismatch (header says {expected:#010x}, payload gives {actual:#010x})")]
+    PayloadChecksum { expected: u32, actual: u32 },
+    #[error("Free frame payload of {bytes} bytes is not a list of at most {MAX_FREE_IDS} u64 block ids")]
+    BadFreeList { bytes: usize },
+    #[error("i/o error: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl FrameError {
+    /// True when the byte stream can no longer be trusted to be at a frame boundary, so the
+    /// connection must close after the error reply.
+    pub fn is_fatal(&self) -> bool {
+        !matches!(
+            self,
+            FrameError::UnknownOp { .. } | FrameError::PayloadChecksum { .. } | FrameError::BadFreeList { .. }
+        )
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            FrameError::PayloadChecksum { .. } | FrameError::HeaderChecksum { .. } => ErrorKind::Corrupt,
+            FrameError::Io(_) => ErrorKind::Unavailable,
+            _ => ErrorKind::Invalid,
+        }
+    }
+}
+
+/// Reads exactly `buf.len()` bytes; `Truncated` if the stream ends first.
+async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> Result<usize, FrameError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]).await? {
+            0 => return Ok(got),
+            n => got += n,
+        }
+    }
+    Ok(got)
+}
+
+/// Reads the next header. `Ok(None)` on a clean end of stream at a frame boundary.
+pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> Result<Option<Header>, FrameError> {
+    let mut raw = [0u8; HEADER_LEN];
+    match read_full(r, &mut raw).await? {
+        0 => Ok(None),
+        HEADER_LEN => Header::decode(&raw, max_payload).map(Some),
+        got => Err(FrameError::Truncated { expected: HEADER_LEN, got }),
+    }
+}
+
+/// Reads `header`'s payload into a buffer of exactly its size and checks its crc.
+pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, header: &Header) -> Result<Bytes, FrameError> {
+    let len = header.payload_len as usize;
+    let mut buf = BytesMut::zeroed(len);
+    let got = read_full(r, &mut buf).await?;
+    if got < len {
+        return Err(FrameError::Truncated { expected: len, got });
+    }
+    let actual = crc32c::crc32c(&buf);
+    if actual != header.payload_crc {
+        return Err(FrameError::PayloadChecksum { expected: header.payload_crc, actual });
+    }
+    Ok(buf.freeze())
+}
+
+/// Reads and discards `len` payload bytes (of a frame that will be answered with an error).
+pub async fn skip_payload<R: AsyncRead + Unpin>(r: &mut R, len: u32) -> Result<(), FrameError> {
+    let copied = tokio::io::copy(&mut (&mut *r).take(len as u64), &mut tokio::io::sink()).await?;
+    if copied < len as u64 {
+        return Err(FrameError::Truncated { expected: len as usize, got: copied as usize });
+    }
+    Ok(())
+}
+
+/// Reads one whole frame. `Ok(None)` on a clean end of stream at a frame boundary.
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> Result<Option<Frame>, FrameError> {
+    let Some(header) = read_header(r, max_payload).await? else {
+        return Ok(None);
+    };
+    let payload = read_payload(r, &header).await?;
+    Ok(Some(Frame { header, payload }))
+}
+
+/// Writes a frame: header, then the payload as is (no copy into a staging buffer for large ones).
+pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, frame: &Frame) -> io::Result<()> {
+    w.write_all(&frame.header.encode()).await?;
+    if !frame.payload.is_empty() {
+        w.write_all(&frame.payload).await?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for Header {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?}{} req {} block {} offset {} length {} payload {}",
+            self.op,
+            if self.response { " reply" } else { "" },
+            self.request_id,
+            self.block_id,
+            self.offset,
+            self.length,
+            self.payload_len
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn round_trip(frame: &Frame) -> Frame {
+        let mut wire = Vec::new();
+        write_frame(&mut wire, frame).await.unwrap();
+        assert_eq!(wire.len(), HEADER_LEN + frame.payload.len());
+        read_frame(&mut &wire[..], MAX_PAYLOAD_BYTES).await.unwrap().unwrap()
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip() {
+        let data = Bytes::from((0..5000u32).map(|i| i as u8).collect::<Vec<_>>());
+        for frame in [
+            Frame::ping(1),
+            Frame::write(2, 77, 4096, data.clone()),
+            Frame::read(3, 77, 10, 20),
+            Frame::free(4, &[1, 2, u64::MAX]),
+            Frame::reply(&Frame::read(5, 9, 0, 5).header, 5, Bytes::from_static(b"hello")),
+            Frame::error(6, Op::Read, 9, ErrorKind::NotFound, "block 9 not held"),
+        ] {
+            assert_eq!(round_trip(&frame).await, frame);
+        }
+        let free = round_trip(&Frame::free(7, &[5, 6])).await;
+        assert_eq!(free.free_ids().unwrap(), vec![5, 6]);
+    }
+
+    #[tokio::test]
+    async fn error_frames_carry_kind_and_message() {
+        let frame = round_trip(&Frame::error(9, Op::Write, 3, ErrorKind::OutOfSpace, "dram tier full")).await;
+        assert!(frame.header.response);
+        assert_eq!(frame.into_result().unwrap_err(), (ErrorKind::OutOfSpace, "dram tier full".to_string()));
+        let long = "é".repeat(MAX_ERROR_MESSAGE_BYTES);
+        let frame = Frame::error(1, Op::Read, 0, ErrorKind::Invalid, &long);
+        assert!(frame.payload.len() <= MAX_ERROR_MESSAGE_BYTES);
+        assert!(std::str::from_utf8(&frame.payload).is_ok());
+    }
+
+    #[tokio::test]
+    async fn clean_end_of_stream_is_none() {
+        assert!(read_frame(&mut &[][..], 1024).await.unwrap().is_none());
+    }
+
+    #[test]
+    fn garbage_is_refused() {
+        let mut raw = Frame::ping(1).header.encode();
+        raw[0] = b'X';
+        assert!(matches!(Header::decode(&raw, 1024), Err(FrameError::BadMagic(_))));
+        let mut raw = Frame::ping(1).header.encode();
+        raw[2] = 9;
+        assert!(matches!(Header::decode(&raw, 1024), Err(FrameError::UnsupportedVersion(9))));
+        let mut raw = Frame::ping(1).header.encode();
+        raw[20] ^= 1;
+        let err = Header::decode(&raw, 1024).unwrap_err();
+        assert!(matches!(err, FrameError::HeaderChecksum { .. }));
+        assert!(err.is_fatal());
+    }
+
+    #[test]
+    fn unknown_op_keeps_request_id_and_is_not_fatal() {
+        let mut header = Frame::ping(42).header;
+        header.payload_len = 3;
+        let mut raw = header.encode();
+        raw[3] = 0x33;
+        let crc = crc32c::crc32c(&raw[..HEADER_LEN - 4]);
+        raw[HEADER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        let err = Header::decode(&raw, 1024).unwrap_err();
+        assert!(matches!(err, FrameError::UnknownOp { op: 0x33, request_id: 42, payload_len: 3 }));
+        assert!(!err.is_fatal());
+    }
+
+    #[test]
+    fn oversized_payloads_are_refused_before_reading() {
+        let frame = Frame::write(1, 1, 0, Bytes::from(vec![0u8; 2048]));
+        let raw = frame.header.encode();
+        let err = Header::decode(&raw, 1024).unwrap_err();
+        assert!(matches!(err, FrameError::PayloadTooLarge { len: 2048, max: 1024 }));
+        // The hard ceiling holds whatever the caller asks for.
+        let mut header = frame.header;
+        header.payload_len = u32::MAX;
+        let err = Header::decode(&header.encode(), u32::MAX).unwrap_err();
+        assert!(matches!(err, FrameError::PayloadTooLarge { max: MAX_PAYLOAD_BYTES, .. }));
+    }
+
+    #[tokio::test]
+    async fn truncation_and_corruption_are_detected() {
+        let frame = Frame::write(1, 1, 0, Bytes::from_static(b"0123456789"));
+        let mut wire = Vec::new();
+        write_frame(&mut wire, &frame).await.unwrap();
+        for cut in [1, HEADER_LEN - 1, HEADER_LEN + 3] {
+            let err = read_frame(&mut &wire[..cut], 1024).await.unwrap_err();
+            assert!(matches!(err, FrameError::Truncated { .. }), "cut at {cut}: {err}");
+        }
+        let last = wire.len() - 1;
+        wire[last] ^= 0xff;
+        let err = read_frame(&mut &wire[..], 1024).await.unwrap_err();
+        assert!(matches!(err, FrameError::PayloadChecksum { .. }));
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+    }
+
+    #[test]
+    fn bad_free_lists_are_refused() {
+        let mut frame = Frame::free(1, &[1]);
+        frame.payload = Bytes::from_static(b"123");
+        assert!(frame.free_ids().is_err());
+    }
+}

@@ -1,0 +1,25 @@
+//! Tern's wire formats, one definition for servers and clients:
+//! - [`v1`]: the gRPC control plane (namespace, jobs, storage-server registry), from `proto/tern.proto`;
+//! - [`frame`]: the binary block-frame codec of the data plane;
+//! - [`error`]: the error kinds both planes carry, so a caller can act on them.
+
+pub mod error;
+pub mod frame;
+
+/// Generated gRPC messages and services (package `tern.v1`).
+pub mod v1 {
+    tonic::include_proto!("tern.v1");
+}
+
+pub use error::ErrorKind;
+
+/// Default cluster block size: 1 MiB.
+pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
+/// Largest block size a cluster may choose (and so the largest data frame).
+pub const MAX_BLOCK_SIZE: u32 = 64 << 20;
+/// Smallest block size a cluster may choose.
+pub const MIN_BLOCK_SIZE: u32 = 4 << 10;
+/// Most blocks one AllocateBlocks call may ask for.
+pub const MAX_ALLOCATE_BLOCKS: u32 = 1024;
+/// Largest gRPC message either side accepts.
+pub const MAX_GRPC_MESSAGE_BYTES: usize = 16 << 20;
