@@ -1,1 +1,31 @@
-fn main() {}
+//! `tern`: every Tern role in one binary. Each subcommand lives in its own module; this file
+//! only parses the command line and reports errors.
+
+mod bench;
+mod cli;
+mod daemons;
+mod fs;
+mod show;
+mod status;
+mod up;
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    let cli = cli::Cli::parse();
+    tern_common::init_logging(if cli.command.is_daemon() { "info" } else { "warn" });
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tern: cannot start the async runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(cli::run(cli)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tern: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

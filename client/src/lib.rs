@@ -1,1 +1,227 @@
+//! Tern's async Rust client.
+//!
+//! ```no_run
+//! # async fn demo() -> tern_client::Result<()> {
+//! let client = tern_client::Client::connect("127.0.0.1:9060").await?;
+//! let mut file = client.create("/data/hello", true).await?;
+//! file.write(b"hello, tern").await?;
+//! file.close().await?;
+//! let bytes = client.open("/data/hello").await?.read_to_end().await?;
+//! assert_eq!(bytes, b"hello, tern");
+//! # Ok(()) }
+//! ```
+//!
+//! Files are written once through a [`FileWriter`] (blocks pipelined to the storage servers, a
+//! bounded number in flight) and become readable when closed; a [`FileReader`] streams them back
+//! with read-ahead. A [`JobSession`] owns `/jobs/<job>/` and keeps its lease alive.
 
+mod conn;
+mod error;
+mod job;
+mod reader;
+mod writer;
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tern_proto::v1::metadata_client::MetadataClient;
+use tern_proto::v1::{self as pb};
+use tonic::transport::{Channel, Endpoint};
+
+pub use error::{Error, ErrorKind, Result};
+pub use job::JobSession;
+pub use reader::FileReader;
+pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
+pub use writer::FileWriter;
+
+/// Tuning knobs; the defaults suit a client on the same 10-100 Gbit/s network as the servers.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Blocks a writer has in flight to storage servers at once (memory: this many blocks).
+    pub writes_in_flight: usize,
+    /// Blocks a reader fetches ahead of the one being consumed (memory: this many blocks).
+    pub read_ahead_blocks: usize,
+    /// Connections opened to each storage server.
+    pub connections_per_server: usize,
+    /// Requests in flight on one connection.
+    pub requests_per_connection: usize,
+    /// Largest number of blocks a writer asks the metadata server for at once.
+    pub max_allocate_batch: u32,
+    pub connect_timeout: Duration,
+    /// Deadline for one metadata call.
+    pub request_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> ClientOptions {
+        ClientOptions {
+            writes_in_flight: 16,
+            read_ahead_blocks: 16,
+            connections_per_server: 2,
+            requests_per_connection: 64,
+            max_allocate_batch: 256,
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A connection to a Tern cluster. Cheap to clone; clones share connections.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    metadata_addr: String,
+    metadata: MetadataClient<Channel>,
+    blocks: conn::BlockPool,
+    options: ClientOptions,
+    /// This host's address as the cluster sees it, so placement can prefer a local server.
+    host: String,
+}
+
+impl Client {
+    /// Connects to the metadata server at `addr` (`host:port`).
+    pub async fn connect(addr: &str) -> Result<Client> {
+        Client::connect_with(addr, ClientOptions::default()).await
+    }
+
+    pub async fn connect_with(addr: &str, options: ClientOptions) -> Result<Client> {
+        let addr = addr.trim().trim_start_matches("http://").trim_end_matches('/').to_string();
+        let socket_addr = addr
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| Error::invalid(format!("metadata address {addr:?} is not host:port")))?;
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Error::invalid(format!("metadata address {addr:?}: {e}")))?
+            .connect_timeout(options.connect_timeout)
+            .timeout(options.request_timeout)
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|e| Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e))))?;
+        let metadata = MetadataClient::new(channel)
+            .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
+        let blocks =
+            conn::BlockPool::new(options.connections_per_server, options.requests_per_connection, options.connect_timeout);
+        Ok(Client {
+            inner: Arc::new(Inner { metadata_addr: addr, metadata, blocks, host: local_host_towards(socket_addr), options }),
+        })
+    }
+
+    /// The metadata server's address.
+    pub fn metadata_addr(&self) -> &str {
+        &self.inner.metadata_addr
+    }
+
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.options
+    }
+
+    fn metadata(&self) -> MetadataClient<Channel> {
+        self.inner.metadata.clone()
+    }
+
+    /// Creates a directory; with `parents`, missing parents too and an existing directory is fine.
+    pub async fn mkdir(&self, path: &str, parents: bool) -> Result<()> {
+        self.metadata().mkdir(pb::MkdirRequest { path: path.into(), parents }).await?;
+        Ok(())
+    }
+
+    /// Creates a file for writing; it becomes readable once the writer is closed. Refused with
+    /// `AlreadyExists` if the path exists.
+    pub async fn create(&self, path: &str, parents: bool) -> Result<FileWriter> {
+        let created = self.metadata().create(pb::CreateRequest { path: path.into(), parents }).await?.into_inner();
+        Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size))
+    }
+
+    /// Opens a sealed file for reading. `DataLost` if a block sits on a dead storage server.
+    pub async fn open(&self, path: &str) -> Result<FileReader> {
+        let opened = self.metadata().open(pb::OpenRequest { path: path.into() }).await?.into_inner();
+        let info = opened.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("open {path}: reply without info")))?;
+        FileReader::new(self.clone(), info, opened.blocks, opened.block_size)
+    }
+
+    pub async fn stat(&self, path: &str) -> Result<FileInfo> {
+        Ok(self.stat_with_blocks(path, false).await?.0)
+    }
+
+    /// Stat plus where each block lives and whether its server is alive.
+    pub async fn stat_with_blocks(&self, path: &str, with_blocks: bool) -> Result<(FileInfo, Vec<(BlockLocation, bool)>)> {
+        let reply = self.metadata().stat(pb::StatRequest { path: path.into(), with_blocks }).await?.into_inner();
+        let info = reply.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("stat {path}: reply without info")))?;
+        let blocks = reply.blocks.into_iter().zip(reply.blocks_alive.into_iter().chain(std::iter::repeat(true))).collect();
+        Ok((info, blocks))
+    }
+
+    /// Every entry of a directory (or the file itself), sorted by name, fetched page by page.
+    pub async fn list(&self, path: &str) -> Result<Vec<FileInfo>> {
+        let mut entries: Vec<FileInfo> = Vec::new();
+        loop {
+            let start_after = entries.last().map(|e| e.path.rsplit('/').next().unwrap_or_default().to_string());
+            let page = self
+                .metadata()
+                .list(pb::ListRequest { path: path.into(), start_after: start_after.unwrap_or_default(), limit: 0 })
+                .await?
+                .into_inner();
+            entries.extend(page.entries);
+            if !page.truncated {
+                return Ok(entries);
+            }
+        }
+    }
+
+    /// Deletes a file, or a directory (non-empty ones only with `recursive`); frees the blocks.
+    pub async fn delete(&self, path: &str, recursive: bool) -> Result<pb::DeleteResponse> {
+        Ok(self.metadata().delete(pb::DeleteRequest { path: path.into(), recursive }).await?.into_inner())
+    }
+
+    pub async fn rename(&self, from: &str, to: &str) -> Result<()> {
+        self.metadata().rename(pb::RenameRequest { from: from.into(), to: to.into() }).await?;
+        Ok(())
+    }
+
+    /// Storage servers with their tiers, and jobs.
+    pub async fn status(&self) -> Result<StatusResponse> {
+        Ok(self.metadata().status(pb::StatusRequest {}).await?.into_inner())
+    }
+
+    /// Registers a job (name generated when `None`) whose lease is renewed in the background
+    /// until the session ends or is dropped.
+    pub async fn start_job(&self, name: Option<&str>, lease: Duration) -> Result<JobSession> {
+        JobSession::start(self.clone(), name, lease).await
+    }
+
+    /// Writes `data` to a new file in one call.
+    pub async fn put(&self, path: &str, data: bytes::Bytes) -> Result<FileInfo> {
+        let mut writer = self.create(path, true).await?;
+        writer.write_bytes(data).await?;
+        writer.close().await
+    }
+}
+
+/// The local IP this host uses to reach `server`: what placement compares with servers' hosts.
+fn local_host_towards(server: SocketAddr) -> String {
+    let unspecified: IpAddr = if server.is_ipv4() { [0, 0, 0, 0].into() } else { [0u16; 8].into() };
+    UdpSocket::bind((unspecified, 0))
+        .and_then(|s| s.connect(server).and_then(|_| s.local_addr()))
+        .map(|a| a.ip().to_string())
+        .unwrap_or_default()
+}
+
+/// "a: b: c" from an error and its sources, since tonic's transport errors hide the cause.
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

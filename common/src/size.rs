@@ -65,7 +65,7 @@ impl fmt::Display for ByteSize {
         let mut value = self.0;
         let mut unit = 0;
         // Exact units print as integers so that a printed config parses back to the same value.
-        while unit + 1 < UNITS.len() && value >= 1024 && value % 1024 == 0 {
+        while unit + 1 < UNITS.len() && value >= 1024 && value.is_multiple_of(1024) {
             value /= 1024;
             unit += 1;
         }

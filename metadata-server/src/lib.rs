@@ -1,1 +1,27 @@
+//! Tern's metadata server: the namespace (directories and write-once files), jobs and their
+//! leases, the storage-server registry, and block placement.
+//!
+//! Clients call the `Metadata` gRPC service; storage servers register and heartbeat on the
+//! `Registry` service, and learn on each heartbeat which blocks to free. All state is in memory,
+//! behind one mutex (see `state` for the rules, and the modules it draws on for the details).
+//!
+//! Modules: `config` (the typed configuration), `path` (path normalisation and the `/jobs` tree),
+//! `namespace` (the directory tree), `placement` (storage servers, placement, frees), `jobs` (jobs
+//! and leases), `state` (one method per RPC over all of them), `service` (the gRPC services),
+//! `metrics`, `server` (start, run, shutdown), `dirlock` (one server per directory), `error`
+//! (refusals and their context).
 
+mod config;
+mod dirlock;
+mod error;
+mod jobs;
+mod metrics;
+mod namespace;
+mod path;
+mod placement;
+mod server;
+mod service;
+mod state;
+
+pub use config::Config;
+pub use server::{run, start, MetadataServer};

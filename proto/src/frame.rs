@@ -228,7 +228,7 @@ impl Frame {
 
     /// The block ids a Free frame lists.
     pub fn free_ids(&self) -> Result<Vec<u64>, FrameError> {
-        if self.payload.len() % 8 != 0 || self.payload.len() / 8 > MAX_FREE_IDS {
+        if !self.payload.len().is_multiple_of(8) || self.payload.len() / 8 > MAX_FREE_IDS {
             return Err(FrameError::BadFreeList { bytes: self.payload.len() });
         }
         Ok(self.payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())

@@ -1,0 +1,81 @@
+//! A throwaway cluster for benchmarks: `tern up` started as a child process in a temp dir.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+pub struct EmbeddedCluster {
+    child: Child,
+    dir: tempfile::TempDir,
+    pub metadata_addr: String,
+    pub port: u16,
+}
+
+impl EmbeddedCluster {
+    /// Starts `tern up` with `servers` storage servers of `dram` each on a free port range, and
+    /// waits until all have registered.
+    pub async fn start(tern: &Path, servers: u16, dram: &str) -> anyhow::Result<EmbeddedCluster> {
+        let dir = tempfile::tempdir()?;
+        let port = free_port_range(12 + 2 * servers)?;
+        let log = std::fs::File::create(dir.path().join("up.log"))?;
+        let child = Command::new(tern)
+            .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &port.to_string()])
+            .args(["--storage-servers", &servers.to_string(), "--dram", dram])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting tern up")?;
+        let mut cluster = EmbeddedCluster { child, dir, metadata_addr: format!("127.0.0.1:{port}"), port };
+        let started = Instant::now();
+        loop {
+            if let Some(status) = cluster.child.try_wait()? {
+                bail!("tern up exited ({status}):\n{}", std::fs::read_to_string(cluster.log()).unwrap_or_default());
+            }
+            if let Ok(client) = tern_client::Client::connect(&cluster.metadata_addr).await {
+                if let Ok(status) = client.status().await {
+                    if status.servers.iter().filter(|s| s.alive).count() == servers as usize {
+                        return Ok(cluster);
+                    }
+                }
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                bail!("the embedded cluster did not come up in 60 s; see {}", cluster.log().display());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.path().join("up.log")
+    }
+
+    /// Storage server `i`'s block-service address (as `tern up` assigns ports).
+    pub fn storage_addr(&self, i: u16) -> String {
+        format!("127.0.0.1:{}", self.port + 10 + 2 * i)
+    }
+}
+
+impl Drop for EmbeddedCluster {
+    fn drop(&mut self) {
+        // SIGTERM lets `tern up` stop its daemons; they also die with it (PDEATHSIG).
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// The first port of `len` consecutive free loopback ports.
+fn free_port_range(len: u16) -> anyhow::Result<u16> {
+    for start in (20_000u16..60_000).step_by(97) {
+        let start = start + (std::process::id() % 89) as u16;
+        if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
+            return Ok(start);
+        }
+    }
+    bail!("no {len} consecutive free ports on 127.0.0.1")
+}

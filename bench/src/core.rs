@@ -1,0 +1,308 @@
+//! `tern bench core`: the figures the core issue promises, beside the loopback TCP they ride on.
+//!
+//! - `tern fs put` / `tern fs get` of a large file between tmpfs and the store, as the whole
+//!   command (process start included), and a single loopback TCP stream as the peer;
+//! - create + seal latency of empty files, and `tern status` wall time;
+//! - a storage server's resident memory beyond its DRAM tier with many client connections open.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use serde::Serialize;
+use tern_proto::frame::{self, Frame};
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::cluster::EmbeddedCluster;
+use crate::percentile;
+
+pub struct CoreOptions {
+    /// The `tern` binary to run (usually the running one).
+    pub tern: PathBuf,
+    pub size_bytes: u64,
+    pub empty_files: usize,
+    pub status_runs: usize,
+    pub connections: usize,
+    /// Where the local files live; tmpfs so the local disk is not what is measured.
+    pub scratch: PathBuf,
+}
+
+/// One run's figures; every field a number a reader can compare across runs.
+#[derive(Debug, Serialize)]
+pub struct CoreReport {
+    pub size_bytes: u64,
+    pub tcp_loopback_gb_s: f64,
+    pub put_seconds: f64,
+    pub put_gb_s: f64,
+    pub put_ratio_to_tcp: f64,
+    pub get_seconds: f64,
+    pub get_gb_s: f64,
+    pub get_ratio_to_tcp: f64,
+    pub create_seal_count: usize,
+    pub create_seal_p50_us: f64,
+    pub create_seal_p99_us: f64,
+    pub status_runs: usize,
+    pub status_p50_ms: f64,
+    pub status_max_ms: f64,
+    pub connections: usize,
+    pub storage_rss_beyond_dram_mib: f64,
+}
+
+/// Each storage server's DRAM tier in the embedded cluster.
+const DRAM: &str = "1GiB";
+const DRAM_BYTES: u64 = 1 << 30;
+
+pub async fn run(options: &CoreOptions) -> anyhow::Result<CoreReport> {
+    let cluster = EmbeddedCluster::start(&options.tern, 2, DRAM).await?;
+    let client = tern_client::Client::connect(&cluster.metadata_addr).await?;
+
+    progress(&format!("peer: one loopback TCP stream carrying {} bytes", options.size_bytes));
+    let tcp_loopback_gb_s = loopback_tcp_gb_s(options.size_bytes).await?;
+
+    let input = options.scratch.join(format!("tern-bench-in-{}", std::process::id()));
+    let output = options.scratch.join(format!("tern-bench-out-{}", std::process::id()));
+    let _cleanup = Cleanup(vec![input.clone(), output.clone()]);
+    write_random_file(&input, options.size_bytes)?;
+    progress("tern fs put");
+    let put_seconds = time_command(&options.tern, &cluster, &["fs", "put", path_str(&input)?, "/bench/file"])?;
+    progress("tern fs get");
+    let get_seconds = time_command(&options.tern, &cluster, &["fs", "get", "/bench/file", path_str(&output)?])?;
+    if !files_equal(&input, &output)? {
+        bail!("tern fs get returned different bytes than tern fs put stored");
+    }
+
+    progress(&format!("{} creates + seals of empty files", options.empty_files));
+    let mut create_seal_us = Vec::with_capacity(options.empty_files);
+    for i in 0..options.empty_files {
+        let started = Instant::now();
+        client.create(&format!("/bench/empty/{i}"), true).await?.close().await?;
+        create_seal_us.push(started.elapsed().as_secs_f64() * 1e6);
+    }
+    create_seal_us.sort_by(f64::total_cmp);
+
+    progress(&format!("{} runs of tern status", options.status_runs));
+    let mut status_ms = Vec::with_capacity(options.status_runs);
+    for _ in 0..options.status_runs {
+        status_ms.push(time_command(&options.tern, &cluster, &["status"])? * 1e3);
+    }
+    status_ms.sort_by(f64::total_cmp);
+
+    progress(&format!("{} connections open to one storage server", options.connections));
+    let storage_rss_beyond_dram_mib = rss_with_connections(&client, &cluster, options.connections).await?;
+
+    let gb_s = |seconds: f64| options.size_bytes as f64 / seconds / 1e9;
+    Ok(CoreReport {
+        size_bytes: options.size_bytes,
+        tcp_loopback_gb_s,
+        put_seconds,
+        put_gb_s: gb_s(put_seconds),
+        put_ratio_to_tcp: gb_s(put_seconds) / tcp_loopback_gb_s,
+        get_seconds,
+        get_gb_s: gb_s(get_seconds),
+        get_ratio_to_tcp: gb_s(get_seconds) / tcp_loopback_gb_s,
+        create_seal_count: options.empty_files,
+        create_seal_p50_us: percentile(&create_seal_us, 50.0),
+        create_seal_p99_us: percentile(&create_seal_us, 99.0),
+        status_runs: options.status_runs,
+        status_p50_ms: percentile(&status_ms, 50.0),
+        status_max_ms: status_ms.last().copied().unwrap_or(f64::NAN),
+        connections: options.connections,
+        storage_rss_beyond_dram_mib,
+    })
+}
+
+/// The report as a table, each figure beside its target.
+pub fn print_table(report: &CoreReport) {
+    let gib = report.size_bytes as f64 / (1u64 << 30) as f64;
+    let rows = [
+        ("loopback TCP, one stream (peer)".to_string(), format!("{:.2} GB/s", report.tcp_loopback_gb_s), "-".to_string(), true),
+        (
+            format!("tern fs put {gib:.2} GiB, tmpfs -> store"),
+            format!("{:.2} GB/s ({:.2}x TCP)", report.put_gb_s, report.put_ratio_to_tcp),
+            ">= 1 GB/s".into(),
+            report.put_gb_s >= 1.0,
+        ),
+        (
+            format!("tern fs get {gib:.2} GiB, store -> tmpfs"),
+            format!("{:.2} GB/s ({:.2}x TCP)", report.get_gb_s, report.get_ratio_to_tcp),
+            ">= 1 GB/s".into(),
+            report.get_gb_s >= 1.0,
+        ),
+        (
+            "create + seal of an empty file, p50".into(),
+            format!("{:.0} us (p99 {:.0} us)", report.create_seal_p50_us, report.create_seal_p99_us),
+            "<= 200 us".into(),
+            report.create_seal_p50_us <= 200.0,
+        ),
+        (
+            "tern status, whole command, p50".into(),
+            format!("{:.1} ms (max {:.1} ms)", report.status_p50_ms, report.status_max_ms),
+            "< 50 ms".into(),
+            report.status_p50_ms < 50.0,
+        ),
+        (
+            format!("storage server memory beyond DRAM, {} conns", report.connections),
+            format!("{:.1} MiB", report.storage_rss_beyond_dram_mib),
+            "< 64 MiB".into(),
+            report.storage_rss_beyond_dram_mib < 64.0,
+        ),
+    ];
+    println!("{:<46} {:>28} {:>10}", "MEASURE", "FIGURE", "TARGET");
+    for (name, figure, target, met) in rows {
+        let verdict = if target == "-" { "" } else if met { "met" } else { "MISSED" };
+        println!("{name:<46} {figure:>28} {target:>10}  {verdict}");
+    }
+}
+
+fn progress(what: &str) {
+    eprintln!("measuring {what} ...");
+}
+
+fn path_str(path: &Path) -> anyhow::Result<&str> {
+    path.to_str().context("scratch paths must be UTF-8")
+}
+
+/// Wall time of one `tern` command against the cluster, process start included.
+fn time_command(tern: &Path, cluster: &EmbeddedCluster, args: &[&str]) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let out = Command::new(tern).args(args).env("TERN_METADATA", &cluster.metadata_addr).output()?;
+    let seconds = started.elapsed().as_secs_f64();
+    if !out.status.success() {
+        bail!("tern {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(seconds)
+}
+
+/// Throughput of one loopback TCP stream sending `bytes` in 1 MiB writes to a reader that
+/// discards them: the ceiling a single Tern connection could reach.
+async fn loopback_tcp_gb_s(bytes: u64) -> anyhow::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let sink = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            match stream.read(&mut buf).await? {
+                0 => return Ok::<u64, std::io::Error>(total),
+                n => total += n as u64,
+            }
+        }
+    });
+    let chunk = Bytes::from(vec![0x5au8; 1 << 20]);
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(addr).await?;
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = chunk.len().min((bytes - sent) as usize);
+        tokio::io::AsyncWriteExt::write_all(&mut stream, &chunk[..n]).await?;
+        sent += n as u64;
+    }
+    drop(stream);
+    let received = sink.await??;
+    let seconds = started.elapsed().as_secs_f64();
+    if received != bytes {
+        bail!("loopback peer received {received} of {bytes} bytes");
+    }
+    Ok(bytes as f64 / seconds / 1e9)
+}
+
+fn write_random_file(path: &Path, bytes: u64) -> anyhow::Result<()> {
+    // A 16 MiB random pattern, repeated: incompressible enough, and cheap to make.
+    let mut pattern = vec![0u8; 16 << 20];
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ tern_common::unix_ms();
+    for word in pattern.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        word.copy_from_slice(&x.to_le_bytes());
+    }
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(pattern.len() as u64) as usize;
+        out.write_all(&pattern[..n])?;
+        left -= n as u64;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+fn files_equal(a: &Path, b: &Path) -> anyhow::Result<bool> {
+    use std::io::Read;
+    let (mut a, mut b) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+    if a.metadata()?.len() != b.metadata()?.len() {
+        return Ok(false);
+    }
+    let (mut x, mut y) = (vec![0u8; 8 << 20], vec![0u8; 8 << 20]);
+    loop {
+        let n = a.read(&mut x)?;
+        if n == 0 {
+            return Ok(true);
+        }
+        b.read_exact(&mut y[..n])?;
+        if x[..n] != y[..n] {
+            return Ok(false);
+        }
+    }
+}
+
+/// Opens `count` connections to storage server 0, reads a block on each, and returns the
+/// server's resident memory beyond its DRAM tier while they are all open.
+async fn rss_with_connections(client: &tern_client::Client, cluster: &EmbeddedCluster, count: usize) -> anyhow::Result<f64> {
+    let addr = cluster.storage_addr(0);
+    let (_, blocks) = client.stat_with_blocks("/bench/file", true).await?;
+    let block = blocks.iter().map(|(b, _)| b).find(|b| b.address == addr).context("no block on storage server 0")?;
+    let mut open = Vec::with_capacity(count);
+    for i in 0..count {
+        let mut stream = TcpStream::connect(&addr).await?;
+        frame::write_frame(&mut stream, &Frame::read(i as u64, block.block_id, 0, block.length)).await?;
+        let reply = frame::read_frame(&mut stream, frame::MAX_PAYLOAD_BYTES).await?.context("server closed")?;
+        if reply.header.status != 0 || reply.payload.len() != block.length as usize {
+            bail!("reading block {} on connection {i} failed", block.block_id);
+        }
+        open.push(stream);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = pid_listening_on(&addr)?;
+    let rss_kib = rss_kib(pid)?;
+    drop(open);
+    Ok((rss_kib as f64 * 1024.0 - DRAM_BYTES as f64) / (1 << 20) as f64)
+}
+
+/// The pid of the `tern storage-server` process started with `--listen addr`.
+fn pid_listening_on(addr: &str) -> anyhow::Result<u32> {
+    for entry in std::fs::read_dir("/proc")? {
+        let entry = entry?;
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        if args.iter().any(|a| *a == b"storage-server") && args.windows(2).any(|w| w[0] == b"--listen" && w[1] == addr.as_bytes()) {
+            return Ok(pid);
+        }
+    }
+    bail!("no storage-server process listening on {addr}")
+}
+
+fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmRSS in /proc/<pid>/status")
+}
+
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! One pipelined connection to a storage server's block service, and the pool of them.
+//!
+//! A connection carries many requests at once: a writer task sends frames as they are queued, a
+//! reader task matches replies to waiting callers by request id. A semaphore bounds the requests
+//! in flight, so a fast producer waits instead of queueing without limit.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use crate::error::{Error, Result};
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Frame>>>>>;
+
+/// A pipelined connection to one storage server.
+pub(crate) struct BlockConnection {
+    addr: String,
+    outbox: mpsc::Sender<Frame>,
+    pending: Pending,
+    next_id: AtomicU64,
+    in_flight: Semaphore,
+    broken: Arc<AtomicBool>,
+}
+
+impl BlockConnection {
+    async fn connect(addr: &str, max_in_flight: usize, timeout: Duration) -> Result<BlockConnection> {
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| Error::unavailable(format!("storage server {addr}: connect timed out after {timeout:?}")))?
+            .map_err(|e| Error::unavailable(format!("storage server {addr}: cannot connect: {e}")))?;
+        stream.set_nodelay(true).map_err(|e| Error::unavailable(format!("storage server {addr}: {e}")))?;
+        let (read_half, write_half) = stream.into_split();
+        let (outbox, inbox) = mpsc::channel(max_in_flight);
+        let pending: Pending = Arc::default();
+        let broken = Arc::new(AtomicBool::new(false));
+        tokio::spawn(send_frames(inbox, write_half, broken.clone()));
+        tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string()));
+        Ok(BlockConnection {
+            addr: addr.to_string(),
+            outbox,
+            pending,
+            next_id: AtomicU64::new(1),
+            in_flight: Semaphore::new(max_in_flight),
+            broken,
+        })
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// Sends the frame `build(request_id)` and waits for its reply; an error reply becomes an
+    /// `Error` of the kind the server named.
+    pub(crate) async fn call(&self, build: impl FnOnce(u64) -> Frame) -> Result<Frame> {
+        let _permit = self.in_flight.acquire().await.map_err(|_| self.lost("connection closed"))?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        // The reader may have failed every pending call before this one was registered.
+        if self.is_broken() {
+            self.pending.lock().remove(&id);
+            return Err(self.lost("connection lost"));
+        }
+        if self.outbox.send(build(id)).await.is_err() {
+            self.pending.lock().remove(&id);
+            return Err(self.lost("connection lost"));
+        }
+        let reply = rx.await.map_err(|_| self.lost("connection lost"))??;
+        reply.into_result().map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
+    }
+
+    fn lost(&self, what: &str) -> Error {
+        Error::unavailable(format!("storage server {}: {what}", self.addr))
+    }
+}
+
+async fn send_frames(mut inbox: mpsc::Receiver<Frame>, write_half: tokio::net::tcp::OwnedWriteHalf, broken: Arc<AtomicBool>) {
+    let mut out = BufWriter::with_capacity(64 << 10, write_half);
+    while let Some(frame) = inbox.recv().await {
+        let mut result = frame::write_frame(&mut out, &frame).await;
+        // Coalesce whatever else is queued, then flush once.
+        while result.is_ok() {
+            match inbox.try_recv() {
+                Ok(frame) => result = frame::write_frame(&mut out, &frame).await,
+                Err(_) => break,
+            }
+        }
+        if result.and(out.flush().await).is_err() {
+            broken.store(true, Ordering::Release);
+            return;
+        }
+    }
+}
+
+async fn receive_frames(
+    mut read_half: tokio::net::tcp::OwnedReadHalf,
+    pending: Pending,
+    broken: Arc<AtomicBool>,
+    addr: String,
+) {
+    let why = loop {
+        match frame::read_frame(&mut read_half, MAX_PAYLOAD_BYTES).await {
+            Ok(Some(reply)) => {
+                let waiter = pending.lock().remove(&reply.header.request_id);
+                match waiter {
+                    Some(waiter) => {
+                        let _ = waiter.send(Ok(reply));
+                    }
+                    // An error about the connection itself (request id 0) ends it.
+                    None => {
+                        break match reply.into_result() {
+                            Err((kind, message)) => Error::new(kind, format!("storage server {addr}: {message}")),
+                            Ok(frame) => Error::unavailable(format!(
+                                "storage server {addr}: reply to unknown request {}",
+                                frame.header.request_id
+                            )),
+                        };
+                    }
+                }
+            }
+            Ok(None) => break Error::unavailable(format!("storage server {addr}: connection closed")),
+            Err(e) => break Error::unavailable(format!("storage server {addr}: connection lost: {e}")),
+        }
+    };
+    broken.store(true, Ordering::Release);
+    for (_, waiter) in pending.lock().drain() {
+        let _ = waiter.send(Err(why.clone()));
+    }
+}
+
+/// Connections to every storage server a client talks to, a few per server, made on first use
+/// and replaced when they break.
+pub(crate) struct BlockPool {
+    per_server: usize,
+    max_in_flight: usize,
+    connect_timeout: Duration,
+    servers: Mutex<HashMap<String, Vec<Arc<BlockConnection>>>>,
+    next: AtomicUsize,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+impl BlockPool {
+    pub(crate) fn new(per_server: usize, max_in_flight: usize, connect_timeout: Duration) -> BlockPool {
+        BlockPool {
+            per_server: per_server.max(1),
+            max_in_flight: max_in_flight.max(1),
+            connect_timeout,
+            servers: Mutex::default(),
+            next: AtomicUsize::new(0),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// A live connection to `addr`, spreading calls over the server's connections.
+    pub(crate) async fn get(&self, addr: &str) -> Result<Arc<BlockConnection>> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        if let Some(conn) = self.pick(addr, turn) {
+            return Ok(conn);
+        }
+        // One connect at a time, so a burst of calls does not open a burst of sockets.
+        let _guard = self.connecting.lock().await;
+        if let Some(conn) = self.pick(addr, turn) {
+            return Ok(conn);
+        }
+        let conn = Arc::new(BlockConnection::connect(addr, self.max_in_flight, self.connect_timeout).await?);
+        let mut servers = self.servers.lock();
+        let conns = servers.entry(addr.to_string()).or_default();
+        conns.retain(|c| !c.is_broken());
+        conns.push(conn.clone());
+        Ok(conn)
+    }
+
+    fn pick(&self, addr: &str, turn: usize) -> Option<Arc<BlockConnection>> {
+        let mut servers = self.servers.lock();
+        let conns = servers.get_mut(addr)?;
+        conns.retain(|c| !c.is_broken());
+        if conns.len() < self.per_server {
+            return None;
+        }
+        Some(conns[turn % conns.len()].clone())
+    }
+}

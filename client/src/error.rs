@@ -1,0 +1,58 @@
+//! The client's one error type: a kind to act on and a message naming the path or block.
+
+use std::fmt;
+
+pub use tern_proto::ErrorKind;
+
+/// An error from any client call. `kind()` says what a caller can do about it; the message says
+/// which path, block or server and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error { kind, message: message.into() }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The same error with `context` (e.g. the path) in front of its message.
+    pub fn context(self, context: impl fmt::Display) -> Error {
+        Error { kind: self.kind, message: format!("{context}: {}", self.message) }
+    }
+
+    pub(crate) fn unavailable(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Unavailable, message)
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Invalid, message)
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.message, self.kind)
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<tonic::Status> for Error {
+    fn from(status: tonic::Status) -> Error {
+        let kind = ErrorKind::of_status(&status);
+        let message = if status.message().is_empty() { status.code().description() } else { status.message() };
+        Error::new(kind, message)
+    }
+}

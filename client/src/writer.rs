@@ -1,0 +1,179 @@
+//! Streaming file writer: cuts the byte stream into blocks and pipelines them to the storage
+//! servers, at most `writes_in_flight` at once, asking the metadata server for block locations in
+//! growing batches so a large file costs few RPCs.
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use tern_proto::frame::Frame;
+use tern_proto::v1::{self as pb, BlockLocation, FileInfo};
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::Client;
+
+/// Writes one new file. Call [`FileWriter::close`] to seal it; a writer dropped unclosed deletes
+/// its unfinished file in the background.
+pub struct FileWriter {
+    client: Client,
+    path: String,
+    file_id: u64,
+    block_size: usize,
+    buffer: BytesMut,
+    /// Allocated locations not yet written.
+    spare: VecDeque<BlockLocation>,
+    next_batch: u32,
+    in_flight: FuturesUnordered<JoinHandle<Result<()>>>,
+    written: u64,
+    closed: bool,
+}
+
+impl FileWriter {
+    pub(crate) fn new(client: Client, path: String, file_id: u64, block_size: u32) -> FileWriter {
+        FileWriter {
+            client,
+            path,
+            file_id,
+            block_size: block_size as usize,
+            buffer: BytesMut::new(),
+            spare: VecDeque::new(),
+            next_batch: 4,
+            in_flight: FuturesUnordered::new(),
+            written: 0,
+            closed: false,
+        }
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Bytes accepted so far.
+    pub fn len(&self) -> u64 {
+        self.written
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.written == 0
+    }
+
+    /// Appends `data` (copied into the current block buffer).
+    pub async fn write(&mut self, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            if self.buffer.capacity() == 0 {
+                self.buffer.reserve(self.block_size);
+            }
+            let take = (self.block_size - self.buffer.len()).min(data.len());
+            self.buffer.extend_from_slice(&data[..take]);
+            self.written += take as u64;
+            data = &data[take..];
+            if self.buffer.len() == self.block_size {
+                let block = self.buffer.split().freeze();
+                self.send_block(block).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends `data` without copying whole blocks of it.
+    pub async fn write_bytes(&mut self, mut data: Bytes) -> Result<()> {
+        if !self.buffer.is_empty() {
+            let fill = (self.block_size - self.buffer.len()).min(data.len());
+            self.write(&data.split_to(fill)).await?;
+        }
+        while data.len() >= self.block_size {
+            let block = data.split_to(self.block_size);
+            self.written += block.len() as u64;
+            self.send_block(block).await?;
+        }
+        self.write(&data).await
+    }
+
+    async fn send_block(&mut self, data: Bytes) -> Result<()> {
+        // Bound memory: wait for a slot before taking another block's worth in flight.
+        while self.in_flight.len() >= self.client.options().writes_in_flight.max(1) {
+            self.finish_one().await?;
+        }
+        let location = self.next_location().await?;
+        let client = self.client.clone();
+        let path = self.path.clone();
+        self.in_flight.push(tokio::spawn(async move {
+            let conn = client.inner.blocks.get(&location.address).await?;
+            conn.call(|id| Frame::write(id, location.block_id, 0, data))
+                .await
+                .map(|_| ())
+                .map_err(|e| e.context(format_args!("write {path}: block {}", location.block_id)))
+        }));
+        Ok(())
+    }
+
+    async fn finish_one(&mut self) -> Result<()> {
+        match self.in_flight.next().await {
+            Some(joined) => joined.map_err(|e| Error::new(ErrorKind::Internal, format!("write {}: {e}", self.path)))?,
+            None => Ok(()),
+        }
+    }
+
+    async fn next_location(&mut self) -> Result<BlockLocation> {
+        if self.spare.is_empty() {
+            let reply = self
+                .client
+                .metadata()
+                .allocate_blocks(pb::AllocateBlocksRequest {
+                    file_id: self.file_id,
+                    count: self.next_batch,
+                    client_host: self.client.inner.host.clone(),
+                })
+                .await
+                .map_err(|s| Error::from(s).context(format_args!("write {}", self.path)))?
+                .into_inner();
+            self.spare.extend(reply.blocks);
+            let max = self.client.options().max_allocate_batch.clamp(1, tern_proto::MAX_ALLOCATE_BLOCKS);
+            self.next_batch = (self.next_batch * 2).min(max);
+        }
+        self.spare
+            .pop_front()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, format!("write {}: no block allocated", self.path)))
+    }
+
+    /// Writes what is buffered, waits for every block, and seals the file. Blocks allocated but
+    /// unused are freed by the seal.
+    pub async fn close(mut self) -> Result<FileInfo> {
+        if !self.buffer.is_empty() {
+            let last = self.buffer.split().freeze();
+            self.send_block(last).await?;
+        }
+        while !self.in_flight.is_empty() {
+            self.finish_one().await?;
+        }
+        let reply = self
+            .client
+            .metadata()
+            .seal(pb::SealRequest { file_id: self.file_id, length: self.written })
+            .await
+            .map_err(|s| Error::from(s).context(format_args!("close {}", self.path)))?
+            .into_inner();
+        self.closed = true;
+        reply.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("close {}: reply without info", self.path)))
+    }
+}
+
+impl Drop for FileWriter {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        // An abandoned write leaves no debris: delete the unsealed file (its blocks are freed).
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let client = self.client.clone();
+            let path = std::mem::take(&mut self.path);
+            runtime.spawn(async move {
+                if let Err(e) = client.delete(&path, false).await {
+                    tracing::warn!("could not delete unfinished file {path}: {e}");
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! The metadata server's configuration: one typed struct, loaded from TOML by the `tern` binary.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+use serde::{Deserialize, Serialize};
+use tern_common::ByteSize;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Address of the gRPC service (clients and storage servers). Default `127.0.0.1:9060`.
+    pub listen: SocketAddr,
+    /// Directory for the server's state, created if missing; a `LOCK` file there keeps two servers
+    /// from sharing it. Default `tern-data/metadata`.
+    pub dir: PathBuf,
+    /// Address of the admin endpoint (`/metrics`, `/health`). Default `127.0.0.1:9061`.
+    pub admin_listen: SocketAddr,
+    /// Cluster block size: a power of two from 4KiB to 64MiB. Default `1MiB`.
+    pub block_size: ByteSize,
+    /// How often storage servers heartbeat, told to them at registration. Default `1000`.
+    pub heartbeat_interval_ms: u64,
+    /// A storage server silent for this long is declared dead and its blocks lost. Default `5000`.
+    pub server_timeout_ms: u64,
+    /// Lease of a job registered without one. Default `30000`.
+    pub default_lease_ms: u64,
+    /// Longest lease a job may hold; longer requests are clamped. Default `3600000` (one hour).
+    pub max_lease_ms: u64,
+    /// Most entries one List call returns. Default `10000`.
+    pub max_list_entries: u32,
+    /// Most jobs registered at once. Default `10000`.
+    pub max_jobs: u32,
+    /// Most files and directories in the namespace. Default `10000000`.
+    pub max_entries: u64,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9060)),
+            dir: PathBuf::from("tern-data/metadata"),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9061)),
+            block_size: ByteSize(u64::from(tern_proto::DEFAULT_BLOCK_SIZE)),
+            heartbeat_interval_ms: 1000,
+            server_timeout_ms: 5000,
+            default_lease_ms: 30_000,
+            max_lease_ms: 3_600_000,
+            max_list_entries: 10_000,
+            max_jobs: 10_000,
+            max_entries: 10_000_000,
+        }
+    }
+}
+
+impl Config {
+    /// Refuses values the server cannot run with, naming the key and the accepted range.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let block_size = self.block_size.bytes();
+        let (min, max) = (u64::from(tern_proto::MIN_BLOCK_SIZE), u64::from(tern_proto::MAX_BLOCK_SIZE));
+        if !block_size.is_power_of_two() || !(min..=max).contains(&block_size) {
+            bail!("block_size = {} is not a power of two from {} to {}", self.block_size, ByteSize(min), ByteSize(max));
+        }
+        if self.heartbeat_interval_ms == 0 || self.heartbeat_interval_ms >= self.server_timeout_ms {
+            bail!(
+                "heartbeat_interval_ms = {} must be above 0 and below server_timeout_ms = {}, \
+                 or live servers would be declared dead",
+                self.heartbeat_interval_ms,
+                self.server_timeout_ms
+            );
+        }
+        if self.default_lease_ms == 0 || self.default_lease_ms > self.max_lease_ms {
+            bail!(
+                "default_lease_ms = {} must be above 0 and at most max_lease_ms = {}",
+                self.default_lease_ms,
+                self.max_lease_ms
+            );
+        }
+        for (key, value) in [
+            ("max_list_entries", u64::from(self.max_list_entries)),
+            ("max_jobs", u64::from(self.max_jobs)),
+            ("max_entries", self.max_entries),
+        ] {
+            if value == 0 {
+                bail!("{key} must be at least 1");
+            }
+        }
+        Ok(())
+    }
+
+    /// The block size in bytes; fits in u32 once validated.
+    pub fn block_size_bytes(&self) -> u32 {
+        u32::try_from(self.block_size.bytes()).unwrap_or(tern_proto::MAX_BLOCK_SIZE)
+    }
+
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+    }
+
+    pub fn server_timeout(&self) -> Duration {
+        Duration::from_millis(self.server_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_print_back() {
+        let config = Config::default();
+        config.validate().unwrap();
+        let text = toml::to_string(&config).unwrap();
+        assert!(text.contains("block_size = \"1MiB\""), "{text}");
+        let parsed: Config = toml::from_str(&text).unwrap();
+        assert_eq!(parsed, config);
+        let partial: Config = toml::from_str("block_size = \"4MiB\"").unwrap();
+        assert_eq!(partial.block_size, ByteSize::mib(4));
+        assert!(toml::from_str::<Config>("blok_size = 1").is_err());
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        type Case = (fn(&mut Config), &'static str);
+        let cases: [Case; 6] = [
+            (|c| c.block_size = ByteSize(3 << 20), "power of two"),
+            (|c| c.block_size = ByteSize::kib(2), "power of two"),
+            (|c| c.block_size = ByteSize::mib(128), "power of two"),
+            (|c| c.heartbeat_interval_ms = 6000, "server_timeout_ms"),
+            (|c| c.default_lease_ms = 0, "default_lease_ms"),
+            (|c| c.max_jobs = 0, "max_jobs"),
+        ];
+        for (break_it, expected) in cases {
+            let mut config = Config::default();
+            break_it(&mut config);
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+    }
+}

@@ -1,0 +1,479 @@
+//! The storage-server registry, block placement, and the queues of blocks waiting to be freed.
+//!
+//! Storage servers register, then heartbeat. A server whose heartbeats stop is declared dead: the
+//! blocks on it are lost (files keep them, and reading them reports DataLost) and nothing more is
+//! placed there. Dead servers are remembered, up to a bound, so that messages can say why a block
+//! was lost.
+//!
+//! Frees travel on heartbeat replies: each server has a queue of (seq, block id) with its own
+//! increasing sequence numbers; a reply carries a prefix of the queue, and the next heartbeat
+//! acknowledges it with `freed_through_seq`. Unacknowledged frees are sent again, so a lost reply
+//! costs nothing but a repeat (frees are idempotent on the storage server).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use tern_proto::v1::{BlockLocation, HeartbeatResponse, ServerStatus, TierUsage};
+use tern_proto::ErrorKind;
+
+use crate::error::{invalid, Refusal};
+use crate::namespace::BlockRef;
+
+/// Most frees one heartbeat reply carries (8 bytes each: 512 KiB, well under a gRPC message).
+pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
+/// Dead servers remembered for status and DataLost messages; the oldest beyond this are forgotten.
+pub const MAX_DEAD_SERVERS: usize = 1024;
+/// The tier whose capacity bounds placement today.
+pub const DRAM_TIER: &str = "dram";
+
+#[derive(Debug)]
+struct Server {
+    address: String,
+    /// The address's host, compared with clients' hosts for locality.
+    host: String,
+    alive: bool,
+    /// Why the server was declared dead (empty while alive).
+    death: String,
+    tiers: Vec<TierUsage>,
+    last_seen: Instant,
+    /// Blocks placed here and not yet acknowledged as freed: what placement balances.
+    allocated: u64,
+    frees: VecDeque<(u64, u64)>,
+    next_free_seq: u64,
+}
+
+impl Server {
+    fn capacity_blocks(&self) -> u64 {
+        self.tiers.iter().find(|t| t.tier == DRAM_TIER).map_or(0, |t| t.capacity_blocks)
+    }
+
+    fn describe(&self, server_id: u64) -> String {
+        format!("storage server {server_id} ({})", self.address)
+    }
+}
+
+#[derive(Debug)]
+pub struct Servers {
+    servers: BTreeMap<u64, Server>,
+    next_server_id: u64,
+    next_block_id: u64,
+}
+
+impl Default for Servers {
+    fn default() -> Servers {
+        // Ids start at 1 so that 0 can never name a server or block by accident.
+        Servers { servers: BTreeMap::new(), next_server_id: 1, next_block_id: 1 }
+    }
+}
+
+impl Servers {
+    /// Registers a server instance; returns its new id and the id of the instance it replaces
+    /// (an earlier registration from the same address, which must have restarted).
+    pub fn register(
+        &mut self,
+        address: &str,
+        tiers: Vec<TierUsage>,
+        now: Instant,
+    ) -> Result<(u64, Option<u64>), Refusal> {
+        let host = host_of_address(address)?;
+        let server_id = self.next_server_id;
+        self.next_server_id += 1;
+        let replaced = self.servers.iter().find(|(_, s)| s.alive && s.address == address).map(|(&id, _)| id);
+        if let Some(old) = replaced {
+            let reason = format!("the server restarted and registered again as storage server {server_id}");
+            self.mark_dead(old, reason);
+        }
+        let server = Server {
+            address: address.to_string(),
+            host,
+            alive: true,
+            death: String::new(),
+            tiers,
+            last_seen: now,
+            allocated: 0,
+            frees: VecDeque::new(),
+            next_free_seq: 1,
+        };
+        self.servers.insert(server_id, server);
+        Ok((server_id, replaced))
+    }
+
+    /// Records a heartbeat, drops the frees it acknowledges, and answers with the frees still due.
+    pub fn heartbeat(
+        &mut self,
+        server_id: u64,
+        tiers: Vec<TierUsage>,
+        freed_through_seq: u64,
+        now: Instant,
+    ) -> HeartbeatResponse {
+        let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
+            return HeartbeatResponse { reregister: true, ..HeartbeatResponse::default() };
+        };
+        server.last_seen = now;
+        // A heartbeat without tiers says nothing about capacity; keep the last report.
+        if !tiers.is_empty() {
+            server.tiers = tiers;
+        }
+        while server.frees.front().is_some_and(|&(seq, _)| seq <= freed_through_seq) {
+            server.frees.pop_front();
+            server.allocated = server.allocated.saturating_sub(1);
+        }
+        let due = server.frees.iter().take(MAX_FREES_PER_HEARTBEAT);
+        let free_seq = due.clone().next_back().map_or(freed_through_seq, |&(seq, _)| seq);
+        HeartbeatResponse { free_block_ids: due.map(|&(_, block)| block).collect(), free_seq, reregister: false }
+    }
+
+    /// Declares dead every live server silent for longer than `timeout`; returns their descriptions.
+    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<String> {
+        let silent: Vec<(u64, Duration)> = self
+            .servers
+            .iter()
+            .filter(|(_, s)| s.alive)
+            .map(|(&id, s)| (id, now.saturating_duration_since(s.last_seen)))
+            .filter(|&(_, silence)| silence > timeout)
+            .collect();
+        silent
+            .into_iter()
+            .map(|(id, silence)| {
+                let reason = format!("server missed heartbeats for {:.1}s", silence.as_secs_f64());
+                self.mark_dead(id, reason)
+            })
+            .collect()
+    }
+
+    /// Places `count` new blocks: on live servers with room, those on `client_host` first, then
+    /// the least used (so a batch spreads across equal servers round-robin).
+    pub fn allocate(&mut self, count: u32, client_host: &str) -> Result<Vec<BlockRef>, Refusal> {
+        let client_host = normalize_host(client_host);
+        let mut live = 0;
+        let mut free_total: u64 = 0;
+        let mut candidates = BinaryHeap::new();
+        for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
+            live += 1;
+            let capacity = server.capacity_blocks();
+            if server.allocated < capacity {
+                free_total += capacity - server.allocated;
+                let remote = client_host.is_empty() || server.host != client_host;
+                candidates.push(Reverse((remote, server.allocated, id, capacity)));
+            }
+        }
+        if live == 0 {
+            return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        }
+        if free_total < u64::from(count) {
+            return Err(Refusal::new(
+                ErrorKind::OutOfSpace,
+                format!(
+                    "{count} blocks asked, but the {live} live storage servers have {free_total} free between them"
+                ),
+            ));
+        }
+        // Plan first, then apply: a refusal leaves no trace.
+        let mut plan = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let Some(Reverse((remote, used, id, capacity))) = candidates.pop() else {
+                return Err(Refusal::new(ErrorKind::Internal, "placement ran out of servers despite free space"));
+            };
+            plan.push(id);
+            if used + 1 < capacity {
+                candidates.push(Reverse((remote, used + 1, id, capacity)));
+            }
+        }
+        let blocks = plan
+            .into_iter()
+            .map(|server_id| {
+                if let Some(server) = self.servers.get_mut(&server_id) {
+                    server.allocated += 1;
+                }
+                let block_id = self.next_block_id;
+                self.next_block_id += 1;
+                BlockRef { block_id, server_id }
+            })
+            .collect();
+        Ok(blocks)
+    }
+
+    /// Queues blocks the namespace no longer references for freeing on their servers. Blocks on
+    /// dead or forgotten servers are gone already and are simply dropped.
+    pub fn free(&mut self, blocks: &[BlockRef]) {
+        for block in blocks {
+            let Some(server) = self.servers.get_mut(&block.server_id) else {
+                continue;
+            };
+            if server.alive {
+                server.frees.push_back((server.next_free_seq, block.block_id));
+                server.next_free_seq += 1;
+            } else {
+                server.allocated = server.allocated.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Why `block` cannot be read, or `None` when its server is alive.
+    pub fn lost(&self, block: &BlockRef) -> Option<String> {
+        match self.servers.get(&block.server_id) {
+            Some(server) if server.alive => None,
+            Some(server) => Some(format!(
+                "block {} on {} is lost: {}",
+                block.block_id,
+                server.describe(block.server_id),
+                server.death
+            )),
+            None => Some(format!(
+                "block {} on storage server {} is lost: the server is no longer known (long dead)",
+                block.block_id, block.server_id
+            )),
+        }
+    }
+
+    pub fn is_alive(&self, server_id: u64) -> bool {
+        self.servers.get(&server_id).is_some_and(|s| s.alive)
+    }
+
+    /// Where a block lives, for clients.
+    pub fn location(&self, block: &BlockRef, length: u32) -> BlockLocation {
+        let address = self.servers.get(&block.server_id).map(|s| s.address.clone()).unwrap_or_default();
+        BlockLocation { block_id: block.block_id, server_id: block.server_id, address, length }
+    }
+
+    pub fn status(&self, now: Instant) -> Vec<ServerStatus> {
+        self.servers
+            .iter()
+            .map(|(&server_id, s)| ServerStatus {
+                server_id,
+                address: s.address.clone(),
+                alive: s.alive,
+                tiers: s.tiers.clone(),
+                allocated_blocks: s.allocated,
+                last_heartbeat_ms_ago: now.saturating_duration_since(s.last_seen).as_millis() as u64,
+            })
+            .collect()
+    }
+
+    pub fn live_count(&self) -> u64 {
+        self.servers.values().filter(|s| s.alive).count() as u64
+    }
+
+    pub fn dead_count(&self) -> u64 {
+        self.servers.values().filter(|s| !s.alive).count() as u64
+    }
+
+    /// Blocks placed on live servers and not yet acknowledged as freed.
+    pub fn allocated_blocks(&self) -> u64 {
+        self.servers.values().filter(|s| s.alive).map(|s| s.allocated).sum()
+    }
+
+    /// Marks a server dead, drops its pending frees, and forgets the oldest dead servers beyond
+    /// the bound; returns a description for the log.
+    fn mark_dead(&mut self, server_id: u64, reason: String) -> String {
+        let mut description = String::new();
+        if let Some(server) = self.servers.get_mut(&server_id) {
+            description = format!("{}: {reason}", server.describe(server_id));
+            server.alive = false;
+            server.death = reason;
+            // Its pending frees will never be carried out, and need not be: the blocks are gone.
+            server.allocated = server.allocated.saturating_sub(server.frees.len() as u64);
+            server.frees = VecDeque::new();
+        }
+        let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.alive).map(|(&id, _)| id).collect();
+        for id in dead.iter().take(dead.len().saturating_sub(MAX_DEAD_SERVERS)) {
+            self.servers.remove(id);
+        }
+        description
+    }
+}
+
+/// The host part of a `host:port` address, or why it is not one.
+fn host_of_address(address: &str) -> Result<String, Refusal> {
+    let refuse = |why: &str| invalid(format!("storage server address {address:?} is not host:port: {why}"));
+    if let Ok(socket) = address.parse::<SocketAddr>() {
+        if socket.port() == 0 {
+            return Err(refuse("port 0"));
+        }
+        return Ok(socket.ip().to_string());
+    }
+    let (host, port) = address.rsplit_once(':').ok_or_else(|| refuse("no port"))?;
+    match port.parse::<u16>() {
+        Ok(0) => return Err(refuse("port 0")),
+        Ok(_) => {}
+        Err(_) => return Err(refuse("bad port")),
+    }
+    let hostname = !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+    if !hostname {
+        return Err(refuse("bad host"));
+    }
+    Ok(host.to_ascii_lowercase())
+}
+
+/// One spelling per host, so that "[::1]" and "::1", or "HOST" and "host", compare equal.
+fn normalize_host(host: &str) -> String {
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    match bare.parse::<IpAddr>() {
+        Ok(ip) => ip.to_string(),
+        Err(_) => bare.to_ascii_lowercase(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dram(capacity_blocks: u64) -> Vec<TierUsage> {
+        vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }]
+    }
+
+    fn servers(addresses: &[&str], capacity_blocks: u64) -> (Servers, Instant) {
+        let now = Instant::now();
+        let mut servers = Servers::default();
+        for address in addresses {
+            servers.register(address, dram(capacity_blocks), now).unwrap();
+        }
+        (servers, now)
+    }
+
+    fn per_server(blocks: &[BlockRef]) -> BTreeMap<u64, usize> {
+        let mut counts = BTreeMap::new();
+        for block in blocks {
+            *counts.entry(block.server_id).or_default() += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn validates_addresses() {
+        assert_eq!(host_of_address("127.0.0.1:9000").unwrap(), "127.0.0.1");
+        assert_eq!(host_of_address("[::1]:9000").unwrap(), "::1");
+        assert_eq!(host_of_address("Node-1.example:9000").unwrap(), "node-1.example");
+        for bad in ["", "127.0.0.1", "host:", "host:0", "host:99999", ":9000", "a b:1", "::1"] {
+            assert_eq!(host_of_address(bad).unwrap_err().kind, ErrorKind::Invalid, "{bad:?}");
+        }
+        assert_eq!(normalize_host("[::1]"), "::1");
+        assert_eq!(normalize_host("HOST"), "host");
+    }
+
+    #[test]
+    fn spreads_evenly_across_equal_servers() {
+        let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 1000);
+        let blocks = servers.allocate(6, "").unwrap();
+        let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
+        assert_eq!(order, [1, 2, 3, 1, 2, 3]);
+        let ids: Vec<u64> = blocks.iter().map(|b| b.block_id).collect();
+        assert_eq!(ids, [1, 2, 3, 4, 5, 6]);
+        let blocks = servers.allocate(1024, "").unwrap();
+        let counts = per_server(&blocks);
+        assert_eq!(counts.values().copied().collect::<Vec<_>>(), [342, 341, 341]);
+        assert_eq!(servers.allocated_blocks(), 1030);
+    }
+
+    #[test]
+    fn prefers_the_client_host_then_spills() {
+        let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.2:2"], 4);
+        let blocks = servers.allocate(8, "10.0.0.2").unwrap();
+        let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
+        assert_eq!(order, [2, 3, 2, 3, 2, 3, 2, 3]);
+        // The local servers are full now: the remote one takes the rest.
+        let blocks = servers.allocate(2, "10.0.0.2").unwrap();
+        assert_eq!(per_server(&blocks), BTreeMap::from([(1, 2)]));
+    }
+
+    #[test]
+    fn skips_dead_and_full_servers() {
+        let (mut servers, start) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 2);
+        servers.register("10.0.0.3:1", dram(0), start).unwrap();
+        servers.allocate(2, "").unwrap();
+        // Server 2 keeps heartbeating; server 1 (and 3) go silent.
+        let later = start + Duration::from_secs(10);
+        servers.heartbeat(2, Vec::new(), 0, later);
+        let dead = servers.expire(later, Duration::from_secs(5));
+        assert_eq!(dead.len(), 2);
+        assert!(dead[0].contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
+        let blocks = servers.allocate(1, "10.0.0.1").unwrap();
+        assert_eq!(blocks[0].server_id, 2);
+        let refusal = servers.allocate(1, "").unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
+        assert_eq!((servers.live_count(), servers.dead_count()), (1, 2));
+        // Server 2 is full; it dies too and then nothing is live.
+        servers.expire(later + Duration::from_secs(10), Duration::from_secs(5));
+        let refusal = servers.allocate(1, "").unwrap_err();
+        assert_eq!((refusal.kind, refusal.reason.as_str()), (ErrorKind::Unavailable, "no live storage servers"));
+    }
+
+    #[test]
+    fn refuses_a_batch_that_does_not_fit_without_placing_any() {
+        let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 512);
+        assert_eq!(servers.allocate(1025, "").unwrap_err().kind, ErrorKind::OutOfSpace);
+        assert_eq!(servers.allocated_blocks(), 0);
+        assert_eq!(servers.allocate(1024, "").unwrap().len(), 1024);
+    }
+
+    #[test]
+    fn frees_are_delivered_until_acknowledged() {
+        let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
+        let blocks = servers.allocate(3, "").unwrap();
+        servers.free(&blocks[..2]);
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!((reply.free_block_ids.clone(), reply.free_seq, reply.reregister), (vec![1, 2], 2, false));
+        // Not acknowledged: sent again, and new frees follow.
+        servers.free(&blocks[2..]);
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![1, 2, 3], 3));
+        assert_eq!(servers.allocated_blocks(), 3);
+        // Acknowledged in part, then in full.
+        let reply = servers.heartbeat(1, Vec::new(), 2, now);
+        assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![3], 3));
+        assert_eq!(servers.allocated_blocks(), 1);
+        let reply = servers.heartbeat(1, Vec::new(), 3, now);
+        assert_eq!((reply.free_block_ids.len(), reply.free_seq), (0, 3));
+        assert_eq!(servers.allocated_blocks(), 0);
+    }
+
+    #[test]
+    fn caps_frees_per_heartbeat() {
+        let (mut servers, now) = servers(&["10.0.0.1:1"], 100_000);
+        let mut blocks = Vec::new();
+        for _ in 0..70 {
+            blocks.extend(servers.allocate(1024, "").unwrap());
+        }
+        servers.free(&blocks);
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!(reply.free_block_ids.len(), MAX_FREES_PER_HEARTBEAT);
+        assert_eq!(reply.free_seq, MAX_FREES_PER_HEARTBEAT as u64);
+        let reply = servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        assert_eq!(reply.free_block_ids.len(), 70 * 1024 - MAX_FREES_PER_HEARTBEAT);
+    }
+
+    #[test]
+    fn reregistration_replaces_the_old_instance() {
+        let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
+        let block = servers.allocate(1, "").unwrap()[0];
+        let (new_id, replaced) = servers.register("10.0.0.1:1", dram(10), now).unwrap();
+        assert_eq!((new_id, replaced), (2, Some(1)));
+        assert!(!servers.is_alive(1));
+        let lost = servers.lost(&block).unwrap();
+        assert!(lost.contains("block 1 on storage server 1 (10.0.0.1:1) is lost: the server restarted"), "{lost}");
+        assert!(servers.heartbeat(1, Vec::new(), 0, now).reregister);
+        assert!(servers.heartbeat(99, Vec::new(), 0, now).reregister);
+        assert!(!servers.heartbeat(2, Vec::new(), 0, now).reregister);
+        // Frees of blocks on the dead instance are not queued anywhere.
+        servers.free(&[block]);
+        assert!(servers.heartbeat(2, Vec::new(), 0, now).free_block_ids.is_empty());
+        let status = servers.status(now);
+        assert_eq!(
+            status.iter().map(|s| (s.server_id, s.alive, s.allocated_blocks)).collect::<Vec<_>>(),
+            [(1, false, 0), (2, true, 0)]
+        );
+    }
+
+    #[test]
+    fn forgets_the_oldest_dead_servers() {
+        let (mut servers, now) = servers(&[], 1);
+        for _ in 0..MAX_DEAD_SERVERS + 2 {
+            servers.register("10.0.0.1:1", dram(1), now).unwrap();
+        }
+        assert_eq!((servers.live_count(), servers.dead_count()), (1, MAX_DEAD_SERVERS as u64));
+        let lost = servers.lost(&BlockRef { block_id: 5, server_id: 1 }).unwrap();
+        assert!(lost.contains("no longer known"), "{lost}");
+    }
+}

@@ -1,0 +1,205 @@
+//! Starting and stopping the metadata server: bind, serve gRPC and the admin endpoint, reap.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use parking_lot::Mutex;
+use tern_proto::v1::metadata_server::MetadataServer as MetadataService;
+use tern_proto::v1::registry_server::RegistryServer as RegistryService;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic::transport::server::TcpIncoming;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::dirlock::DirLock;
+use crate::metrics::Metrics;
+use crate::service::Service;
+use crate::state::State;
+
+/// The reaper runs at least this often, so lapsed leases end promptly.
+const MAX_REAP_PERIOD: Duration = Duration::from_millis(500);
+/// How long shutdown waits for in-flight RPCs before cutting them off.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A running metadata server. Dropping it stops it too, abruptly; prefer [`MetadataServer::shutdown`].
+#[derive(Debug)]
+pub struct MetadataServer {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+    _lock: DirLock,
+}
+
+/// Validates `config`, locks its directory, binds, and starts serving in the background.
+pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
+    config.validate().context("invalid metadata server configuration")?;
+    let lock = DirLock::acquire(&config.dir)?;
+    let state = Arc::new(Mutex::new(State::new(&config)));
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::register(&mut registry, state.clone());
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding metadata server to {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
+    let (stop, stopped) = watch::channel(false);
+    let service = Arc::new(Service::new(state.clone(), metrics));
+    let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
+    let tasks =
+        vec![tokio::spawn(serve(listener, service, stopped.clone())), tokio::spawn(reap(state, reap_period, stopped))];
+    Ok(MetadataServer { addr, admin_addr, stop, tasks, _lock: lock })
+}
+
+/// Runs a metadata server until SIGINT or SIGTERM.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    tern_common::config::log_effective("metadata server", &config);
+    let server = start(config).await?;
+    info!("metadata server listening on {} (admin {})", server.addr(), server.admin_addr());
+    tern_common::shutdown_signal().await;
+    info!("metadata server shutting down");
+    server.shutdown().await;
+    Ok(())
+}
+
+impl MetadataServer {
+    /// The bound gRPC address (the configured one, with the port chosen when it was 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bound admin (Prometheus) address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// Stops accepting RPCs, lets in-flight ones finish (for a bounded time), stops the reaper,
+    /// and releases the directory lock.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
+        for mut task in self.tasks {
+            match tokio::time::timeout_at(deadline, &mut task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => error!("metadata server task failed: {e}"),
+                Err(_) => {
+                    warn!("metadata server task still busy after {SHUTDOWN_GRACE:?}; aborting it");
+                    task.abort();
+                }
+            }
+        }
+    }
+}
+
+async fn serve(listener: tokio::net::TcpListener, service: Arc<Service>, mut stopped: watch::Receiver<bool>) {
+    let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
+    let metadata =
+        MetadataService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
+    let registry = RegistryService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
+    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let result = tonic::transport::Server::builder()
+        .add_service(metadata)
+        .add_service(registry)
+        .serve_with_incoming_shutdown(incoming, async move {
+            // Stop when told to, or when the MetadataServer handle is dropped.
+            let _ = stopped.wait_for(|&stop| stop).await;
+        })
+        .await;
+    if let Err(e) = result {
+        error!("metadata gRPC service stopped: {e}");
+    }
+}
+
+/// Ends lapsed jobs and declares silent servers dead, every `period`.
+async fn reap(state: Arc<Mutex<State>>, period: Duration, mut stopped: watch::Receiver<bool>) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => state.lock().reap(Instant::now()),
+            _ = stopped.wait_for(|&stop| stop) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tern_proto::v1::metadata_client::MetadataClient;
+    use tern_proto::v1::registry_client::RegistryClient;
+    use tern_proto::v1::*;
+    use tern_proto::ErrorKind;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    async fn scrape(admin: SocketAddr) -> String {
+        let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await.unwrap();
+        text
+    }
+
+    #[tokio::test]
+    async fn serves_clients_and_storage_servers_over_grpc() {
+        let temp = tempfile::tempdir().unwrap();
+        let config = Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            dir: temp.path().join("meta"),
+            ..Config::default()
+        };
+        let server = start(config.clone()).await.unwrap();
+        let err = format!("{:#}", start(config).await.unwrap_err());
+        assert!(err.contains("in use by another metadata server"), "{err}");
+
+        let endpoint = format!("http://{}", server.addr());
+        let mut registry = RegistryClient::connect(endpoint.clone()).await.unwrap();
+        let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 64, ..TierUsage::default() }];
+        let registered = registry
+            .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((registered.server_id, registered.block_size), (1, tern_proto::DEFAULT_BLOCK_SIZE));
+        assert_eq!(registered.heartbeat_interval_ms, 1000);
+
+        let mut client = MetadataClient::connect(endpoint).await.unwrap();
+        let job = client.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0 }).await.unwrap().into_inner();
+        let path = format!("{}/out", job.root);
+        let created = client.create(CreateRequest { path: path.clone(), parents: false }).await.unwrap().into_inner();
+        let ask = AllocateBlocksRequest { file_id: created.file_id, count: 2, client_host: "127.0.0.1".into() };
+        let blocks = client.allocate_blocks(ask).await.unwrap().into_inner().blocks;
+        assert!(blocks.iter().all(|b| b.address == "127.0.0.1:7000"));
+        client.seal(SealRequest { file_id: created.file_id, length: 10 }).await.unwrap();
+        let opened = client.open(OpenRequest { path: path.clone() }).await.unwrap().into_inner();
+        assert_eq!(opened.blocks.len(), 1);
+        assert_eq!(opened.blocks[0].length, 10);
+        let refused = client.create(CreateRequest { path, parents: false }).await.unwrap_err();
+        assert_eq!(ErrorKind::of_status(&refused), ErrorKind::AlreadyExists);
+
+        // The unused block is freed through the next heartbeat.
+        let beat = HeartbeatRequest { server_id: 1, tiers: Vec::new(), freed_through_seq: 0 };
+        let reply = registry.heartbeat(beat).await.unwrap().into_inner();
+        assert_eq!((reply.free_block_ids, reply.free_seq), (vec![blocks[1].block_id], 1));
+
+        let metrics = scrape(server.admin_addr()).await;
+        for expected in [
+            "tern_metadata_requests_total{method=\"create\"} 2",
+            "tern_metadata_errors_total{method=\"create\",kind=\"already-exists\"} 1",
+            "tern_metadata_request_duration_seconds_count{method=\"open\"} 1",
+            "tern_metadata_files 1",
+            "tern_metadata_jobs 1",
+            "tern_metadata_live_servers 1",
+        ] {
+            assert!(metrics.contains(expected), "missing {expected:?} in\n{metrics}");
+        }
+
+        let addr = server.addr();
+        server.shutdown().await;
+        assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    }
+}

@@ -1,0 +1,121 @@
+//! The gRPC services (Metadata for clients, Registry for storage servers) over the shared state.
+//!
+//! Every RPC goes through [`Service::call`]: lock the state, run the state's method for it, record
+//! metrics. The lock is never held across an await; the state's methods do no I/O.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use tern_proto::v1::metadata_server::Metadata;
+use tern_proto::v1::registry_server::Registry;
+use tern_proto::v1::*;
+use tern_proto::ErrorKind;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Metrics;
+use crate::state::State;
+
+pub struct Service {
+    state: Arc<Mutex<State>>,
+    metrics: Metrics,
+}
+
+impl Service {
+    pub fn new(state: Arc<Mutex<State>>, metrics: Metrics) -> Service {
+        Service { state, metrics }
+    }
+
+    fn call<T>(
+        &self,
+        method: &'static str,
+        op: impl FnOnce(&mut State, Instant) -> Result<T, Status>,
+    ) -> Result<Response<T>, Status> {
+        let started = Instant::now();
+        let result = op(&mut self.state.lock(), started);
+        self.metrics.record(method, started.elapsed(), result.as_ref().err());
+        if let Err(status) = &result {
+            // Refusals are the caller's business; only our own failures deserve an error line.
+            match ErrorKind::of_status(status) {
+                ErrorKind::Internal => tracing::error!("{method}: {}", status.message()),
+                _ => tracing::debug!("{method}: {}", status.message()),
+            }
+        }
+        result.map(Response::new)
+    }
+}
+
+#[tonic::async_trait]
+impl Metadata for Service {
+    async fn mkdir(&self, request: Request<MkdirRequest>) -> Result<Response<MkdirResponse>, Status> {
+        self.call("mkdir", |state, now| state.mkdir(request.into_inner(), now))
+    }
+
+    async fn create(&self, request: Request<CreateRequest>) -> Result<Response<CreateResponse>, Status> {
+        self.call("create", |state, now| state.create(request.into_inner(), now))
+    }
+
+    async fn allocate_blocks(
+        &self,
+        request: Request<AllocateBlocksRequest>,
+    ) -> Result<Response<AllocateBlocksResponse>, Status> {
+        self.call("allocate_blocks", |state, now| state.allocate_blocks(request.into_inner(), now))
+    }
+
+    async fn seal(&self, request: Request<SealRequest>) -> Result<Response<SealResponse>, Status> {
+        self.call("seal", |state, now| state.seal(request.into_inner(), now))
+    }
+
+    async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
+        self.call("open", |state, now| state.open(request.into_inner(), now))
+    }
+
+    async fn stat(&self, request: Request<StatRequest>) -> Result<Response<StatResponse>, Status> {
+        self.call("stat", |state, now| state.stat(request.into_inner(), now))
+    }
+
+    async fn list(&self, request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
+        self.call("list", |state, now| state.list(request.into_inner(), now))
+    }
+
+    async fn delete(&self, request: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
+        self.call("delete", |state, now| state.delete(request.into_inner(), now))
+    }
+
+    async fn rename(&self, request: Request<RenameRequest>) -> Result<Response<RenameResponse>, Status> {
+        self.call("rename", |state, now| state.rename(request.into_inner(), now))
+    }
+
+    async fn register_job(
+        &self,
+        request: Request<RegisterJobRequest>,
+    ) -> Result<Response<RegisterJobResponse>, Status> {
+        self.call("register_job", |state, now| state.register_job(request.into_inner(), now))
+    }
+
+    async fn renew_job(&self, request: Request<RenewJobRequest>) -> Result<Response<RenewJobResponse>, Status> {
+        self.call("renew_job", |state, now| state.renew_job(request.into_inner(), now))
+    }
+
+    async fn end_job(&self, request: Request<EndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
+        self.call("end_job", |state, now| state.end_job(request.into_inner(), now))
+    }
+
+    async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
+        self.call("status", |state, now| state.status(request.into_inner(), now))
+    }
+}
+
+#[tonic::async_trait]
+impl Registry for Service {
+    async fn register_server(
+        &self,
+        request: Request<RegisterServerRequest>,
+    ) -> Result<Response<RegisterServerResponse>, Status> {
+        self.call("register_server", |state, now| state.register_server(request.into_inner(), now))
+    }
+
+    async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
+        self.call("heartbeat", |state, now| state.heartbeat(request.into_inner(), now))
+    }
+}

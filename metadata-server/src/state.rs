@@ -1,0 +1,338 @@
+//! The metadata server's whole state and one method per RPC.
+//!
+//! The namespace, the storage-server registry and the job table each keep their own invariants;
+//! this module enforces the rules that span them (a job's files live under its directory and die
+//! with it, deleted files free their blocks, reads fail with DataLost when a block's server is
+//! gone) and turns refusals into statuses that name the operation. Methods take the time as an
+//! argument so tests can move it; they never block, so the service can call them under one mutex.
+
+use std::time::{Duration, Instant};
+
+use tern_common::unix_ms;
+use tern_proto::v1::*;
+use tern_proto::ErrorKind;
+use tonic::Status;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::error::{invalid, not_found, Context, Refusal};
+use crate::jobs::Jobs;
+use crate::metrics::Gauges;
+use crate::namespace::{FileMeta, Namespace, Removed};
+use crate::path::{self, Place, JOBS_DIR};
+use crate::placement::Servers;
+
+#[derive(Debug)]
+pub struct State {
+    block_size: u32,
+    heartbeat_interval: Duration,
+    server_timeout: Duration,
+    max_list_entries: u32,
+    namespace: Namespace,
+    servers: Servers,
+    jobs: Jobs,
+}
+
+impl State {
+    /// A fresh state for a validated `config`.
+    pub fn new(config: &Config) -> State {
+        State {
+            block_size: config.block_size_bytes(),
+            heartbeat_interval: config.heartbeat_interval(),
+            server_timeout: config.server_timeout(),
+            max_list_entries: config.max_list_entries,
+            namespace: Namespace::new(config.max_entries),
+            servers: Servers::default(),
+            jobs: Jobs::new(
+                Duration::from_millis(config.default_lease_ms),
+                Duration::from_millis(config.max_lease_ms),
+                config.max_jobs as usize,
+            ),
+        }
+    }
+
+    pub fn mkdir(&mut self, req: MkdirRequest, now: Instant) -> Result<MkdirResponse, Status> {
+        let context = format!("mkdir {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        self.check_new_entry(&path, true, req.parents, now).context(&context)?;
+        self.namespace.mkdir(&path, req.parents, unix_ms()).context(&context)?;
+        Ok(MkdirResponse {})
+    }
+
+    pub fn create(&mut self, req: CreateRequest, now: Instant) -> Result<CreateResponse, Status> {
+        let context = format!("create {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        self.check_new_entry(&path, false, req.parents, now).context(&context)?;
+        let file_id = self.namespace.create_file(&path, req.parents, unix_ms()).context(&context)?;
+        if let Some(job) = Place::of(&path).job() {
+            self.jobs.add_usage(job, 1, 0);
+        }
+        Ok(CreateResponse { file_id, block_size: self.block_size })
+    }
+
+    pub fn allocate_blocks(
+        &mut self,
+        req: AllocateBlocksRequest,
+        _now: Instant,
+    ) -> Result<AllocateBlocksResponse, Status> {
+        let path =
+            self.namespace.file_path(req.file_id).context(format_args!("allocate blocks for file {}", req.file_id))?;
+        let context = format!("allocate {} blocks for {path}", req.count);
+        if req.count == 0 || req.count > tern_proto::MAX_ALLOCATE_BLOCKS {
+            return Err(invalid(format!("count must be 1 to {}", tern_proto::MAX_ALLOCATE_BLOCKS)).status(context));
+        }
+        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        if file.sealed {
+            return Err(invalid("the file is already sealed").status(context));
+        }
+        let blocks = self.servers.allocate(req.count, &req.client_host).context(&context)?;
+        let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
+        file.blocks.extend(blocks);
+        Ok(AllocateBlocksResponse { blocks: locations })
+    }
+
+    pub fn seal(&mut self, req: SealRequest, _now: Instant) -> Result<SealResponse, Status> {
+        let path = self.namespace.file_path(req.file_id).context(format_args!("seal file {}", req.file_id))?;
+        let context = format!("seal {path}");
+        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        if file.sealed {
+            return Err(invalid("the file is already sealed").status(context));
+        }
+        let needed = req.length.div_ceil(u64::from(self.block_size));
+        let allocated = file.blocks.len() as u64;
+        if allocated < needed {
+            let why = format!(
+                "length {} needs {needed} blocks of {} bytes, but only {allocated} are allocated",
+                req.length, self.block_size
+            );
+            return Err(invalid(why).status(context));
+        }
+        // Writers allocate ahead; what they did not fill goes back to the servers.
+        let unused = file.blocks.split_off(needed as usize);
+        file.sealed = true;
+        file.length = req.length;
+        self.servers.free(&unused);
+        if let Some(job) = Place::of(&path).job() {
+            self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
+        }
+        let info = self.namespace.file_info(req.file_id).context(&context)?;
+        Ok(SealResponse { info: Some(info) })
+    }
+
+    pub fn open(&mut self, req: OpenRequest, _now: Instant) -> Result<OpenResponse, Status> {
+        let context = format!("open {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        let (info, meta) = self.namespace.stat(&path).context(&context)?;
+        let Some(file) = meta else {
+            return Err(invalid("is a directory").status(context));
+        };
+        if !file.sealed {
+            return Err(not_found("is not sealed yet").status(context));
+        }
+        if let Some(lost) = file.blocks.iter().find_map(|block| self.servers.lost(block)) {
+            return Err(Refusal::new(ErrorKind::DataLost, lost).status(context));
+        }
+        let blocks = self.locations(file);
+        Ok(OpenResponse { info: Some(info), blocks, block_size: self.block_size })
+    }
+
+    pub fn stat(&mut self, req: StatRequest, _now: Instant) -> Result<StatResponse, Status> {
+        let context = format!("stat {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        let (info, meta) = self.namespace.stat(&path).context(&context)?;
+        let mut response = StatResponse { info: Some(info), ..StatResponse::default() };
+        if let Some(file) = meta.filter(|_| req.with_blocks) {
+            response.blocks = self.locations(file);
+            response.blocks_alive = file.blocks.iter().map(|block| self.servers.is_alive(block.server_id)).collect();
+        }
+        Ok(response)
+    }
+
+    pub fn list(&mut self, req: ListRequest, _now: Instant) -> Result<ListResponse, Status> {
+        let context = format!("list {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        let limit = if req.limit == 0 { self.max_list_entries } else { req.limit.min(self.max_list_entries) };
+        let (entries, truncated) = self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
+        Ok(ListResponse { entries, truncated })
+    }
+
+    pub fn delete(&mut self, req: DeleteRequest, _now: Instant) -> Result<DeleteResponse, Status> {
+        let context = format!("delete {}", req.path);
+        let path = path::normalize(&req.path).context(&context)?;
+        match Place::of(&path) {
+            Place::JobsDir if !self.jobs.is_empty() => {
+                return Err(invalid("holds the directories of live jobs; end them with EndJob").status(context));
+            }
+            Place::JobRoot(job) if self.jobs.is_registered(job) => {
+                return Err(invalid(format!("is the directory of live job {job}; end the job instead")).status(context));
+            }
+            _ => {}
+        }
+        let removed = self.namespace.remove(&path, req.recursive).context(&context)?;
+        if let Some(job) = Place::of(&path).job() {
+            self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
+        }
+        Ok(self.release(removed))
+    }
+
+    pub fn rename(&mut self, req: RenameRequest, _now: Instant) -> Result<RenameResponse, Status> {
+        let context = format!("rename {} to {}", req.from, req.to);
+        let from = path::normalize(&req.from).context(&context)?;
+        let to = path::normalize(&req.to).context(&context)?;
+        for path in [&from, &to] {
+            if matches!(Place::of(path), Place::JobsDir | Place::JobRoot(_)) {
+                let why = format!("{path} is a job directory, made and removed only by RegisterJob and EndJob");
+                return Err(invalid(why).status(context));
+            }
+        }
+        let (from_job, to_job) = (Place::of(&from).job(), Place::of(&to).job());
+        if from_job != to_job {
+            let owner = |job: Option<&str>| job.map_or("outside /jobs".to_string(), |job| format!("job {job}"));
+            let why = format!("cannot move entries across jobs ({} to {})", owner(from_job), owner(to_job));
+            return Err(invalid(why).status(context));
+        }
+        self.namespace.rename(&from, &to).context(&context)?;
+        Ok(RenameResponse {})
+    }
+
+    pub fn register_job(&mut self, req: RegisterJobRequest, now: Instant) -> Result<RegisterJobResponse, Status> {
+        let context = format!("register job {:?}", req.name);
+        // A lapsed job the reaper has not reached yet still holds its name: end it now.
+        if self.jobs.is_registered(&req.name) && self.jobs.check_live(&req.name, now).is_err() {
+            self.end(&req.name, "lease lapsed");
+        }
+        let (name, lease) = self.jobs.register(&req.name, req.lease_ms, now).context(&context)?;
+        let root = path::job_root(&name);
+        let made = self
+            .namespace
+            .mkdir(JOBS_DIR, true, unix_ms())
+            .and_then(|()| self.namespace.mkdir(&root, false, unix_ms()));
+        if let Err(refusal) = made {
+            // Undo the registration: a job without its directory is of no use.
+            let _ = self.jobs.remove(&name);
+            return Err(refusal.status(context));
+        }
+        Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root })
+    }
+
+    pub fn renew_job(&mut self, req: RenewJobRequest, now: Instant) -> Result<RenewJobResponse, Status> {
+        let lease = self.jobs.renew(&req.job_id, now).context(format_args!("renew job {}", req.job_id))?;
+        Ok(RenewJobResponse { lease_ms: lease.as_millis() as u64 })
+    }
+
+    pub fn end_job(&mut self, req: EndJobRequest, _now: Instant) -> Result<EndJobResponse, Status> {
+        if !self.jobs.is_registered(&req.job_id) {
+            let refusal = not_found(format!("job {} is not registered (ended or lease lapsed)", req.job_id));
+            return Err(refusal.status(format_args!("end job {}", req.job_id)));
+        }
+        let released = self.end(&req.job_id, "ended");
+        Ok(EndJobResponse { files_deleted: released.files_deleted, blocks_freed: released.blocks_freed })
+    }
+
+    pub fn status(&mut self, _req: StatusRequest, now: Instant) -> Result<StatusResponse, Status> {
+        Ok(StatusResponse {
+            block_size: self.block_size,
+            servers: self.servers.status(now),
+            jobs: self.jobs.status(now),
+            files: self.namespace.files(),
+            directories: self.namespace.directories(),
+        })
+    }
+
+    pub fn register_server(
+        &mut self,
+        req: RegisterServerRequest,
+        now: Instant,
+    ) -> Result<RegisterServerResponse, Status> {
+        let context = format!("register storage server {}", req.address);
+        let (server_id, replaced) = self.servers.register(&req.address, req.tiers, now).context(&context)?;
+        if let Some(old) = replaced {
+            warn!(
+                "storage server {old} ({}) restarted as storage server {server_id}; its blocks are lost",
+                req.address
+            );
+        }
+        info!("storage server {server_id} registered from {}", req.address);
+        Ok(RegisterServerResponse {
+            server_id,
+            block_size: self.block_size,
+            heartbeat_interval_ms: self.heartbeat_interval.as_millis() as u64,
+        })
+    }
+
+    pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Instant) -> Result<HeartbeatResponse, Status> {
+        Ok(self.servers.heartbeat(req.server_id, req.tiers, req.freed_through_seq, now))
+    }
+
+    /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
+    pub fn reap(&mut self, now: Instant) {
+        for job in self.jobs.lapsed(now) {
+            self.end(&job, "lease lapsed");
+        }
+        for dead in self.servers.expire(now, self.server_timeout) {
+            warn!("{dead}; its blocks are lost");
+        }
+    }
+
+    pub fn gauges(&self) -> Gauges {
+        Gauges {
+            files: self.namespace.files(),
+            directories: self.namespace.directories(),
+            jobs: self.jobs.len() as u64,
+            live_servers: self.servers.live_count(),
+            dead_servers: self.servers.dead_count(),
+            allocated_blocks: self.servers.allocated_blocks(),
+        }
+    }
+
+    /// Ends a registered job: forgets it, deletes its directory, frees its blocks.
+    fn end(&mut self, job: &str, why: &str) -> DeleteResponse {
+        let _ = self.jobs.remove(job);
+        // The directory exists while the job is registered; tolerate its absence all the same.
+        let removed = self.namespace.remove(&path::job_root(job), true).unwrap_or_default();
+        let released = self.release(removed);
+        info!("job {job} {why}: deleted {} files, freeing {} blocks", released.files_deleted, released.blocks_freed);
+        released
+    }
+
+    /// Queues the blocks of removed files for freeing.
+    fn release(&mut self, removed: Removed) -> DeleteResponse {
+        self.servers.free(&removed.blocks);
+        DeleteResponse { files_deleted: removed.files, blocks_freed: removed.blocks.len() as u64 }
+    }
+
+    /// Rules for new entries under `/jobs`, which belongs to the jobs: `/jobs/<job>` is made only
+    /// by RegisterJob, and entries below it only while the job is live.
+    fn check_new_entry(&self, path: &str, directory: bool, parents: bool, now: Instant) -> Result<(), Refusal> {
+        match Place::of(path) {
+            Place::Outside => Ok(()),
+            Place::JobsDir if directory => Ok(()),
+            Place::JobsDir => Err(invalid(format!("{JOBS_DIR} is reserved for job directories"))),
+            // `mkdir -p` of a live job's existing directory is a harmless no-op.
+            Place::JobRoot(job) if directory && parents && self.jobs.check_live(job, now).is_ok() => Ok(()),
+            Place::JobRoot(_) => Err(invalid("job directories are made by RegisterJob")),
+            Place::InJob(job) => self.jobs.check_live(job, now),
+        }
+    }
+
+    /// Where each block of a file lives and how many of its bytes it holds.
+    fn locations(&self, file: &FileMeta) -> Vec<BlockLocation> {
+        let block_size = u64::from(self.block_size);
+        let count = file.blocks.len() as u64;
+        file.blocks
+            .iter()
+            .enumerate()
+            .map(|(index, block)| {
+                let length = match (file.sealed, index as u64 + 1 == count) {
+                    (false, _) => 0,
+                    (true, false) => block_size,
+                    (true, true) => file.length.saturating_sub((count - 1) * block_size),
+                };
+                self.servers.location(block, length as u32)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

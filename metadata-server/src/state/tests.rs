@@ -1,0 +1,415 @@
+//! The state machine through its RPC methods, with time moved by hand.
+
+use std::fmt::Debug;
+
+use tern_common::ByteSize;
+
+use super::*;
+use crate::placement::DRAM_TIER;
+
+const BLOCK: u64 = 4096;
+
+fn config() -> Config {
+    Config { block_size: ByteSize(BLOCK), max_list_entries: 3, ..Config::default() }
+}
+
+fn state() -> (State, Instant) {
+    (State::new(&config()), Instant::now())
+}
+
+/// The kind and message of a refused call.
+fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String) {
+    let status = result.expect_err("the call should have been refused");
+    (ErrorKind::of_status(&status), status.message().to_string())
+}
+
+fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
+    let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }];
+    let reply = state.register_server(RegisterServerRequest { address: address.into(), tiers }, now).unwrap();
+    assert_eq!(reply.block_size as u64, BLOCK);
+    reply.server_id
+}
+
+fn create(state: &mut State, path: &str, now: Instant) -> u64 {
+    state.create(CreateRequest { path: path.into(), parents: true }, now).unwrap().file_id
+}
+
+fn allocate(state: &mut State, file_id: u64, count: u32, now: Instant) -> Vec<BlockLocation> {
+    let request = AllocateBlocksRequest { file_id, count, client_host: String::new() };
+    state.allocate_blocks(request, now).unwrap().blocks
+}
+
+fn seal(state: &mut State, file_id: u64, length: u64, now: Instant) -> FileInfo {
+    state.seal(SealRequest { file_id, length }, now).unwrap().info.unwrap()
+}
+
+/// Creates, fills and seals a file of `length` bytes; returns its file id.
+fn write(state: &mut State, path: &str, length: u64, now: Instant) -> u64 {
+    let file_id = create(state, path, now);
+    let blocks = length.div_ceil(BLOCK) as u32;
+    if blocks > 0 {
+        allocate(state, file_id, blocks, now);
+    }
+    seal(state, file_id, length, now);
+    file_id
+}
+
+fn open(state: &mut State, path: &str, now: Instant) -> Result<OpenResponse, Status> {
+    state.open(OpenRequest { path: path.into() }, now)
+}
+
+fn delete(state: &mut State, path: &str, recursive: bool, now: Instant) -> Result<DeleteResponse, Status> {
+    state.delete(DeleteRequest { path: path.into(), recursive }, now)
+}
+
+fn rename(state: &mut State, from: &str, to: &str, now: Instant) -> Result<RenameResponse, Status> {
+    state.rename(RenameRequest { from: from.into(), to: to.into() }, now)
+}
+
+fn list(state: &mut State, path: &str, start_after: &str, limit: u32, now: Instant) -> (Vec<String>, bool) {
+    let request = ListRequest { path: path.into(), start_after: start_after.into(), limit };
+    let reply = state.list(request, now).unwrap();
+    (reply.entries.into_iter().map(|e| e.path).collect(), reply.truncated)
+}
+
+/// The frees a server is told about on its next heartbeat (acknowledging none).
+fn frees(state: &mut State, server_id: u64, now: Instant) -> Vec<u64> {
+    let request = HeartbeatRequest { server_id, tiers: Vec::new(), freed_through_seq: 0 };
+    let mut ids = state.heartbeat(request, now).unwrap().free_block_ids;
+    ids.sort_unstable();
+    ids
+}
+
+fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Instant) -> RegisterJobResponse {
+    state.register_job(RegisterJobRequest { name: name.into(), lease_ms }, now).unwrap()
+}
+
+#[test]
+fn writes_then_reads_a_file() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let file_id = create(&mut state, "/data/f", now);
+    let placed = allocate(&mut state, file_id, 3, now);
+    assert!(placed.iter().all(|b| b.server_id == server && b.address == "10.0.0.1:7000" && b.length == 0));
+    let info = seal(&mut state, file_id, 2 * BLOCK + 100, now);
+    assert_eq!((info.path.as_str(), info.sealed, info.length, info.block_count), ("/data/f", true, 2 * BLOCK + 100, 3));
+    let opened = open(&mut state, "/data/f", now).unwrap();
+    assert_eq!(opened.block_size as u64, BLOCK);
+    let lengths: Vec<u32> = opened.blocks.iter().map(|b| b.length).collect();
+    assert_eq!(lengths, [BLOCK as u32, BLOCK as u32, 100]);
+    let ids: Vec<u64> = opened.blocks.iter().map(|b| b.block_id).collect();
+    assert_eq!(ids, placed.iter().map(|b| b.block_id).collect::<Vec<_>>());
+    // An empty file has no blocks.
+    write(&mut state, "/data/empty", 0, now);
+    assert!(open(&mut state, "/data/empty", now).unwrap().blocks.is_empty());
+    let stat = state.stat(StatRequest { path: "/data".into(), with_blocks: true }, now).unwrap();
+    let info = stat.info.unwrap();
+    assert_eq!((info.kind, info.sealed, stat.blocks.len()), (EntryKind::Directory as i32, true, 0));
+}
+
+#[test]
+fn refuses_what_the_namespace_forbids() {
+    let (mut state, now) = state();
+    let file_id = create(&mut state, "/a/b", now);
+    let (kind, message) = refused(state.create(CreateRequest { path: "/a/b".into(), parents: false }, now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::AlreadyExists, "create /a/b: already exists"));
+    let (kind, message) = refused(state.mkdir(MkdirRequest { path: "/a".into(), parents: false }, now));
+    assert_eq!(kind, ErrorKind::AlreadyExists, "{message}");
+    state.mkdir(MkdirRequest { path: "/a".into(), parents: true }, now).unwrap();
+    let (kind, message) = refused(open(&mut state, "/a/b", now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "open /a/b: is not sealed yet"));
+    let (kind, message) = refused(open(&mut state, "/a", now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::Invalid, "open /a: is a directory"));
+    let (kind, message) = refused(open(&mut state, "/nope", now));
+    assert_eq!(kind, ErrorKind::NotFound, "{message}");
+    for bad in ["relative", "/a//b", "/a/../b", "/x\0"] {
+        let (kind, message) = refused(state.stat(StatRequest { path: bad.into(), with_blocks: false }, now));
+        assert_eq!(kind, ErrorKind::Invalid, "{bad:?}");
+        assert!(message.starts_with(&format!("stat {bad}: ")), "{message}");
+    }
+    let (kind, message) = refused(state.create(CreateRequest { path: "/c/d".into(), parents: false }, now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "create /c/d: parent directory /c does not exist"));
+    seal(&mut state, file_id, 0, now);
+    let (kind, message) = refused(state.seal(SealRequest { file_id, length: 0 }, now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::Invalid, "seal /a/b: the file is already sealed"));
+    let (kind, _) =
+        refused(state.allocate_blocks(AllocateBlocksRequest { file_id, count: 1, ..Default::default() }, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    let (kind, _) = refused(state.seal(SealRequest { file_id: 999, length: 0 }, now));
+    assert_eq!(kind, ErrorKind::NotFound);
+}
+
+#[test]
+fn allocation_checks_its_arguments_and_the_servers() {
+    let (mut state, now) = state();
+    let file_id = create(&mut state, "/f", now);
+    let ask = |count| AllocateBlocksRequest { file_id, count, client_host: String::new() };
+    let (kind, message) = refused(state.allocate_blocks(ask(1), now));
+    assert_eq!((kind, message.as_str()), (ErrorKind::Unavailable, "allocate 1 blocks for /f: no live storage servers"));
+    add_server(&mut state, "10.0.0.1:7000", 2048, now);
+    add_server(&mut state, "10.0.0.2:7000", 2048, now);
+    assert_eq!(refused(state.allocate_blocks(ask(0), now)).0, ErrorKind::Invalid);
+    assert_eq!(refused(state.allocate_blocks(ask(1025), now)).0, ErrorKind::Invalid);
+    let blocks = state.allocate_blocks(ask(1024), now).unwrap().blocks;
+    assert_eq!(blocks.iter().filter(|b| b.server_id == 1).count(), 512);
+    let (kind, _) = refused(state.allocate_blocks(ask(1), now).and_then(|_| {
+        state.allocate_blocks(AllocateBlocksRequest { file_id: 42, count: 1, client_host: String::new() }, now)
+    }));
+    assert_eq!(kind, ErrorKind::NotFound);
+    for _ in 0..2 {
+        state.allocate_blocks(ask(1024), now).unwrap();
+    }
+    let (kind, message) = refused(state.allocate_blocks(ask(1024), now));
+    assert_eq!(kind, ErrorKind::OutOfSpace, "{message}");
+    let status = state.status(StatusRequest {}, now).unwrap();
+    assert_eq!(status.servers.iter().map(|s| s.allocated_blocks).collect::<Vec<_>>(), [1537, 1536]);
+}
+
+#[test]
+fn seal_frees_the_blocks_it_does_not_need() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let file_id = create(&mut state, "/f", now);
+    let placed = allocate(&mut state, file_id, 4, now);
+    let (kind, message) = refused(state.seal(SealRequest { file_id, length: 5 * BLOCK }, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.contains("needs 5 blocks") && message.contains("only 4"), "{message}");
+    let info = seal(&mut state, file_id, BLOCK + 1, now);
+    assert_eq!(info.block_count, 2);
+    assert_eq!(frees(&mut state, server, now), [placed[2].block_id, placed[3].block_id]);
+}
+
+#[test]
+fn lists_in_pages_capped_by_the_server() {
+    let (mut state, now) = state();
+    for name in ["e", "a", "d", "c", "b"] {
+        create(&mut state, &format!("/dir/{name}"), now);
+    }
+    // max_list_entries is 3 in these tests: it caps both "no limit" and a larger limit.
+    assert_eq!(list(&mut state, "/dir", "", 0, now), (vec!["/dir/a".into(), "/dir/b".into(), "/dir/c".into()], true));
+    assert_eq!(list(&mut state, "/dir", "", 10, now).0.len(), 3);
+    assert_eq!(list(&mut state, "/dir", "c", 10, now), (vec!["/dir/d".into(), "/dir/e".into()], false));
+    assert_eq!(list(&mut state, "/dir", "a", 1, now), (vec!["/dir/b".into()], true));
+    assert_eq!(list(&mut state, "/dir/b", "", 0, now), (vec!["/dir/b".into()], false));
+    let (kind, _) = refused(state.list(ListRequest { path: "/none".into(), ..Default::default() }, now));
+    assert_eq!(kind, ErrorKind::NotFound);
+}
+
+#[test]
+fn delete_frees_blocks_and_refuses_non_empty_directories() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    write(&mut state, "/d/a", 2 * BLOCK, now);
+    write(&mut state, "/d/sub/b", BLOCK, now);
+    let unsealed = create(&mut state, "/d/sub/unsealed", now);
+    allocate(&mut state, unsealed, 1, now);
+    let (kind, message) = refused(delete(&mut state, "/d", false, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.starts_with("delete /d: directory not empty"), "{message}");
+    let (kind, _) = refused(delete(&mut state, "/", true, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    let reply = delete(&mut state, "/d", true, now).unwrap();
+    assert_eq!((reply.files_deleted, reply.blocks_freed), (3, 4));
+    assert_eq!(frees(&mut state, server, now), [1, 2, 3, 4]);
+    assert_eq!(refused(delete(&mut state, "/d", true, now)).0, ErrorKind::NotFound);
+    let status = state.status(StatusRequest {}, now).unwrap();
+    assert_eq!((status.files, status.directories), (0, 0));
+}
+
+#[test]
+fn rename_moves_subtrees_within_bounds() {
+    let (mut state, now) = state();
+    add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let file_id = write(&mut state, "/a/b/f", 10, now);
+    state.mkdir(MkdirRequest { path: "/z".into(), parents: false }, now).unwrap();
+    rename(&mut state, "/a/b", "/z/b2", now).unwrap();
+    let info = state.stat(StatRequest { path: "/z/b2/f".into(), with_blocks: false }, now).unwrap().info.unwrap();
+    assert_eq!((info.file_id, info.length), (file_id, 10));
+    let (kind, message) = refused(rename(&mut state, "/z", "/z/b2/inner", now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.contains("into itself"), "{message}");
+    assert_eq!(refused(rename(&mut state, "/z", "/a", now)).0, ErrorKind::AlreadyExists);
+    assert_eq!(refused(rename(&mut state, "/", "/x", now)).0, ErrorKind::Invalid);
+    // Across job boundaries, and job roots themselves, are refused.
+    let job = register_job(&mut state, "j1", 0, now);
+    register_job(&mut state, "j2", 0, now);
+    write(&mut state, "/jobs/j1/out", 1, now);
+    let (kind, message) = refused(rename(&mut state, "/jobs/j1/out", "/jobs/j2/out", now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.contains("across jobs (job j1 to job j2)"), "{message}");
+    assert_eq!(refused(rename(&mut state, "/jobs/j1/out", "/out", now)).0, ErrorKind::Invalid);
+    assert_eq!(refused(rename(&mut state, "/z", "/jobs/j1/z", now)).0, ErrorKind::Invalid);
+    assert_eq!(refused(rename(&mut state, &job.root, "/j1", now)).0, ErrorKind::Invalid);
+    assert_eq!(refused(rename(&mut state, "/jobs", "/j", now)).0, ErrorKind::Invalid);
+    rename(&mut state, "/jobs/j1/out", "/jobs/j1/renamed", now).unwrap();
+    open(&mut state, "/jobs/j1/renamed", now).unwrap();
+}
+
+#[test]
+fn a_dead_server_loses_its_blocks_but_not_the_files() {
+    let (mut state, start) = state();
+    let doomed = add_server(&mut state, "10.0.0.1:7000", 100, start);
+    let healthy = add_server(&mut state, "10.0.0.2:7000", 100, start);
+    // Two blocks: one lands on each server.
+    write(&mut state, "/jobless/spread", 2 * BLOCK, start);
+    let later = start + Duration::from_secs(6);
+    state.heartbeat(HeartbeatRequest { server_id: healthy, ..Default::default() }, later).unwrap();
+    state.reap(later);
+    let (kind, message) = refused(open(&mut state, "/jobless/spread", later));
+    assert_eq!(kind, ErrorKind::DataLost);
+    assert_eq!(
+        message,
+        "open /jobless/spread: block 1 on storage server 1 (10.0.0.1:7000) is lost: server missed heartbeats for 6.0s"
+    );
+    let stat = state.stat(StatRequest { path: "/jobless/spread".into(), with_blocks: true }, later).unwrap();
+    assert_eq!(stat.blocks_alive, [false, true]);
+    // New files go to the live server only, and open.
+    write(&mut state, "/jobless/after", 3 * BLOCK, later);
+    let opened = open(&mut state, "/jobless/after", later).unwrap();
+    assert!(opened.blocks.iter().all(|b| b.server_id == healthy));
+    // The dead server is told to re-register; deleting the lost file queues frees only on the live one.
+    let reply = state.heartbeat(HeartbeatRequest { server_id: doomed, ..Default::default() }, later).unwrap();
+    assert!(reply.reregister);
+    delete(&mut state, "/jobless/spread", false, later).unwrap();
+    assert_eq!(frees(&mut state, healthy, later), [2]);
+    let status = state.status(StatusRequest {}, later).unwrap();
+    assert_eq!(
+        status.servers.iter().map(|s| (s.alive, s.allocated_blocks)).collect::<Vec<_>>(),
+        [(false, 0), (true, 4)]
+    );
+}
+
+#[test]
+fn a_restarted_server_loses_its_blocks() {
+    let (mut state, now) = state();
+    add_server(&mut state, "10.0.0.1:7000", 100, now);
+    write(&mut state, "/f", 1, now);
+    let new_id = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    assert_eq!(new_id, 2);
+    let (kind, message) = refused(open(&mut state, "/f", now));
+    assert_eq!(kind, ErrorKind::DataLost);
+    assert!(message.contains("storage server 1 (10.0.0.1:7000) is lost: the server restarted"), "{message}");
+    let (kind, _) =
+        refused(state.register_server(RegisterServerRequest { address: "nope".into(), tiers: vec![] }, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+}
+
+#[test]
+fn jobs_own_their_directory() {
+    let (mut state, now) = state();
+    add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let job = register_job(&mut state, "j1", 0, now);
+    assert_eq!((job.job_id.as_str(), job.root.as_str(), job.lease_ms), ("j1", "/jobs/j1", 30_000));
+    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "j1".into(), lease_ms: 0 }, now)).0, {
+        ErrorKind::AlreadyExists
+    });
+    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "a/b".into(), lease_ms: 0 }, now)).0, {
+        ErrorKind::Invalid
+    });
+    let long = register_job(&mut state, "", 10 * 3_600_000, now);
+    assert!(long.job_id.starts_with("job-"), "{}", long.job_id);
+    assert_eq!(long.lease_ms, 3_600_000);
+    // Inside a live job: fine. Under an unknown one, or a job root by hand: refused.
+    write(&mut state, "/jobs/j1/x/y", 1, now);
+    state.mkdir(MkdirRequest { path: "/jobs/j1".into(), parents: true }, now).unwrap();
+    let (kind, message) = refused(state.create(CreateRequest { path: "/jobs/ghost/f".into(), parents: true }, now));
+    assert_eq!(
+        (kind, message.as_str()),
+        (ErrorKind::NotFound, "create /jobs/ghost/f: job ghost is not registered (ended or lease lapsed)")
+    );
+    assert_eq!(refused(state.mkdir(MkdirRequest { path: "/jobs/ghost".into(), parents: true }, now)).0, {
+        ErrorKind::Invalid
+    });
+    assert_eq!(refused(state.create(CreateRequest { path: "/jobs".into(), parents: false }, now)).0, {
+        ErrorKind::Invalid
+    });
+    let (kind, message) = refused(delete(&mut state, "/jobs/j1", true, now));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.contains("end the job instead"), "{message}");
+    assert_eq!(refused(delete(&mut state, "/jobs", true, now)).0, ErrorKind::Invalid);
+    // Deleting inside a job is fine.
+    delete(&mut state, "/jobs/j1/x", true, now).unwrap();
+    let info = state.stat(StatRequest { path: "/jobs/j1".into(), with_blocks: false }, now).unwrap().info.unwrap();
+    assert_eq!(info.job, "j1");
+}
+
+#[test]
+fn ending_a_job_deletes_its_files_and_frees_their_blocks() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    register_job(&mut state, "j1", 0, now);
+    write(&mut state, "/jobs/j1/a", 2 * BLOCK, now);
+    write(&mut state, "/jobs/j1/d/b", 10, now);
+    write(&mut state, "/kept", 10, now);
+    let status = state.status(StatusRequest {}, now).unwrap();
+    assert_eq!((status.jobs[0].files, status.jobs[0].bytes), (2, 2 * BLOCK + 10));
+    let reply = state.end_job(EndJobRequest { job_id: "j1".into() }, now).unwrap();
+    assert_eq!((reply.files_deleted, reply.blocks_freed), (2, 3));
+    assert_eq!(frees(&mut state, server, now), [1, 2, 3]);
+    assert_eq!(refused(state.stat(StatRequest { path: "/jobs/j1".into(), with_blocks: false }, now)).0, {
+        ErrorKind::NotFound
+    });
+    assert_eq!(refused(state.end_job(EndJobRequest { job_id: "j1".into() }, now)).0, ErrorKind::NotFound);
+    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "j1".into() }, now)).0, ErrorKind::NotFound);
+    open(&mut state, "/kept", now).unwrap();
+    // The name is free again.
+    register_job(&mut state, "j1", 0, now);
+}
+
+#[test]
+fn lapsed_leases_end_jobs_unless_renewed() {
+    let (mut state, start) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, start);
+    register_job(&mut state, "short", 100, start);
+    register_job(&mut state, "renewed", 100, start);
+    write(&mut state, "/jobs/short/f", BLOCK, start);
+    write(&mut state, "/jobs/renewed/f", BLOCK, start);
+    let mid = start + Duration::from_millis(80);
+    let renewed = state.renew_job(RenewJobRequest { job_id: "renewed".into() }, mid).unwrap();
+    assert_eq!(renewed.lease_ms, 100);
+    let after = start + Duration::from_millis(150);
+    // Lapsed but not yet reaped: no new entries, and no renewal.
+    let (kind, _) = refused(state.create(CreateRequest { path: "/jobs/short/g".into(), parents: false }, after));
+    assert_eq!(kind, ErrorKind::NotFound);
+    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "short".into() }, after)).0, ErrorKind::NotFound);
+    state.reap(after);
+    assert_eq!(refused(open(&mut state, "/jobs/short/f", after)).0, ErrorKind::NotFound);
+    open(&mut state, "/jobs/renewed/f", after).unwrap();
+    assert_eq!(frees(&mut state, server, after), [1]);
+    let status = state.status(StatusRequest {}, after).unwrap();
+    assert_eq!(status.jobs.iter().map(|j| j.job_id.as_str()).collect::<Vec<_>>(), ["renewed"]);
+    state.reap(start + Duration::from_millis(300));
+    assert!(state.status(StatusRequest {}, after).unwrap().jobs.is_empty());
+    assert_eq!(frees(&mut state, server, after), [1, 2]);
+}
+
+#[test]
+fn a_lapsed_job_name_can_be_registered_again_before_the_reaper_runs() {
+    let (mut state, start) = state();
+    register_job(&mut state, "j", 100, start);
+    write(&mut state, "/jobs/j/old", 0, start);
+    let after = start + Duration::from_millis(200);
+    register_job(&mut state, "j", 100, after);
+    assert_eq!(refused(open(&mut state, "/jobs/j/old", after)).0, ErrorKind::NotFound);
+}
+
+#[test]
+fn status_reports_servers_jobs_and_totals() {
+    let (mut state, start) = state();
+    add_server(&mut state, "10.0.0.2:7000", 10, start);
+    add_server(&mut state, "10.0.0.1:7000", 10, start);
+    register_job(&mut state, "j", 1000, start);
+    write(&mut state, "/jobs/j/f", 5, start);
+    let later = start + Duration::from_millis(400);
+    let status = state.status(StatusRequest {}, later).unwrap();
+    assert_eq!(status.block_size as u64, BLOCK);
+    let servers: Vec<_> = status.servers.iter().map(|s| (s.server_id, s.address.as_str(), s.alive)).collect();
+    assert_eq!(servers, [(1, "10.0.0.2:7000", true), (2, "10.0.0.1:7000", true)]);
+    assert_eq!(status.servers[0].last_heartbeat_ms_ago, 400);
+    assert_eq!(status.servers[0].tiers[0].capacity_blocks, 10);
+    assert_eq!((status.jobs[0].expires_in_ms, status.jobs[0].files, status.jobs[0].bytes), (600, 1, 5));
+    // /jobs and /jobs/j; one file.
+    assert_eq!((status.files, status.directories), (1, 2));
+    let gauges = state.gauges();
+    assert_eq!((gauges.files, gauges.jobs, gauges.live_servers, gauges.allocated_blocks), (1, 1, 2, 1));
+}

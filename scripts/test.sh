@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every check a change must pass: formatting, lints, and all tests (unit and black-box).
+# Installs what it needs; safe to run on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+    echo "installing cargo-nextest..." >&2
+    cargo install cargo-nextest --locked
+fi
+rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+cargo nextest run --workspace --profile ci

@@ -1,0 +1,61 @@
+//! `tern bench ...`: benchmarks that measure Tern beside a peer in the same run.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use tern_common::ByteSize;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: BenchCommand,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Core figures on an embedded cluster: fs put/get throughput beside loopback TCP, create+seal
+    /// latency, `tern status` time, storage-server memory with many connections.
+    Core {
+        /// Size of the file put and got.
+        #[arg(long, default_value = "1GiB")]
+        size: ByteSize,
+        /// Empty files created and sealed for the latency figure.
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
+        /// Times `tern status` is run.
+        #[arg(long, default_value_t = 20)]
+        status_runs: usize,
+        /// Client connections held open for the memory figure.
+        #[arg(long, default_value_t = 100)]
+        connections: usize,
+        /// Directory for the local files (tmpfs, so local disk is not measured).
+        #[arg(long, default_value = "/dev/shm")]
+        scratch: PathBuf,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.command {
+        BenchCommand::Core { size, files, status_runs, connections, scratch, json } => {
+            let options = tern_bench::core::CoreOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                size_bytes: size.bytes(),
+                empty_files: files,
+                status_runs,
+                connections,
+                scratch,
+            };
+            let report = tern_bench::core::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_bench::core::print_table(&report);
+            }
+            Ok(())
+        }
+    }
+}

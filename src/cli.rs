@@ -1,0 +1,60 @@
+//! The command line: one subcommand per role or action.
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::{bench, daemons, fs, status, up};
+
+#[derive(Parser)]
+#[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run a whole cluster on this machine in the foreground: a metadata server and N storage servers.
+    Up(up::UpArgs),
+    /// Run the metadata server (namespace, jobs, block placement).
+    MetadataServer(daemons::MetadataArgs),
+    /// Run a storage server (DRAM tier, block service).
+    StorageServer(daemons::StorageArgs),
+    /// Files: put, get, cat, ls, stat, rm, mkdir, mv.
+    Fs(fs::FsArgs),
+    /// Storage servers with each tier's capacity and use, and jobs.
+    Status(status::StatusArgs),
+    /// Benchmarks that measure Tern beside a peer in the same run.
+    Bench(bench::BenchArgs),
+}
+
+impl Command {
+    /// Daemons log at info by default; client commands only warn, so their output stays clean.
+    pub fn is_daemon(&self) -> bool {
+        matches!(self, Command::Up(_) | Command::MetadataServer(_) | Command::StorageServer(_))
+    }
+}
+
+/// Where client commands find the cluster.
+#[derive(Args, Clone)]
+pub struct MetadataAddr {
+    /// Metadata server address (host:port).
+    #[arg(long = "metadata", env = "TERN_METADATA", default_value = "127.0.0.1:9060", global = true)]
+    pub addr: String,
+}
+
+impl MetadataAddr {
+    pub async fn connect(&self) -> anyhow::Result<tern_client::Client> {
+        Ok(tern_client::Client::connect(&self.addr).await?)
+    }
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Up(args) => up::run(args).await,
+        Command::MetadataServer(args) => daemons::run_metadata(args).await,
+        Command::StorageServer(args) => daemons::run_storage(args).await,
+        Command::Fs(args) => fs::run(args).await,
+        Command::Status(args) => status::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
+    }
+}

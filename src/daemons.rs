@@ -1,0 +1,91 @@
+//! `tern metadata-server` and `tern storage-server`: a TOML config overridden by flags.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Args;
+use tern_common::ByteSize;
+
+#[derive(Args)]
+pub struct MetadataArgs {
+    /// TOML config file (keys as in the README); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// gRPC listen address [default: 127.0.0.1:9060].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// State directory [default: tern-data/metadata].
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Prometheus metrics endpoint [default: 127.0.0.1:9061].
+    #[arg(long)]
+    admin: Option<SocketAddr>,
+    /// Cluster block size, a power of two from 4KiB to 64MiB [default: 1MiB].
+    #[arg(long)]
+    block_size: Option<ByteSize>,
+    /// How often storage servers heartbeat [default: 1000].
+    #[arg(long)]
+    heartbeat_interval_ms: Option<u64>,
+    /// A storage server silent this long is dead [default: 5000].
+    #[arg(long)]
+    server_timeout_ms: Option<u64>,
+    /// Lease of a job that asks for none [default: 30000].
+    #[arg(long)]
+    default_lease_ms: Option<u64>,
+}
+
+pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
+    let mut config: tern_metadata::Config = tern_common::config::load(args.config.as_deref())?;
+    override_with(&mut config.listen, args.listen);
+    override_with(&mut config.dir, args.dir);
+    override_with(&mut config.admin_listen, args.admin);
+    override_with(&mut config.block_size, args.block_size);
+    override_with(&mut config.heartbeat_interval_ms, args.heartbeat_interval_ms);
+    override_with(&mut config.server_timeout_ms, args.server_timeout_ms);
+    override_with(&mut config.default_lease_ms, args.default_lease_ms);
+    tern_metadata::run(config).await
+}
+
+#[derive(Args)]
+pub struct StorageArgs {
+    /// TOML config file (keys as in the README); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Metadata server address [default: 127.0.0.1:9060].
+    #[arg(long)]
+    metadata: Option<String>,
+    /// Block-service listen address; port 0 picks a free port [default: 127.0.0.1:9070].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Address clients use to reach this server [default: the bound address].
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Size of the DRAM tier, e.g. 4GiB [default: 1GiB].
+    #[arg(long)]
+    dram: Option<ByteSize>,
+    /// Prometheus metrics endpoint [default: 127.0.0.1:9071].
+    #[arg(long)]
+    admin: Option<SocketAddr>,
+    /// Most client connections served at once [default: 1024].
+    #[arg(long)]
+    max_connections: Option<usize>,
+}
+
+pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
+    let mut config: tern_storage::Config = tern_common::config::load(args.config.as_deref())?;
+    override_with(&mut config.metadata, args.metadata);
+    override_with(&mut config.listen, args.listen);
+    if args.advertise.is_some() {
+        config.advertise = args.advertise;
+    }
+    override_with(&mut config.dram, args.dram);
+    override_with(&mut config.admin_listen, args.admin);
+    override_with(&mut config.max_connections, args.max_connections);
+    tern_storage::run(config).await
+}
+
+fn override_with<T>(field: &mut T, flag: Option<T>) {
+    if let Some(value) = flag {
+        *field = value;
+    }
+}

@@ -1,0 +1,313 @@
+//! `tern fs ...`: files in the store, from the shell.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use bytes::{Bytes, BytesMut};
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tern_client::{Client, EntryKind, ErrorKind};
+
+use crate::cli::MetadataAddr;
+use crate::show;
+
+#[derive(Args)]
+pub struct FsArgs {
+    #[command(flatten)]
+    metadata: MetadataAddr,
+    #[command(subcommand)]
+    command: FsCommand,
+}
+
+#[derive(Subcommand)]
+enum FsCommand {
+    /// Upload a local file ("-" for stdin). REMOTE may be a directory (ending in '/' or existing).
+    Put {
+        local: PathBuf,
+        remote: String,
+        /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Download a file. LOCAL may be a directory, or "-" for stdout.
+    Get {
+        remote: String,
+        local: PathBuf,
+        /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a file to stdout.
+    Cat { remote: String },
+    /// List a directory (or show one file).
+    Ls {
+        path: String,
+        /// Long format: kind, size, blocks, creation time.
+        #[arg(short, long)]
+        long: bool,
+        /// One JSON object per entry.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a file or directory, with the blocks of a file and where they live.
+    Stat {
+        path: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a file, or a directory with -r.
+    Rm {
+        path: String,
+        #[arg(short, long)]
+        recursive: bool,
+    },
+    /// Create a directory.
+    Mkdir {
+        path: String,
+        /// Create missing parents; no error if it exists.
+        #[arg(short, long)]
+        parents: bool,
+    },
+    /// Rename a file or directory.
+    Mv { from: String, to: String },
+}
+
+/// Bytes handed to the writer per call: several blocks, so whole blocks pass without copying.
+const PUT_CHUNK_BYTES: usize = 8 << 20;
+/// Chunks queued between the thread touching local disk and the network side.
+const LOCAL_QUEUE_CHUNKS: usize = 8;
+
+pub async fn run(args: FsArgs) -> anyhow::Result<()> {
+    let client = args.metadata.connect().await?;
+    match args.command {
+        FsCommand::Put { local, remote, json } => put(&client, &local, &remote, json).await,
+        FsCommand::Get { remote, local, json } => get(&client, &remote, &local, json).await,
+        FsCommand::Cat { remote } => get(&client, &remote, Path::new("-"), false).await,
+        FsCommand::Ls { path, long, json } => ls(&client, &path, long, json).await,
+        FsCommand::Stat { path, json } => stat(&client, &path, json).await,
+        FsCommand::Rm { path, recursive } => {
+            client.delete(&path, recursive).await?;
+            Ok(())
+        }
+        FsCommand::Mkdir { path, parents } => Ok(client.mkdir(&path, parents).await?),
+        FsCommand::Mv { from, to } => Ok(client.rename(&from, &to).await?),
+    }
+}
+
+async fn put(client: &Client, local: &Path, remote: &str, json: bool) -> anyhow::Result<()> {
+    let name = local.file_name().and_then(|n| n.to_str()).filter(|_| local != Path::new("-"));
+    let remote = match name {
+        Some(name) if remote_is_dir(client, remote).await? => format!("{}/{name}", remote.trim_end_matches('/')),
+        _ => remote.to_string(),
+    };
+    let started = Instant::now();
+    let mut writer = client.create(&remote, true).await?;
+    let progress = progress_bar(local_len(local), &format!("put {remote}"));
+    if let Some(whole) = map_local(local)? {
+        // A regular file goes out straight from the page cache: the writer slices blocks off
+        // the mapping without a copy.
+        let mut at = 0;
+        while at < whole.len() {
+            let end = (at + PUT_CHUNK_BYTES).min(whole.len());
+            writer.write_bytes(whole.slice(at..end)).await?;
+            progress.inc((end - at) as u64);
+            at = end;
+        }
+    } else {
+        let mut chunks = spawn_local_reader(local)?;
+        while let Some(chunk) = chunks.recv().await {
+            let chunk = chunk.with_context(|| format!("reading {}", local.display()))?;
+            progress.inc(chunk.len() as u64);
+            writer.write_bytes(chunk).await?;
+        }
+    }
+    let info = writer.close().await?;
+    progress.finish_and_clear();
+    report("put", &remote, info.length, started, json);
+    Ok(())
+}
+
+async fn get(client: &Client, remote: &str, local: &Path, json: bool) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut reader = client.open(remote).await?;
+    let local = if local.is_dir() { local.join(remote.rsplit('/').next().unwrap_or("file")) } else { local.to_path_buf() };
+    let to_stdout = local == Path::new("-");
+    let progress = if to_stdout { ProgressBar::hidden() } else { progress_bar(Some(reader.len()), &format!("get {remote}")) };
+    let (chunks, writing) = spawn_local_writer(&local)?;
+    let mut bytes = 0u64;
+    while let Some(chunk) = reader.next_chunk().await? {
+        bytes += chunk.len() as u64;
+        progress.inc(chunk.len() as u64);
+        if chunks.send(chunk).await.is_err() {
+            break; // the writer failed; its error is reported below
+        }
+    }
+    drop(chunks);
+    writing.await.context("local writer thread")?.with_context(|| format!("writing {}", local.display()))?;
+    progress.finish_and_clear();
+    if !to_stdout {
+        report("get", remote, bytes, started, json);
+    }
+    Ok(())
+}
+
+async fn remote_is_dir(client: &Client, remote: &str) -> anyhow::Result<bool> {
+    if remote.ends_with('/') {
+        return Ok(true);
+    }
+    match client.stat(remote).await {
+        Ok(info) => Ok(info.kind() == EntryKind::Directory),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn local_len(local: &Path) -> Option<u64> {
+    std::fs::metadata(local).ok().filter(|m| m.is_file()).map(|m| m.len())
+}
+
+/// The whole of a regular local file, memory-mapped; `None` for stdin, pipes and empty files.
+fn map_local(local: &Path) -> anyhow::Result<Option<Bytes>> {
+    if local == Path::new("-") || local_len(local).unwrap_or(0) == 0 {
+        return Ok(None);
+    }
+    let file = std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?;
+    // SAFETY: the mapping is read-only and private to this process; like any reader of a file,
+    // `put` expects nobody to truncate it while it is being uploaded.
+    let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping {}", local.display()))?;
+    let _ = map.advise(memmap2::Advice::Sequential);
+    Ok(Some(Bytes::from_owner(map)))
+}
+
+/// Reads `local` (or stdin) on a thread, in chunks, into a bounded queue.
+fn spawn_local_reader(local: &Path) -> anyhow::Result<tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>> {
+    let mut source: Box<dyn Read + Send> = if local == Path::new("-") {
+        Box::new(std::io::stdin())
+    } else {
+        Box::new(std::fs::File::open(local).with_context(|| format!("opening {}", local.display()))?)
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(LOCAL_QUEUE_CHUNKS);
+    std::thread::spawn(move || loop {
+        let mut chunk = BytesMut::zeroed(PUT_CHUNK_BYTES);
+        let mut filled = 0;
+        let result = loop {
+            match source.read(&mut chunk[filled..]) {
+                Ok(0) => break Ok(()),
+                Ok(n) => {
+                    filled += n;
+                    if filled == chunk.len() {
+                        break Ok(());
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
+        };
+        chunk.truncate(filled);
+        let done = result.is_err() || filled < PUT_CHUNK_BYTES;
+        let item = result.map(|()| chunk.freeze());
+        if (item.as_ref().map_or(true, |c| !c.is_empty()) && tx.blocking_send(item).is_err()) || done {
+            return;
+        }
+    });
+    Ok(rx)
+}
+
+/// Writes chunks to `local` (or stdout) on a thread; the handle yields the outcome.
+fn spawn_local_writer(
+    local: &Path,
+) -> anyhow::Result<(tokio::sync::mpsc::Sender<Bytes>, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let mut sink: Box<dyn Write + Send> = if local == Path::new("-") {
+        Box::new(std::io::stdout())
+    } else {
+        Box::new(std::fs::File::create(local).with_context(|| format!("creating {}", local.display()))?)
+    };
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(LOCAL_QUEUE_CHUNKS);
+    let handle = tokio::task::spawn_blocking(move || {
+        while let Some(chunk) = rx.blocking_recv() {
+            sink.write_all(&chunk)?;
+        }
+        sink.flush()
+    });
+    Ok((tx, handle))
+}
+
+fn progress_bar(total: Option<u64>, message: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template("{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}")
+        .expect("valid template")
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_message(message.to_string());
+    bar
+}
+
+fn report(op: &str, path: &str, bytes: u64, started: Instant, json: bool) {
+    let seconds = started.elapsed().as_secs_f64();
+    let mib_per_s = bytes as f64 / (1 << 20) as f64 / seconds.max(1e-9);
+    if json {
+        println!("{}", json!({ "op": op, "path": path, "bytes": bytes, "seconds": seconds, "mib_per_s": mib_per_s }));
+    } else {
+        eprintln!("{op} {path}: {} in {seconds:.2}s ({mib_per_s:.0} MiB/s)", show::size(bytes));
+    }
+}
+
+async fn ls(client: &Client, path: &str, long: bool, json: bool) -> anyhow::Result<()> {
+    let entries = client.list(path).await?;
+    let mut out = std::io::stdout().lock();
+    for entry in &entries {
+        let name = if entry.path == path.trim_end_matches('/') && entry.kind() == EntryKind::File {
+            entry.path.as_str()
+        } else {
+            entry.path.rsplit('/').next().unwrap_or_default()
+        };
+        let slash = if entry.kind() == EntryKind::Directory { "/" } else { "" };
+        if json {
+            writeln!(out, "{}", show::file_json(entry))?;
+        } else if long {
+            writeln!(
+                out,
+                "{:<7} {:>10} {:>6} {}  {name}{slash}",
+                show::kind_name(entry),
+                show::size(entry.length),
+                entry.block_count,
+                show::utc_time(entry.created_unix_ms)
+            )?;
+        } else {
+            writeln!(out, "{name}{slash}")?;
+        }
+    }
+    Ok(())
+}
+
+async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
+    let (info, blocks) = client.stat_with_blocks(path, true).await?;
+    if json {
+        let mut value = show::file_json(&info);
+        value["blocks"] = blocks.iter().map(|(b, alive)| show::block_json(b, *alive)).collect();
+        println!("{value}");
+        return Ok(());
+    }
+    println!("path:     {}", info.path);
+    println!("kind:     {}", show::kind_name(&info));
+    if info.kind() == EntryKind::File {
+        println!("length:   {} ({} bytes)", show::size(info.length), info.length);
+        println!("file id:  {}", info.file_id);
+        println!("blocks:   {}", info.block_count);
+    }
+    println!("created:  {} UTC", show::utc_time(info.created_unix_ms));
+    if !info.job.is_empty() {
+        println!("job:      {}", info.job);
+    }
+    if !blocks.is_empty() {
+        println!("{:>12} {:>7} {:<22} {:>10} STATE", "BLOCK", "SERVER", "ADDRESS", "LENGTH");
+        for (block, alive) in &blocks {
+            let state = if *alive { "ok" } else { "lost" };
+            println!("{:>12} {:>7} {:<22} {:>10} {state}", block.block_id, block.server_id, block.address, block.length);
+        }
+    }
+    Ok(())
+}

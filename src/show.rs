@@ -1,0 +1,97 @@
+//! Turning cluster answers into text for people and JSON for programs.
+
+use serde_json::{json, Value};
+use tern_client::{BlockLocation, EntryKind, FileInfo, StatusResponse};
+use tern_common::ByteSize;
+
+pub fn size(bytes: u64) -> String {
+    ByteSize(bytes).to_string()
+}
+
+pub fn kind_name(info: &FileInfo) -> &'static str {
+    match info.kind() {
+        EntryKind::Directory => "dir",
+        EntryKind::File if info.sealed => "file",
+        EntryKind::File => "writing",
+        EntryKind::Unspecified => "?",
+    }
+}
+
+pub fn file_json(info: &FileInfo) -> Value {
+    json!({
+        "path": info.path,
+        "kind": kind_name(info),
+        "length": info.length,
+        "sealed": info.sealed,
+        "file_id": info.file_id,
+        "block_count": info.block_count,
+        "created_unix_ms": info.created_unix_ms,
+        "job": info.job,
+    })
+}
+
+pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
+    json!({
+        "block_id": block.block_id,
+        "server_id": block.server_id,
+        "address": block.address,
+        "length": block.length,
+        "alive": alive,
+    })
+}
+
+pub fn status_json(status: &StatusResponse) -> Value {
+    json!({
+        "block_size": status.block_size,
+        "files": status.files,
+        "directories": status.directories,
+        "servers": status.servers.iter().map(|s| json!({
+            "server_id": s.server_id,
+            "address": s.address,
+            "alive": s.alive,
+            "allocated_blocks": s.allocated_blocks,
+            "last_heartbeat_ms_ago": s.last_heartbeat_ms_ago,
+            "tiers": s.tiers.iter().map(|t| json!({
+                "tier": t.tier,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "capacity_blocks": t.capacity_blocks,
+                "used_blocks": t.used_blocks,
+            })).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "jobs": status.jobs.iter().map(|j| json!({
+            "job_id": j.job_id,
+            "lease_ms": j.lease_ms,
+            "expires_in_ms": j.expires_in_ms,
+            "files": j.files,
+            "bytes": j.bytes,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// "2026-11-21 07:35:12" (UTC) from milliseconds since the epoch.
+pub fn utc_time(unix_ms: u64) -> String {
+    let secs = unix_ms / 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_time_matches_known_dates() {
+        assert_eq!(super::utc_time(0), "1970-01-01 00:00:00");
+        assert_eq!(super::utc_time(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(super::utc_time(1_795_305_600_000 + 3_723_000), "2026-11-22 01:02:03");
+    }
+}

@@ -1,0 +1,67 @@
+//! `tern status`: the cluster at a glance.
+
+use clap::Args;
+
+use crate::cli::MetadataAddr;
+use crate::show;
+
+#[derive(Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    metadata: MetadataAddr,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    let status = args.metadata.connect().await?.status().await?;
+    if args.json {
+        println!("{}", show::status_json(&status));
+        return Ok(());
+    }
+    let alive = status.servers.iter().filter(|s| s.alive).count();
+    println!(
+        "cluster: block size {}, {} storage servers ({alive} alive), {} files, {} directories, {} jobs",
+        show::size(status.block_size as u64),
+        status.servers.len(),
+        status.files,
+        status.directories,
+        status.jobs.len()
+    );
+    println!();
+    println!("{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>5} {:>15} {:>10}", "SERVER", "ADDRESS", "STATE", "TIER", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT");
+    for server in &status.servers {
+        let state = if server.alive { "alive" } else { "dead" };
+        let heartbeat = format!("{:.1}s ago", server.last_heartbeat_ms_ago as f64 / 1000.0);
+        for tier in &server.tiers {
+            let percent = if tier.capacity_bytes == 0 { 0.0 } else { 100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64 };
+            println!(
+                "{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
+                server.server_id,
+                server.address,
+                state,
+                tier.tier,
+                show::size(tier.used_bytes),
+                show::size(tier.capacity_bytes),
+                percent,
+                format!("{}/{}", tier.used_blocks, tier.capacity_blocks),
+                heartbeat
+            );
+        }
+    }
+    if !status.jobs.is_empty() {
+        println!();
+        println!("{:<40} {:>8} {:>10} {:>12}", "JOB", "FILES", "BYTES", "EXPIRES IN");
+        for job in &status.jobs {
+            println!(
+                "{:<40} {:>8} {:>10} {:>11.1}s",
+                job.job_id,
+                job.files,
+                show::size(job.bytes),
+                job.expires_in_ms as f64 / 1000.0
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,197 @@
+//! `tern up`: a whole cluster on this machine, in the foreground, with no configuration.
+//!
+//! Every daemon runs as its own `tern` process (as in production), logging to `DIR/logs`.
+//! Ctrl-C or SIGTERM stops them all; so does any one of them dying.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tern_common::ByteSize;
+use tokio::process::{Child, Command};
+
+#[derive(Args)]
+pub struct UpArgs {
+    /// Directory for metadata state and logs.
+    #[arg(long, default_value = "tern-data")]
+    dir: PathBuf,
+    /// Metadata server port on 127.0.0.1; the metrics endpoint is PORT+1, storage server i
+    /// listens on PORT+10+2i with metrics on PORT+11+2i.
+    #[arg(long, default_value_t = 9060)]
+    port: u16,
+    /// Number of storage servers.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=32))]
+    storage_servers: u16,
+    /// DRAM tier of each storage server.
+    #[arg(long, default_value = "1GiB")]
+    dram: ByteSize,
+    /// Cluster block size.
+    #[arg(long, default_value = "1MiB")]
+    block_size: ByteSize,
+}
+
+/// How long the cluster may take to come up before `tern up` gives up.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a daemon gets to exit after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+struct Daemon {
+    name: String,
+    log: PathBuf,
+    child: Child,
+}
+
+pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    let logs = args.dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let metadata_addr = format!("127.0.0.1:{}", args.port);
+    let port = |offset: u32| -> anyhow::Result<u16> {
+        u16::try_from(args.port as u32 + offset).context("--port is too high for the ports the cluster needs")
+    };
+    let mut daemons = vec![spawn(
+        "metadata",
+        &logs,
+        &[
+            "metadata-server",
+            "--listen",
+            &metadata_addr,
+            "--dir",
+            &args.dir.join("metadata").to_string_lossy(),
+            "--admin",
+            &format!("127.0.0.1:{}", port(1)?),
+            "--block-size",
+            &args.block_size.to_string(),
+        ],
+    )?];
+    for i in 0..args.storage_servers as u32 {
+        daemons.push(spawn(
+            &format!("storage-{i}"),
+            &logs,
+            &[
+                "storage-server",
+                "--metadata",
+                &metadata_addr,
+                "--listen",
+                &format!("127.0.0.1:{}", port(10 + 2 * i)?),
+                "--admin",
+                &format!("127.0.0.1:{}", port(11 + 2 * i)?),
+                "--dram",
+                &args.dram.to_string(),
+            ],
+        )?);
+    }
+    let outcome = match wait_until_ready(&metadata_addr, args.storage_servers as usize, &mut daemons).await {
+        Ok(()) => {
+            print_banner(&args, &metadata_addr, &logs);
+            tokio::select! {
+                _ = tern_common::shutdown_signal() => {
+                    eprintln!("stopping the cluster...");
+                    Ok(())
+                }
+                died = first_exit(&mut daemons) => Err(died),
+            }
+        }
+        Err(e) => Err(e),
+    };
+    stop_all(&mut daemons).await;
+    outcome
+}
+
+fn spawn(name: &str, logs: &Path, args: &[&str]) -> anyhow::Result<Daemon> {
+    let log = logs.join(format!("{name}.log"));
+    let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let exe = std::env::current_exe().context("locating the tern binary")?;
+    let mut command = Command::new(exe);
+    command.args(args).stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).kill_on_drop(true);
+    // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGTERM the child if
+    // `tern up` dies, so no daemon outlives the cluster it belongs to.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    let child = command.spawn().with_context(|| format!("starting {name}"))?;
+    Ok(Daemon { name: name.to_string(), log, child })
+}
+
+async fn wait_until_ready(metadata_addr: &str, servers: usize, daemons: &mut [Daemon]) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Some(died) = exited(daemons) {
+            return Err(died);
+        }
+        if let Ok(client) = tern_client::Client::connect(metadata_addr).await {
+            if let Ok(status) = client.status().await {
+                if status.servers.iter().filter(|s| s.alive).count() >= servers {
+                    return Ok(());
+                }
+            }
+        }
+        if started.elapsed() > STARTUP_TIMEOUT {
+            bail!("the cluster did not come up within {STARTUP_TIMEOUT:?}; see the logs in {}", daemons[0].log.parent().unwrap_or(Path::new(".")).display());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The error describing the first daemon found to have exited, if any.
+fn exited(daemons: &mut [Daemon]) -> Option<anyhow::Error> {
+    daemons.iter_mut().find_map(|d| match d.child.try_wait() {
+        Ok(Some(status)) => Some(died(d, status)),
+        _ => None,
+    })
+}
+
+async fn first_exit(daemons: &mut [Daemon]) -> anyhow::Error {
+    loop {
+        if let Some(e) = exited(daemons) {
+            return e;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn died(daemon: &Daemon, status: std::process::ExitStatus) -> anyhow::Error {
+    let log = std::fs::read_to_string(&daemon.log).unwrap_or_default();
+    let tail: Vec<&str> = log.lines().rev().take(5).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    anyhow::anyhow!("{} exited ({status}); last lines of {}:\n{}", daemon.name, daemon.log.display(), tail.join("\n"))
+}
+
+/// SIGTERM to storage servers first, then the metadata server; SIGKILL after a grace period.
+async fn stop_all(daemons: &mut [Daemon]) {
+    for daemon in daemons.iter_mut().rev() {
+        if let Some(pid) = daemon.child.id() {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        if tokio::time::timeout(STOP_GRACE, daemon.child.wait()).await.is_err() {
+            eprintln!("{} did not stop within {STOP_GRACE:?}; killing it", daemon.name);
+            let _ = daemon.child.kill().await;
+        }
+    }
+}
+
+fn print_banner(args: &UpArgs, metadata_addr: &str, logs: &Path) {
+    let admin_port = args.port as u32 + 1;
+    println!(
+        "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
+        args.storage_servers, args.dram, args.block_size
+    );
+    println!();
+    println!("In another shell:");
+    println!("  export TERN_METADATA={metadata_addr}");
+    println!("  tern fs put ./some-file /data/some-file");
+    println!("  tern fs get /data/some-file ./copy");
+    println!("  tern fs ls -l /data");
+    println!("  tern status");
+    println!();
+    println!("Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i", args.port as u32 + 11);
+    println!("Logs:    {}", logs.display());
+    println!("Ctrl-C stops the cluster.");
+}
