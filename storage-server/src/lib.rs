@@ -1,1 +1,138 @@
+//! Tern's storage server: the DRAM tier and the block service.
+//!
+//! - [`config`]: the typed configuration;
+//! - `arena`: the DRAM tier's one anonymous memory mapping;
+//! - [`store`]: the arena cut into blocks: write-once, append-only, zero-copy reads;
+//! - [`service`]: the block protocol over TCP (pipelined, bounded, never taken down by bad input);
+//! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
+//! - [`metrics`]: Prometheus metrics, served on the admin endpoint.
+//!
+//! [`start`] brings a server up and hands back a [`StorageServer`]; [`run`] is the daemon's main
+//! loop. Tests can serve a [`BlockStore`] without a metadata server through [`serve_blocks`].
 
+mod arena;
+pub mod config;
+mod heartbeat;
+pub mod metrics;
+pub mod service;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+pub use config::Config;
+pub use metrics::Metrics;
+pub use service::{serve_blocks, Limits};
+pub use store::{BlockStore, StoreError, Usage};
+
+/// A running storage server. Dropping it stops its tasks; [`StorageServer::shutdown`] also waits
+/// for them to end.
+pub struct StorageServer {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    store: Arc<BlockStore>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl StorageServer {
+    /// The bound address of the block service.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The bound address of the admin endpoint (`/metrics`, `/health`).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// The id the metadata server currently knows this server by (it changes on re-registration).
+    pub fn server_id(&self) -> u64 {
+        self.store.server_id()
+    }
+
+    /// Stops heartbeating, closes the block service and every connection, and waits for it.
+    /// (The admin endpoint lives until the process ends: `tern_common::admin::serve` offers no way
+    /// to stop it.)
+    pub async fn shutdown(mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        for task in std::mem::take(&mut self.tasks) {
+            if let Err(e) = task.await {
+                if e.is_panic() {
+                    tracing::error!("storage server task panicked: {e}");
+                }
+            }
+        }
+    }
+}
+
+impl Drop for StorageServer {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Maps the DRAM arena, binds the block service and admin endpoint, registers with the metadata
+/// server (waiting up to 10 s for it), cuts the arena into the cluster's blocks, and starts serving
+/// and heartbeating.
+pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
+    config.validate()?;
+    let dram = config.dram.bytes();
+    let (prefault, huge_pages) = (config.prefault, config.huge_pages);
+    // Prefaulting a large arena takes a while: keep it off the async workers.
+    let arena = tokio::task::spawn_blocking(move || arena::Arena::map(dram, prefault, huge_pages))
+        .await
+        .context("mapping the DRAM arena")??;
+
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding the block service to {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    let address = config.advertised_address(addr)?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
+
+    let mut client = heartbeat::connect(&config.metadata)?;
+    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, dram).await?;
+    let store =
+        Arc::new(BlockStore::with_arena(arena, registered.block_size).with_context(|| {
+            format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size)
+        })?);
+    metrics.observe_usage(&store.usage());
+    let service = tokio::spawn(serve_blocks(listener, store.clone(), Limits::from(&config), metrics.clone()));
+    let mut heartbeater =
+        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered);
+    // The registration could not say how many blocks fit; report them before anyone allocates.
+    if let Err(e) = heartbeater.beat().await {
+        service.abort();
+        return Err(e);
+    }
+    let heartbeat = tokio::spawn(heartbeater.run());
+    Ok(StorageServer { addr, admin_addr, store, tasks: vec![service, heartbeat] })
+}
+
+/// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
+/// SIGTERM.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let server = start(config.clone()).await?;
+    tracing::info!(
+        "storage server {} listening on {} (admin {}, dram {})",
+        server.server_id(),
+        server.addr(),
+        server.admin_addr(),
+        config.dram
+    );
+    tern_common::config::log_effective("storage-server", &config);
+    tern_common::shutdown_signal().await;
+    tracing::info!("storage server {} shutting down", server.server_id());
+    server.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! The storage server's configuration: one typed struct, loaded from TOML, printed at start-up.
+
+use std::net::SocketAddr;
+
+use anyhow::bail;
+use serde::{Deserialize, Serialize};
+use tern_common::ByteSize;
+
+/// Configuration of `tern storage-server`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// host:port of the metadata server's gRPC endpoint. Default `127.0.0.1:9060`.
+    pub metadata: String,
+    /// Address the block service listens on (port 0 picks a free port). Default `127.0.0.1:9070`.
+    pub listen: SocketAddr,
+    /// host:port registered with the metadata server for clients to reach the block service.
+    /// Default: none, meaning the bound address (which must then not be a wildcard like 0.0.0.0).
+    pub advertise: Option<String>,
+    /// Size of the DRAM tier arena, cut into blocks of the cluster's block size. Default `1GiB`.
+    pub dram: ByteSize,
+    /// Address of the admin endpoint (`/metrics`, `/health`; port 0 picks a free port).
+    /// Default `127.0.0.1:9071`.
+    pub admin_listen: SocketAddr,
+    /// Most open block-service connections; further ones are told so and closed. Default `1024`.
+    pub max_connections: usize,
+    /// Most replies queued per connection; past it the server stops reading that connection's
+    /// requests until the client reads replies (backpressure). Default `64`.
+    pub max_in_flight_per_connection: usize,
+    /// Ask for transparent huge pages on the arena (madvise MADV_HUGEPAGE). Default `true`.
+    pub huge_pages: bool,
+    /// Fault the whole arena in at start-up (MAP_POPULATE), so the first writes do not pay for
+    /// page faults and a machine without the memory fails at once. Default `true`.
+    pub prefault: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            metadata: "127.0.0.1:9060".to_string(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 9070)),
+            advertise: None,
+            dram: ByteSize::gib(1),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9071)),
+            max_connections: 1024,
+            max_in_flight_per_connection: 64,
+            huge_pages: true,
+            prefault: true,
+        }
+    }
+}
+
+impl Config {
+    /// Refuses settings that cannot work, before anything is mapped or bound.
+    pub(crate) fn validate(&self) -> anyhow::Result<()> {
+        if self.metadata.trim().is_empty() {
+            bail!("metadata: the metadata server address is empty (expected host:port)");
+        }
+        if self.dram.bytes() == 0 {
+            bail!("dram: the DRAM tier size is 0; give it at least one block (e.g. 1GiB)");
+        }
+        if usize::try_from(self.dram.bytes()).is_err() {
+            bail!("dram: {} does not fit in this machine's address space", self.dram);
+        }
+        if self.max_connections == 0 {
+            bail!("max_connections: must be at least 1");
+        }
+        if self.max_in_flight_per_connection == 0 {
+            bail!("max_in_flight_per_connection: must be at least 1");
+        }
+        if let Some(advertise) = &self.advertise {
+            if advertise.trim().is_empty() {
+                bail!("advertise: empty address (expected host:port, or leave it unset)");
+            }
+        }
+        Ok(())
+    }
+
+    /// The address to register for clients: `advertise`, else the bound address when it is one a
+    /// client can dial.
+    pub(crate) fn advertised_address(&self, bound: SocketAddr) -> anyhow::Result<String> {
+        match &self.advertise {
+            Some(advertise) => Ok(advertise.clone()),
+            None if bound.ip().is_unspecified() => bail!(
+                "the block service listens on {bound}, which clients cannot dial; \
+                 set `advertise` to the host:port clients should use"
+            ),
+            None => Ok(bound.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_round_trip_through_toml() {
+        let text = toml::to_string(&Config::default()).unwrap();
+        let back: Config = toml::from_str(&text).unwrap();
+        assert_eq!(back, Config::default());
+        let partial: Config = toml::from_str("dram = \"64MiB\"\nlisten = \"127.0.0.1:0\"\n").unwrap();
+        assert_eq!(partial.dram, ByteSize::mib(64));
+        assert_eq!(partial.max_connections, 1024);
+        assert!(toml::from_str::<Config>("dramm = 1\n").is_err());
+    }
+
+    #[test]
+    fn wildcard_listen_needs_advertise() {
+        let config = Config::default();
+        let wildcard: SocketAddr = "0.0.0.0:9070".parse().unwrap();
+        let err = config.advertised_address(wildcard).unwrap_err().to_string();
+        assert!(err.contains("advertise"), "{err}");
+        let local: SocketAddr = "127.0.0.1:9070".parse().unwrap();
+        assert_eq!(config.advertised_address(local).unwrap(), "127.0.0.1:9070");
+        let config = Config { advertise: Some("store-1:9070".into()), ..Config::default() };
+        assert_eq!(config.advertised_address(wildcard).unwrap(), "store-1:9070");
+    }
+
+    #[test]
+    fn impossible_settings_are_refused() {
+        assert!(Config::default().validate().is_ok());
+        assert!(Config { dram: ByteSize(0), ..Config::default() }.validate().is_err());
+        assert!(Config { max_connections: 0, ..Config::default() }.validate().is_err());
+        assert!(Config { max_in_flight_per_connection: 0, ..Config::default() }.validate().is_err());
+        assert!(Config { metadata: String::new(), ..Config::default() }.validate().is_err());
+    }
+}

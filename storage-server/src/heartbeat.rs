@@ -1,0 +1,434 @@
+//! Registration with the metadata server, and the heartbeat loop that reports tier use and carries
+//! out the frees the metadata server orders.
+//!
+//! Frees are acknowledged by sequence number: a heartbeat reply lists block ids to free and the
+//! sequence number of the last one; once they are freed the next heartbeat echoes it as
+//! `freed_through_seq`, and the metadata server stops resending them. A reply that says
+//! `reregister` means the cluster no longer counts this server's blocks: every block is dropped
+//! (stale data must never be served) and the server registers again under a new id.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use tern_proto::v1::registry_client::RegistryClient;
+use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, TierUsage};
+use tern_proto::ErrorKind;
+use tokio::time::{Instant, MissedTickBehavior};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::metrics::Metrics;
+use crate::store::{BlockStore, Usage, DRAM_TIER};
+
+/// How long start-up waits for the metadata server to accept the registration.
+const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// Backoff between registration attempts, doubling from the first to the last.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+/// Used when the metadata server names no heartbeat interval; its choice is clamped to the bounds.
+const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(10);
+const MAX_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(60);
+/// At most one warning this often while the metadata server cannot be reached.
+const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// A gRPC client of the metadata server's Registry service. The channel connects lazily and
+/// reconnects by itself, so one client serves the server's whole life.
+pub(crate) fn connect(metadata: &str) -> anyhow::Result<RegistryClient<Channel>> {
+    let uri = if metadata.contains("://") { metadata.to_string() } else { format!("http://{metadata}") };
+    let endpoint = Endpoint::from_shared(uri)
+        .with_context(|| format!("metadata server address {metadata:?} is not a valid host:port"))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .timeout(RPC_TIMEOUT);
+    Ok(RegistryClient::new(endpoint.connect_lazy())
+        .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES))
+}
+
+fn tier_usage(usage: &Usage) -> TierUsage {
+    TierUsage {
+        tier: DRAM_TIER.to_string(),
+        capacity_bytes: usage.capacity_bytes,
+        used_bytes: usage.used_bytes,
+        capacity_blocks: usage.capacity_blocks,
+        used_blocks: usage.used_blocks,
+    }
+}
+
+/// Registers at start-up, retrying while the metadata server is unreachable for up to
+/// [`REGISTER_DEADLINE`]. The block count is unknown until the cluster's block size is: the first
+/// heartbeat, sent before start-up completes, reports it.
+pub(crate) async fn register_at_start(
+    client: &mut RegistryClient<Channel>,
+    metadata: &str,
+    address: &str,
+    dram_bytes: u64,
+) -> anyhow::Result<RegisterServerResponse> {
+    let tiers = vec![TierUsage {
+        tier: DRAM_TIER.to_string(),
+        capacity_bytes: dram_bytes,
+        used_bytes: 0,
+        capacity_blocks: 0,
+        used_blocks: 0,
+    }];
+    let request = RegisterServerRequest { address: address.to_string(), tiers };
+    let deadline = Instant::now() + REGISTER_DEADLINE;
+    let mut backoff = Backoff::new();
+    loop {
+        match client.register_server(request.clone()).await {
+            Ok(reply) => return Ok(reply.into_inner()),
+            Err(status) if ErrorKind::of_status(&status) != ErrorKind::Unavailable => {
+                bail!("metadata server at {metadata} refused to register {address}: {}", status.message())
+            }
+            Err(status) => {
+                let now = Instant::now();
+                if now >= deadline {
+                    bail!(
+                        "cannot reach the metadata server at {metadata} to register (gave up after {}s): {}; \
+                         is it running, and is `metadata` right?",
+                        REGISTER_DEADLINE.as_secs(),
+                        status.message()
+                    );
+                }
+                tracing::debug!("registering with {metadata}: {}; retrying", status.message());
+                tokio::time::sleep(backoff.next().min(deadline - now)).await;
+            }
+        }
+    }
+}
+
+/// Doubling delays between retries, capped at [`RETRY_MAX`].
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { next: RETRY_FIRST }
+    }
+
+    fn next(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (self.next * 2).min(RETRY_MAX);
+        delay
+    }
+}
+
+/// The heartbeat interval the metadata server asked for, within sane bounds.
+pub(crate) fn heartbeat_interval(ms: u64) -> Duration {
+    if ms == 0 {
+        return DEFAULT_HEARTBEAT_INTERVAL;
+    }
+    Duration::from_millis(ms).clamp(MIN_HEARTBEAT_INTERVAL, MAX_HEARTBEAT_INTERVAL)
+}
+
+/// What a heartbeat reply led to.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// This many of the listed blocks were held and are now freed.
+    Freed(usize),
+    /// The metadata server no longer knows this server; this many blocks were dropped.
+    Reregister { dropped: usize },
+}
+
+/// The free-acknowledgement state of one registration.
+#[derive(Debug, PartialEq, Eq)]
+struct Session {
+    server_id: u64,
+    /// Every free ordered up to and including this sequence number has been carried out.
+    freed_through_seq: u64,
+}
+
+impl Session {
+    fn new(server_id: u64) -> Session {
+        Session { server_id, freed_through_seq: 0 }
+    }
+
+    fn request(&self, usage: &Usage) -> HeartbeatRequest {
+        HeartbeatRequest {
+            server_id: self.server_id,
+            tiers: vec![tier_usage(usage)],
+            freed_through_seq: self.freed_through_seq,
+        }
+    }
+
+    /// Carries out a heartbeat reply: frees first, and only then records them as done.
+    fn apply(&mut self, reply: &HeartbeatResponse, store: &BlockStore) -> Outcome {
+        if reply.reregister {
+            return Outcome::Reregister { dropped: store.clear() };
+        }
+        let freed = store.free(&reply.free_block_ids);
+        // Never move the acknowledgement backwards: a reply with nothing to free may carry an
+        // older (or zero) sequence number.
+        self.freed_through_seq = self.freed_through_seq.max(reply.free_seq);
+        Outcome::Freed(freed)
+    }
+}
+
+/// Lets a repeating warning through at most once per period, counting what it held back.
+struct Throttle {
+    period: Duration,
+    last: Option<Instant>,
+    held_back: u64,
+}
+
+impl Throttle {
+    fn new(period: Duration) -> Throttle {
+        Throttle { period, last: None, held_back: 0 }
+    }
+
+    /// `Some(held back since the last one)` when this occurrence should be logged.
+    fn allow(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(last) if now.duration_since(last) < self.period => {
+                self.held_back += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.held_back))
+            }
+        }
+    }
+
+    /// Forgets past occurrences; returns whether there were any.
+    fn reset(&mut self) -> bool {
+        let had = self.last.is_some();
+        *self = Throttle::new(self.period);
+        had
+    }
+}
+
+/// Sends heartbeats and acts on their replies.
+pub(crate) struct Heartbeater {
+    client: RegistryClient<Channel>,
+    metadata: String,
+    address: String,
+    store: Arc<BlockStore>,
+    metrics: Arc<Metrics>,
+    session: Session,
+    interval: Duration,
+    unreachable: Throttle,
+}
+
+impl Heartbeater {
+    pub(crate) fn new(
+        client: RegistryClient<Channel>,
+        metadata: String,
+        address: String,
+        store: Arc<BlockStore>,
+        metrics: Arc<Metrics>,
+        registered: &RegisterServerResponse,
+    ) -> Heartbeater {
+        store.set_server_id(registered.server_id);
+        Heartbeater {
+            client,
+            metadata,
+            address,
+            store,
+            metrics,
+            session: Session::new(registered.server_id),
+            interval: heartbeat_interval(registered.heartbeat_interval_ms),
+            unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
+        }
+    }
+
+    /// Heartbeats every interval until an error that needs an operator (then logged).
+    pub(crate) async fn run(mut self) {
+        loop {
+            let period = self.interval;
+            let mut ticker = tokio::time::interval_at(Instant::now() + period, period);
+            ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+            // A re-registration may bring a new interval: start a new ticker then.
+            while self.interval == period {
+                ticker.tick().await;
+                if let Err(e) = self.beat().await {
+                    tracing::error!("storage server stops heartbeating: {e:#}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// One heartbeat, and the frees or re-registration its reply asks for. Errors only when this
+    /// server cannot go on being part of the cluster; an unreachable metadata server is logged
+    /// and retried at the next beat.
+    pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
+        let usage = self.store.usage();
+        self.metrics.observe_usage(&usage);
+        let reply = match self.client.heartbeat(self.session.request(&usage)).await {
+            Ok(reply) => reply.into_inner(),
+            Err(status) => {
+                if let Some(held_back) = self.unreachable.allow(Instant::now()) {
+                    tracing::warn!(
+                        "heartbeat to the metadata server at {} failed: {} ({held_back} more failures since the last \
+                         warning); still serving reads",
+                        self.metadata,
+                        status.message()
+                    );
+                }
+                return Ok(());
+            }
+        };
+        if self.unreachable.reset() {
+            tracing::info!("metadata server at {} reachable again", self.metadata);
+        }
+        match self.session.apply(&reply, &self.store) {
+            Outcome::Freed(0) => {}
+            Outcome::Freed(n) => tracing::debug!("freed {n} blocks (through free sequence {})", reply.free_seq),
+            Outcome::Reregister { dropped } => {
+                tracing::warn!(
+                    "metadata server at {} no longer knows storage server {}: dropped all {dropped} blocks, \
+                     registering again",
+                    self.metadata,
+                    self.session.server_id
+                );
+                self.reregister().await?;
+            }
+        }
+        self.metrics.observe_usage(&self.store.usage());
+        Ok(())
+    }
+
+    /// Registers again (the store already emptied), retrying until the metadata server answers.
+    async fn reregister(&mut self) -> anyhow::Result<()> {
+        let mut backoff = Backoff::new();
+        let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
+        let registered = loop {
+            let request =
+                RegisterServerRequest { address: self.address.clone(), tiers: vec![tier_usage(&self.store.usage())] };
+            match self.client.register_server(request).await {
+                Ok(reply) => break reply.into_inner(),
+                Err(status) => {
+                    if let Some(held_back) = failures.allow(Instant::now()) {
+                        tracing::warn!(
+                            "registering again with {} failed: {} ({held_back} more failures since the last warning)",
+                            self.metadata,
+                            status.message()
+                        );
+                    }
+                    tokio::time::sleep(backoff.next()).await;
+                }
+            }
+        };
+        if registered.block_size != self.store.block_size() {
+            bail!(
+                "the metadata server at {} now uses {}-byte blocks but this server's DRAM tier is cut into {}-byte \
+                 blocks; restart the storage server",
+                self.metadata,
+                registered.block_size,
+                self.store.block_size()
+            );
+        }
+        self.store.set_server_id(registered.server_id);
+        self.session = Session::new(registered.server_id);
+        self.interval = heartbeat_interval(registered.heartbeat_interval_ms);
+        tracing::info!("registered again as storage server {}", registered.server_id);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store_with(ids: &[u64]) -> BlockStore {
+        let store = BlockStore::new(4096, 16 * 4096).unwrap();
+        for id in ids {
+            let mut pending = store.begin_write(*id, 0, 1).unwrap();
+            pending.buf()[0] = 1;
+            pending.commit(crc32c::crc32c(&[1])).unwrap();
+        }
+        store
+    }
+
+    fn reply(ids: &[u64], free_seq: u64) -> HeartbeatResponse {
+        HeartbeatResponse { free_block_ids: ids.to_vec(), free_seq, reregister: false }
+    }
+
+    #[test]
+    fn frees_are_acknowledged_after_they_are_done() {
+        let store = store_with(&[1, 2, 3, 4]);
+        let mut session = Session::new(7);
+        let usage = store.usage();
+        let first = session.request(&usage);
+        assert_eq!((first.server_id, first.freed_through_seq), (7, 0));
+        assert_eq!(first.tiers[0].tier, "dram");
+        assert_eq!(first.tiers[0].used_blocks, 4);
+        assert_eq!(first.tiers[0].capacity_blocks, 16);
+
+        // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
+        assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), Outcome::Freed(2));
+        assert_eq!(session.request(&store.usage()).freed_through_seq, 12);
+        assert_eq!(store.usage().used_blocks, 2);
+        assert!(store.read(1, 0, 1).is_err() && store.read(3, 0, 1).is_ok());
+
+        // A resent list (the ack was lost) is idempotent.
+        assert_eq!(session.apply(&reply(&[1, 2], 12), &store), Outcome::Freed(0));
+        // An empty reply does not move the acknowledgement backwards.
+        assert_eq!(session.apply(&reply(&[], 0), &store), Outcome::Freed(0));
+        assert_eq!(session.freed_through_seq, 12);
+        assert_eq!(session.apply(&reply(&[3], 13), &store), Outcome::Freed(1));
+        assert_eq!(session.request(&store.usage()).freed_through_seq, 13);
+    }
+
+    #[test]
+    fn reregister_drops_every_block() {
+        let store = store_with(&[1, 2, 3]);
+        let mut session = Session::new(7);
+        session.apply(&reply(&[1], 5), &store);
+        let outcome =
+            session.apply(&HeartbeatResponse { free_block_ids: vec![], free_seq: 0, reregister: true }, &store);
+        assert_eq!(outcome, Outcome::Reregister { dropped: 2 });
+        assert_eq!(store.usage().used_blocks, 0);
+        assert!(store.read(2, 0, 1).is_err());
+        // A new registration starts acknowledging from zero.
+        assert_eq!(Session::new(8), Session { server_id: 8, freed_through_seq: 0 });
+    }
+
+    #[test]
+    fn intervals_are_bounded() {
+        assert_eq!(heartbeat_interval(0), DEFAULT_HEARTBEAT_INTERVAL);
+        assert_eq!(heartbeat_interval(1), MIN_HEARTBEAT_INTERVAL);
+        assert_eq!(heartbeat_interval(500), Duration::from_millis(500));
+        assert_eq!(heartbeat_interval(u64::MAX), MAX_HEARTBEAT_INTERVAL);
+    }
+
+    #[test]
+    fn backoff_doubles_to_a_cap() {
+        let mut backoff = Backoff::new();
+        let delays: Vec<_> = (0..8).map(|_| backoff.next()).collect();
+        assert_eq!(delays[0], RETRY_FIRST);
+        assert_eq!(delays[1], RETRY_FIRST * 2);
+        assert_eq!(*delays.last().unwrap(), RETRY_MAX);
+        assert!(delays.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn warnings_are_rate_limited() {
+        let start = Instant::now();
+        let mut throttle = Throttle::new(Duration::from_secs(30));
+        assert_eq!(throttle.allow(start), Some(0));
+        assert_eq!(throttle.allow(start + Duration::from_secs(1)), None);
+        assert_eq!(throttle.allow(start + Duration::from_secs(29)), None);
+        assert_eq!(throttle.allow(start + Duration::from_secs(31)), Some(2));
+        assert_eq!(throttle.allow(start + Duration::from_secs(32)), None);
+        assert!(throttle.reset());
+        assert!(!throttle.reset());
+        assert_eq!(throttle.allow(start + Duration::from_secs(33)), Some(0));
+    }
+
+    #[tokio::test]
+    async fn registration_gives_up_with_a_clear_error() {
+        // Nothing listens on this port (it was just freed); use a short-lived paused clock so the
+        // 10 s deadline passes instantly.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let metadata = format!("127.0.0.1:{port}");
+        let mut client = connect(&metadata).unwrap();
+        tokio::time::pause();
+        let err = register_at_start(&mut client, &metadata, "127.0.0.1:1", 1 << 20).await.unwrap_err().to_string();
+        assert!(err.contains("cannot reach the metadata server") && err.contains(&metadata), "{err}");
+    }
+}

@@ -1,0 +1,174 @@
+//! The storage server's Prometheus metrics. Every request is recorded through [`Metrics::record`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use tern_proto::frame::Op;
+use tern_proto::ErrorKind;
+
+use crate::store::{Usage, DRAM_TIER};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    op: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: &'static str,
+}
+
+/// Per-op handles, resolved once so the request path does no label hashing.
+struct OpMetrics {
+    requests: Counter,
+    bytes: Counter,
+    duration: Histogram,
+}
+
+/// Handles on every storage-server metric.
+pub struct Metrics {
+    ops: [OpMetrics; OPS.len()],
+    errors: Family<ErrorLabels, Counter>,
+    dram_capacity_bytes: Gauge,
+    dram_used_bytes: Gauge,
+    dram_blocks: Gauge,
+    connections: Gauge,
+}
+
+const OPS: [Op; 5] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Malformed];
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Ping => "ping",
+        Op::Write => "write",
+        Op::Read => "read",
+        Op::Free => "free",
+        Op::Malformed => "malformed",
+    }
+}
+
+fn op_index(op: Op) -> usize {
+    OPS.iter().position(|o| *o == op).expect("OPS lists every op")
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Arc<Metrics> {
+        let requests = Family::<OpLabels, Counter>::default();
+        let bytes = Family::<OpLabels, Counter>::default();
+        let duration = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(|| {
+            Histogram::new(tern_common::admin::latency_buckets())
+        });
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let capacity = Family::<TierLabels, Gauge>::default();
+        let used = Family::<TierLabels, Gauge>::default();
+        let blocks = Family::<TierLabels, Gauge>::default();
+        let connections = Gauge::default();
+        registry.register("tern_storage_requests", "Block-service requests handled, by op", requests.clone());
+        registry.register(
+            "tern_storage_errors",
+            "Block-service requests refused, by op and error kind",
+            errors.clone(),
+        );
+        registry.register("tern_storage_bytes", "Payload bytes written (write) and read (read), by op", bytes.clone());
+        registry.register(
+            "tern_storage_request_duration_seconds",
+            "Time to handle a block-service request, from its header (write payloads included) to its reply",
+            duration.clone(),
+        );
+        registry.register("tern_storage_tier_capacity_bytes", "Bytes a tier can hold", capacity.clone());
+        registry.register("tern_storage_tier_used_bytes", "Bytes stored in a tier", used.clone());
+        registry.register("tern_storage_blocks", "Blocks in use in a tier", blocks.clone());
+        registry.register("tern_storage_connections", "Open block-service connections", connections.clone());
+        let ops = OPS.map(|op| {
+            let labels = OpLabels { op: op_name(op) };
+            OpMetrics {
+                requests: requests.get_or_create_owned(&labels),
+                bytes: bytes.get_or_create_owned(&labels),
+                duration: duration.get_or_create_owned(&labels),
+            }
+        });
+        let dram = TierLabels { tier: DRAM_TIER };
+        Arc::new(Metrics {
+            ops,
+            errors,
+            dram_capacity_bytes: capacity.get_or_create_owned(&dram),
+            dram_used_bytes: used.get_or_create_owned(&dram),
+            dram_blocks: blocks.get_or_create_owned(&dram),
+            connections,
+        })
+    }
+
+    /// Records one handled request: its op, time taken, payload bytes moved, and error if any.
+    pub fn record(&self, op: Op, elapsed: Duration, bytes: u64, error: Option<ErrorKind>) {
+        let m = &self.ops[op_index(op)];
+        m.requests.inc();
+        m.bytes.inc_by(bytes);
+        m.duration.observe(elapsed.as_secs_f64());
+        if let Some(kind) = error {
+            self.errors.get_or_create(&ErrorLabels { op: op_name(op), kind: kind.name() }).inc();
+        }
+    }
+
+    /// Updates the tier gauges.
+    pub fn observe_usage(&self, usage: &Usage) {
+        self.dram_capacity_bytes.set(gauge_value(usage.capacity_bytes));
+        self.dram_used_bytes.set(gauge_value(usage.used_bytes));
+        self.dram_blocks.set(gauge_value(usage.used_blocks));
+    }
+
+    pub(crate) fn connection_opened(&self) {
+        self.connections.inc();
+    }
+
+    pub(crate) fn connection_closed(&self) {
+        self.connections.dec();
+    }
+}
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_requests_errors_and_usage() {
+        let mut registry = Registry::default();
+        let metrics = Metrics::register(&mut registry);
+        metrics.record(Op::Write, Duration::from_micros(30), 4096, None);
+        metrics.record(Op::Write, Duration::from_micros(30), 0, Some(ErrorKind::OutOfSpace));
+        metrics.record(Op::Read, Duration::from_millis(2), 100, None);
+        metrics.observe_usage(&Usage { capacity_bytes: 1 << 20, used_bytes: 4096, capacity_blocks: 1, used_blocks: 1 });
+        metrics.connection_opened();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            "tern_storage_requests_total{op=\"write\"} 2",
+            "tern_storage_requests_total{op=\"read\"} 1",
+            "tern_storage_bytes_total{op=\"write\"} 4096",
+            "tern_storage_errors_total{op=\"write\",kind=\"out-of-space\"} 1",
+            "tern_storage_request_duration_seconds_count{op=\"write\"} 2",
+            "tern_storage_tier_capacity_bytes{tier=\"dram\"} 1048576",
+            "tern_storage_tier_used_bytes{tier=\"dram\"} 4096",
+            "tern_storage_blocks{tier=\"dram\"} 1",
+            "tern_storage_connections 1",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+    }
+}

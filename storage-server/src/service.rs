@@ -1,0 +1,334 @@
+//! The block service: block frames over TCP.
+//!
+//! Each connection has a reader task and a writer task joined by a bounded queue of replies. The
+//! reader handles requests in order (DRAM ops are memcpy-fast) and queues each reply; when the
+//! queue is full it stops reading, which pushes back on a client that pipelines faster than it
+//! reads replies. Write payloads are read from the socket straight into the arena and read replies
+//! are views of the arena, so block data is never copied on the server.
+//!
+//! Bad input never takes the server down: a frame the server cannot make sense of is answered
+//! with an error frame; if the byte stream can no longer be trusted to be at a frame boundary,
+//! that connection alone is closed after the error reply.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tern_proto::frame::{self, Frame, FrameError, Header, Op, MAX_FREE_IDS};
+use tern_proto::ErrorKind;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::metrics::Metrics;
+use crate::store::{BlockStore, StoreError};
+
+/// Replies are gathered into this much buffer before a write to the socket; payloads at least this
+/// large go to the socket directly.
+const WRITE_BUFFER_BYTES: usize = 64 << 10;
+/// After a fatal frame error the server reads (and discards) what the peer already sent, for at
+/// most this long and this many bytes, so that closing does not reset the connection and destroy
+/// the error reply before the peer reads it.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: u64 = 4 << 20;
+/// Pause after a failed accept (e.g. out of file descriptors), so the loop does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Bounds on the block service's connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most open connections; further ones get an Unavailable error frame and are closed.
+    pub max_connections: usize,
+    /// Most replies queued per connection before the server stops reading its requests.
+    pub max_in_flight_per_connection: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        let config = crate::Config::default();
+        Limits::from(&config)
+    }
+}
+
+impl From<&crate::Config> for Limits {
+    fn from(config: &crate::Config) -> Limits {
+        Limits {
+            max_connections: config.max_connections,
+            max_in_flight_per_connection: config.max_in_flight_per_connection,
+        }
+    }
+}
+
+/// Serves block frames on `listener` from `store` until the returned future is dropped (which
+/// closes every connection it serves).
+pub async fn serve_blocks(listener: TcpListener, store: Arc<BlockStore>, limits: Limits, metrics: Arc<Metrics>) {
+    assert!(limits.max_connections > 0 && limits.max_in_flight_per_connection > 0, "limits must be positive");
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    // Two tasks per connection; dropping the set (with this future) aborts them all.
+    let mut tasks = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::warn!("block service: accept failed: {e}");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    refuse_connection(stream, peer, limits.max_connections, &metrics).await;
+                    continue;
+                };
+                if let Err(e) = stream.set_nodelay(true) {
+                    tracing::debug!("block service: TCP_NODELAY on {peer}: {e}");
+                }
+                metrics.connection_opened();
+                let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
+                let (rd, wr) = stream.into_split();
+                let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
+                tasks.spawn(write_replies(wr, rx, guard.clone(), peer));
+                tasks.spawn(read_requests(rd, tx, store.clone(), metrics.clone(), guard, peer));
+            }
+            Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                if let Err(e) = joined {
+                    if e.is_panic() {
+                        tracing::error!("block service: a connection task panicked: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Held by both tasks of a connection: the connection counts against the limit until both end.
+struct ConnectionGuard {
+    _permit: OwnedSemaphorePermit,
+    metrics: Arc<Metrics>,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.metrics.connection_closed();
+    }
+}
+
+/// Tells a connection over the limit why it is refused, without waiting on it, and closes it.
+async fn refuse_connection(stream: TcpStream, peer: SocketAddr, limit: usize, metrics: &Metrics) {
+    let message = format!("storage server is at its limit of {limit} connections; retry later");
+    let frame = Frame::error(0, Op::Malformed, 0, ErrorKind::Unavailable, &message);
+    let mut wire = Vec::with_capacity(frame::HEADER_LEN + frame.payload.len());
+    if frame::write_frame(&mut wire, &frame).await.is_ok() {
+        // A fresh socket's send buffer takes these few hundred bytes at once; a peer that cannot
+        // take them is not waited for.
+        let _ = stream.try_write(&wire);
+    }
+    metrics.record(Op::Malformed, Duration::ZERO, 0, Some(ErrorKind::Unavailable));
+    tracing::debug!("block service: refused {peer}: {message}");
+}
+
+/// Writes queued replies, batching them while more are queued.
+async fn write_replies(
+    wr: OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Frame>,
+    _guard: Arc<ConnectionGuard>,
+    peer: SocketAddr,
+) {
+    let mut out = BufWriter::with_capacity(WRITE_BUFFER_BYTES, wr);
+    while let Some(reply) = rx.recv().await {
+        let written = match frame::write_frame(&mut out, &reply).await {
+            Ok(()) if rx.is_empty() => out.flush().await,
+            other => other,
+        };
+        if let Err(e) = written {
+            // Dropping `rx` stops the reader at its next reply.
+            tracing::debug!("block service: writing to {peer}: {e}");
+            return;
+        }
+    }
+    // The reader is done: flush what is left and send FIN.
+    if let Err(e) = out.shutdown().await {
+        tracing::debug!("block service: closing {peer}: {e}");
+    }
+}
+
+/// Reads and handles requests in order, queueing one reply per request.
+async fn read_requests(
+    mut rd: OwnedReadHalf,
+    tx: mpsc::Sender<Frame>,
+    store: Arc<BlockStore>,
+    metrics: Arc<Metrics>,
+    _guard: Arc<ConnectionGuard>,
+    peer: SocketAddr,
+) {
+    let max_payload = store.block_size();
+    loop {
+        let (reply, fatal) = match frame::read_header(&mut rd, max_payload).await {
+            Ok(None) => return,
+            Ok(Some(header)) => {
+                let started = Instant::now();
+                let (reply, bytes, fatal) = match serve_request(&mut rd, &store, &header).await {
+                    Ok((reply, bytes)) => (reply, bytes, false),
+                    Err(e) => {
+                        let message = format!("{header}: {e}");
+                        let reply = Frame::error(header.request_id, header.op, header.block_id, e.kind(), &message);
+                        (reply, 0, true)
+                    }
+                };
+                metrics.record(header.op, started.elapsed(), bytes, error_kind(&reply));
+                if reply.header.status == 0 && matches!(header.op, Op::Write | Op::Free) {
+                    metrics.observe_usage(&store.usage());
+                }
+                (reply, fatal)
+            }
+            Err(e) => {
+                let started = Instant::now();
+                let (reply, fatal) = reply_to_bad_header(&mut rd, e).await;
+                metrics.record(Op::Malformed, started.elapsed(), 0, error_kind(&reply));
+                (reply, fatal)
+            }
+        };
+        if fatal {
+            tracing::debug!(
+                "block service: closing {peer} after a frame error: {}",
+                String::from_utf8_lossy(&reply.payload)
+            );
+        }
+        if tx.send(reply).await.is_err() {
+            return;
+        }
+        if fatal {
+            // The writer sends the error reply, then FIN, once `tx` is gone.
+            drop(tx);
+            linger(&mut rd).await;
+            return;
+        }
+    }
+}
+
+/// The kind an error reply carries; `None` for a successful reply.
+fn error_kind(reply: &Frame) -> Option<ErrorKind> {
+    match reply.header.status {
+        0 => None,
+        code => Some(ErrorKind::from_code(code).unwrap_or(ErrorKind::Internal)),
+    }
+}
+
+/// The reply to a header that could not be decoded, and whether the connection must close.
+async fn reply_to_bad_header(rd: &mut OwnedReadHalf, err: FrameError) -> (Frame, bool) {
+    if let FrameError::UnknownOp { request_id, payload_len, .. } = err {
+        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free)");
+        // The header was sound, so skipping the payload brings the stream to the next frame.
+        return match frame::skip_payload(rd, payload_len).await {
+            Ok(()) => (Frame::error(request_id, Op::Malformed, 0, err.kind(), &message), false),
+            Err(skip) => (Frame::error(request_id, Op::Malformed, 0, skip.kind(), &format!("{message}; {skip}")), true),
+        };
+    }
+    (Frame::error(0, Op::Malformed, 0, err.kind(), &err.to_string()), err.is_fatal())
+}
+
+/// Discards what the peer still sends, bounded in time and bytes (see [`LINGER`]).
+async fn linger(rd: &mut OwnedReadHalf) {
+    let mut rest = rd.take(LINGER_BYTES);
+    let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut rest, &mut tokio::io::sink())).await;
+}
+
+/// Handles one request whose header decoded. `Ok` carries the reply (which may be an error
+/// reply) and the payload bytes moved; `Err` is a stream error after which the connection closes.
+async fn serve_request(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+    if h.response {
+        let message = format!("{h}: a reply frame sent to a storage server, which takes requests only");
+        return refuse(rd, h, ErrorKind::Invalid, &message).await;
+    }
+    match h.op {
+        Op::Ping | Op::Read if h.payload_len > 0 => {
+            let message = format!("{h}: {:?} requests carry no payload", h.op);
+            refuse(rd, h, ErrorKind::Invalid, &message).await
+        }
+        Op::Ping => Ok((Frame::reply(h, 0, Bytes::new()), 0)),
+        Op::Read => match store.read(h.block_id, h.offset, h.length) {
+            Ok((data, held)) => {
+                let bytes = data.len() as u64;
+                Ok((Frame::reply(h, held, data), bytes))
+            }
+            Err(e) => Ok((store_error(h, &e), 0)),
+        },
+        Op::Write => serve_write(rd, store, h).await,
+        Op::Free => serve_free(rd, store, h).await,
+        Op::Malformed => {
+            let message = format!("{h}: op Malformed only appears in error replies");
+            refuse(rd, h, ErrorKind::Invalid, &message).await
+        }
+    }
+}
+
+/// Appends a Write's payload to its block, reading it from the socket straight into the arena.
+async fn serve_write(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+    let mut pending = match store.begin_write(h.block_id, h.offset, h.payload_len) {
+        Ok(pending) => pending,
+        Err(e) => {
+            frame::skip_payload(rd, h.payload_len).await?;
+            return Ok((store_error(h, &e), 0));
+        }
+    };
+    // On a stream error `pending` is dropped unpublished: nothing of this payload becomes visible.
+    read_exactly(rd, pending.buf()).await?;
+    match pending.commit(h.payload_crc) {
+        Ok(len) => Ok((Frame::reply(h, len, Bytes::new()), u64::from(h.payload_len))),
+        Err(e) => Ok((store_error(h, &e), 0)),
+    }
+}
+
+/// Frees the blocks a Free frame lists; the reply's length is the number freed.
+async fn serve_free(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+    if h.payload_len as usize > MAX_FREE_IDS * 8 {
+        let err = FrameError::BadFreeList { bytes: h.payload_len as usize };
+        return refuse(rd, h, err.kind(), &format!("{h}: {err}")).await;
+    }
+    let payload = match frame::read_payload(rd, h).await {
+        Ok(payload) => payload,
+        Err(e) if !e.is_fatal() => {
+            return Ok((Frame::error(h.request_id, h.op, h.block_id, e.kind(), &format!("{h}: {e}")), 0))
+        }
+        Err(e) => return Err(e),
+    };
+    let request = Frame { header: *h, payload };
+    match request.free_ids() {
+        Ok(ids) => {
+            let freed = store.free(&ids);
+            Ok((Frame::reply(h, freed as u32, Bytes::new()), 0))
+        }
+        Err(e) => Ok((Frame::error(h.request_id, h.op, h.block_id, e.kind(), &format!("{h}: {e}")), 0)),
+    }
+}
+
+/// Skips the request's payload (keeping the stream at a frame boundary) and answers with an error.
+async fn refuse(
+    rd: &mut OwnedReadHalf,
+    h: &Header,
+    kind: ErrorKind,
+    message: &str,
+) -> Result<(Frame, u64), FrameError> {
+    frame::skip_payload(rd, h.payload_len).await?;
+    Ok((Frame::error(h.request_id, h.op, h.block_id, kind, message), 0))
+}
+
+fn store_error(h: &Header, e: &StoreError) -> Frame {
+    Frame::error(h.request_id, h.op, h.block_id, e.kind(), &e.to_string())
+}
+
+/// Fills `buf` from the stream; `Truncated` if the stream ends first.
+async fn read_exactly<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {
+    let mut got = 0;
+    while got < buf.len() {
+        match rd.read(&mut buf[got..]).await? {
+            0 => return Err(FrameError::Truncated { expected: buf.len(), got }),
+            n => got += n,
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! `start` against a stand-in metadata server (a scripted Registry service): registration with
+//! retries, heartbeats carrying frees and their acknowledgement, re-registration, metrics, shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use tern_common::ByteSize;
+use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tern_proto::v1::registry_server::{Registry, RegistryServer};
+use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse};
+use tern_proto::ErrorKind;
+use tern_storage::{start, Config};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const BS: u32 = 64 << 10;
+
+#[derive(Default)]
+struct State {
+    registrations: Vec<RegisterServerRequest>,
+    heartbeats: Vec<HeartbeatRequest>,
+    /// Frees resent on every heartbeat until acknowledged.
+    to_free: Vec<u64>,
+    free_seq: u64,
+    reregister_next: bool,
+}
+
+#[derive(Clone, Default)]
+struct FakeRegistry(Arc<Mutex<State>>);
+
+#[tonic::async_trait]
+impl Registry for FakeRegistry {
+    async fn register_server(
+        &self,
+        request: tonic::Request<RegisterServerRequest>,
+    ) -> Result<tonic::Response<RegisterServerResponse>, tonic::Status> {
+        let mut state = self.0.lock();
+        state.registrations.push(request.into_inner());
+        let server_id = state.registrations.len() as u64;
+        Ok(tonic::Response::new(RegisterServerResponse { server_id, block_size: BS, heartbeat_interval_ms: 20 }))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: tonic::Request<HeartbeatRequest>,
+    ) -> Result<tonic::Response<HeartbeatResponse>, tonic::Status> {
+        let mut state = self.0.lock();
+        let request = request.into_inner();
+        if request.freed_through_seq >= state.free_seq {
+            state.to_free.clear();
+        }
+        state.heartbeats.push(request);
+        let reregister = std::mem::take(&mut state.reregister_next);
+        Ok(tonic::Response::new(HeartbeatResponse {
+            free_block_ids: state.to_free.clone(),
+            free_seq: state.free_seq,
+            reregister,
+        }))
+    }
+}
+
+async fn serve_registry(listener: TcpListener) -> FakeRegistry {
+    let registry = FakeRegistry::default();
+    let service = RegistryServer::new(registry.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    registry
+}
+
+fn config(metadata: SocketAddr) -> Config {
+    Config {
+        metadata: metadata.to_string(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        dram: ByteSize::mib(1),
+        ..Config::default()
+    }
+}
+
+async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
+    frame::write_frame(stream, request).await.unwrap();
+    frame::read_frame(stream, MAX_PAYLOAD_BYTES).await.unwrap().unwrap().into_result()
+}
+
+/// Polls `check` until it holds, for up to 10 s.
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    for _ in 0..1000 {
+        if check() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("timed out waiting until {what}");
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: tern\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_heartbeats_frees_and_reregisters() {
+    // The metadata server comes up after the storage server: registration must wait for it.
+    let metadata_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let starting = tokio::spawn(start(config(metadata_port)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let registry = serve_registry(TcpListener::bind(metadata_port).await.unwrap()).await;
+    let server = starting.await.unwrap().unwrap();
+    assert_eq!(server.server_id(), 1);
+    {
+        let state = registry.0.lock();
+        let registration = &state.registrations[0];
+        assert_eq!(registration.address, server.addr().to_string());
+        assert_eq!(registration.tiers[0].tier, "dram");
+        assert_eq!(registration.tiers[0].capacity_bytes, 1 << 20);
+        // The heartbeat sent before `start` returned reports the blocks that fit.
+        let first = &state.heartbeats[0];
+        assert_eq!((first.server_id, first.freed_through_seq), (1, 0));
+        assert_eq!(first.tiers[0].capacity_blocks, 16);
+    }
+
+    let mut s = TcpStream::connect(server.addr()).await.unwrap();
+    for block in [1, 2, 3] {
+        call(&mut s, &Frame::write(block, block, 0, Bytes::from_static(b"shuffle data"))).await.unwrap();
+    }
+    {
+        let mut state = registry.0.lock();
+        state.to_free = vec![1, 2, 99];
+        state.free_seq = 5;
+    }
+    eventually("the frees are acknowledged", || {
+        registry.0.lock().heartbeats.last().is_some_and(|h| h.freed_through_seq == 5)
+    })
+    .await;
+    let (kind, message) = call(&mut s, &Frame::read(10, 1, 0, 1)).await.unwrap_err();
+    assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 1 is not held by storage server 1"));
+    assert_eq!(&call(&mut s, &Frame::read(11, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
+    eventually("heartbeats report the use", || {
+        registry.0.lock().heartbeats.last().is_some_and(|h| h.tiers[0].used_blocks == 1 && h.tiers[0].used_bytes == 12)
+    })
+    .await;
+
+    // The metadata server forgets this server: every block goes, and it registers anew.
+    registry.0.lock().reregister_next = true;
+    eventually("the server registers again", || server.server_id() == 2).await;
+    let (kind, message) = call(&mut s, &Frame::read(12, 3, 0, 1)).await.unwrap_err();
+    assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 3 is not held by storage server 2"));
+    eventually("heartbeats come from the new id", || {
+        registry.0.lock().heartbeats.last().is_some_and(|h| h.server_id == 2 && h.tiers[0].used_blocks == 0)
+    })
+    .await;
+    {
+        let state = registry.0.lock();
+        assert_eq!(state.registrations.len(), 2);
+        let after: Vec<_> = state.heartbeats.iter().filter(|h| h.server_id == 2).collect();
+        assert_eq!(after[0].freed_through_seq, 0, "a new registration acknowledges from zero");
+    }
+
+    let metrics = http_get(server.admin_addr(), "/metrics").await;
+    for line in [
+        "tern_storage_tier_capacity_bytes{tier=\"dram\"} 1048576",
+        "tern_storage_requests_total{op=\"write\"} 3",
+        "tern_storage_errors_total{op=\"read\",kind=\"not-found\"} 2",
+        "tern_storage_connections 1",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+
+    let addr = server.addr();
+    server.shutdown().await;
+    assert!(TcpStream::connect(addr).await.is_err(), "the block service still accepts after shutdown");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "open connections close on shutdown: {closed:?}");
+}
+
+#[tokio::test]
+async fn start_refuses_what_cannot_work() {
+    // A wildcard listen address cannot be registered for clients.
+    let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    let wildcard = Config { listen: "0.0.0.0:0".parse().unwrap(), ..config(unused) };
+    let err = start(wildcard).await.err().unwrap().to_string();
+    assert!(err.contains("advertise"), "{err}");
+
+    // A DRAM tier smaller than one of the cluster's blocks.
+    let registry_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metadata = registry_listener.local_addr().unwrap();
+    serve_registry(registry_listener).await;
+    let tiny = Config { dram: ByteSize::kib(32), ..config(metadata) };
+    let err = format!("{:#}", start(tiny).await.err().unwrap());
+    assert!(err.contains("smaller than one block"), "{err}");
+}
