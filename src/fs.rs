@@ -133,9 +133,11 @@ async fn put(client: &Client, local: &Path, remote: &str, json: bool) -> anyhow:
 async fn get(client: &Client, remote: &str, local: &Path, json: bool) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut reader = client.open(remote).await?;
-    let local = if local.is_dir() { local.join(remote.rsplit('/').next().unwrap_or("file")) } else { local.to_path_buf() };
+    let local =
+        if local.is_dir() { local.join(remote.rsplit('/').next().unwrap_or("file")) } else { local.to_path_buf() };
     let to_stdout = local == Path::new("-");
-    let progress = if to_stdout { ProgressBar::hidden() } else { progress_bar(Some(reader.len()), &format!("get {remote}")) };
+    let progress =
+        if to_stdout { ProgressBar::hidden() } else { progress_bar(Some(reader.len()), &format!("get {remote}")) };
     let (chunks, writing) = spawn_local_writer(&local)?;
     let mut bytes = 0u64;
     while let Some(chunk) = reader.next_chunk().await? {
@@ -237,9 +239,11 @@ fn spawn_local_writer(
 
 fn progress_bar(total: Option<u64>, message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(total, indicatif::ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template("{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}")
-        .expect("valid template")
-        .progress_chars("=> ");
+    let style = ProgressStyle::with_template(
+        "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
     bar.set_style(style);
     bar.set_message(message.to_string());
     bar
@@ -306,7 +310,10 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
         println!("{:>12} {:>7} {:<22} {:>10} STATE", "BLOCK", "SERVER", "ADDRESS", "LENGTH");
         for (block, alive) in &blocks {
             let state = if *alive { "ok" } else { "lost" };
-            println!("{:>12} {:>7} {:<22} {:>10} {state}", block.block_id, block.server_id, block.address, block.length);
+            println!(
+                "{:>12} {:>7} {:<22} {:>10} {state}",
+                block.block_id, block.server_id, block.address, block.length
+            );
         }
     }
     Ok(())

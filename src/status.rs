@@ -30,12 +30,19 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         status.jobs.len()
     );
     println!();
-    println!("{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>5} {:>15} {:>10}", "SERVER", "ADDRESS", "STATE", "TIER", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT");
+    println!(
+        "{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>5} {:>15} {:>10}",
+        "SERVER", "ADDRESS", "STATE", "TIER", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT"
+    );
     for server in &status.servers {
         let state = if server.alive { "alive" } else { "dead" };
         let heartbeat = format!("{:.1}s ago", server.last_heartbeat_ms_ago as f64 / 1000.0);
         for tier in &server.tiers {
-            let percent = if tier.capacity_bytes == 0 { 0.0 } else { 100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64 };
+            let percent = if tier.capacity_bytes == 0 {
+                0.0
+            } else {
+                100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64
+            };
             println!(
                 "{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
                 server.server_id,

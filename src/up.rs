@@ -131,7 +131,10 @@ async fn wait_until_ready(metadata_addr: &str, servers: usize, daemons: &mut [Da
             }
         }
         if started.elapsed() > STARTUP_TIMEOUT {
-            bail!("the cluster did not come up within {STARTUP_TIMEOUT:?}; see the logs in {}", daemons[0].log.parent().unwrap_or(Path::new(".")).display());
+            bail!(
+                "the cluster did not come up within {STARTUP_TIMEOUT:?}; see the logs in {}",
+                daemons[0].log.parent().unwrap_or(Path::new(".")).display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -191,7 +194,10 @@ fn print_banner(args: &UpArgs, metadata_addr: &str, logs: &Path) {
     println!("  tern fs ls -l /data");
     println!("  tern status");
     println!();
-    println!("Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i", args.port as u32 + 11);
+    println!(
+        "Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i",
+        args.port as u32 + 11
+    );
     println!("Logs:    {}", logs.display());
     println!("Ctrl-C stops the cluster.");
 }

@@ -53,7 +53,9 @@ async fn killed_storage_server_means_data_lost_for_its_files_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_in_flight_when_a_server_dies_fail_cleanly() {
     let mut cluster = Cluster::start(2, "128MiB").await;
-    let client = cluster.client().await;
+    // A short read-ahead, so most blocks are still to be fetched when the server dies.
+    let options = tern_client::ClientOptions { read_ahead_blocks: 2, ..Default::default() };
+    let client = tern_client::Client::connect_with(&cluster.metadata_addr, options).await.unwrap();
     client.put("/big", Bytes::from(random_bytes(16 << 20))).await.unwrap();
     let mut reader = client.open("/big").await.unwrap();
     reader.next_chunk().await.unwrap();
@@ -68,7 +70,13 @@ async fn reads_in_flight_when_a_server_dies_fail_cleanly() {
 }
 
 fn used_blocks(status: &serde_json::Value) -> u64 {
-    status["servers"].as_array().unwrap().iter().flat_map(|s| s["tiers"].as_array().unwrap()).map(|t| t["used_blocks"].as_u64().unwrap()).sum()
+    status["servers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["tiers"].as_array().unwrap())
+        .map(|t| t["used_blocks"].as_u64().unwrap())
+        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

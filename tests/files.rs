@@ -102,7 +102,8 @@ async fn namespace_commands() {
     assert_eq!(entries.len(), 3);
     assert_eq!(entries[2]["length"], BLOCK as u64 + 5);
 
-    let stat: serde_json::Value = serde_json::from_str(&cluster.tern_ok(&["fs", "stat", "--json", "/a/b/two"])).unwrap();
+    let stat: serde_json::Value =
+        serde_json::from_str(&cluster.tern_ok(&["fs", "stat", "--json", "/a/b/two"])).unwrap();
     assert_eq!(stat["kind"], "file");
     assert_eq!(stat["length"], BLOCK as u64 + 5);
     assert_eq!(stat["blocks"].as_array().unwrap().len(), 2);
@@ -152,9 +153,6 @@ async fn errors_name_the_path_and_kind() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("already-exists"));
     let out = cluster.tern(&["fs", "ls", "relative/path"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid"), "{out:?}");
-    let out = std::process::Command::new(common::TERN)
-        .args(["--metadata", "127.0.0.1:1", "status"])
-        .output()
-        .unwrap();
+    let out = std::process::Command::new(common::TERN).args(["status", "--metadata", "127.0.0.1:1"]).output().unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("unavailable"), "{out:?}");
 }

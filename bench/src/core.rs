@@ -119,7 +119,12 @@ pub async fn run(options: &CoreOptions) -> anyhow::Result<CoreReport> {
 pub fn print_table(report: &CoreReport) {
     let gib = report.size_bytes as f64 / (1u64 << 30) as f64;
     let rows = [
-        ("loopback TCP, one stream (peer)".to_string(), format!("{:.2} GB/s", report.tcp_loopback_gb_s), "-".to_string(), true),
+        (
+            "loopback TCP, one stream (peer)".to_string(),
+            format!("{:.2} GB/s", report.tcp_loopback_gb_s),
+            "-".to_string(),
+            true,
+        ),
         (
             format!("tern fs put {gib:.2} GiB, tmpfs -> store"),
             format!("{:.2} GB/s ({:.2}x TCP)", report.put_gb_s, report.put_ratio_to_tcp),
@@ -153,7 +158,13 @@ pub fn print_table(report: &CoreReport) {
     ];
     println!("{:<46} {:>28} {:>10}", "MEASURE", "FIGURE", "TARGET");
     for (name, figure, target, met) in rows {
-        let verdict = if target == "-" { "" } else if met { "met" } else { "MISSED" };
+        let verdict = if target == "-" {
+            ""
+        } else if met {
+            "met"
+        } else {
+            "MISSED"
+        };
         println!("{name:<46} {figure:>28} {target:>10}  {verdict}");
     }
 }
@@ -221,7 +232,8 @@ fn write_random_file(path: &Path, bytes: u64) -> anyhow::Result<()> {
         x ^= x << 17;
         word.copy_from_slice(&x.to_le_bytes());
     }
-    let mut out = std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
+    let mut out =
+        std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?);
     let mut left = bytes;
     while left > 0 {
         let n = left.min(pattern.len() as u64) as usize;
@@ -253,7 +265,11 @@ fn files_equal(a: &Path, b: &Path) -> anyhow::Result<bool> {
 
 /// Opens `count` connections to storage server 0, reads a block on each, and returns the
 /// server's resident memory beyond its DRAM tier while they are all open.
-async fn rss_with_connections(client: &tern_client::Client, cluster: &EmbeddedCluster, count: usize) -> anyhow::Result<f64> {
+async fn rss_with_connections(
+    client: &tern_client::Client,
+    cluster: &EmbeddedCluster,
+    count: usize,
+) -> anyhow::Result<f64> {
     let addr = cluster.storage_addr(0);
     let (_, blocks) = client.stat_with_blocks("/bench/file", true).await?;
     let block = blocks.iter().map(|(b, _)| b).find(|b| b.address == addr).context("no block on storage server 0")?;
@@ -281,7 +297,9 @@ fn pid_listening_on(addr: &str) -> anyhow::Result<u32> {
         let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
         let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        if args.iter().any(|a| *a == b"storage-server") && args.windows(2).any(|w| w[0] == b"--listen" && w[1] == addr.as_bytes()) {
+        if args.iter().any(|a| *a == b"storage-server")
+            && args.windows(2).any(|w| w[0] == b"--listen" && w[1] == addr.as_bytes())
+        {
             return Ok(pid);
         }
     }

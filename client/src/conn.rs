@@ -73,7 +73,9 @@ impl BlockConnection {
             return Err(self.lost("connection lost"));
         }
         let reply = rx.await.map_err(|_| self.lost("connection lost"))??;
-        reply.into_result().map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
+        reply
+            .into_result()
+            .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
     }
 
     fn lost(&self, what: &str) -> Error {
@@ -81,7 +83,11 @@ impl BlockConnection {
     }
 }
 
-async fn send_frames(mut inbox: mpsc::Receiver<Frame>, write_half: tokio::net::tcp::OwnedWriteHalf, broken: Arc<AtomicBool>) {
+async fn send_frames(
+    mut inbox: mpsc::Receiver<Frame>,
+    write_half: tokio::net::tcp::OwnedWriteHalf,
+    broken: Arc<AtomicBool>,
+) {
     let mut out = BufWriter::with_capacity(64 << 10, write_half);
     while let Some(frame) = inbox.recv().await {
         let mut result = frame::write_frame(&mut out, &frame).await;

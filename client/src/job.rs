@@ -23,7 +23,10 @@ impl JobSession {
     pub(crate) async fn start(client: Client, name: Option<&str>, lease: Duration) -> Result<JobSession> {
         let reply = client
             .metadata()
-            .register_job(pb::RegisterJobRequest { name: name.unwrap_or_default().into(), lease_ms: lease.as_millis() as u64 })
+            .register_job(pb::RegisterJobRequest {
+                name: name.unwrap_or_default().into(),
+                lease_ms: lease.as_millis() as u64,
+            })
             .await?
             .into_inner();
         let lease = Duration::from_millis(reply.lease_ms);

@@ -100,17 +100,25 @@ impl Client {
             .connect_timeout(options.connect_timeout)
             .timeout(options.request_timeout)
             .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|e| Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e))))?;
+        let channel = endpoint.connect().await.map_err(|e| {
+            Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e)))
+        })?;
         let metadata = MetadataClient::new(channel)
             .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
-        let blocks =
-            conn::BlockPool::new(options.connections_per_server, options.requests_per_connection, options.connect_timeout);
+        let blocks = conn::BlockPool::new(
+            options.connections_per_server,
+            options.requests_per_connection,
+            options.connect_timeout,
+        );
         Ok(Client {
-            inner: Arc::new(Inner { metadata_addr: addr, metadata, blocks, host: local_host_towards(socket_addr), options }),
+            inner: Arc::new(Inner {
+                metadata_addr: addr,
+                metadata,
+                blocks,
+                host: local_host_towards(socket_addr),
+                options,
+            }),
         })
     }
 
@@ -143,7 +151,8 @@ impl Client {
     /// Opens a sealed file for reading. `DataLost` if a block sits on a dead storage server.
     pub async fn open(&self, path: &str) -> Result<FileReader> {
         let opened = self.metadata().open(pb::OpenRequest { path: path.into() }).await?.into_inner();
-        let info = opened.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("open {path}: reply without info")))?;
+        let info =
+            opened.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("open {path}: reply without info")))?;
         FileReader::new(self.clone(), info, opened.blocks, opened.block_size)
     }
 
@@ -152,10 +161,16 @@ impl Client {
     }
 
     /// Stat plus where each block lives and whether its server is alive.
-    pub async fn stat_with_blocks(&self, path: &str, with_blocks: bool) -> Result<(FileInfo, Vec<(BlockLocation, bool)>)> {
+    pub async fn stat_with_blocks(
+        &self,
+        path: &str,
+        with_blocks: bool,
+    ) -> Result<(FileInfo, Vec<(BlockLocation, bool)>)> {
         let reply = self.metadata().stat(pb::StatRequest { path: path.into(), with_blocks }).await?.into_inner();
-        let info = reply.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("stat {path}: reply without info")))?;
-        let blocks = reply.blocks.into_iter().zip(reply.blocks_alive.into_iter().chain(std::iter::repeat(true))).collect();
+        let info =
+            reply.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("stat {path}: reply without info")))?;
+        let blocks =
+            reply.blocks.into_iter().zip(reply.blocks_alive.into_iter().chain(std::iter::repeat(true))).collect();
         Ok((info, blocks))
     }
 

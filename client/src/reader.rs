@@ -24,7 +24,12 @@ pub struct FileReader {
 }
 
 impl FileReader {
-    pub(crate) fn new(client: Client, info: FileInfo, blocks: Vec<BlockLocation>, block_size: u32) -> Result<FileReader> {
+    pub(crate) fn new(
+        client: Client,
+        info: FileInfo,
+        blocks: Vec<BlockLocation>,
+        block_size: u32,
+    ) -> Result<FileReader> {
         let listed: u64 = blocks.iter().map(|b| b.length as u64).sum();
         if listed != info.length || block_size == 0 {
             return Err(Error::new(
@@ -59,7 +64,8 @@ impl FileReader {
             return Ok(None);
         };
         self.next += 1;
-        let chunk = task.await.map_err(|e| Error::new(ErrorKind::Internal, format!("read {}: {e}", self.info.path)))??;
+        let chunk =
+            task.await.map_err(|e| Error::new(ErrorKind::Internal, format!("read {}: {e}", self.info.path)))??;
         Ok(Some(chunk))
     }
 
@@ -75,7 +81,10 @@ impl FileReader {
     /// `len` bytes from `offset`, which must lie within the file.
     pub async fn read_at(&self, offset: u64, len: usize) -> Result<Bytes> {
         let end = offset.checked_add(len as u64).filter(|end| *end <= self.info.length).ok_or_else(|| {
-            Error::invalid(format!("read {}: range {offset}+{len} is beyond the end ({} bytes)", self.info.path, self.info.length))
+            Error::invalid(format!(
+                "read {}: range {offset}+{len} is beyond the end ({} bytes)",
+                self.info.path, self.info.length
+            ))
         })?;
         let first = (offset / self.block_size) as usize;
         let mut parts = Vec::new();
@@ -86,7 +95,13 @@ impl FileReader {
             }
             let within = at % self.block_size;
             let take = (block.length as u64 - within).min(end - at);
-            parts.push(tokio::spawn(fetch(self.client.clone(), self.info.path.clone(), block.clone(), within as u32, Some(take as u32))));
+            parts.push(tokio::spawn(fetch(
+                self.client.clone(),
+                self.info.path.clone(),
+                block.clone(),
+                within as u32,
+                Some(take as u32),
+            )));
             at += take;
         }
         if parts.len() == 1 {
@@ -118,7 +133,9 @@ async fn fetch(client: Client, path: String, block: BlockLocation, offset: u32, 
             ErrorKind::Corrupt,
             format!("read {path}: block {} returned {} bytes, expected {len}", block.block_id, reply.payload.len()),
         )),
-        Err(e) if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound) => Err(diagnose(&client, &path, &block, e).await),
+        Err(e) if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound) => {
+            Err(diagnose(&client, &path, &block, e).await)
+        }
         Err(e) => Err(e.context(format_args!("read {path}: block {}", block.block_id))),
     }
 }
@@ -137,7 +154,10 @@ async fn diagnose(client: &Client, path: &str, block: &BlockLocation, error: Err
             ErrorKind::DataLost,
             format!(
                 "read {path}: block {} on storage server {} ({}) is lost: {}",
-                block.block_id, block.server_id, block.address, error.message()
+                block.block_id,
+                block.server_id,
+                block.address,
+                error.message()
             ),
         );
     }

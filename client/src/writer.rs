@@ -14,6 +14,10 @@ use tokio::task::JoinHandle;
 use crate::error::{Error, ErrorKind, Result};
 use crate::Client;
 
+/// Blocks asked for by a writer's first allocation; later batches double up to the client's
+/// `max_allocate_batch`. Small, because seal frees what a short file did not use.
+const FIRST_ALLOCATE_BATCH: u32 = 2;
+
 /// Writes one new file. Call [`FileWriter::close`] to seal it; a writer dropped unclosed deletes
 /// its unfinished file in the background.
 pub struct FileWriter {
@@ -39,7 +43,7 @@ impl FileWriter {
             block_size: block_size as usize,
             buffer: BytesMut::new(),
             spare: VecDeque::new(),
-            next_batch: 4,
+            next_batch: FIRST_ALLOCATE_BATCH,
             in_flight: FuturesUnordered::new(),
             written: 0,
             closed: false,
@@ -142,6 +146,8 @@ impl FileWriter {
     /// unused are freed by the seal.
     pub async fn close(mut self) -> Result<FileInfo> {
         if !self.buffer.is_empty() {
+            // Only this block remains: allocate no more than it needs.
+            self.next_batch = 1;
             let last = self.buffer.split().freeze();
             self.send_block(last).await?;
         }

@@ -289,14 +289,23 @@ async fn read_full<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> Result<us
     Ok(got)
 }
 
-/// Reads the next header. `Ok(None)` on a clean end of stream at a frame boundary.
+/// Reads the next header. `Ok(None)` on a clean end of stream at a frame boundary. Bytes that
+/// do not start with the magic are refused as soon as two have arrived, so a peer speaking
+/// another protocol gets its answer without having to send a whole header.
 pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> Result<Option<Header>, FrameError> {
     let mut raw = [0u8; HEADER_LEN];
-    match read_full(r, &mut raw).await? {
-        0 => Ok(None),
-        HEADER_LEN => Header::decode(&raw, max_payload).map(Some),
-        got => Err(FrameError::Truncated { expected: HEADER_LEN, got }),
+    let mut got = 0;
+    while got < HEADER_LEN {
+        match r.read(&mut raw[got..]).await? {
+            0 if got == 0 => return Ok(None),
+            0 => return Err(FrameError::Truncated { expected: HEADER_LEN, got }),
+            n => got += n,
+        }
+        if got >= MAGIC.len() && raw[..MAGIC.len()] != MAGIC {
+            return Err(FrameError::BadMagic([raw[0], raw[1]]));
+        }
     }
+    Header::decode(&raw, max_payload).map(Some)
 }
 
 /// Reads `header`'s payload into a buffer of exactly its size and checks its crc.
@@ -394,6 +403,12 @@ mod tests {
         let frame = Frame::error(1, Op::Read, 0, ErrorKind::Invalid, &long);
         assert!(frame.payload.len() <= MAX_ERROR_MESSAGE_BYTES);
         assert!(std::str::from_utf8(&frame.payload).is_ok());
+    }
+
+    #[tokio::test]
+    async fn short_garbage_is_refused_without_waiting_for_a_whole_header() {
+        let err = read_header(&mut &b"GET / HTTP/1.1"[..], 1024).await.unwrap_err();
+        assert!(matches!(err, FrameError::BadMagic([b'G', b'E'])), "{err}");
     }
 
     #[tokio::test]

@@ -68,7 +68,17 @@ impl Cluster {
             let child = spawn_logged(
                 cluster.dir.path(),
                 &format!("storage-{i}"),
-                &["storage-server", "--metadata", &cluster.metadata_addr, "--listen", &addr, "--admin", "127.0.0.1:0", "--dram", dram],
+                &[
+                    "storage-server",
+                    "--metadata",
+                    &cluster.metadata_addr,
+                    "--listen",
+                    &addr,
+                    "--admin",
+                    "127.0.0.1:0",
+                    "--dram",
+                    dram,
+                ],
             );
             cluster.storage.push(Some(child));
             cluster.storage_addrs.push(addr);
@@ -132,7 +142,12 @@ impl Cluster {
     /// Every daemon's log, to print when a test fails.
     pub fn logs(&self) -> String {
         let mut names: Vec<PathBuf> = std::fs::read_dir(self.dir.path())
-            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect())
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                    .collect()
+            })
             .unwrap_or_default();
         names.sort();
         names
