@@ -20,6 +20,9 @@ enum BenchCommand {
         /// Size of the file put and got.
         #[arg(long, default_value = "1GiB")]
         size: ByteSize,
+        /// Times each transfer is measured; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
         /// Empty files created and sealed for the latency figure.
         #[arg(long, default_value_t = 2000)]
         files: usize,
@@ -40,10 +43,12 @@ enum BenchCommand {
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
-        BenchCommand::Core { size, files, status_runs, connections, scratch, json } => {
+        BenchCommand::Core { size, runs, files, status_runs, connections, scratch, json } => {
+            anyhow::ensure!(runs > 0, "--runs must be at least 1");
             let options = tern_bench::core::CoreOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 size_bytes: size.bytes(),
+                runs,
                 empty_files: files,
                 status_runs,
                 connections,

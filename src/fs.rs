@@ -77,8 +77,10 @@ enum FsCommand {
 
 /// Bytes handed to the writer per call: several blocks, so whole blocks pass without copying.
 const PUT_CHUNK_BYTES: usize = 8 << 20;
-/// Chunks queued between the thread touching local disk and the network side.
+/// Chunks queued between the threads touching local disk and the network side.
 const LOCAL_QUEUE_CHUNKS: usize = 8;
+/// Threads writing a downloaded file.
+const LOCAL_WRITERS: usize = 2;
 
 pub async fn run(args: FsArgs) -> anyhow::Result<()> {
     let client = args.metadata.connect().await?;
@@ -104,6 +106,11 @@ async fn put(client: &Client, local: &Path, remote: &str, json: bool) -> anyhow:
         _ => remote.to_string(),
     };
     let started = Instant::now();
+    if local_len(local) == Some(0) {
+        client.create_empty(&remote, true).await?;
+        report("put", &remote, 0, started, json);
+        return Ok(());
+    }
     let mut writer = client.create(&remote, true).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
     if let Some(whole) = map_local(local)? {
@@ -218,21 +225,57 @@ fn spawn_local_reader(local: &Path) -> anyhow::Result<tokio::sync::mpsc::Receive
     Ok(rx)
 }
 
-/// Writes chunks to `local` (or stdout) on a thread; the handle yields the outcome.
+/// Writes chunks to `local` (or stdout) in order; the handle yields the outcome. A regular file
+/// is written by `LOCAL_WRITERS` threads at the chunks' offsets: on tmpfs the cost is the kernel
+/// allocating pages, and two threads allocate twice as fast as one.
 fn spawn_local_writer(
     local: &Path,
 ) -> anyhow::Result<(tokio::sync::mpsc::Sender<Bytes>, tokio::task::JoinHandle<std::io::Result<()>>)> {
-    let mut sink: Box<dyn Write + Send> = if local == Path::new("-") {
-        Box::new(std::io::stdout())
-    } else {
-        Box::new(std::fs::File::create(local).with_context(|| format!("creating {}", local.display()))?)
-    };
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(LOCAL_QUEUE_CHUNKS);
+    if local == Path::new("-") {
+        let handle = tokio::task::spawn_blocking(move || {
+            let mut out = std::io::stdout().lock();
+            while let Some(chunk) = rx.blocking_recv() {
+                out.write_all(&chunk)?;
+            }
+            out.flush()
+        });
+        return Ok((tx, handle));
+    }
+    let file =
+        std::sync::Arc::new(std::fs::File::create(local).with_context(|| format!("creating {}", local.display()))?);
     let handle = tokio::task::spawn_blocking(move || {
-        while let Some(chunk) = rx.blocking_recv() {
-            sink.write_all(&chunk)?;
+        use std::os::unix::fs::FileExt;
+        let mut lanes = Vec::with_capacity(LOCAL_WRITERS);
+        for _ in 0..LOCAL_WRITERS {
+            let (lane_tx, lane_rx) = std::sync::mpsc::sync_channel::<(u64, Bytes)>(LOCAL_QUEUE_CHUNKS / LOCAL_WRITERS);
+            let file = file.clone();
+            let worker = std::thread::spawn(move || -> std::io::Result<()> {
+                for (offset, chunk) in lane_rx {
+                    file.write_all_at(&chunk, offset)?;
+                }
+                Ok(())
+            });
+            lanes.push((lane_tx, worker));
         }
-        sink.flush()
+        let mut offset = 0u64;
+        let mut turn = 0;
+        while let Some(chunk) = rx.blocking_recv() {
+            let len = chunk.len() as u64;
+            if lanes[turn % LOCAL_WRITERS].0.send((offset, chunk)).is_err() {
+                break; // that writer failed; its error is collected below
+            }
+            offset += len;
+            turn += 1;
+        }
+        let mut outcome = Ok(());
+        for (lane_tx, worker) in lanes {
+            drop(lane_tx);
+            let result = worker.join().unwrap_or_else(|_| Err(std::io::Error::other("local writer thread panicked")));
+            outcome = outcome.and(result);
+        }
+        outcome?;
+        file.set_len(offset)
     });
     Ok((tx, handle))
 }

@@ -99,7 +99,9 @@ impl Client {
             .map_err(|e| Error::invalid(format!("metadata address {addr:?}: {e}")))?
             .connect_timeout(options.connect_timeout)
             .timeout(options.request_timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .initial_connection_window_size(Some(64 << 20))
+            .initial_stream_window_size(Some(16 << 20));
         let channel = endpoint.connect().await.map_err(|e| {
             Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e)))
         })?;
@@ -144,8 +146,16 @@ impl Client {
     /// Creates a file for writing; it becomes readable once the writer is closed. Refused with
     /// `AlreadyExists` if the path exists.
     pub async fn create(&self, path: &str, parents: bool) -> Result<FileWriter> {
-        let created = self.metadata().create(pb::CreateRequest { path: path.into(), parents }).await?.into_inner();
+        let request = pb::CreateRequest { path: path.into(), parents, sealed: false };
+        let created = self.metadata().create(request).await?.into_inner();
         Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size))
+    }
+
+    /// Creates an empty, sealed file in one round trip (markers, empty outputs). Refused with
+    /// `AlreadyExists` if the path exists.
+    pub async fn create_empty(&self, path: &str, parents: bool) -> Result<()> {
+        self.metadata().create(pb::CreateRequest { path: path.into(), parents, sealed: true }).await?;
+        Ok(())
     }
 
     /// Opens a sealed file for reading. `DataLost` if a block sits on a dead storage server.
@@ -212,11 +222,14 @@ impl Client {
         JobSession::start(self.clone(), name, lease).await
     }
 
-    /// Writes `data` to a new file in one call.
-    pub async fn put(&self, path: &str, data: bytes::Bytes) -> Result<FileInfo> {
+    /// Writes `data` to a new file (creating missing parents) in one call.
+    pub async fn put(&self, path: &str, data: bytes::Bytes) -> Result<()> {
+        if data.is_empty() {
+            return self.create_empty(path, true).await;
+        }
         let mut writer = self.create(path, true).await?;
         writer.write_bytes(data).await?;
-        writer.close().await
+        writer.close().await.map(|_| ())
     }
 }
 

@@ -18,6 +18,12 @@ use crate::Client;
 /// `max_allocate_batch`. Small, because seal frees what a short file did not use.
 const FIRST_ALLOCATE_BATCH: u32 = 2;
 
+/// Allocation attempts while the cluster answers `Unavailable`, and the backoff between them
+/// (about 6 s in all: longer than a few heartbeats, so freed space has time to come back).
+const ALLOCATE_ATTEMPTS: u32 = 8;
+const ALLOCATE_BACKOFF_START: std::time::Duration = std::time::Duration::from_millis(50);
+const ALLOCATE_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Writes one new file. Call [`FileWriter::close`] to seal it; a writer dropped unclosed deletes
 /// its unfinished file in the background.
 pub struct FileWriter {
@@ -122,17 +128,7 @@ impl FileWriter {
 
     async fn next_location(&mut self) -> Result<BlockLocation> {
         if self.spare.is_empty() {
-            let reply = self
-                .client
-                .metadata()
-                .allocate_blocks(pb::AllocateBlocksRequest {
-                    file_id: self.file_id,
-                    count: self.next_batch,
-                    client_host: self.client.inner.host.clone(),
-                })
-                .await
-                .map_err(|s| Error::from(s).context(format_args!("write {}", self.path)))?
-                .into_inner();
+            let reply = self.allocate().await?;
             self.spare.extend(reply.blocks);
             let max = self.client.options().max_allocate_batch.clamp(1, tern_proto::MAX_ALLOCATE_BLOCKS);
             self.next_batch = (self.next_batch * 2).min(max);
@@ -140,6 +136,33 @@ impl FileWriter {
         self.spare
             .pop_front()
             .ok_or_else(|| Error::new(ErrorKind::Internal, format!("write {}: no block allocated", self.path)))
+    }
+
+    /// Asks for the next batch of block locations, retrying (a bounded number of times, with
+    /// backoff) while the cluster is `Unavailable`, e.g. while freed space is on its way back.
+    async fn allocate(&self) -> Result<pb::AllocateBlocksResponse> {
+        let mut backoff = ALLOCATE_BACKOFF_START;
+        let mut attempt = 1;
+        loop {
+            let request = pb::AllocateBlocksRequest {
+                file_id: self.file_id,
+                count: self.next_batch,
+                client_host: self.client.inner.host.clone(),
+            };
+            match self.client.metadata().allocate_blocks(request).await {
+                Ok(reply) => return Ok(reply.into_inner()),
+                Err(status) => {
+                    let e = Error::from(status).context(format_args!("write {}", self.path));
+                    if e.kind() != ErrorKind::Unavailable || attempt == ALLOCATE_ATTEMPTS {
+                        return Err(e);
+                    }
+                    tracing::debug!("allocation attempt {attempt} failed, retrying in {backoff:?}: {e}");
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(ALLOCATE_BACKOFF_MAX);
+            attempt += 1;
+        }
     }
 
     /// Writes what is buffered, waits for every block, and seals the file. Blocks allocated but

@@ -149,9 +149,11 @@ impl Servers {
         let client_host = normalize_host(client_host);
         let mut live = 0;
         let mut free_total: u64 = 0;
+        let mut being_freed: u64 = 0;
         let mut candidates = BinaryHeap::new();
         for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
             live += 1;
+            being_freed += server.frees.len() as u64;
             let capacity = server.capacity_blocks();
             if server.allocated < capacity {
                 free_total += capacity - server.allocated;
@@ -161,6 +163,17 @@ impl Servers {
         }
         if live == 0 {
             return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        }
+        if free_total < u64::from(count) && free_total + being_freed >= u64::from(count) {
+            // Space that deletes gave back is still held until the servers' next heartbeats
+            // carry the frees out: worth a retry in a moment, unlike a full cluster.
+            return Err(Refusal::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "{count} blocks asked; {free_total} free and {being_freed} being freed on the {live} live \
+                     storage servers: retry after their next heartbeat"
+                ),
+            ));
         }
         if free_total < u64::from(count) {
             return Err(Refusal::new(
@@ -406,6 +419,21 @@ mod tests {
         assert_eq!(servers.allocate(1025, "").unwrap_err().kind, ErrorKind::OutOfSpace);
         assert_eq!(servers.allocated_blocks(), 0);
         assert_eq!(servers.allocate(1024, "").unwrap().len(), 1024);
+    }
+
+    #[test]
+    fn space_being_freed_is_worth_a_retry_not_out_of_space() {
+        let (mut servers, now) = servers(&["10.0.0.1:1"], 4);
+        let blocks = servers.allocate(4, "").unwrap();
+        servers.free(&blocks[..2]);
+        let refusal = servers.allocate(2, "").unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::Unavailable, "{}", refusal.reason);
+        assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
+        assert_eq!(servers.allocate(3, "").unwrap_err().kind, ErrorKind::OutOfSpace);
+        // Once the server acknowledges the frees, the space is there.
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        assert_eq!(servers.allocate(2, "").unwrap().len(), 2);
     }
 
     #[test]

@@ -170,7 +170,11 @@ mod tests {
         let mut client = MetadataClient::connect(endpoint).await.unwrap();
         let job = client.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0 }).await.unwrap().into_inner();
         let path = format!("{}/out", job.root);
-        let created = client.create(CreateRequest { path: path.clone(), parents: false }).await.unwrap().into_inner();
+        let created = client
+            .create(CreateRequest { path: path.clone(), parents: false, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
         let ask = AllocateBlocksRequest { file_id: created.file_id, count: 2, client_host: "127.0.0.1".into() };
         let blocks = client.allocate_blocks(ask).await.unwrap().into_inner().blocks;
         assert!(blocks.iter().all(|b| b.address == "127.0.0.1:7000"));
@@ -178,7 +182,7 @@ mod tests {
         let opened = client.open(OpenRequest { path: path.clone() }).await.unwrap().into_inner();
         assert_eq!(opened.blocks.len(), 1);
         assert_eq!(opened.blocks[0].length, 10);
-        let refused = client.create(CreateRequest { path, parents: false }).await.unwrap_err();
+        let refused = client.create(CreateRequest { path, parents: false, ..Default::default() }).await.unwrap_err();
         assert_eq!(ErrorKind::of_status(&refused), ErrorKind::AlreadyExists);
 
         // The unused block is freed through the next heartbeat.

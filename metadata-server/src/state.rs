@@ -64,6 +64,9 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
         let file_id = self.namespace.create_file(&path, req.parents, unix_ms()).context(&context)?;
+        if req.sealed {
+            self.namespace.file_mut(file_id).context(&context)?.sealed = true;
+        }
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, 1, 0);
         }

@@ -31,7 +31,7 @@ fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Insta
 }
 
 fn create(state: &mut State, path: &str, now: Instant) -> u64 {
-    state.create(CreateRequest { path: path.into(), parents: true }, now).unwrap().file_id
+    state.create(CreateRequest { path: path.into(), parents: true, ..Default::default() }, now).unwrap().file_id
 }
 
 fn allocate(state: &mut State, file_id: u64, count: u32, now: Instant) -> Vec<BlockLocation> {
@@ -102,6 +102,10 @@ fn writes_then_reads_a_file() {
     // An empty file has no blocks.
     write(&mut state, "/data/empty", 0, now);
     assert!(open(&mut state, "/data/empty", now).unwrap().blocks.is_empty());
+    // ... and can be created sealed in one call.
+    state.create(CreateRequest { path: "/data/marker".into(), parents: false, sealed: true }, now).unwrap();
+    let marker = open(&mut state, "/data/marker", now).unwrap();
+    assert_eq!((marker.info.unwrap().length, marker.blocks.len()), (0, 0));
     let stat = state.stat(StatRequest { path: "/data".into(), with_blocks: true }, now).unwrap();
     let info = stat.info.unwrap();
     assert_eq!((info.kind, info.sealed, stat.blocks.len()), (EntryKind::Directory as i32, true, 0));
@@ -111,7 +115,8 @@ fn writes_then_reads_a_file() {
 fn refuses_what_the_namespace_forbids() {
     let (mut state, now) = state();
     let file_id = create(&mut state, "/a/b", now);
-    let (kind, message) = refused(state.create(CreateRequest { path: "/a/b".into(), parents: false }, now));
+    let (kind, message) =
+        refused(state.create(CreateRequest { path: "/a/b".into(), parents: false, sealed: false }, now));
     assert_eq!((kind, message.as_str()), (ErrorKind::AlreadyExists, "create /a/b: already exists"));
     let (kind, message) = refused(state.mkdir(MkdirRequest { path: "/a".into(), parents: false }, now));
     assert_eq!(kind, ErrorKind::AlreadyExists, "{message}");
@@ -127,7 +132,8 @@ fn refuses_what_the_namespace_forbids() {
         assert_eq!(kind, ErrorKind::Invalid, "{bad:?}");
         assert!(message.starts_with(&format!("stat {bad}: ")), "{message}");
     }
-    let (kind, message) = refused(state.create(CreateRequest { path: "/c/d".into(), parents: false }, now));
+    let (kind, message) =
+        refused(state.create(CreateRequest { path: "/c/d".into(), parents: false, sealed: false }, now));
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "create /c/d: parent directory /c does not exist"));
     seal(&mut state, file_id, 0, now);
     let (kind, message) = refused(state.seal(SealRequest { file_id, length: 0 }, now));
@@ -312,7 +318,8 @@ fn jobs_own_their_directory() {
     // Inside a live job: fine. Under an unknown one, or a job root by hand: refused.
     write(&mut state, "/jobs/j1/x/y", 1, now);
     state.mkdir(MkdirRequest { path: "/jobs/j1".into(), parents: true }, now).unwrap();
-    let (kind, message) = refused(state.create(CreateRequest { path: "/jobs/ghost/f".into(), parents: true }, now));
+    let (kind, message) =
+        refused(state.create(CreateRequest { path: "/jobs/ghost/f".into(), parents: true, sealed: false }, now));
     assert_eq!(
         (kind, message.as_str()),
         (ErrorKind::NotFound, "create /jobs/ghost/f: job ghost is not registered (ended or lease lapsed)")
@@ -320,7 +327,7 @@ fn jobs_own_their_directory() {
     assert_eq!(refused(state.mkdir(MkdirRequest { path: "/jobs/ghost".into(), parents: true }, now)).0, {
         ErrorKind::Invalid
     });
-    assert_eq!(refused(state.create(CreateRequest { path: "/jobs".into(), parents: false }, now)).0, {
+    assert_eq!(refused(state.create(CreateRequest { path: "/jobs".into(), parents: false, sealed: false }, now)).0, {
         ErrorKind::Invalid
     });
     let (kind, message) = refused(delete(&mut state, "/jobs/j1", true, now));
@@ -369,7 +376,8 @@ fn lapsed_leases_end_jobs_unless_renewed() {
     assert_eq!(renewed.lease_ms, 100);
     let after = start + Duration::from_millis(150);
     // Lapsed but not yet reaped: no new entries, and no renewal.
-    let (kind, _) = refused(state.create(CreateRequest { path: "/jobs/short/g".into(), parents: false }, after));
+    let (kind, _) =
+        refused(state.create(CreateRequest { path: "/jobs/short/g".into(), parents: false, sealed: false }, after));
     assert_eq!(kind, ErrorKind::NotFound);
     assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "short".into() }, after)).0, ErrorKind::NotFound);
     state.reap(after);
