@@ -44,6 +44,9 @@ struct Daemon {
 }
 
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
+    // From here on Ctrl-C stops the cluster cleanly, even while it is still starting.
+    let shutdown = tern_common::shutdown_signal();
+    tokio::pin!(shutdown);
     let logs = args.dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let metadata_addr = format!("127.0.0.1:{}", args.port);
@@ -82,19 +85,22 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             ],
         )?);
     }
-    let outcome = match wait_until_ready(&metadata_addr, args.storage_servers as usize, &mut daemons).await {
-        Ok(()) => {
+    let ready = tokio::select! {
+        ready = wait_until_ready(&metadata_addr, args.storage_servers as usize, &mut daemons) => Some(ready),
+        _ = &mut shutdown => None,
+    };
+    let outcome = match ready {
+        Some(Ok(())) => {
             print_banner(&args, &metadata_addr, &logs);
             tokio::select! {
-                _ = tern_common::shutdown_signal() => {
-                    eprintln!("stopping the cluster...");
-                    Ok(())
-                }
+                _ = &mut shutdown => Ok(()),
                 died = first_exit(&mut daemons) => Err(died),
             }
         }
-        Err(e) => Err(e),
+        Some(Err(e)) => Err(e),
+        None => Ok(()),
     };
+    eprintln!("stopping the cluster...");
     stop_all(&mut daemons).await;
     outcome
 }

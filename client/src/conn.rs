@@ -27,10 +27,17 @@ pub(crate) struct BlockConnection {
     next_id: AtomicU64,
     in_flight: Semaphore,
     broken: Arc<AtomicBool>,
+    /// How long a request may wait for its reply before it fails as Unavailable.
+    request_timeout: Duration,
 }
 
 impl BlockConnection {
-    async fn connect(addr: &str, max_in_flight: usize, timeout: Duration) -> Result<BlockConnection> {
+    async fn connect(
+        addr: &str,
+        max_in_flight: usize,
+        timeout: Duration,
+        request_timeout: Duration,
+    ) -> Result<BlockConnection> {
         let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| Error::unavailable(format!("storage server {addr}: connect timed out after {timeout:?}")))?
@@ -49,6 +56,7 @@ impl BlockConnection {
             next_id: AtomicU64::new(1),
             in_flight: Semaphore::new(max_in_flight),
             broken,
+            request_timeout,
         })
     }
 
@@ -72,7 +80,13 @@ impl BlockConnection {
             self.pending.lock().remove(&id);
             return Err(self.lost("connection lost"));
         }
-        let reply = rx.await.map_err(|_| self.lost("connection lost"))??;
+        let reply = match tokio::time::timeout(self.request_timeout, rx).await {
+            Ok(reply) => reply.map_err(|_| self.lost("connection lost"))??,
+            Err(_) => {
+                self.pending.lock().remove(&id);
+                return Err(self.lost(&format!("no reply within {:?}", self.request_timeout)));
+            }
+        };
         reply
             .into_result()
             .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
@@ -147,17 +161,24 @@ pub(crate) struct BlockPool {
     per_server: usize,
     max_in_flight: usize,
     connect_timeout: Duration,
+    request_timeout: Duration,
     servers: Mutex<HashMap<String, Vec<Arc<BlockConnection>>>>,
     next: AtomicUsize,
     connecting: tokio::sync::Mutex<()>,
 }
 
 impl BlockPool {
-    pub(crate) fn new(per_server: usize, max_in_flight: usize, connect_timeout: Duration) -> BlockPool {
+    pub(crate) fn new(
+        per_server: usize,
+        max_in_flight: usize,
+        connect_timeout: Duration,
+        request_timeout: Duration,
+    ) -> BlockPool {
         BlockPool {
             per_server: per_server.max(1),
             max_in_flight: max_in_flight.max(1),
             connect_timeout,
+            request_timeout,
             servers: Mutex::default(),
             next: AtomicUsize::new(0),
             connecting: tokio::sync::Mutex::new(()),
@@ -175,7 +196,9 @@ impl BlockPool {
         if let Some(conn) = self.pick(addr, turn) {
             return Ok(conn);
         }
-        let conn = Arc::new(BlockConnection::connect(addr, self.max_in_flight, self.connect_timeout).await?);
+        let conn = Arc::new(
+            BlockConnection::connect(addr, self.max_in_flight, self.connect_timeout, self.request_timeout).await?,
+        );
         let mut servers = self.servers.lock();
         let conns = servers.entry(addr.to_string()).or_default();
         conns.retain(|c| !c.is_broken());

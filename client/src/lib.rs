@@ -49,7 +49,7 @@ pub struct ClientOptions {
     /// Largest number of blocks a writer asks the metadata server for at once.
     pub max_allocate_batch: u32,
     pub connect_timeout: Duration,
-    /// Deadline for one metadata call.
+    /// Deadline for one metadata call or one block request.
     pub request_timeout: Duration,
 }
 
@@ -112,6 +112,7 @@ impl Client {
             options.connections_per_server,
             options.requests_per_connection,
             options.connect_timeout,
+            options.request_timeout,
         );
         Ok(Client {
             inner: Arc::new(Inner {

@@ -57,9 +57,10 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
 /// Runs a metadata server until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     tern_common::config::log_effective("metadata server", &config);
+    let shutdown = tern_common::shutdown_signal();
     let server = start(config).await?;
     info!("metadata server listening on {} (admin {})", server.addr(), server.admin_addr());
-    tern_common::shutdown_signal().await;
+    shutdown.await;
     info!("metadata server shutting down");
     server.shutdown().await;
     Ok(())

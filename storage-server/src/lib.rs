@@ -122,6 +122,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
 /// SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    let shutdown = tern_common::shutdown_signal();
     let server = start(config.clone()).await?;
     tracing::info!(
         "storage server {} listening on {} (admin {}, dram {})",
@@ -131,7 +132,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         config.dram
     );
     tern_common::config::log_effective("storage-server", &config);
-    tern_common::shutdown_signal().await;
+    shutdown.await;
     tracing::info!("storage server {} shutting down", server.server_id());
     server.shutdown().await;
     Ok(())
