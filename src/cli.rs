@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{bench, daemons, fs, status, up};
+use crate::{bench, daemons, fs, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -25,6 +25,12 @@ pub enum Command {
     Status(status::StatusArgs),
     /// Benchmarks that measure Tern beside a peer in the same run.
     Bench(bench::BenchArgs),
+    /// Sort gensort records through the shuffle service (an embedded cluster unless --metadata).
+    Terasort(terasort::TerasortArgs),
+    /// Generate gensort-compatible records into the store or a local directory.
+    Teragen(terasort::TeragenArgs),
+    /// Check sorted records as valsort does: order, count, checksum, duplicates.
+    Teravalidate(terasort::TeravalidateArgs),
 }
 
 impl Command {
@@ -56,5 +62,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Fs(args) => fs::run(args).await,
         Command::Status(args) => status::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Terasort(args) => terasort::terasort(args).await,
+        Command::Teragen(args) => terasort::teragen(args).await,
+        Command::Teravalidate(args) => terasort::teravalidate(args).await,
     }
 }

@@ -7,6 +7,7 @@ mod daemons;
 mod fs;
 mod show;
 mod status;
+mod terasort;
 mod up;
 
 use clap::Parser;

@@ -4,6 +4,8 @@
 
 pub mod cluster;
 pub mod core;
+pub mod terasort;
+pub mod terasort_run;
 
 /// Percentile `p` (0..=100) of sorted samples.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {

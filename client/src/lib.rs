@@ -19,6 +19,7 @@ mod conn;
 mod error;
 mod job;
 mod reader;
+mod shuffle;
 mod writer;
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -32,6 +33,7 @@ use tonic::transport::{Channel, Endpoint};
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
 pub use reader::FileReader;
+pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
 pub use writer::FileWriter;
 
@@ -80,6 +82,8 @@ struct Inner {
     options: ClientOptions,
     /// This host's address as the cluster sees it, so placement can prefer a local server.
     host: String,
+    /// The cluster's block size, asked once.
+    block_size: tokio::sync::OnceCell<u32>,
 }
 
 impl Client {
@@ -121,6 +125,7 @@ impl Client {
                 blocks,
                 host: local_host_towards(socket_addr),
                 options,
+                block_size: tokio::sync::OnceCell::new(),
             }),
         })
     }
@@ -210,6 +215,13 @@ impl Client {
     pub async fn rename(&self, from: &str, to: &str) -> Result<()> {
         self.metadata().rename(pb::RenameRequest { from: from.into(), to: to.into() }).await?;
         Ok(())
+    }
+
+    /// The cluster's block size (asked once, then remembered).
+    pub async fn block_size(&self) -> Result<u32> {
+        let size =
+            self.inner.block_size.get_or_try_init(|| async { self.status().await.map(|s| s.block_size) }).await?;
+        Ok(*size)
     }
 
     /// Storage servers with their tiers, and jobs.

@@ -1,15 +1,16 @@
 //! Tern's metadata server: the namespace (directories and write-once files), jobs and their
-//! leases, the storage-server registry, and block placement.
+//! leases, the storage-server registry, block placement, and the shuffle registry.
 //!
 //! Clients call the `Metadata` gRPC service; storage servers register and heartbeat on the
-//! `Registry` service, and learn on each heartbeat which blocks to free. All state is in memory,
-//! behind one mutex (see `state` for the rules, and the modules it draws on for the details).
+//! `Registry` service, and learn on each heartbeat which blocks and shuffles to free. All state is
+//! in memory, behind one mutex (see `state` for the rules, and the modules it draws on for the
+//! details).
 //!
 //! Modules: `config` (the typed configuration), `path` (path normalisation and the `/jobs` tree),
 //! `namespace` (the directory tree), `placement` (storage servers, placement, frees), `jobs` (jobs
-//! and leases), `state` (one method per RPC over all of them), `service` (the gRPC services),
-//! `metrics`, `server` (start, run, shutdown), `dirlock` (one server per directory), `error`
-//! (refusals and their context).
+//! and leases), `shuffles` (shuffles, their segments and map commits), `state` (one method per RPC
+//! over all of them), `service` (the gRPC services), `metrics`, `server` (start, run, shutdown),
+//! `dirlock` (one server per directory), `error` (refusals and their context).
 
 mod config;
 mod dirlock;
@@ -21,6 +22,7 @@ mod path;
 mod placement;
 mod server;
 mod service;
+mod shuffles;
 mod state;
 
 pub use config::Config;

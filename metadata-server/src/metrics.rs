@@ -35,6 +35,7 @@ pub struct Gauges {
     pub live_servers: u64,
     pub dead_servers: u64,
     pub allocated_blocks: u64,
+    pub shuffles: u64,
 }
 
 impl Metrics {
@@ -86,6 +87,7 @@ impl Collector for StateGauges {
                 "Blocks placed on live storage servers and not yet freed",
                 gauges.allocated_blocks,
             ),
+            ("tern_metadata_shuffles", "Registered shuffles", gauges.shuffles),
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;

@@ -1,14 +1,19 @@
-//! The storage-server registry, block placement, and the queues of blocks waiting to be freed.
+//! The storage-server registry, block and shuffle-segment placement, and the queues of blocks and
+//! shuffles waiting to be freed.
 //!
 //! Storage servers register, then heartbeat. A server whose heartbeats stop is declared dead: the
 //! blocks on it are lost (files keep them, and reading them reports DataLost) and nothing more is
 //! placed there. Dead servers are remembered, up to a bound, so that messages can say why a block
 //! was lost.
 //!
-//! Frees travel on heartbeat replies: each server has a queue of (seq, block id) with its own
-//! increasing sequence numbers; a reply carries a prefix of the queue, and the next heartbeat
-//! acknowledges it with `freed_through_seq`. Unacknowledged frees are sent again, so a lost reply
-//! costs nothing but a repeat (frees are idempotent on the storage server).
+//! Frees travel on heartbeat replies: each server has one queue of (seq, block or shuffle) with
+//! its own increasing sequence numbers; a reply carries a prefix of the queue, and the next
+//! heartbeat acknowledges it with `freed_through_seq`. Unacknowledged frees are sent again, so a
+//! lost reply costs nothing but a repeat (frees are idempotent on the storage server).
+//!
+//! A server's DRAM holds file blocks and shuffle segments side by side, and the server reports
+//! only the total in use. The metadata server knows the blocks it placed there; shuffle data
+//! grows as maps push, so it is known only through those reports (see `Server::used_blocks`).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -28,6 +33,14 @@ pub const MAX_DEAD_SERVERS: usize = 1024;
 /// The tier whose capacity bounds placement today.
 pub const DRAM_TIER: &str = "dram";
 
+/// One entry of a server's free queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Free {
+    Block(u64),
+    /// Every segment the server holds of this shuffle.
+    Shuffle(u64),
+}
+
 #[derive(Debug)]
 struct Server {
     address: String,
@@ -40,13 +53,63 @@ struct Server {
     last_seen: Instant,
     /// Blocks placed here and not yet acknowledged as freed: what placement balances.
     allocated: u64,
-    frees: VecDeque<(u64, u64)>,
+    /// DRAM blocks in use at the last report beyond `allocated`: shuffle data.
+    unplaced_used: u64,
+    /// Segments of registered shuffles placed here: shuffle load not yet visible in reports.
+    segments: u64,
+    frees: VecDeque<(u64, Free)>,
+    /// How many of `frees` are shuffles (the rest are blocks, each still counted in `allocated`).
+    shuffle_frees: u64,
     next_free_seq: u64,
 }
 
 impl Server {
+    fn tier(&self, tier: &str) -> Option<&TierUsage> {
+        self.tiers.iter().find(|t| t.tier == tier)
+    }
+
     fn capacity_blocks(&self) -> u64 {
-        self.tiers.iter().find(|t| t.tier == DRAM_TIER).map_or(0, |t| t.capacity_blocks)
+        self.tier(DRAM_TIER).map_or(0, |t| t.capacity_blocks)
+    }
+
+    /// DRAM blocks in use as far as placement can tell: the blocks placed here, plus what else the
+    /// server's last report counted (shuffle data). The report counts written file blocks and
+    /// shuffle slots together; at that moment no more file blocks than those placed could have been
+    /// written, so the rest is at least the shuffle data. Blocks placed but not yet written when the
+    /// report was made hide some shuffle data until the next report; blocks placed since are
+    /// counted at once.
+    fn used_blocks(&self) -> u64 {
+        self.allocated + self.unplaced_used
+    }
+
+    /// Takes in a usage report (a registration's or a heartbeat's, after its acknowledged frees).
+    fn take_report(&mut self, tiers: Vec<TierUsage>) {
+        self.tiers = tiers;
+        let reported = self.tier(DRAM_TIER).map_or(0, |t| t.used_blocks);
+        self.unplaced_used = reported.saturating_sub(self.allocated);
+    }
+
+    /// Blocks in use that queued frees will give back once carried out: the blocks among them,
+    /// and, when a shuffle free is queued, the shuffle data as far as it can be told apart.
+    fn being_freed(&self) -> u64 {
+        let blocks = self.frees.len() as u64 - self.shuffle_frees;
+        let shuffles = if self.shuffle_frees > 0 { self.unplaced_used } else { 0 };
+        blocks + shuffles
+    }
+
+    /// What segment placement orders servers by: full ones last, then blocks in use plus the
+    /// segments placed here.
+    fn segment_load(&self) -> (bool, u64) {
+        let used = self.used_blocks();
+        (used >= self.capacity_blocks(), used + self.segments)
+    }
+
+    fn queue_free(&mut self, free: Free) {
+        self.frees.push_back((self.next_free_seq, free));
+        self.next_free_seq += 1;
+        if matches!(free, Free::Shuffle(_)) {
+            self.shuffle_frees += 1;
+        }
     }
 
     fn describe(&self, server_id: u64) -> String {
@@ -85,17 +148,21 @@ impl Servers {
             let reason = format!("the server restarted and registered again as storage server {server_id}");
             self.mark_dead(old, reason);
         }
-        let server = Server {
+        let mut server = Server {
             address: address.to_string(),
             host,
             alive: true,
             death: String::new(),
-            tiers,
+            tiers: Vec::new(),
             last_seen: now,
             allocated: 0,
+            unplaced_used: 0,
+            segments: 0,
             frees: VecDeque::new(),
+            shuffle_frees: 0,
             next_free_seq: 1,
         };
+        server.take_report(tiers);
         self.servers.insert(server_id, server);
         Ok((server_id, replaced))
     }
@@ -112,21 +179,35 @@ impl Servers {
             return HeartbeatResponse { reregister: true, ..HeartbeatResponse::default() };
         };
         server.last_seen = now;
+        while let Some(&(seq, free)) = server.frees.front() {
+            if seq > freed_through_seq {
+                break;
+            }
+            server.frees.pop_front();
+            // A freed shuffle gives its space back through the server's usage reports instead.
+            match free {
+                Free::Block(_) => server.allocated = server.allocated.saturating_sub(1),
+                Free::Shuffle(_) => server.shuffle_frees -= 1,
+            }
+        }
         // A heartbeat without tiers says nothing about capacity; keep the last report.
         if !tiers.is_empty() {
-            server.tiers = tiers;
+            server.take_report(tiers);
         }
-        while server.frees.front().is_some_and(|&(seq, _)| seq <= freed_through_seq) {
-            server.frees.pop_front();
-            server.allocated = server.allocated.saturating_sub(1);
+        let mut reply = HeartbeatResponse { free_seq: freed_through_seq, ..HeartbeatResponse::default() };
+        for &(seq, free) in server.frees.iter().take(MAX_FREES_PER_HEARTBEAT) {
+            match free {
+                Free::Block(block_id) => reply.free_block_ids.push(block_id),
+                Free::Shuffle(shuffle_id) => reply.free_shuffle_ids.push(shuffle_id),
+            }
+            reply.free_seq = seq;
         }
-        let due = server.frees.iter().take(MAX_FREES_PER_HEARTBEAT);
-        let free_seq = due.clone().next_back().map_or(freed_through_seq, |&(seq, _)| seq);
-        HeartbeatResponse { free_block_ids: due.map(|&(_, block)| block).collect(), free_seq, reregister: false }
+        reply
     }
 
-    /// Declares dead every live server silent for longer than `timeout`; returns their descriptions.
-    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<String> {
+    /// Declares dead every live server silent for longer than `timeout`; returns their ids and
+    /// descriptions.
+    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(u64, String)> {
         let silent: Vec<(u64, Duration)> = self
             .servers
             .iter()
@@ -138,7 +219,7 @@ impl Servers {
             .into_iter()
             .map(|(id, silence)| {
                 let reason = format!("server missed heartbeats for {:.1}s", silence.as_secs_f64());
-                self.mark_dead(id, reason)
+                (id, self.mark_dead(id, reason))
             })
             .collect()
     }
@@ -153,12 +234,12 @@ impl Servers {
         let mut candidates = BinaryHeap::new();
         for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
             live += 1;
-            being_freed += server.frees.len() as u64;
-            let capacity = server.capacity_blocks();
-            if server.allocated < capacity {
-                free_total += capacity - server.allocated;
+            being_freed += server.being_freed();
+            let (capacity, used) = (server.capacity_blocks(), server.used_blocks());
+            if used < capacity {
+                free_total += capacity - used;
                 let remote = client_host.is_empty() || server.host != client_host;
-                candidates.push(Reverse((remote, server.allocated, id, capacity)));
+                candidates.push(Reverse((remote, used, id, capacity)));
             }
         }
         if live == 0 {
@@ -216,10 +297,51 @@ impl Servers {
                 continue;
             };
             if server.alive {
-                server.frees.push_back((server.next_free_seq, block.block_id));
-                server.next_free_seq += 1;
+                server.queue_free(Free::Block(block.block_id));
             } else {
                 server.allocated = server.allocated.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Chooses live servers for `count` new shuffle segments: round-robin over the live servers
+    /// ordered by load (those with room first), so the least loaded take one more when `count`
+    /// does not divide evenly. `avoid` (the server of a full segment) is skipped unless it is the
+    /// only live server. Nothing changes until [`Servers::add_segments`]. Segments go to DRAM:
+    /// it is the only tier storage servers have today, whatever a shuffle's storage class.
+    pub fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
+        let mut live: Vec<((bool, u64), u64)> =
+            self.servers.iter().filter(|(_, s)| s.alive).map(|(&id, s)| (s.segment_load(), id)).collect();
+        if live.len() > 1 {
+            live.retain(|&(_, id)| Some(id) != avoid);
+        }
+        if live.is_empty() {
+            return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        }
+        live.sort_unstable();
+        Ok((0..count).map(|i| live[i % live.len()].1).collect())
+    }
+
+    /// Counts newly placed segments in their servers' load.
+    pub fn add_segments(&mut self, server_ids: &[u64]) {
+        for id in server_ids {
+            if let Some(server) = self.servers.get_mut(id) {
+                server.segments += 1;
+            }
+        }
+    }
+
+    /// Queues a shuffle free on each live server holding segments of it (`holders`: server id →
+    /// segments there), and takes those segments out of the servers' load.
+    pub fn free_shuffle(&mut self, shuffle_id: u64, holders: &BTreeMap<u64, u64>) {
+        for (id, &segments) in holders {
+            let Some(server) = self.servers.get_mut(id) else {
+                continue;
+            };
+            server.segments = server.segments.saturating_sub(segments);
+            // On a dead server the segments are gone already.
+            if server.alive {
+                server.queue_free(Free::Shuffle(shuffle_id));
             }
         }
     }
@@ -243,6 +365,11 @@ impl Servers {
 
     pub fn is_alive(&self, server_id: u64) -> bool {
         self.servers.get(&server_id).is_some_and(|s| s.alive)
+    }
+
+    /// A server's block-service address; empty for a server no longer known.
+    pub fn address(&self, server_id: u64) -> String {
+        self.servers.get(&server_id).map(|s| s.address.clone()).unwrap_or_default()
     }
 
     /// Where a block lives, for clients.
@@ -286,9 +413,11 @@ impl Servers {
             description = format!("{}: {reason}", server.describe(server_id));
             server.alive = false;
             server.death = reason;
-            // Its pending frees will never be carried out, and need not be: the blocks are gone.
-            server.allocated = server.allocated.saturating_sub(server.frees.len() as u64);
+            // Its pending frees will never be carried out, and need not be: the data is gone.
+            let block_frees = server.frees.len() as u64 - server.shuffle_frees;
+            server.allocated = server.allocated.saturating_sub(block_frees);
             server.frees = VecDeque::new();
+            server.shuffle_frees = 0;
         }
         let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.alive).map(|(&id, _)| id).collect();
         for id in dead.iter().take(dead.len().saturating_sub(MAX_DEAD_SERVERS)) {
@@ -401,7 +530,7 @@ mod tests {
         servers.heartbeat(2, Vec::new(), 0, later);
         let dead = servers.expire(later, Duration::from_secs(5));
         assert_eq!(dead.len(), 2);
-        assert!(dead[0].contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
+        assert!(dead[0].1.contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
         let blocks = servers.allocate(1, "10.0.0.1").unwrap();
         assert_eq!(blocks[0].server_id, 2);
         let refusal = servers.allocate(1, "").unwrap_err();
@@ -455,6 +584,48 @@ mod tests {
         let reply = servers.heartbeat(1, Vec::new(), 3, now);
         assert_eq!((reply.free_block_ids.len(), reply.free_seq), (0, 3));
         assert_eq!(servers.allocated_blocks(), 0);
+    }
+
+    #[test]
+    fn shuffle_frees_share_the_queue_but_not_the_block_count() {
+        let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
+        let blocks = servers.allocate(4, "").unwrap();
+        servers.add_segments(&[1, 1, 2]);
+        servers.free(&blocks[..1]);
+        servers.free_shuffle(7, &BTreeMap::from([(1, 2), (2, 1)]));
+        servers.free(&blocks[2..3]);
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![1, 3], vec![7], 3));
+        assert_eq!(servers.heartbeat(2, Vec::new(), 0, now).free_shuffle_ids, [7]);
+        // Acknowledging the first two frees gives back one block; the shuffle's space shows in reports.
+        let reply = servers.heartbeat(1, Vec::new(), 2, now);
+        assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![3], vec![], 3));
+        assert_eq!(servers.allocated_blocks(), 3);
+        // A server that dies with frees queued drops them, and the freed blocks from its count.
+        servers.free(&blocks[1..2]);
+        servers.mark_dead(2, "test".into());
+        assert_eq!(servers.status(now)[1].allocated_blocks, 1);
+    }
+
+    #[test]
+    fn segments_go_round_robin_by_load_avoiding_a_full_segments_server() {
+        let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 10);
+        servers.allocate(1, "").unwrap();
+        assert_eq!(servers.plan_segments(5, None).unwrap(), [2, 3, 1, 2, 3]);
+        servers.add_segments(&[2, 2]);
+        assert_eq!(servers.plan_segments(1, None).unwrap(), [3]);
+        assert_eq!(servers.plan_segments(1, Some(3)).unwrap(), [1]);
+        // Full servers come last, whatever their segments.
+        let full =
+            vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 10, used_blocks: 10, ..TierUsage::default() }];
+        servers.heartbeat(3, full, 0, now);
+        assert_eq!(servers.plan_segments(3, None).unwrap(), [1, 2, 3]);
+        // The only live server takes even its own full segment's successor.
+        servers.mark_dead(1, "test".into());
+        servers.mark_dead(2, "test".into());
+        assert_eq!(servers.plan_segments(2, Some(3)).unwrap(), [3, 3]);
+        servers.mark_dead(3, "test".into());
+        assert_eq!(servers.plan_segments(1, None).unwrap_err().kind, ErrorKind::Unavailable);
     }
 
     #[test]

@@ -186,10 +186,41 @@ mod tests {
         let refused = client.create(CreateRequest { path, parents: false, ..Default::default() }).await.unwrap_err();
         assert_eq!(ErrorKind::of_status(&refused), ErrorKind::AlreadyExists);
 
-        // The unused block is freed through the next heartbeat.
+        // A shuffle's life: register, advance, commit, locate, invalidate, unregister.
+        let ask = RegisterShuffleRequest { job_id: job.job_id.clone(), partitions: 2, ..Default::default() };
+        let shuffle = client.register_shuffle(ask).await.unwrap().into_inner();
+        let shuffle_id = shuffle.shuffle_id;
+        assert!(shuffle.segments.iter().all(|s| s.address == "127.0.0.1:7000" && s.index == 0));
+        let ask = AdvanceSegmentRequest { shuffle_id, partition: 1, full_segment: 0 };
+        let next = client.advance_segment(ask).await.unwrap().into_inner().segment.unwrap();
+        assert_eq!((next.partition, next.index), (1, 1));
+        let commit = |attempt| CommitMapRequest {
+            shuffle_id,
+            map_index: 0,
+            attempt,
+            partition_bytes: vec![5, 7],
+            first_segment: vec![0, 0],
+            last_segment: vec![0, 1],
+        };
+        let won = client.commit_map(commit(0)).await.unwrap().into_inner();
+        let lost = client.commit_map(commit(1)).await.unwrap().into_inner();
+        assert_eq!((won.committed, lost.committed, lost.winning_attempt), (true, false, 0));
+        let ask = LocateShuffleRequest { shuffle_id, start_partition: 1, end_partition: 2, start_map: 0, end_map: 9 };
+        let located = client.locate_shuffle(ask).await.unwrap().into_inner();
+        assert_eq!((located.segments.len(), located.outputs[0].partition_bytes.clone()), (2, vec![7]));
+        let ask = InvalidateMapsRequest { shuffle_id, map_indexes: vec![0] };
+        assert_eq!(client.invalidate_maps(ask).await.unwrap().into_inner().invalidated, 1);
+        client.unregister_shuffle(UnregisterShuffleRequest { shuffle_id }).await.unwrap();
+        let refused = client.unregister_shuffle(UnregisterShuffleRequest { shuffle_id }).await.unwrap_err();
+        assert_eq!(ErrorKind::of_status(&refused), ErrorKind::NotFound);
+
+        // The unused block and the shuffle are freed through the next heartbeat.
         let beat = HeartbeatRequest { server_id: 1, tiers: Vec::new(), freed_through_seq: 0 };
         let reply = registry.heartbeat(beat).await.unwrap().into_inner();
-        assert_eq!((reply.free_block_ids, reply.free_seq), (vec![blocks[1].block_id], 1));
+        assert_eq!(
+            (reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq),
+            (vec![blocks[1].block_id], vec![shuffle_id], 2)
+        );
 
         let metrics = scrape(server.admin_addr()).await;
         for expected in [
@@ -199,6 +230,9 @@ mod tests {
             "tern_metadata_files 1",
             "tern_metadata_jobs 1",
             "tern_metadata_live_servers 1",
+            "tern_metadata_requests_total{method=\"commit_map\"} 2",
+            "tern_metadata_errors_total{method=\"unregister_shuffle\",kind=\"not-found\"} 1",
+            "tern_metadata_shuffles 0",
         ] {
             assert!(metrics.contains(expected), "missing {expected:?} in\n{metrics}");
         }

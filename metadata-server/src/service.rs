@@ -104,6 +104,45 @@ impl Metadata for Service {
     async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
         self.call("status", |state, now| state.status(request.into_inner(), now))
     }
+
+    async fn register_shuffle(
+        &self,
+        request: Request<RegisterShuffleRequest>,
+    ) -> Result<Response<RegisterShuffleResponse>, Status> {
+        self.call("register_shuffle", |state, now| state.register_shuffle(request.into_inner(), now))
+    }
+
+    async fn advance_segment(
+        &self,
+        request: Request<AdvanceSegmentRequest>,
+    ) -> Result<Response<AdvanceSegmentResponse>, Status> {
+        self.call("advance_segment", |state, now| state.advance_segment(request.into_inner(), now))
+    }
+
+    async fn commit_map(&self, request: Request<CommitMapRequest>) -> Result<Response<CommitMapResponse>, Status> {
+        self.call("commit_map", |state, now| state.commit_map(request.into_inner(), now))
+    }
+
+    async fn locate_shuffle(
+        &self,
+        request: Request<LocateShuffleRequest>,
+    ) -> Result<Response<LocateShuffleResponse>, Status> {
+        self.call("locate_shuffle", |state, now| state.locate_shuffle(request.into_inner(), now))
+    }
+
+    async fn invalidate_maps(
+        &self,
+        request: Request<InvalidateMapsRequest>,
+    ) -> Result<Response<InvalidateMapsResponse>, Status> {
+        self.call("invalidate_maps", |state, now| state.invalidate_maps(request.into_inner(), now))
+    }
+
+    async fn unregister_shuffle(
+        &self,
+        request: Request<UnregisterShuffleRequest>,
+    ) -> Result<Response<UnregisterShuffleResponse>, Status> {
+        self.call("unregister_shuffle", |state, now| state.unregister_shuffle(request.into_inner(), now))
+    }
 }
 
 #[tonic::async_trait]

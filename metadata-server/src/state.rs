@@ -1,9 +1,10 @@
 //! The metadata server's whole state and one method per RPC.
 //!
-//! The namespace, the storage-server registry and the job table each keep their own invariants;
-//! this module enforces the rules that span them (a job's files live under its directory and die
-//! with it, deleted files free their blocks, reads fail with DataLost when a block's server is
-//! gone) and turns refusals into statuses that name the operation. Methods take the time as an
+//! The namespace, the storage-server registry, the job table and the shuffle registry each keep
+//! their own invariants; this module enforces the rules that span them (a job's files live under
+//! its directory and die with it, as do its shuffles; deleted files free their blocks, reads fail
+//! with DataLost when a block's server is gone, a dead server's shuffle partitions move on) and
+//! turns refusals into statuses that name the operation. Methods take the time as an
 //! argument so tests can move it; they never block, so the service can call them under one mutex.
 
 use std::time::{Duration, Instant};
@@ -21,6 +22,7 @@ use crate::metrics::Gauges;
 use crate::namespace::{FileMeta, Namespace, Removed};
 use crate::path::{self, Place, JOBS_DIR};
 use crate::placement::Servers;
+use crate::shuffles::Shuffles;
 
 #[derive(Debug)]
 pub struct State {
@@ -31,6 +33,7 @@ pub struct State {
     namespace: Namespace,
     servers: Servers,
     jobs: Jobs,
+    shuffles: Shuffles,
 }
 
 impl State {
@@ -48,6 +51,10 @@ impl State {
                 Duration::from_millis(config.max_lease_ms),
                 config.max_jobs as usize,
             ),
+            // Shuffle ids start from the clock, so they stay unique across restarts of this server
+            // (a stale client's shuffle id cannot name a new shuffle) unless a run registered more
+            // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
+            shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
         }
     }
 
@@ -242,6 +249,61 @@ impl State {
         })
     }
 
+    pub fn register_shuffle(
+        &mut self,
+        req: RegisterShuffleRequest,
+        now: Instant,
+    ) -> Result<RegisterShuffleResponse, Status> {
+        let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
+        self.jobs.check_live(&req.job_id, now).context(&context)?;
+        self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)
+    }
+
+    pub fn advance_segment(
+        &mut self,
+        req: AdvanceSegmentRequest,
+        _now: Instant,
+    ) -> Result<AdvanceSegmentResponse, Status> {
+        let context = format!(
+            "advance past segment {} of partition {} of shuffle {}",
+            req.full_segment, req.partition, req.shuffle_id
+        );
+        self.shuffles.advance(&req, &mut self.servers).context(context)
+    }
+
+    pub fn commit_map(&mut self, req: CommitMapRequest, _now: Instant) -> Result<CommitMapResponse, Status> {
+        let context = format!("commit map {} attempt {} of shuffle {}", req.map_index, req.attempt, req.shuffle_id);
+        self.shuffles.commit(req).context(context)
+    }
+
+    pub fn locate_shuffle(
+        &mut self,
+        req: LocateShuffleRequest,
+        _now: Instant,
+    ) -> Result<LocateShuffleResponse, Status> {
+        let context = format!("locate shuffle {}", req.shuffle_id);
+        self.shuffles.locate(&req, &self.servers).context(context)
+    }
+
+    pub fn invalidate_maps(
+        &mut self,
+        req: InvalidateMapsRequest,
+        _now: Instant,
+    ) -> Result<InvalidateMapsResponse, Status> {
+        let context = format!("invalidate {} maps of shuffle {}", req.map_indexes.len(), req.shuffle_id);
+        self.shuffles.invalidate(&req).context(context)
+    }
+
+    pub fn unregister_shuffle(
+        &mut self,
+        req: UnregisterShuffleRequest,
+        _now: Instant,
+    ) -> Result<UnregisterShuffleResponse, Status> {
+        let context = format!("unregister shuffle {}", req.shuffle_id);
+        self.shuffles.unregister(req.shuffle_id, &mut self.servers).context(context)?;
+        Ok(UnregisterShuffleResponse {})
+    }
+
     pub fn register_server(
         &mut self,
         req: RegisterServerRequest,
@@ -254,6 +316,7 @@ impl State {
                 "storage server {old} ({}) restarted as storage server {server_id}; its blocks are lost",
                 req.address
             );
+            self.lose_server(old);
         }
         info!("storage server {server_id} registered from {}", req.address);
         Ok(RegisterServerResponse {
@@ -272,8 +335,9 @@ impl State {
         for job in self.jobs.lapsed(now) {
             self.end(&job, "lease lapsed");
         }
-        for dead in self.servers.expire(now, self.server_timeout) {
+        for (server_id, dead) in self.servers.expire(now, self.server_timeout) {
             warn!("{dead}; its blocks are lost");
+            self.lose_server(server_id);
         }
     }
 
@@ -285,16 +349,30 @@ impl State {
             live_servers: self.servers.live_count(),
             dead_servers: self.servers.dead_count(),
             allocated_blocks: self.servers.allocated_blocks(),
+            shuffles: self.shuffles.len() as u64,
         }
     }
 
-    /// Ends a registered job: forgets it, deletes its directory, frees its blocks.
+    /// After a storage server died: shuffle partitions whose last segment was there get a new one
+    /// on a live server, so map attempts can push again (readers see the lost segments as lost).
+    fn lose_server(&mut self, server_id: u64) {
+        let moved = self.shuffles.server_died(server_id, &mut self.servers);
+        if moved > 0 {
+            info!("placed {moved} shuffle segments anew after storage server {server_id} was lost");
+        }
+    }
+
+    /// Ends a registered job: forgets it, deletes its directory, frees its blocks and shuffles.
     fn end(&mut self, job: &str, why: &str) -> DeleteResponse {
         let _ = self.jobs.remove(job);
         // The directory exists while the job is registered; tolerate its absence all the same.
         let removed = self.namespace.remove(&path::job_root(job), true).unwrap_or_default();
         let released = self.release(removed);
-        info!("job {job} {why}: deleted {} files, freeing {} blocks", released.files_deleted, released.blocks_freed);
+        let shuffles = self.shuffles.end_job(job, &mut self.servers);
+        info!(
+            "job {job} {why}: deleted {} files, freeing {} blocks and {shuffles} shuffles",
+            released.files_deleted, released.blocks_freed
+        );
         released
     }
 
@@ -337,5 +415,7 @@ impl State {
     }
 }
 
+#[cfg(test)]
+mod shuffle_tests;
 #[cfg(test)]
 mod tests;

@@ -56,6 +56,13 @@ pub enum Op {
     /// Free the blocks whose ids the payload lists (u64 each); unknown ids are skipped.
     /// The reply's `length` is the number freed.
     Free = 4,
+    /// Append a batch to a shuffle partition's segment (push-merge); see [`crate::shuffle`].
+    /// `block_id` = shuffle id, `offset` = partition, `length` = segment index. The reply's
+    /// `length` is the segment's size in bytes after the append.
+    Push = 5,
+    /// Read committed batches of a shuffle partition's segment, a page at a time; see
+    /// [`crate::shuffle`]. Same addressing as Push; the reply's `length` is the next cursor.
+    Fetch = 6,
     /// Only in error replies to frames whose op could not be read.
     Malformed = 0x7f,
 }
@@ -67,6 +74,8 @@ impl Op {
             2 => Some(Op::Write),
             3 => Some(Op::Read),
             4 => Some(Op::Free),
+            5 => Some(Op::Push),
+            6 => Some(Op::Fetch),
             0x7f => Some(Op::Malformed),
             _ => None,
         }
@@ -200,6 +209,16 @@ impl Frame {
         Frame::new(Op::Free, false, request_id, 0, 0, block_ids.len() as u32, payload.freeze())
     }
 
+    /// A Push of `payload` (which starts with a [`crate::shuffle::PushHeader`]) to a segment.
+    pub fn push(request_id: u64, shuffle_id: u64, partition: u32, segment: u32, payload: Bytes) -> Frame {
+        Frame::new(Op::Push, false, request_id, shuffle_id, partition, segment, payload)
+    }
+
+    /// A Fetch of a segment's committed batches; `request` from [`crate::shuffle::FetchRequest`].
+    pub fn fetch(request_id: u64, shuffle_id: u64, partition: u32, segment: u32, request: Bytes) -> Frame {
+        Frame::new(Op::Fetch, false, request_id, shuffle_id, partition, segment, request)
+    }
+
     /// A successful reply to `request`.
     pub fn reply(request: &Header, length: u32, payload: Bytes) -> Frame {
         Frame::new(request.op, true, request.request_id, request.block_id, request.offset, length, payload)
@@ -254,6 +273,8 @@ pub enum FrameError {
     PayloadChecksum { expected: u32, actual: u32 },
     #[error("Free frame payload of {bytes} bytes is not a list of at most {MAX_FREE_IDS} u64 block ids")]
     BadFreeList { bytes: usize },
+    #[error("malformed shuffle payload: {0}")]
+    BadShufflePayload(String),
     #[error("i/o error: {0}")]
     Io(#[from] io::Error),
 }
@@ -264,7 +285,10 @@ impl FrameError {
     pub fn is_fatal(&self) -> bool {
         !matches!(
             self,
-            FrameError::UnknownOp { .. } | FrameError::PayloadChecksum { .. } | FrameError::BadFreeList { .. }
+            FrameError::UnknownOp { .. }
+                | FrameError::PayloadChecksum { .. }
+                | FrameError::BadFreeList { .. }
+                | FrameError::BadShufflePayload(_)
         )
     }
 

@@ -1,10 +1,12 @@
 //! Tern's wire formats, one definition for servers and clients:
 //! - [`v1`]: the gRPC control plane (namespace, jobs, storage-server registry), from `proto/tern.proto`;
 //! - [`frame`]: the binary block-frame codec of the data plane;
+//! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them.
 
 pub mod error;
 pub mod frame;
+pub mod shuffle;
 
 /// Generated gRPC messages and services (package `tern.v1`).
 pub mod v1 {

@@ -1,11 +1,12 @@
 //! Registration with the metadata server, and the heartbeat loop that reports tier use and carries
 //! out the frees the metadata server orders.
 //!
-//! Frees are acknowledged by sequence number: a heartbeat reply lists block ids to free and the
-//! sequence number of the last one; once they are freed the next heartbeat echoes it as
-//! `freed_through_seq`, and the metadata server stops resending them. A reply that says
-//! `reregister` means the cluster no longer counts this server's blocks: every block is dropped
-//! (stale data must never be served) and the server registers again under a new id.
+//! Frees are acknowledged by sequence number: a heartbeat reply lists block ids and shuffle ids to
+//! free and the sequence number of the last free; once they are freed the next heartbeat echoes it
+//! as `freed_through_seq`, and the metadata server stops resending them. A reply that says
+//! `reregister` means the cluster no longer counts this server's data: every block and shuffle
+//! segment is dropped (stale data must never be served) and the server registers again under a
+//! new id.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -127,10 +128,11 @@ pub(crate) fn heartbeat_interval(ms: u64) -> Duration {
 /// What a heartbeat reply led to.
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
-    /// This many of the listed blocks were held and are now freed.
-    Freed(usize),
-    /// The metadata server no longer knows this server; this many blocks were dropped.
-    Reregister { dropped: usize },
+    /// This many of the listed blocks, and segments of the listed shuffles, were held and are now
+    /// freed.
+    Freed { blocks: usize, segments: usize },
+    /// The metadata server no longer knows this server; this many blocks and segments were dropped.
+    Reregister { blocks: usize, segments: usize },
 }
 
 /// The free-acknowledgement state of one registration.
@@ -157,13 +159,15 @@ impl Session {
     /// Carries out a heartbeat reply: frees first, and only then records them as done.
     fn apply(&mut self, reply: &HeartbeatResponse, store: &BlockStore) -> Outcome {
         if reply.reregister {
-            return Outcome::Reregister { dropped: store.clear() };
+            let (blocks, segments) = store.clear();
+            return Outcome::Reregister { blocks, segments };
         }
-        let freed = store.free(&reply.free_block_ids);
+        let blocks = store.free(&reply.free_block_ids);
+        let segments = store.free_shuffles(&reply.free_shuffle_ids);
         // Never move the acknowledgement backwards: a reply with nothing to free may carry an
         // older (or zero) sequence number.
         self.freed_through_seq = self.freed_through_seq.max(reply.free_seq);
-        Outcome::Freed(freed)
+        Outcome::Freed { blocks, segments }
     }
 }
 
@@ -256,8 +260,8 @@ impl Heartbeater {
     /// server cannot go on being part of the cluster; an unreachable metadata server is logged
     /// and retried at the next beat.
     pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
+        self.metrics.observe_store(&self.store);
         let usage = self.store.usage();
-        self.metrics.observe_usage(&usage);
         let reply = match self.client.heartbeat(self.session.request(&usage)).await {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
@@ -276,19 +280,22 @@ impl Heartbeater {
             tracing::info!("metadata server at {} reachable again", self.metadata);
         }
         match self.session.apply(&reply, &self.store) {
-            Outcome::Freed(0) => {}
-            Outcome::Freed(n) => tracing::debug!("freed {n} blocks (through free sequence {})", reply.free_seq),
-            Outcome::Reregister { dropped } => {
+            Outcome::Freed { blocks: 0, segments: 0 } => {}
+            Outcome::Freed { blocks, segments } => tracing::debug!(
+                "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
+                reply.free_seq
+            ),
+            Outcome::Reregister { blocks, segments } => {
                 tracing::warn!(
-                    "metadata server at {} no longer knows storage server {}: dropped all {dropped} blocks, \
-                     registering again",
+                    "metadata server at {} no longer knows storage server {}: dropped all {blocks} blocks and \
+                     {segments} shuffle segments, registering again",
                     self.metadata,
                     self.session.server_id
                 );
                 self.reregister().await?;
             }
         }
-        self.metrics.observe_usage(&self.store.usage());
+        self.metrics.observe_store(&self.store);
         Ok(())
     }
 
@@ -333,6 +340,8 @@ impl Heartbeater {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shuffle::SegmentId;
+    use tern_proto::shuffle::{FetchRequest, PushHeader};
 
     fn store_with(ids: &[u64]) -> BlockStore {
         let store = BlockStore::new(4096, 16 * 4096).unwrap();
@@ -345,7 +354,16 @@ mod tests {
     }
 
     fn reply(ids: &[u64], free_seq: u64) -> HeartbeatResponse {
-        HeartbeatResponse { free_block_ids: ids.to_vec(), free_seq, reregister: false }
+        HeartbeatResponse { free_block_ids: ids.to_vec(), free_seq, reregister: false, free_shuffle_ids: vec![] }
+    }
+
+    fn freed(blocks: usize, segments: usize) -> Outcome {
+        Outcome::Freed { blocks, segments }
+    }
+
+    fn push(store: &BlockStore, shuffle: u64, partition: u32) {
+        let segment = SegmentId { shuffle, partition, index: 0 };
+        store.push(segment, PushHeader { map: 0, attempt: 0 }, b"batch").unwrap();
     }
 
     #[test]
@@ -360,29 +378,51 @@ mod tests {
         assert_eq!(first.tiers[0].capacity_blocks, 16);
 
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
-        assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), Outcome::Freed(2));
+        assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
         assert_eq!(session.request(&store.usage()).freed_through_seq, 12);
         assert_eq!(store.usage().used_blocks, 2);
         assert!(store.read(1, 0, 1).is_err() && store.read(3, 0, 1).is_ok());
 
         // A resent list (the ack was lost) is idempotent.
-        assert_eq!(session.apply(&reply(&[1, 2], 12), &store), Outcome::Freed(0));
+        assert_eq!(session.apply(&reply(&[1, 2], 12), &store), freed(0, 0));
         // An empty reply does not move the acknowledgement backwards.
-        assert_eq!(session.apply(&reply(&[], 0), &store), Outcome::Freed(0));
+        assert_eq!(session.apply(&reply(&[], 0), &store), freed(0, 0));
         assert_eq!(session.freed_through_seq, 12);
-        assert_eq!(session.apply(&reply(&[3], 13), &store), Outcome::Freed(1));
+        assert_eq!(session.apply(&reply(&[3], 13), &store), freed(1, 0));
         assert_eq!(session.request(&store.usage()).freed_through_seq, 13);
     }
 
     #[test]
-    fn reregister_drops_every_block() {
+    fn shuffle_frees_share_the_acknowledgement() {
+        let store = store_with(&[1]);
+        for (shuffle, partition) in [(10, 0), (10, 1), (11, 0)] {
+            push(&store, shuffle, partition);
+        }
+        let mut session = Session::new(7);
+        assert_eq!(session.request(&store.usage()).tiers[0].used_blocks, 4);
+        assert_eq!(session.request(&store.usage()).tiers[0].used_bytes, 1 + 3 * 5);
+        let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
+        assert_eq!(session.apply(&both, &store), freed(1, 2));
+        let request = session.request(&store.usage());
+        assert_eq!((request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes), (20, 1, 5));
+        assert_eq!(store.shuffle_segments(), 1);
+        // Resent (the ack was lost): nothing more to do, nothing comes back.
+        assert_eq!(session.apply(&both, &store), freed(0, 0));
+        let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
+        assert!(store.fetch(SegmentId { shuffle: 10, partition: 0, index: 0 }, &fetch).is_err());
+        assert!(store.fetch(SegmentId { shuffle: 11, partition: 0, index: 0 }, &fetch).is_ok());
+    }
+
+    #[test]
+    fn reregister_drops_every_block_and_segment() {
         let store = store_with(&[1, 2, 3]);
+        push(&store, 4, 0);
         let mut session = Session::new(7);
         session.apply(&reply(&[1], 5), &store);
-        let outcome =
-            session.apply(&HeartbeatResponse { free_block_ids: vec![], free_seq: 0, reregister: true }, &store);
-        assert_eq!(outcome, Outcome::Reregister { dropped: 2 });
+        let outcome = session.apply(&HeartbeatResponse { reregister: true, ..reply(&[], 0) }, &store);
+        assert_eq!(outcome, Outcome::Reregister { blocks: 2, segments: 1 });
         assert_eq!(store.usage().used_blocks, 0);
+        assert_eq!(store.shuffle_segments(), 0);
         assert!(store.read(2, 0, 1).is_err());
         // A new registration starts acknowledging from zero.
         assert_eq!(Session::new(8), Session { server_id: 8, freed_through_seq: 0 });

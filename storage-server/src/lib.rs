@@ -3,6 +3,8 @@
 //! - [`config`]: the typed configuration;
 //! - `arena`: the DRAM tier's one anonymous memory mapping;
 //! - [`store`]: the arena cut into blocks: write-once, append-only, zero-copy reads;
+//! - [`shuffle`]: shuffle segments in the same arena: pushed batches appended (push-merge),
+//!   fetched by committed attempt, a page at a time;
 //! - [`service`]: the block protocol over TCP (pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
 //! - [`metrics`]: Prometheus metrics, served on the admin endpoint.
@@ -15,6 +17,7 @@ pub mod config;
 mod heartbeat;
 pub mod metrics;
 pub mod service;
+pub mod shuffle;
 pub mod store;
 
 use std::net::SocketAddr;
@@ -27,6 +30,7 @@ use tokio::task::JoinHandle;
 pub use config::Config;
 pub use metrics::Metrics;
 pub use service::{serve_blocks, Limits};
+pub use shuffle::{FetchPage, SegmentId, ShuffleError};
 pub use store::{BlockStore, StoreError, Usage};
 
 /// A running storage server. Dropping it stops its tasks; [`StorageServer::shutdown`] also waits
@@ -106,7 +110,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         Arc::new(BlockStore::with_arena(arena, registered.block_size).with_context(|| {
             format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size)
         })?);
-    metrics.observe_usage(&store.usage());
+    metrics.observe_store(&store);
     let service = tokio::spawn(serve_blocks(listener, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =
         heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered);

@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 use tern_proto::frame::Op;
 use tern_proto::ErrorKind;
 
-use crate::store::{Usage, DRAM_TIER};
+use crate::store::{BlockStore, Usage, DRAM_TIER};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
@@ -44,10 +44,11 @@ pub struct Metrics {
     dram_capacity_bytes: Gauge,
     dram_used_bytes: Gauge,
     dram_blocks: Gauge,
+    shuffle_segments: Gauge,
     connections: Gauge,
 }
 
-const OPS: [Op; 5] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Malformed];
+const OPS: [Op; 7] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Malformed];
 
 fn op_name(op: Op) -> &'static str {
     match op {
@@ -55,6 +56,8 @@ fn op_name(op: Op) -> &'static str {
         Op::Write => "write",
         Op::Read => "read",
         Op::Free => "free",
+        Op::Push => "push",
+        Op::Fetch => "fetch",
         Op::Malformed => "malformed",
     }
 }
@@ -75,6 +78,7 @@ impl Metrics {
         let capacity = Family::<TierLabels, Gauge>::default();
         let used = Family::<TierLabels, Gauge>::default();
         let blocks = Family::<TierLabels, Gauge>::default();
+        let shuffle_segments = Gauge::default();
         let connections = Gauge::default();
         registry.register("tern_storage_requests", "Block-service requests handled, by op", requests.clone());
         registry.register(
@@ -82,7 +86,11 @@ impl Metrics {
             "Block-service requests refused, by op and error kind",
             errors.clone(),
         );
-        registry.register("tern_storage_bytes", "Payload bytes written (write) and read (read), by op", bytes.clone());
+        registry.register(
+            "tern_storage_bytes",
+            "Payload bytes stored (write, push: batch bytes) and sent (read, fetch), by op",
+            bytes.clone(),
+        );
         registry.register(
             "tern_storage_request_duration_seconds",
             "Time to handle a block-service request, from its header (write payloads included) to its reply",
@@ -90,7 +98,12 @@ impl Metrics {
         );
         registry.register("tern_storage_tier_capacity_bytes", "Bytes a tier can hold", capacity.clone());
         registry.register("tern_storage_tier_used_bytes", "Bytes stored in a tier", used.clone());
-        registry.register("tern_storage_blocks", "Blocks in use in a tier", blocks.clone());
+        registry.register(
+            "tern_storage_blocks",
+            "Blocks in use in a tier (file blocks and shuffle data)",
+            blocks.clone(),
+        );
+        registry.register("tern_storage_shuffle_segments", "Shuffle segments held", shuffle_segments.clone());
         registry.register("tern_storage_connections", "Open block-service connections", connections.clone());
         let ops = OPS.map(|op| {
             let labels = OpLabels { op: op_name(op) };
@@ -107,6 +120,7 @@ impl Metrics {
             dram_capacity_bytes: capacity.get_or_create_owned(&dram),
             dram_used_bytes: used.get_or_create_owned(&dram),
             dram_blocks: blocks.get_or_create_owned(&dram),
+            shuffle_segments,
             connections,
         })
     }
@@ -127,6 +141,12 @@ impl Metrics {
         self.dram_capacity_bytes.set(gauge_value(usage.capacity_bytes));
         self.dram_used_bytes.set(gauge_value(usage.used_bytes));
         self.dram_blocks.set(gauge_value(usage.used_blocks));
+    }
+
+    /// Updates every gauge that describes `store`.
+    pub fn observe_store(&self, store: &BlockStore) {
+        self.observe_usage(&store.usage());
+        self.shuffle_segments.set(gauge_value(store.shuffle_segments() as u64));
     }
 
     pub(crate) fn connection_opened(&self) {

@@ -4,7 +4,9 @@
 //! reader handles requests in order (DRAM ops are memcpy-fast) and queues each reply; when the
 //! queue is full it stops reading, which pushes back on a client that pipelines faster than it
 //! reads replies. Write payloads are read from the socket straight into the arena and read replies
-//! are views of the arena, so block data is never copied on the server.
+//! are views of the arena, so block data is never copied on the server. Shuffle ops copy once each
+//! way: a Push's payload is read into a buffer and copied into its segment (the segment's lock is
+//! not held while a slow client sends), and a Fetch reply gathers whole batches into one payload.
 //!
 //! Bad input never takes the server down: a frame the server cannot make sense of is answered
 //! with an error frame; if the byte stream can no longer be trusted to be at a frame boundary,
@@ -16,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, MAX_FREE_IDS};
+use tern_proto::shuffle::{FetchRequest, PushHeader, MAX_FETCH_MAPS};
 use tern_proto::ErrorKind;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -24,6 +27,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::metrics::Metrics;
+use crate::shuffle::{SegmentId, ShuffleError};
 use crate::store::{BlockStore, StoreError};
 
 /// Replies are gathered into this much buffer before a write to the socket; payloads at least this
@@ -36,6 +40,9 @@ const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: u64 = 4 << 20;
 /// Pause after a failed accept (e.g. out of file descriptors), so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// The largest Fetch request: its cursor, page size and the most `(map, attempt)` pairs one may
+/// list. It may exceed the block size, the limit of every other op's payload.
+const MAX_FETCH_REQUEST_BYTES: u32 = 8 + 8 * MAX_FETCH_MAPS as u32;
 
 /// Bounds on the block service's connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,9 +172,17 @@ async fn read_requests(
     _guard: Arc<ConnectionGuard>,
     peer: SocketAddr,
 ) {
-    let max_payload = store.block_size();
+    let block_size = store.block_size();
     loop {
-        let (reply, fatal) = match frame::read_header(&mut rd, max_payload).await {
+        let header = frame::read_header(&mut rd, block_size.max(MAX_FETCH_REQUEST_BYTES)).await;
+        let header = match header {
+            Ok(Some(h)) if h.op != Op::Fetch && h.payload_len > block_size => {
+                // Every payload but a Fetch's fits a block; refused before a byte of it is read.
+                Err(FrameError::PayloadTooLarge { len: h.payload_len, max: block_size })
+            }
+            other => other,
+        };
+        let (reply, fatal) = match header {
             Ok(None) => return,
             Ok(Some(header)) => {
                 let started = Instant::now();
@@ -180,8 +195,8 @@ async fn read_requests(
                     }
                 };
                 metrics.record(header.op, started.elapsed(), bytes, error_kind(&reply));
-                if reply.header.status == 0 && matches!(header.op, Op::Write | Op::Free) {
-                    metrics.observe_usage(&store.usage());
+                if reply.header.status == 0 && matches!(header.op, Op::Write | Op::Free | Op::Push) {
+                    metrics.observe_store(&store);
                 }
                 (reply, fatal)
             }
@@ -221,7 +236,7 @@ fn error_kind(reply: &Frame) -> Option<ErrorKind> {
 /// The reply to a header that could not be decoded, and whether the connection must close.
 async fn reply_to_bad_header(rd: &mut OwnedReadHalf, err: FrameError) -> (Frame, bool) {
     if let FrameError::UnknownOp { request_id, payload_len, .. } = err {
-        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free)");
+        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch)");
         // The header was sound, so skipping the payload brings the stream to the next frame.
         return match frame::skip_payload(rd, payload_len).await {
             Ok(()) => (Frame::error(request_id, Op::Malformed, 0, err.kind(), &message), false),
@@ -259,6 +274,8 @@ async fn serve_request(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -
         },
         Op::Write => serve_write(rd, store, h).await,
         Op::Free => serve_free(rd, store, h).await,
+        Op::Push => serve_push(rd, store, h).await,
+        Op::Fetch => serve_fetch(rd, store, h).await,
         Op::Malformed => {
             let message = format!("{h}: op Malformed only appears in error replies");
             refuse(rd, h, ErrorKind::Invalid, &message).await
@@ -289,12 +306,9 @@ async fn serve_free(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> R
         let err = FrameError::BadFreeList { bytes: h.payload_len as usize };
         return refuse(rd, h, err.kind(), &format!("{h}: {err}")).await;
     }
-    let payload = match frame::read_payload(rd, h).await {
+    let payload = match read_request_payload(rd, h).await? {
         Ok(payload) => payload,
-        Err(e) if !e.is_fatal() => {
-            return Ok((Frame::error(h.request_id, h.op, h.block_id, e.kind(), &format!("{h}: {e}")), 0))
-        }
-        Err(e) => return Err(e),
+        Err(reply) => return Ok((reply, 0)),
     };
     let request = Frame { header: *h, payload };
     match request.free_ids() {
@@ -302,8 +316,62 @@ async fn serve_free(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> R
             let freed = store.free(&ids);
             Ok((Frame::reply(h, freed as u32, Bytes::new()), 0))
         }
-        Err(e) => Ok((Frame::error(h.request_id, h.op, h.block_id, e.kind(), &format!("{h}: {e}")), 0)),
+        Err(e) => Ok((frame_error(h, &e), 0)),
     }
+}
+
+/// Reads a request's whole payload. `Ok(Err(reply))` when it is unusable but the stream is still
+/// at a frame boundary (a bad checksum): the error reply to send.
+async fn read_request_payload(rd: &mut OwnedReadHalf, h: &Header) -> Result<Result<Bytes, Frame>, FrameError> {
+    match frame::read_payload(rd, h).await {
+        Ok(payload) => Ok(Ok(payload)),
+        Err(e) if !e.is_fatal() => Ok(Err(frame_error(h, &e))),
+        Err(e) => Err(e),
+    }
+}
+
+/// Appends a Push's batch to its segment; the reply's length is the segment's size afterwards
+/// (saturating at `u32::MAX`).
+async fn serve_push(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+    let payload = match read_request_payload(rd, h).await? {
+        Ok(payload) => payload,
+        Err(reply) => return Ok((reply, 0)),
+    };
+    let (from, batch) = match PushHeader::decode(&payload) {
+        Ok(decoded) => decoded,
+        Err(e) => return Ok((frame_error(h, &e), 0)),
+    };
+    match store.push(segment_of(h), from, batch) {
+        Ok(bytes) => {
+            let length = u32::try_from(bytes).unwrap_or(u32::MAX);
+            Ok((Frame::reply(h, length, Bytes::new()), batch.len() as u64))
+        }
+        Err(e) => Ok((shuffle_error(h, &e), 0)),
+    }
+}
+
+/// Answers a Fetch with a page of committed batches; the reply's length is the next cursor.
+async fn serve_fetch(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+    let payload = match read_request_payload(rd, h).await? {
+        Ok(payload) => payload,
+        Err(reply) => return Ok((reply, 0)),
+    };
+    let request = match FetchRequest::decode(&payload) {
+        Ok(request) => request,
+        Err(e) => return Ok((frame_error(h, &e), 0)),
+    };
+    match store.fetch(segment_of(h), &request) {
+        Ok(page) => {
+            let bytes = page.payload.len() as u64;
+            Ok((Frame::reply(h, page.next_cursor, page.payload), bytes))
+        }
+        Err(e) => Ok((shuffle_error(h, &e), 0)),
+    }
+}
+
+/// Push and Fetch address a segment with the header's block id, offset and length.
+fn segment_of(h: &Header) -> SegmentId {
+    SegmentId { shuffle: h.block_id, partition: h.offset, index: h.length }
 }
 
 /// Skips the request's payload (keeping the stream at a frame boundary) and answers with an error.
@@ -319,6 +387,15 @@ async fn refuse(
 
 fn store_error(h: &Header, e: &StoreError) -> Frame {
     Frame::error(h.request_id, h.op, h.block_id, e.kind(), &e.to_string())
+}
+
+fn shuffle_error(h: &Header, e: &ShuffleError) -> Frame {
+    Frame::error(h.request_id, h.op, h.block_id, e.kind(), &e.to_string())
+}
+
+/// An error reply for a payload that could not be used, naming the request.
+fn frame_error(h: &Header, e: &FrameError) -> Frame {
+    Frame::error(h.request_id, h.op, h.block_id, e.kind(), &format!("{h}: {e}"))
 }
 
 /// Fills `buf` from the stream; `Truncated` if the stream ends first.

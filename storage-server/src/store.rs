@@ -10,6 +10,9 @@
 //! - a slot returns to the free list only when its last `Arc` drops: a Free (or a re-registration)
 //!   racing a read removes the block from the map, but the bytes being sent stay intact until the
 //!   read's view is dropped.
+//!
+//! Shuffle segments ([`crate::shuffle`]) take their slots from the same pool through
+//! [`AppendSlot`], so file blocks and shuffle data share one arena and one capacity count.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -18,9 +21,11 @@ use std::sync::Arc;
 use anyhow::bail;
 use bytes::Bytes;
 use parking_lot::Mutex;
+use tern_proto::shuffle::{FetchRequest, PushHeader};
 use tern_proto::ErrorKind;
 
 use crate::arena::Arena;
+use crate::shuffle::{FetchPage, SegmentId, ShuffleError, Shuffles};
 
 /// The tier's name in registrations, heartbeats and metrics.
 pub const DRAM_TIER: &str = "dram";
@@ -76,7 +81,7 @@ pub struct Usage {
 }
 
 /// The arena and its slot bookkeeping; shared by every slot so that the memory outlives them.
-struct Pool {
+pub(crate) struct Pool {
     arena: Arena,
     block_size: u32,
     slots: usize,
@@ -94,6 +99,22 @@ struct Slot {
     /// Held by the one write in progress; taken and released with the map lock held, so that a
     /// failed first write can withdraw the block it created before any other writer sees it.
     writing: AtomicBool,
+}
+
+impl Pool {
+    /// An empty slot off the free list, or `None` when every slot is in use.
+    fn take_slot(self: &Arc<Pool>, writing: bool) -> Option<Arc<Slot>> {
+        let index = self.free.lock().pop()?;
+        Some(Arc::new(Slot { pool: self.clone(), index, len: AtomicU32::new(0), writing: AtomicBool::new(writing) }))
+    }
+
+    pub(crate) fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    pub(crate) fn slots(&self) -> usize {
+        self.slots
+    }
 }
 
 impl Slot {
@@ -125,12 +146,82 @@ struct BlockView {
 
 impl AsRef<[u8]> for BlockView {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: the range lies below the slot's published length (checked in `BlockStore::read`),
-        // so its bytes were fully written before the Release store that published them, which our
-        // Acquire load observed; published bytes are never written again while the slot lives, and
-        // `self.slot` keeps it alive. Readers only ever form shared slices, so this aliases nothing
-        // mutable.
+        // SAFETY: the range lies below the slot's published length (checked in `BlockStore::read`
+        // and `AppendSlot::view`), so its bytes were fully written before the Release store that
+        // published them, which our Acquire load observed; published bytes are never written again
+        // while the slot lives, and `self.slot` keeps it alive. Readers only ever form shared
+        // slices, so this aliases nothing mutable.
         unsafe { std::slice::from_raw_parts(self.slot.ptr(self.offset), self.len as usize) }
+    }
+}
+
+/// A slot with exactly one appender: how a shuffle segment holds its slots. Only the holder of
+/// `&mut AppendSlot` writes (the segment's lock serialises its pushes), always above the published
+/// length, so the block path's writer flag is not needed; views of published bytes may be taken
+/// and outlive it, like block reads. Not `Clone`: there is never a second appender.
+pub(crate) struct AppendSlot {
+    slot: Arc<Slot>,
+}
+
+impl AppendSlot {
+    /// An empty slot off the pool's free list, or `None` when the tier is full.
+    pub(crate) fn take(pool: &Arc<Pool>) -> Option<AppendSlot> {
+        pool.take_slot(false).map(|slot| AppendSlot { slot })
+    }
+
+    /// Bytes appended so far.
+    pub(crate) fn len(&self) -> u32 {
+        // Only this appender stores the length.
+        self.slot.len.load(Ordering::Relaxed)
+    }
+
+    /// Bytes still free at the end of the slot.
+    pub(crate) fn room(&self) -> u32 {
+        self.slot.pool.block_size - self.len()
+    }
+
+    /// Appends `data` after the published bytes and publishes it; returns its offset in the slot
+    /// and the crc32c of the bytes as stored. Panics if it does not fit (callers check `room`).
+    pub(crate) fn append(&mut self, data: &[u8]) -> (u32, u32) {
+        let offset = self.len();
+        let len = u32::try_from(data.len()).ok().filter(|len| *len <= self.room());
+        let Some(len) = len else {
+            panic!("append of {} bytes to a slot with {} bytes of room", data.len(), self.room());
+        };
+        // SAFETY: `[offset, offset + len)` lies within the slot (`len <= room`) and at or above its
+        // published length, so no view covers it, and `&mut self` makes this the only writer.
+        // `data` cannot overlap it: any slice of arena bytes is of published bytes. `dst` is last
+        // used before the bytes are published.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.slot.ptr(offset), len as usize) };
+        dst.copy_from_slice(data);
+        // Taken over the arena bytes, so reads can check the bytes at rest, not only in flight.
+        let crc = crc32c::crc32c(dst);
+        self.slot.pool.used_bytes.fetch_add(u64::from(len), Ordering::Relaxed);
+        // Release: the bytes written above happen-before any view's creation that observes it.
+        self.slot.len.store(offset + len, Ordering::Release);
+        (offset, crc)
+    }
+
+    /// The published bytes `[offset, offset + len)`, without copying; they keep the slot from
+    /// reuse until dropped.
+    pub(crate) fn view(&self, offset: u32, len: u32) -> Bytes {
+        let held = self.slot.len.load(Ordering::Acquire);
+        assert!(
+            u64::from(offset) + u64::from(len) <= u64::from(held),
+            "view {offset}+{len} of a slot holding {held} bytes"
+        );
+        Bytes::from_owner(BlockView { slot: self.slot.clone(), offset, len })
+    }
+
+    /// Test hook: flips one published byte, as a fault in DRAM would.
+    #[cfg(test)]
+    pub(crate) fn flip_byte(&mut self, offset: u32) {
+        assert!(offset < self.len(), "offset {offset} is not a published byte");
+        assert!(Arc::get_mut(&mut self.slot).is_some(), "a view of this slot is still alive");
+        // SAFETY: the byte is within the slot; this `AppendSlot` holds the only reference to it
+        // (checked above, and `&mut self` stops a view being taken meanwhile), so no slice of it
+        // exists anywhere.
+        unsafe { *self.slot.ptr(offset) ^= 0xff };
     }
 }
 
@@ -197,10 +288,12 @@ impl Drop for PendingWrite<'_> {
     }
 }
 
-/// The DRAM tier: blocks of one fixed size in one arena.
+/// The DRAM tier: blocks of one fixed size in one arena, and the shuffle segments stored in the
+/// same slots.
 pub struct BlockStore {
     pool: Arc<Pool>,
     blocks: Mutex<HashMap<u64, Arc<Slot>>>,
+    shuffles: Shuffles,
     /// The id the metadata server gave this server, named in not-held errors.
     server_id: AtomicU64,
 }
@@ -233,7 +326,12 @@ impl BlockStore {
         // Reversed so that slot 0 is handed out first.
         let free = (0..slots).rev().collect();
         let pool = Arc::new(Pool { arena, block_size, slots, free: Mutex::new(free), used_bytes: AtomicU64::new(0) });
-        Ok(BlockStore { pool, blocks: Mutex::new(HashMap::with_capacity(slots)), server_id: AtomicU64::new(0) })
+        Ok(BlockStore {
+            pool,
+            blocks: Mutex::new(HashMap::with_capacity(slots)),
+            shuffles: Shuffles::default(),
+            server_id: AtomicU64::new(0),
+        })
     }
 
     pub fn block_size(&self) -> u32 {
@@ -287,15 +385,9 @@ impl BlockStore {
             }
             None => {
                 check(0)?;
-                let Some(index) = self.pool.free.lock().pop() else {
+                let Some(slot) = self.pool.take_slot(true) else {
                     return Err(StoreError::Full { in_use: self.pool.slots, total: self.pool.slots });
                 };
-                let slot = Arc::new(Slot {
-                    pool: self.pool.clone(),
-                    index,
-                    len: AtomicU32::new(0),
-                    writing: AtomicBool::new(true),
-                });
                 blocks.insert(block_id, slot.clone());
                 (slot, true)
             }
@@ -331,10 +423,38 @@ impl BlockStore {
         removed.len()
     }
 
-    /// Drops every block: the cluster no longer counts them, so they must never be served again.
-    pub fn clear(&self) -> usize {
+    /// Drops every block and shuffle segment: the cluster no longer counts them, so they must
+    /// never be served again. Returns how many blocks and how many segments were held.
+    pub fn clear(&self) -> (usize, usize) {
         let removed = std::mem::take(&mut *self.blocks.lock());
-        removed.len()
+        (removed.len(), self.shuffles.clear())
+    }
+
+    /// Appends a pushed batch to a shuffle segment, creating the segment on its first push;
+    /// returns the segment's size in bytes afterwards. See [`crate::shuffle`].
+    pub fn push(&self, segment: SegmentId, from: PushHeader, batch: &[u8]) -> Result<u64, ShuffleError> {
+        self.shuffles.push(&self.pool, self.server_id(), segment, from, batch)
+    }
+
+    /// A page of a segment's batches from the committed attempts `request` lists.
+    pub fn fetch(&self, segment: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
+        self.shuffles.fetch(self.server_id(), segment, request)
+    }
+
+    /// Drops every segment of the listed shuffles (ids not held are skipped), and refuses later
+    /// pushes to them; returns how many segments were held.
+    pub fn free_shuffles(&self, shuffle_ids: &[u64]) -> usize {
+        self.shuffles.free(shuffle_ids)
+    }
+
+    /// Shuffle segments held.
+    pub fn shuffle_segments(&self) -> usize {
+        self.shuffles.segments()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn shuffles(&self) -> &Shuffles {
+        &self.shuffles
     }
 }
 
@@ -448,7 +568,7 @@ mod tests {
         for id in 0..4 {
             write(&store, id, 0, b"x").unwrap();
         }
-        assert_eq!(store.clear(), 4);
+        assert_eq!(store.clear(), (4, 0));
         assert_eq!(store.usage().used_blocks, 0);
         assert_eq!(store.usage().used_bytes, 0);
         assert!(matches!(store.read(0, 0, 1), Err(StoreError::NotHeld { .. })));

@@ -1,5 +1,6 @@
 //! `start` against a stand-in metadata server (a scripted Registry service): registration with
-//! retries, heartbeats carrying frees and their acknowledgement, re-registration, metrics, shutdown.
+//! retries, heartbeats carrying frees (of blocks and shuffles) and their acknowledgement,
+//! re-registration, metrics, shutdown.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use tern_common::ByteSize;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tern_proto::shuffle::{FetchRequest, PushHeader};
 use tern_proto::v1::registry_server::{Registry, RegistryServer};
 use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse};
 use tern_proto::ErrorKind;
@@ -24,6 +26,7 @@ struct State {
     heartbeats: Vec<HeartbeatRequest>,
     /// Frees resent on every heartbeat until acknowledged.
     to_free: Vec<u64>,
+    to_free_shuffles: Vec<u64>,
     free_seq: u64,
     reregister_next: bool,
 }
@@ -51,6 +54,7 @@ impl Registry for FakeRegistry {
         let request = request.into_inner();
         if request.freed_through_seq >= state.free_seq {
             state.to_free.clear();
+            state.to_free_shuffles.clear();
         }
         state.heartbeats.push(request);
         let reregister = std::mem::take(&mut state.reregister_next);
@@ -58,6 +62,7 @@ impl Registry for FakeRegistry {
             free_block_ids: state.to_free.clone(),
             free_seq: state.free_seq,
             reregister,
+            free_shuffle_ids: state.to_free_shuffles.clone(),
         }))
     }
 }
@@ -86,6 +91,17 @@ fn config(metadata: SocketAddr) -> Config {
 async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
     frame::write_frame(stream, request).await.unwrap();
     frame::read_frame(stream, MAX_PAYLOAD_BYTES).await.unwrap().unwrap().into_result()
+}
+
+fn push(id: u64, segment: (u64, u32, u32), batch: &[u8]) -> Frame {
+    let mut payload = PushHeader { map: 0, attempt: 0 }.encode().to_vec();
+    payload.extend_from_slice(batch);
+    Frame::push(id, segment.0, segment.1, segment.2, Bytes::from(payload))
+}
+
+fn fetch(id: u64, segment: (u64, u32, u32)) -> Frame {
+    let request = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
+    Frame::fetch(id, segment.0, segment.1, segment.2, request.encode())
 }
 
 /// Polls `check` until it holds, for up to 10 s.
@@ -135,9 +151,14 @@ async fn registers_heartbeats_frees_and_reregisters() {
     for block in [1, 2, 3] {
         call(&mut s, &Frame::write(block, block, 0, Bytes::from_static(b"shuffle data"))).await.unwrap();
     }
+    // Segments of two shuffles; one is freed with the blocks, under the same sequence number.
+    for (id, (shuffle, partition)) in [(20, 0), (20, 1), (21, 0)].into_iter().enumerate() {
+        call(&mut s, &push(id as u64, (shuffle, partition, 0), b"batch")).await.unwrap();
+    }
     {
         let mut state = registry.0.lock();
         state.to_free = vec![1, 2, 99];
+        state.to_free_shuffles = vec![20, 98];
         state.free_seq = 5;
     }
     eventually("the frees are acknowledged", || {
@@ -147,8 +168,16 @@ async fn registers_heartbeats_frees_and_reregisters() {
     let (kind, message) = call(&mut s, &Frame::read(10, 1, 0, 1)).await.unwrap_err();
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 1 is not held by storage server 1"));
     assert_eq!(&call(&mut s, &Frame::read(11, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
+    let (kind, message) = call(&mut s, &fetch(12, (20, 1, 0))).await.unwrap_err();
+    assert_eq!(
+        (kind, message.as_str()),
+        (ErrorKind::NotFound, "shuffle 20 partition 1 segment 0 is not held by storage server 1")
+    );
+    let page = call(&mut s, &fetch(13, (21, 0, 0))).await.unwrap();
+    assert_eq!(page.payload.len(), tern_proto::shuffle::BATCH_HEADER_LEN + 5);
+    // Shuffle data counts in the tier's use.
     eventually("heartbeats report the use", || {
-        registry.0.lock().heartbeats.last().is_some_and(|h| h.tiers[0].used_blocks == 1 && h.tiers[0].used_bytes == 12)
+        registry.0.lock().heartbeats.last().is_some_and(|h| h.tiers[0].used_blocks == 2 && h.tiers[0].used_bytes == 17)
     })
     .await;
 
@@ -157,6 +186,11 @@ async fn registers_heartbeats_frees_and_reregisters() {
     eventually("the server registers again", || server.server_id() == 2).await;
     let (kind, message) = call(&mut s, &Frame::read(12, 3, 0, 1)).await.unwrap_err();
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 3 is not held by storage server 2"));
+    let (kind, message) = call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap_err();
+    assert_eq!(
+        (kind, message.as_str()),
+        (ErrorKind::NotFound, "shuffle 21 partition 0 segment 0 is not held by storage server 2")
+    );
     eventually("heartbeats come from the new id", || {
         registry.0.lock().heartbeats.last().is_some_and(|h| h.server_id == 2 && h.tiers[0].used_blocks == 0)
     })
@@ -172,6 +206,9 @@ async fn registers_heartbeats_frees_and_reregisters() {
     for line in [
         "tern_storage_tier_capacity_bytes{tier=\"dram\"} 1048576",
         "tern_storage_requests_total{op=\"write\"} 3",
+        "tern_storage_requests_total{op=\"push\"} 3",
+        "tern_storage_errors_total{op=\"fetch\",kind=\"not-found\"} 2",
+        "tern_storage_shuffle_segments 0",
         "tern_storage_errors_total{op=\"read\",kind=\"not-found\"} 2",
         "tern_storage_connections 1",
     ] {

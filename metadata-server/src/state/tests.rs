@@ -7,34 +7,34 @@ use tern_common::ByteSize;
 use super::*;
 use crate::placement::DRAM_TIER;
 
-const BLOCK: u64 = 4096;
+pub(super) const BLOCK: u64 = 4096;
 
 fn config() -> Config {
     Config { block_size: ByteSize(BLOCK), max_list_entries: 3, ..Config::default() }
 }
 
-fn state() -> (State, Instant) {
+pub(super) fn state() -> (State, Instant) {
     (State::new(&config()), Instant::now())
 }
 
 /// The kind and message of a refused call.
-fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String) {
+pub(super) fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String) {
     let status = result.expect_err("the call should have been refused");
     (ErrorKind::of_status(&status), status.message().to_string())
 }
 
-fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
+pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }];
     let reply = state.register_server(RegisterServerRequest { address: address.into(), tiers }, now).unwrap();
     assert_eq!(reply.block_size as u64, BLOCK);
     reply.server_id
 }
 
-fn create(state: &mut State, path: &str, now: Instant) -> u64 {
+pub(super) fn create(state: &mut State, path: &str, now: Instant) -> u64 {
     state.create(CreateRequest { path: path.into(), parents: true, ..Default::default() }, now).unwrap().file_id
 }
 
-fn allocate(state: &mut State, file_id: u64, count: u32, now: Instant) -> Vec<BlockLocation> {
+pub(super) fn allocate(state: &mut State, file_id: u64, count: u32, now: Instant) -> Vec<BlockLocation> {
     let request = AllocateBlocksRequest { file_id, count, client_host: String::new() };
     state.allocate_blocks(request, now).unwrap().blocks
 }
@@ -80,7 +80,7 @@ fn frees(state: &mut State, server_id: u64, now: Instant) -> Vec<u64> {
     ids
 }
 
-fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Instant) -> RegisterJobResponse {
+pub(super) fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Instant) -> RegisterJobResponse {
     state.register_job(RegisterJobRequest { name: name.into(), lease_ms }, now).unwrap()
 }
 

@@ -1,0 +1,520 @@
+//! TeraSort through Tern: `tern teragen`, `tern teravalidate` and `tern terasort`.
+//!
+//! The sort is the classic two-stage job on the shuffle service: M map tasks each read one input
+//! part, range-partition its records by key and push them into R reduce partitions; R reduce
+//! tasks each read their partition (exactly the committed map outputs), sort it in memory and
+//! write one output part. Output part i holds keys below those of part i+1, so the parts in
+//! order are the sorted data, which validation checks as valsort would.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::{Bytes, BytesMut};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use serde::Serialize;
+use tern_client::{Client, MapWriterOptions, Shuffle, ShuffleOptions};
+use tokio::sync::Semaphore;
+
+use crate::cluster::EmbeddedCluster;
+use crate::terasort::gensort::{self, RECORD_LEN};
+use crate::terasort::partition::RangePartitioner;
+use crate::terasort::sort::sort_records;
+use crate::terasort::validate::{Summary, Validator};
+
+/// Records generated per call into the generator (about 8 MB).
+const GENERATE_CHUNK_RECORDS: u64 = 80_000;
+/// Bytes of one map task's records bucketed before they are handed to the shuffle writer.
+const MAP_CHUNK_BYTES: usize = 4 << 20;
+
+/// Where a dataset lives: a directory in the store, or on local disk.
+#[derive(Debug, Clone)]
+pub enum Location {
+    Store(String),
+    Local(PathBuf),
+}
+
+impl Location {
+    fn part(&self, i: usize) -> Location {
+        let name = part_name(i);
+        match self {
+            Location::Store(dir) => Location::Store(format!("{}/{name}", dir.trim_end_matches('/'))),
+            Location::Local(dir) => Location::Local(dir.join(name)),
+        }
+    }
+}
+
+fn part_name(i: usize) -> String {
+    format!("part-{i:05}")
+}
+
+/// Splits `records` into `parts` nearly equal runs: (first record, count) of each.
+pub fn split_records(records: u64, parts: usize) -> Vec<(u64, u64)> {
+    let parts = parts.max(1) as u64;
+    (0..parts).map(|i| (records * i / parts, records * (i + 1) / parts - records * i / parts)).collect()
+}
+
+fn bar(progress: &MultiProgress, total: u64, phase: &str) -> ProgressBar {
+    let bar = progress.add(ProgressBar::new(total));
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(phase.to_string());
+    bar
+}
+
+/// Generates `records` gensort records into `parts` parts at `out`, in parallel; returns the
+/// input summary (count and checksum).
+pub async fn teragen(
+    client: Option<&Client>,
+    records: u64,
+    parts: usize,
+    out: &Location,
+    progress: &MultiProgress,
+) -> anyhow::Result<Summary> {
+    let bar = bar(progress, records * RECORD_LEN as u64, "teragen");
+    match out {
+        Location::Store(dir) => client.context("teragen into the store needs a cluster")?.mkdir(dir, true).await?,
+        Location::Local(dir) => std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?,
+    }
+    let limit = Arc::new(Semaphore::new(2));
+    let mut tasks = Vec::new();
+    for (i, (first, count)) in split_records(records, parts).into_iter().enumerate() {
+        let (client, target, limit, bar) = (client.cloned(), out.part(i), limit.clone(), bar.clone());
+        tasks.push(tokio::spawn(async move {
+            let _slot = limit.acquire_owned().await?;
+            generate_part(client, first, count, target, bar).await
+        }));
+    }
+    let mut summary = Summary::default();
+    for task in tasks {
+        let part = task.await.context("teragen task")??;
+        summary = summary.merge(&part);
+    }
+    bar.finish();
+    Ok(summary)
+}
+
+/// Generates one part chunk by chunk (bounded memory), writing it as it goes.
+async fn generate_part(
+    client: Option<Client>,
+    first: u64,
+    count: u64,
+    target: Location,
+    bar: ProgressBar,
+) -> anyhow::Result<Summary> {
+    enum Sink {
+        Store(tern_client::FileWriter),
+        Local(std::io::BufWriter<std::fs::File>),
+    }
+    let mut sink = match &target {
+        Location::Store(path) => Sink::Store(client.context("store output needs a client")?.create(path, true).await?),
+        Location::Local(path) => Sink::Local(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
+    };
+    let mut summary = Summary::default();
+    let mut done = 0;
+    while done < count {
+        let n = GENERATE_CHUNK_RECORDS.min(count - done);
+        let start = first + done;
+        let (chunk, part_summary) = tokio::task::spawn_blocking(move || {
+            let mut chunk = vec![0u8; n as usize * RECORD_LEN];
+            gensort::generate_parallel(start, n, &mut chunk);
+            let (records, checksum) = crate::terasort::validate::checksum(&chunk);
+            (chunk, Summary { records, checksum, ..Summary::default() })
+        })
+        .await?;
+        summary = summary.add_unordered(&part_summary);
+        match &mut sink {
+            Sink::Store(writer) => writer.write_bytes(Bytes::from(chunk)).await?,
+            Sink::Local(file) => std::io::Write::write_all(file, &chunk)?,
+        }
+        bar.inc(n * RECORD_LEN as u64);
+        done += n;
+    }
+    match sink {
+        Sink::Store(writer) => {
+            writer.close().await?;
+        }
+        Sink::Local(mut file) => std::io::Write::flush(&mut file)?,
+    }
+    Ok(summary)
+}
+
+/// valsort over the parts of `dir` in name order: order across all parts, count, checksum,
+/// duplicates.
+pub async fn teravalidate(
+    client: Option<&Client>,
+    dir: &Location,
+    progress: &MultiProgress,
+) -> anyhow::Result<Summary> {
+    let parts = list_parts(client, dir).await?;
+    if parts.is_empty() {
+        bail!("no part-* files in {dir:?}");
+    }
+    let total: u64 = parts.iter().map(|(_, len)| len).sum();
+    let bar = bar(progress, total, "validate");
+    let limit = Arc::new(Semaphore::new(2));
+    let mut tasks = Vec::new();
+    for (part, _) in parts {
+        let (client, limit, bar) = (client.cloned(), limit.clone(), bar.clone());
+        tasks.push(tokio::spawn(async move {
+            let _slot = limit.acquire_owned().await?;
+            validate_part(client, part, bar).await
+        }));
+    }
+    let mut summary: Option<Summary> = None;
+    for task in tasks {
+        let part = task.await.context("validate task")??;
+        summary = Some(match summary {
+            Some(so_far) => so_far.merge(&part),
+            None => part,
+        });
+    }
+    bar.finish();
+    summary.context("no parts")
+}
+
+async fn list_parts(client: Option<&Client>, dir: &Location) -> anyhow::Result<Vec<(Location, u64)>> {
+    let mut parts = Vec::new();
+    match dir {
+        Location::Store(path) => {
+            for entry in client.context("reading the store needs a cluster")?.list(path).await? {
+                if entry.path.rsplit('/').next().is_some_and(|n| n.starts_with("part-")) {
+                    parts.push((Location::Store(entry.path.clone()), entry.length));
+                }
+            }
+        }
+        Location::Local(path) => {
+            for entry in std::fs::read_dir(path).with_context(|| format!("listing {}", path.display()))? {
+                let entry = entry?;
+                if entry.file_name().to_string_lossy().starts_with("part-") {
+                    parts.push((Location::Local(entry.path()), entry.metadata()?.len()));
+                }
+            }
+            parts.sort_by(|a, b| format!("{:?}", a.0).cmp(&format!("{:?}", b.0)));
+        }
+    }
+    Ok(parts)
+}
+
+async fn validate_part(client: Option<Client>, part: Location, bar: ProgressBar) -> anyhow::Result<Summary> {
+    let mut validator = Validator::default();
+    match &part {
+        Location::Store(path) => {
+            let mut reader = client.context("store input needs a client")?.open(path).await?;
+            while let Some(chunk) = reader.next_chunk().await? {
+                bar.inc(chunk.len() as u64);
+                validator = tokio::task::spawn_blocking(move || {
+                    validator.feed(&chunk);
+                    validator
+                })
+                .await?;
+            }
+        }
+        Location::Local(path) => {
+            let data = tokio::fs::read(path).await.with_context(|| format!("reading {}", path.display()))?;
+            bar.inc(data.len() as u64);
+            validator = tokio::task::spawn_blocking(move || {
+                validator.feed(&data);
+                validator
+            })
+            .await?;
+        }
+    }
+    validator.finish().map_err(|e| anyhow::anyhow!("{part:?}: {e}"))
+}
+
+/// How to run `tern terasort`.
+#[derive(Debug, Clone)]
+pub struct TerasortOptions {
+    pub size_bytes: u64,
+    /// A running cluster; `None` starts an embedded one.
+    pub metadata: Option<String>,
+    pub maps: usize,
+    pub reduces: usize,
+    /// The `tern` binary, to start an embedded cluster.
+    pub tern: PathBuf,
+    /// Show progress bars.
+    pub progress: bool,
+}
+
+/// Seconds per phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phases {
+    pub teragen: f64,
+    pub map: f64,
+    pub reduce: f64,
+    pub validate: f64,
+}
+
+/// The result `tern terasort --json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct TerasortReport {
+    pub records: u64,
+    pub bytes: u64,
+    pub input_checksum: String,
+    pub output_checksum: String,
+    pub sorted: bool,
+    pub duplicates: u64,
+    pub maps: usize,
+    pub reduces: usize,
+    pub phases: Phases,
+    pub total_seconds: f64,
+    /// Bytes sorted per second over the map and reduce phases (teragen and validation excluded).
+    pub sort_mb_per_s: f64,
+}
+
+impl TerasortReport {
+    /// The output is valid: in order, every input record present (same count and checksum).
+    pub fn valid(&self) -> bool {
+        self.sorted && self.input_checksum == self.output_checksum
+    }
+}
+
+/// Each storage server's DRAM tier when terasort starts its own cluster: room for the input and
+/// the shuffle, or the shuffle and the output, with a margin for partly filled blocks.
+fn embedded_dram_per_server(size_bytes: u64) -> String {
+    let per_server = (size_bytes + size_bytes / 4).max(256 << 20).div_ceil(1 << 20);
+    format!("{per_server}MiB")
+}
+
+pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortReport> {
+    let started = Instant::now();
+    let records = options.size_bytes / RECORD_LEN as u64;
+    if records == 0 {
+        bail!("--size {} is less than one 100-byte record", options.size_bytes);
+    }
+    let embedded = match &options.metadata {
+        Some(_) => None,
+        None => Some(EmbeddedCluster::start(&options.tern, 2, &embedded_dram_per_server(options.size_bytes)).await?),
+    };
+    let metadata = options
+        .metadata
+        .clone()
+        .or_else(|| embedded.as_ref().map(|c| c.metadata_addr.clone()))
+        .context("no cluster")?;
+    let client = Client::connect(&metadata).await?;
+    let job = client
+        .start_job(
+            Some(&format!("terasort-{}-{}", std::process::id(), tern_common::unix_ms())),
+            Duration::from_secs(60),
+        )
+        .await?;
+    let input = Location::Store(format!("{}/input", job.root()));
+    let output = Location::Store(format!("{}/output", job.root()));
+    let progress = if options.progress {
+        MultiProgress::new()
+    } else {
+        MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
+    };
+
+    let phase = Instant::now();
+    let input_summary = teragen(Some(&client), records, options.maps, &input, &progress).await?;
+    let teragen_seconds = phase.elapsed().as_secs_f64();
+
+    let phase = Instant::now();
+    let shuffle = client
+        .register_shuffle(
+            job.id(),
+            options.reduces as u32,
+            ShuffleOptions { maps: options.maps as u32, ..Default::default() },
+        )
+        .await?;
+    run_maps(&client, &shuffle, &input, options.maps, records * RECORD_LEN as u64, &progress).await?;
+    // The input is no longer needed: give its memory to the output.
+    if let Location::Store(dir) = &input {
+        client.delete(dir, true).await?;
+    }
+    let map_seconds = phase.elapsed().as_secs_f64();
+
+    let phase = Instant::now();
+    run_reduces(&client, &shuffle, &output, options.reduces, records * RECORD_LEN as u64, &progress).await?;
+    shuffle.unregister().await?;
+    let reduce_seconds = phase.elapsed().as_secs_f64();
+
+    let phase = Instant::now();
+    let output_summary = teravalidate(Some(&client), &output, &progress).await?;
+    let validate_seconds = phase.elapsed().as_secs_f64();
+    job.end().await?;
+    drop(embedded);
+
+    let bytes = records * RECORD_LEN as u64;
+    Ok(TerasortReport {
+        records: output_summary.records,
+        bytes,
+        input_checksum: format!("{:x}", input_summary.checksum),
+        output_checksum: format!("{:x}", output_summary.checksum),
+        sorted: output_summary.sorted() && output_summary.records == input_summary.records,
+        duplicates: output_summary.duplicates,
+        maps: options.maps,
+        reduces: options.reduces,
+        phases: Phases {
+            teragen: teragen_seconds,
+            map: map_seconds,
+            reduce: reduce_seconds,
+            validate: validate_seconds,
+        },
+        total_seconds: started.elapsed().as_secs_f64(),
+        sort_mb_per_s: bytes as f64 / (map_seconds + reduce_seconds) / 1e6,
+    })
+}
+
+/// Runs the map tasks, two at a time (one per core).
+async fn run_maps(
+    client: &Client,
+    shuffle: &Shuffle,
+    input: &Location,
+    maps: usize,
+    bytes: u64,
+    progress: &MultiProgress,
+) -> anyhow::Result<()> {
+    let bar = bar(progress, bytes, "map");
+    let limit = Arc::new(Semaphore::new(2));
+    let mut tasks = Vec::new();
+    for map in 0..maps {
+        let (client, shuffle, limit, bar) = (client.clone(), shuffle.clone(), limit.clone(), bar.clone());
+        let Location::Store(path) = input.part(map) else { bail!("map input must be in the store") };
+        tasks.push(tokio::spawn(async move {
+            let _slot = limit.acquire_owned().await?;
+            map_task(&client, &shuffle, map as u32, &path, &bar).await
+        }));
+    }
+    for task in tasks {
+        task.await.context("map task")??;
+    }
+    bar.finish();
+    Ok(())
+}
+
+/// One map: read the input part, bucket records by reduce partition, push, commit.
+async fn map_task(client: &Client, shuffle: &Shuffle, map: u32, path: &str, bar: &ProgressBar) -> anyhow::Result<()> {
+    let partitioner = Arc::new(RangePartitioner::new(shuffle.partitions()));
+    let mut writer = shuffle.writer_with(map, 0, MapWriterOptions::default());
+    // Whole records per write, and never more than a batch: records stay whole in every batch.
+    let max_write =
+        MapWriterOptions::default().batch_bytes.min(client.block_size().await? as usize - 64) / RECORD_LEN * RECORD_LEN;
+    let mut reader = client.open(path).await?;
+    let mut carry = BytesMut::new();
+    let mut done = false;
+    while !done {
+        // Gather a few blocks, whole records only; the tail waits for the next round.
+        while carry.len() < MAP_CHUNK_BYTES {
+            match reader.next_chunk().await? {
+                Some(chunk) => carry.extend_from_slice(&chunk),
+                None => {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        let whole = carry.len() / RECORD_LEN * RECORD_LEN;
+        if done && whole != carry.len() {
+            bail!("{path}: {} trailing bytes are not a whole record", carry.len() - whole);
+        }
+        let records = carry.split_to(whole).freeze();
+        bar.inc(records.len() as u64);
+        let partitioner = partitioner.clone();
+        let buckets = tokio::task::spawn_blocking(move || bucket(&records, &partitioner)).await?;
+        for (partition, bucket) in buckets.iter().enumerate() {
+            for piece in bucket.chunks(max_write) {
+                writer.write(partition as u32, piece).await?;
+            }
+        }
+    }
+    let outcome = writer.commit().await?;
+    if !outcome.committed {
+        bail!("map {map}: attempt 0 lost its commit to attempt {}", outcome.winning_attempt);
+    }
+    Ok(())
+}
+
+/// Records grouped by reduce partition, each group in input order.
+fn bucket(records: &[u8], partitioner: &RangePartitioner) -> Vec<Vec<u8>> {
+    let partitions = partitioner.partitions() as usize;
+    let mut buckets: Vec<Vec<u8>> =
+        (0..partitions).map(|_| Vec::with_capacity(records.len() / partitions + RECORD_LEN)).collect();
+    for record in records.chunks_exact(RECORD_LEN) {
+        buckets[partitioner.partition(record) as usize].extend_from_slice(record);
+    }
+    buckets
+}
+
+/// Runs the reduce tasks, two at a time.
+async fn run_reduces(
+    client: &Client,
+    shuffle: &Shuffle,
+    output: &Location,
+    reduces: usize,
+    bytes: u64,
+    progress: &MultiProgress,
+) -> anyhow::Result<()> {
+    let bar = bar(progress, bytes, "reduce");
+    if let Location::Store(dir) = output {
+        client.mkdir(dir, true).await?;
+    }
+    let limit = Arc::new(Semaphore::new(2));
+    let mut tasks = Vec::new();
+    for reduce in 0..reduces {
+        let (client, shuffle, limit, bar) = (client.clone(), shuffle.clone(), limit.clone(), bar.clone());
+        let Location::Store(path) = output.part(reduce) else { bail!("reduce output must be in the store") };
+        tasks.push(tokio::spawn(async move {
+            let _slot = limit.acquire_owned().await?;
+            reduce_task(&client, &shuffle, reduce as u32, &path, &bar).await
+        }));
+    }
+    for task in tasks {
+        task.await.context("reduce task")??;
+    }
+    bar.finish();
+    Ok(())
+}
+
+/// One reduce: read the partition's committed records, sort them, write the output part.
+async fn reduce_task(
+    client: &Client,
+    shuffle: &Shuffle,
+    partition: u32,
+    path: &str,
+    bar: &ProgressBar,
+) -> anyhow::Result<()> {
+    let mut reader = shuffle.reader(partition..partition + 1, 0..u32::MAX).await?;
+    let expected: u64 = reader.outputs().iter().map(|o| o.partition_bytes.first().copied().unwrap_or(0)).sum();
+    let mut records = Vec::with_capacity(expected as usize);
+    while let Some(batch) = reader.next_batch().await? {
+        records.extend_from_slice(&batch.data);
+    }
+    if records.len() % RECORD_LEN != 0 {
+        bail!("reduce {partition}: {} bytes is not a whole number of records", records.len());
+    }
+    let sorted = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::with_capacity(records.len());
+        sort_records(&records, &mut out);
+        out
+    })
+    .await?;
+    bar.inc(sorted.len() as u64);
+    let mut writer = client.create(path, true).await?;
+    writer.write_bytes(Bytes::from(sorted)).await?;
+    writer.close().await?;
+    Ok(())
+}
+
+/// The default number of map and of reduce tasks for `size_bytes`: parts of about 256 MiB, at
+/// least two (one per core).
+pub fn default_tasks(size_bytes: u64) -> usize {
+    (size_bytes.div_ceil(256 << 20) as usize).max(2)
+}
+
+/// Where `tern teragen`/`teravalidate` read or write: the store unless `local`.
+pub fn location(path: &str, local: bool) -> Location {
+    if local {
+        Location::Local(Path::new(path).to_path_buf())
+    } else {
+        Location::Store(path.to_string())
+    }
+}

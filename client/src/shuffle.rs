@@ -1,0 +1,653 @@
+//! Shuffles: map writers push per-partition batches to the storage servers, which append them
+//! into each partition's segments (push-merge); a map's commit makes exactly one attempt's
+//! output visible; readers stream the committed batches of any partition and map range.
+//!
+//! Rules a caller can rely on:
+//! - **Exactly once.** Several attempts of a map may write; the first commit to reach the
+//!   metadata server wins, and only the winner's batches are ever read. A loser learns it from
+//!   [`CommitOutcome`].
+//! - **Whole batches.** A batch is a run of whole `write` calls of one map for one partition
+//!   (a write larger than the batch limit is the one exception: it is cut). Callers that write
+//!   self-contained units (records, serialized chunks) can decode every batch on its own.
+//! - **Stable order.** A read yields partition by partition; within a partition, segment by
+//!   segment; within a segment, by map index and then push order.
+//! - **Checked.** Every batch carries a crc32c taken when it was pushed; each map's bytes per
+//!   partition must add up to what its commit recorded. A lost server or a bad checksum is an
+//!   error naming the shuffle, the partition and exactly the maps to recompute.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tern_proto::frame::Frame;
+use tern_proto::shuffle::{self as wire, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
+use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::Client;
+
+/// How a shuffle is registered.
+#[derive(Debug, Clone, Default)]
+pub struct ShuffleOptions {
+    /// Map tasks, if known (0 = unknown).
+    pub maps: u32,
+    /// "dram", "nvme" or "any" ("" = any).
+    pub storage_class: String,
+    /// Bytes after which a partition continues in a new segment on another server (0 = the
+    /// cluster default, 256 MiB).
+    pub split_size_bytes: u64,
+}
+
+/// Bounds of one map writer.
+#[derive(Debug, Clone)]
+pub struct MapWriterOptions {
+    /// Bytes buffered across all partitions before the fullest buffers are pushed.
+    pub buffer_bytes: usize,
+    /// Largest batch pushed (capped by the cluster's block size).
+    pub batch_bytes: usize,
+    /// Pushes in flight at once.
+    pub pushes_in_flight: usize,
+}
+
+impl Default for MapWriterOptions {
+    fn default() -> MapWriterOptions {
+        MapWriterOptions { buffer_bytes: 64 << 20, batch_bytes: 1 << 20, pushes_in_flight: 16 }
+    }
+}
+
+/// Bytes a Fetch page may carry.
+const FETCH_PAGE_BYTES: u32 = 4 << 20;
+/// Segments fetched at once by a reader (one page in flight each).
+const FETCHES_IN_FLIGHT: usize = 4;
+/// Times a push refused for space moves on to a new segment before the map fails.
+const PUSH_ADVANCES: u32 = 4;
+
+/// A registered shuffle. Cheap to clone; clones share what they learn about segments.
+#[derive(Clone)]
+pub struct Shuffle {
+    client: Client,
+    id: u64,
+    partitions: u32,
+    split_size: u64,
+    block_size: u32,
+    /// The segment each partition's pushes currently go to.
+    current: Arc<Mutex<Vec<Segment>>>,
+}
+
+/// What a map's commit decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitOutcome {
+    /// This attempt's output is the map's output.
+    pub committed: bool,
+    /// The attempt whose output is the map's output.
+    pub winning_attempt: u32,
+}
+
+/// One batch read back.
+#[derive(Debug, Clone)]
+pub struct ShuffleBatch {
+    pub partition: u32,
+    pub map: u32,
+    pub data: Bytes,
+}
+
+impl Client {
+    /// Registers a shuffle of `partitions` reduce partitions under a live job.
+    pub async fn register_shuffle(&self, job_id: &str, partitions: u32, options: ShuffleOptions) -> Result<Shuffle> {
+        let reply = self
+            .metadata()
+            .register_shuffle(pb::RegisterShuffleRequest {
+                job_id: job_id.into(),
+                partitions,
+                maps: options.maps,
+                storage_class: options.storage_class,
+                split_size_bytes: options.split_size_bytes,
+            })
+            .await
+            .map_err(|s| Error::from(s).context(format_args!("register shuffle under job {job_id}")))?
+            .into_inner();
+        if reply.segments.len() != partitions as usize {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("register shuffle: {} segments for {partitions} partitions", reply.segments.len()),
+            ));
+        }
+        let block_size = self.block_size().await?;
+        Ok(Shuffle {
+            client: self.clone(),
+            id: reply.shuffle_id,
+            partitions,
+            split_size: reply.split_size_bytes,
+            block_size,
+            current: Arc::new(Mutex::new(reply.segments)),
+        })
+    }
+
+    /// A shuffle registered elsewhere (by another process), by id.
+    pub async fn open_shuffle(&self, shuffle_id: u64) -> Result<Shuffle> {
+        let located = self.locate(shuffle_id, 0..u32::MAX, 0..0).await?;
+        let mut current: Vec<Segment> = Vec::with_capacity(located.partitions as usize);
+        for segment in located.segments {
+            match current.last_mut() {
+                Some(last) if last.partition == segment.partition => *last = segment,
+                _ => current.push(segment),
+            }
+        }
+        if current.len() != located.partitions as usize {
+            return Err(Error::new(ErrorKind::Internal, format!("open shuffle {shuffle_id}: segments missing")));
+        }
+        let block_size = self.block_size().await?;
+        // The split size is the writers' concern; a reopened shuffle learns it from replies.
+        Ok(Shuffle {
+            client: self.clone(),
+            id: shuffle_id,
+            partitions: located.partitions,
+            split_size: u64::MAX,
+            block_size,
+            current: Arc::new(Mutex::new(current)),
+        })
+    }
+
+    async fn locate(&self, shuffle_id: u64, partitions: Range<u32>, maps: Range<u32>) -> Result<LocateShuffleResponse> {
+        Ok(self
+            .metadata()
+            .locate_shuffle(pb::LocateShuffleRequest {
+                shuffle_id,
+                start_partition: partitions.start,
+                end_partition: partitions.end,
+                start_map: maps.start,
+                end_map: maps.end,
+            })
+            .await
+            .map_err(|s| Error::from(s).context(format_args!("locate shuffle {shuffle_id}")))?
+            .into_inner())
+    }
+}
+
+impl Shuffle {
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    pub fn partitions(&self) -> u32 {
+        self.partitions
+    }
+
+    /// A writer for attempt `attempt` of map `map`.
+    pub fn writer(&self, map: u32, attempt: u32) -> MapWriter {
+        self.writer_with(map, attempt, MapWriterOptions::default())
+    }
+
+    pub fn writer_with(&self, map: u32, attempt: u32, options: MapWriterOptions) -> MapWriter {
+        let partitions = self.partitions as usize;
+        let batch_bytes = options.batch_bytes.clamp(1, self.block_size as usize - PUSH_HEADER_LEN);
+        MapWriter {
+            shuffle: self.clone(),
+            map,
+            attempt,
+            buffer_limit: options.buffer_bytes.max(batch_bytes),
+            batch_bytes,
+            max_in_flight: options.pushes_in_flight.max(1),
+            buffers: vec![BytesMut::new(); partitions],
+            buffered: 0,
+            bytes: vec![0; partitions],
+            segments: vec![None; partitions],
+            pushing: vec![false; partitions],
+            in_flight: FuturesUnordered::new(),
+        }
+    }
+
+    /// Streams the committed batches of `partitions` x `maps` (half-open; ends past the
+    /// shuffle's size mean "to the end"). Fails at once with `DataLost`, naming the maps, if any
+    /// of them has data on a lost server.
+    pub async fn reader(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<ShuffleReader> {
+        let located = self.client.locate(self.id, partitions, maps).await?;
+        let lost = lost_maps(&located);
+        if !lost.is_empty() {
+            return Err(Error::new(ErrorKind::DataLost, describe_lost(self.id, &lost)));
+        }
+        Ok(ShuffleReader::new(self.client.clone(), self.id, located))
+    }
+
+    /// Exact committed bytes per (map, partition) for the ranges, without reading data:
+    /// `(map index, bytes per partition of the range)`, by map index.
+    pub async fn lengths(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<Vec<(u32, Vec<u64>)>> {
+        let located = self.client.locate(self.id, partitions, maps).await?;
+        Ok(located.outputs.into_iter().map(|o| (o.map_index, o.partition_bytes)).collect())
+    }
+
+    /// Maps in range whose committed output has bytes on a lost server: the ones to recompute.
+    pub async fn lost_maps(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<Vec<u32>> {
+        let located = self.client.locate(self.id, partitions, maps).await?;
+        let all: BTreeSet<u32> = lost_maps(&located).into_values().flatten().collect();
+        Ok(all.into_iter().collect())
+    }
+
+    /// Forgets the commits of `maps` (after their data was lost) so new attempts can commit.
+    pub async fn invalidate_maps(&self, maps: &[u32]) -> Result<u32> {
+        let request = pb::InvalidateMapsRequest { shuffle_id: self.id, map_indexes: maps.to_vec() };
+        let reply = self.client.metadata().invalidate_maps(request).await.map_err(|s| self.error(s))?;
+        Ok(reply.into_inner().invalidated)
+    }
+
+    /// Frees every segment of the shuffle.
+    pub async fn unregister(&self) -> Result<()> {
+        let request = pb::UnregisterShuffleRequest { shuffle_id: self.id };
+        self.client.metadata().unregister_shuffle(request).await.map_err(|s| self.error(s))?;
+        Ok(())
+    }
+
+    fn error(&self, status: tonic::Status) -> Error {
+        Error::from(status).context(format_args!("shuffle {}", self.id))
+    }
+
+    fn current_segment(&self, partition: u32) -> Segment {
+        self.current.lock()[partition as usize].clone()
+    }
+
+    /// Moves `partition` past segment `full` (idempotent across writers) and returns the new one.
+    async fn advance(&self, partition: u32, full: u32) -> Result<Segment> {
+        let request = pb::AdvanceSegmentRequest { shuffle_id: self.id, partition, full_segment: full };
+        let reply = self.client.metadata().advance_segment(request).await.map_err(|s| self.error(s))?.into_inner();
+        let segment = reply.segment.ok_or_else(|| {
+            Error::new(ErrorKind::Internal, format!("shuffle {}: advance without a segment", self.id))
+        })?;
+        let mut current = self.current.lock();
+        if current[partition as usize].index < segment.index {
+            current[partition as usize] = segment.clone();
+        }
+        Ok(segment)
+    }
+}
+
+/// Writes one map attempt's output. [`MapWriter::commit`] makes it the map's output (unless
+/// another attempt committed first); a writer dropped uncommitted leaves data no reader sees,
+/// freed with the shuffle.
+pub struct MapWriter {
+    shuffle: Shuffle,
+    map: u32,
+    attempt: u32,
+    buffer_limit: usize,
+    batch_bytes: usize,
+    max_in_flight: usize,
+    /// Per partition: a PushHeader's room, then the batch being gathered.
+    buffers: Vec<BytesMut>,
+    buffered: usize,
+    /// Per partition: bytes written.
+    bytes: Vec<u64>,
+    /// Per partition: lowest and highest segment index pushed to.
+    segments: Vec<Option<(u32, u32)>>,
+    /// Per partition: a push is in flight. One at a time per partition keeps a map's batches in
+    /// push order, within a segment and across segments; pushes to different partitions overlap.
+    pushing: Vec<bool>,
+    in_flight: FuturesUnordered<JoinHandle<Result<(u32, u32)>>>,
+}
+
+impl MapWriter {
+    /// Appends `data` to `partition`'s output.
+    pub async fn write(&mut self, partition: u32, mut data: &[u8]) -> Result<()> {
+        if partition >= self.shuffle.partitions {
+            return Err(Error::invalid(format!(
+                "shuffle {} map {}: partition {partition} is out of range (the shuffle has {})",
+                self.shuffle.id, self.map, self.shuffle.partitions
+            )));
+        }
+        let p = partition as usize;
+        while !data.is_empty() {
+            let held = self.buffers[p].len().saturating_sub(PUSH_HEADER_LEN);
+            // Keep whole writes in one batch: push what is gathered before it would overflow.
+            if held > 0 && held + data.len() > self.batch_bytes {
+                self.push(partition).await?;
+            }
+            if self.buffers[p].is_empty() {
+                self.buffers[p].reserve(PUSH_HEADER_LEN + data.len().min(self.batch_bytes));
+                self.buffers[p].extend_from_slice(&[0; PUSH_HEADER_LEN]);
+            }
+            let take = data.len().min(self.batch_bytes - (self.buffers[p].len() - PUSH_HEADER_LEN));
+            self.buffers[p].extend_from_slice(&data[..take]);
+            self.buffered += take;
+            self.bytes[p] += take as u64;
+            data = &data[take..];
+            if self.buffers[p].len() - PUSH_HEADER_LEN == self.batch_bytes {
+                self.push(partition).await?;
+            }
+        }
+        // Over the bound: push the fullest buffers first, so each push carries the most.
+        while self.buffered > self.buffer_limit {
+            let fullest = (0..self.buffers.len()).max_by_key(|&i| self.buffers[i].len()).unwrap_or(0);
+            self.push(fullest as u32).await?;
+        }
+        Ok(())
+    }
+
+    /// Sends `partition`'s gathered batch, keeping at most `max_in_flight` pushes outstanding.
+    async fn push(&mut self, partition: u32) -> Result<()> {
+        let mut batch = std::mem::take(&mut self.buffers[partition as usize]);
+        if batch.len() <= PUSH_HEADER_LEN {
+            return Ok(());
+        }
+        self.buffered -= batch.len() - PUSH_HEADER_LEN;
+        batch[..PUSH_HEADER_LEN].copy_from_slice(&PushHeader { map: self.map, attempt: self.attempt }.encode());
+        while self.in_flight.len() >= self.max_in_flight || self.pushing[partition as usize] {
+            self.finish_one().await?;
+        }
+        self.pushing[partition as usize] = true;
+        let shuffle = self.shuffle.clone();
+        let (map, attempt) = (self.map, self.attempt);
+        self.in_flight.push(tokio::spawn(async move {
+            push_batch(&shuffle, partition, batch.freeze()).await.map(|segment| (partition, segment)).map_err(|e| {
+                e.context(format_args!("shuffle {} partition {partition} map {map} attempt {attempt}", shuffle.id))
+            })
+        }));
+        Ok(())
+    }
+
+    async fn finish_one(&mut self) -> Result<()> {
+        let Some(joined) = self.in_flight.next().await else {
+            return Ok(());
+        };
+        let (partition, segment) = joined
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("shuffle {}: push task: {e}", self.shuffle.id)))??;
+        self.pushing[partition as usize] = false;
+        let range = &mut self.segments[partition as usize];
+        *range = Some(match *range {
+            Some((first, last)) => (first.min(segment), last.max(segment)),
+            None => (segment, segment),
+        });
+        Ok(())
+    }
+
+    /// Pushes everything buffered, waits for every push, and commits this attempt. The first
+    /// commit of a map wins; see [`CommitOutcome`].
+    pub async fn commit(mut self) -> Result<CommitOutcome> {
+        for partition in 0..self.shuffle.partitions {
+            self.push(partition).await?;
+        }
+        while !self.in_flight.is_empty() {
+            self.finish_one().await?;
+        }
+        let (first_segment, last_segment) = self.segments.iter().map(|r| r.unwrap_or((0, 0))).unzip();
+        let request = pb::CommitMapRequest {
+            shuffle_id: self.shuffle.id,
+            map_index: self.map,
+            attempt: self.attempt,
+            partition_bytes: std::mem::take(&mut self.bytes),
+            first_segment,
+            last_segment,
+        };
+        let reply = self.shuffle.client.metadata().commit_map(request).await.map_err(|s| {
+            Error::from(s)
+                .context(format_args!("shuffle {} commit map {} attempt {}", self.shuffle.id, self.map, self.attempt))
+        })?;
+        let reply = reply.into_inner();
+        Ok(CommitOutcome { committed: reply.committed, winning_attempt: reply.winning_attempt })
+    }
+}
+
+/// Pushes one batch to its partition's current segment; returns the segment index it landed in.
+/// A refusal for space, or a server that cannot be reached at all (nothing stored either way),
+/// moves to a new segment and tries again, a bounded number of times; any other failure fails
+/// the push, since the batch may or may not have been stored
+/// and only a new attempt keeps the output exactly-once.
+async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result<u32> {
+    let mut segment = shuffle.current_segment(partition);
+    for _ in 0..=PUSH_ADVANCES {
+        if segment.lost {
+            segment = shuffle.advance(partition, segment.index).await?;
+            continue;
+        }
+        let conn = match shuffle.client.inner.blocks.get(&segment.address).await {
+            Ok(conn) => conn,
+            // Nothing was sent, so moving on cannot duplicate the batch: the metadata server
+            // hands out the partition's next segment (re-placed already if the server is dead).
+            Err(e) => {
+                tracing::debug!("{e}; moving on to a new segment");
+                segment = shuffle.advance(partition, segment.index).await?;
+                continue;
+            }
+        };
+        let sent = payload.clone();
+        let result = conn.call(|id| Frame::push(id, shuffle.id, partition, segment.index, sent)).await;
+        match result {
+            Ok(reply) => {
+                if u64::from(reply.header.length) >= shuffle.split_size {
+                    shuffle.advance(partition, segment.index).await?;
+                }
+                return Ok(segment.index);
+            }
+            Err(e) if e.kind() == ErrorKind::OutOfSpace => {
+                tracing::debug!("{e}; moving on to a new segment");
+                segment = shuffle.advance(partition, segment.index).await?;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Error::new(ErrorKind::OutOfSpace, format!("no segment took the batch after {PUSH_ADVANCES} moves")))
+}
+
+/// Per partition in range, the committed maps with bytes on a lost segment.
+fn lost_maps(located: &LocateShuffleResponse) -> BTreeMap<u32, Vec<u32>> {
+    let mut lost: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for segment in located.segments.iter().filter(|s| s.lost) {
+        let Some(offset) = segment.partition.checked_sub(located.start_partition) else { continue };
+        for output in &located.outputs {
+            if holds(output, offset as usize, segment.index) {
+                lost.entry(segment.partition).or_default().push(output.map_index);
+            }
+        }
+    }
+    lost
+}
+
+/// Whether `output` has bytes of partition (range offset) `offset` in segment `index`.
+fn holds(output: &MapOutput, offset: usize, index: u32) -> bool {
+    let bytes = output.partition_bytes.get(offset).copied().unwrap_or(0);
+    let first = output.first_segment.get(offset).copied().unwrap_or(0);
+    let last = output.last_segment.get(offset).copied().unwrap_or(0);
+    bytes > 0 && (first..=last).contains(&index)
+}
+
+fn describe_lost(shuffle: u64, lost: &BTreeMap<u32, Vec<u32>>) -> String {
+    let all: BTreeSet<u32> = lost.values().flatten().copied().collect();
+    let partitions: Vec<String> = lost.iter().map(|(p, maps)| format!("partition {p}: maps {maps:?}")).collect();
+    format!(
+        "shuffle {shuffle}: data of maps {:?} is lost with its storage server; recompute them ({})",
+        all,
+        partitions.join("; ")
+    )
+}
+
+/// Streams committed batches, checking each against its crc and each map's total against its
+/// commit. Memory is bounded: at most `FETCHES_IN_FLIGHT` segments are fetched ahead, each at
+/// most `PAGES_AHEAD` pages ahead of the consumer.
+pub struct ShuffleReader {
+    client: Client,
+    shuffle_id: u64,
+    located: Arc<LocateShuffleResponse>,
+    /// Segments still to start fetching, in read order.
+    pending: VecDeque<Segment>,
+    /// Segment fetches under way, in read order; each sends its batches a page at a time.
+    fetching: VecDeque<mpsc::Receiver<Result<Vec<ShuffleBatch>>>>,
+    ready: VecDeque<ShuffleBatch>,
+    /// Bytes seen per (partition, map) of partitions not yet checked.
+    seen: BTreeMap<(u32, u32), u64>,
+    /// Partitions below this one have been checked against the commits.
+    next_to_check: u32,
+}
+
+/// Pages a segment fetch may run ahead of the reader.
+const PAGES_AHEAD: usize = 2;
+
+impl ShuffleReader {
+    fn new(client: Client, shuffle_id: u64, located: LocateShuffleResponse) -> ShuffleReader {
+        let pending = located.segments.iter().cloned().collect();
+        let next_to_check = located.start_partition;
+        ShuffleReader {
+            client,
+            shuffle_id,
+            located: Arc::new(located),
+            pending,
+            fetching: VecDeque::new(),
+            ready: VecDeque::new(),
+            seen: BTreeMap::new(),
+            next_to_check,
+        }
+    }
+
+    /// The committed maps this reader covers and their bytes per partition of the range.
+    pub fn outputs(&self) -> &[MapOutput] {
+        &self.located.outputs
+    }
+
+    /// The next batch, `None` when every partition in range has been read and checked.
+    pub async fn next_batch(&mut self) -> Result<Option<ShuffleBatch>> {
+        loop {
+            if let Some(batch) = self.ready.pop_front() {
+                // Batches come partition by partition: every partition before this one is complete.
+                self.check_partitions_below(batch.partition)?;
+                *self.seen.entry((batch.partition, batch.map)).or_default() += batch.data.len() as u64;
+                return Ok(Some(batch));
+            }
+            while self.fetching.len() < FETCHES_IN_FLIGHT {
+                let Some(segment) = self.pending.pop_front() else { break };
+                let (tx, rx) = mpsc::channel(PAGES_AHEAD);
+                tokio::spawn(fetch_segment(self.client.clone(), self.shuffle_id, self.located.clone(), segment, tx));
+                self.fetching.push_back(rx);
+            }
+            let Some(front) = self.fetching.front_mut() else {
+                self.check_partitions_below(self.located.end_partition)?;
+                return Ok(None);
+            };
+            match front.recv().await {
+                Some(page) => self.ready.extend(page?),
+                None => {
+                    self.fetching.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Checks every partition below `partition` not yet checked: each committed map's bytes
+    /// there must have arrived in full.
+    fn check_partitions_below(&mut self, partition: u32) -> Result<()> {
+        while self.next_to_check < partition.min(self.located.end_partition) {
+            let p = self.next_to_check;
+            let offset = (p - self.located.start_partition) as usize;
+            let short: Vec<String> = self
+                .located
+                .outputs
+                .iter()
+                .filter_map(|o| {
+                    let expected = o.partition_bytes.get(offset).copied().unwrap_or(0);
+                    let got = self.seen.remove(&(p, o.map_index)).unwrap_or(0);
+                    (got != expected).then(|| format!("map {} ({got} of {expected} bytes)", o.map_index))
+                })
+                .collect();
+            if !short.is_empty() {
+                return Err(Error::new(
+                    ErrorKind::DataLost,
+                    format!(
+                        "shuffle {} partition {p}: committed output incomplete for {}",
+                        self.shuffle_id,
+                        short.join(", ")
+                    ),
+                ));
+            }
+            self.next_to_check += 1;
+        }
+        Ok(())
+    }
+
+    /// Reads everything into memory (for small ranges and tests).
+    pub async fn read_to_end(mut self) -> Result<Vec<ShuffleBatch>> {
+        let mut out = Vec::new();
+        while let Some(batch) = self.next_batch().await? {
+            out.push(batch);
+        }
+        Ok(out)
+    }
+}
+
+/// Fetches every committed batch of one segment, page by page, checking crcs and attempts, and
+/// sends each page's batches to the reader (waiting while it is `PAGES_AHEAD` pages behind).
+async fn fetch_segment(
+    client: Client,
+    shuffle_id: u64,
+    located: Arc<LocateShuffleResponse>,
+    segment: Segment,
+    pages: mpsc::Sender<Result<Vec<ShuffleBatch>>>,
+) {
+    let mut cursor = Some(0);
+    while let Some(at) = cursor {
+        let page = fetch_page(&client, shuffle_id, &located, &segment, at).await;
+        cursor = match &page {
+            Ok((_, next)) => *next,
+            Err(_) => None,
+        };
+        if pages.send(page.map(|(batches, _)| batches)).await.is_err() {
+            return; // the reader is gone
+        }
+    }
+}
+
+/// One page of a segment's committed batches from `cursor`, and the cursor after it (`None` at
+/// the end).
+async fn fetch_page(
+    client: &Client,
+    shuffle_id: u64,
+    located: &LocateShuffleResponse,
+    segment: &Segment,
+    cursor: u32,
+) -> Result<(Vec<ShuffleBatch>, Option<u32>)> {
+    let offset = (segment.partition - located.start_partition) as usize;
+    let wanted: Vec<(u32, u32)> =
+        located.outputs.iter().filter(|o| holds(o, offset, segment.index)).map(|o| (o.map_index, o.attempt)).collect();
+    if wanted.is_empty() {
+        return Ok((Vec::new(), None));
+    }
+    let place = format!("shuffle {shuffle_id} partition {} segment {}", segment.partition, segment.index);
+    let maps: Vec<u32> = wanted.iter().map(|(m, _)| *m).collect();
+    let lost = |e: Error| {
+        Error::new(
+            ErrorKind::DataLost,
+            format!("{place} on {} is unreadable; recompute maps {maps:?}: {}", segment.address, e.message()),
+        )
+    };
+    let request = FetchRequest { cursor, max_bytes: FETCH_PAGE_BYTES, maps: wanted };
+    let conn = client.inner.blocks.get(&segment.address).await.map_err(lost)?;
+    let payload = request.encode();
+    let reply = match conn.call(|id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload)).await {
+        Ok(reply) => reply,
+        // A live server that never received a push for this segment (e.g. it was full when the
+        // segment was opened): nothing is there. Had committed bytes been there, the per-map
+        // totals checked at the end of the partition would come up short and say so.
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok((Vec::new(), None)),
+        Err(e) if e.kind() == ErrorKind::Unavailable => return Err(lost(e)),
+        Err(e) => return Err(e.context(&place)),
+    };
+    let next = (reply.header.length != FETCH_DONE).then_some(reply.header.length);
+    let mut batches = Vec::new();
+    for item in wire::batches(reply.payload) {
+        let (header, data) = item.map_err(|e| Error::new(ErrorKind::Corrupt, format!("{place}: {e}")))?;
+        if request.attempt_of(header.map) != Some(header.attempt) {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("{place}: server sent map {} attempt {}, which was not asked for", header.map, header.attempt),
+            ));
+        }
+        if crc32c::crc32c(&data) != header.crc {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("{place}: checksum mismatch in a batch of map {0}; recompute map {0}", header.map),
+            ));
+        }
+        batches.push(ShuffleBatch { partition: segment.partition, map: header.map, data });
+    }
+    Ok((batches, next))
+}

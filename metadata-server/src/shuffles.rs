@@ -1,0 +1,531 @@
+//! The shuffle registry: shuffles, where their partitions' segments live, and map commits.
+//!
+//! A shuffle belongs to a job and has R reduce partitions. Each partition is a chain of segments,
+//! indexed from 0, each on one storage server; map writers push batches into a partition's last
+//! segment, and ask for the next one (AdvanceSegment) when it passes the split size, its server is
+//! full, or it is lost. A map attempt that finished pushing commits: the metadata server records
+//! its exact bytes per partition and the segments it pushed to. Readers locate a range of
+//! partitions and maps and fetch exactly the committed attempts from the segments' servers.
+//!
+//! The metadata stays small whatever the data: per partition the list of its segments' servers,
+//! per committed map one record (its attempt, one length per partition, and the segment range per
+//! partition only when the map pushed past a partition's first segment). Every count is bounded:
+//! shuffles, segments (per partition and in all), committed lengths in all, and what one reply
+//! carries.
+//!
+//! Storage servers never learn which job a shuffle belongs to: when a shuffle is unregistered, or
+//! its job ends, each live server holding its segments is told to drop the shuffle on its next
+//! heartbeat (through the same free queue as blocks, see `placement`).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use prost::Message;
+use tern_proto::v1::{
+    AdvanceSegmentRequest, AdvanceSegmentResponse, CommitMapRequest, CommitMapResponse, InvalidateMapsRequest,
+    InvalidateMapsResponse, LocateShuffleRequest, LocateShuffleResponse, MapOutput, RegisterShuffleRequest,
+    RegisterShuffleResponse, Segment,
+};
+use tern_proto::ErrorKind;
+use tracing::debug;
+
+use crate::error::{invalid, not_found, Refusal};
+use crate::placement::Servers;
+
+/// Most reduce partitions of one shuffle.
+pub const MAX_PARTITIONS: u32 = 1_000_000;
+/// Most map tasks a shuffle may declare, and the bound on map indexes when it declares none.
+pub const MAX_MAPS: u32 = 10_000_000;
+/// The split size of a shuffle registered without one.
+pub const DEFAULT_SPLIT_SIZE_BYTES: u64 = 256 << 20;
+/// Most segments of one partition: 1 TiB at the default split size. A partition that needs more
+/// should be registered with a larger split size.
+pub const MAX_SEGMENTS_PER_PARTITION: u32 = 4096;
+/// Most shuffles registered at once.
+pub const MAX_SHUFFLES: usize = 1 << 16;
+/// Most segments of all shuffles together (each costs about 16 bytes here).
+pub const MAX_SEGMENTS: u64 = 1 << 24;
+/// Most committed (map, partition) lengths of all shuffles together (8 bytes each: 1 GiB).
+pub const MAX_COMMITTED_LENGTHS: u64 = 1 << 27;
+/// Most (map, partition) entries one LocateShuffle reply may carry; with the segments it must
+/// also fit in one gRPC message.
+pub const MAX_LOCATE_ENTRIES: u64 = 1 << 20;
+/// Most segments one LocateShuffle reply may carry.
+pub const MAX_LOCATE_SEGMENTS: u64 = 1 << 20;
+
+/// Where a shuffle asks its data to live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StorageClass {
+    /// DRAM first, NVMe when DRAM is full.
+    Any,
+    Dram,
+    Nvme,
+}
+
+impl StorageClass {
+    fn parse(class: &str) -> Result<StorageClass, Refusal> {
+        match class {
+            "" | "any" => Ok(StorageClass::Any),
+            "dram" => Ok(StorageClass::Dram),
+            "nvme" => Ok(StorageClass::Nvme),
+            other => Err(invalid(format!("storage class {other:?} is not \"dram\", \"nvme\" or \"any\""))),
+        }
+    }
+}
+
+/// A partition's segments, by index: the server holding each. Most partitions never split, so the
+/// first segment is kept inline and only later ones allocate.
+#[derive(Debug)]
+struct Partition {
+    first: u64,
+    later: Vec<u64>,
+}
+
+impl Partition {
+    fn len(&self) -> u32 {
+        1 + self.later.len() as u32
+    }
+
+    /// The last segment's index and server.
+    fn last(&self) -> (u32, u64) {
+        (self.later.len() as u32, self.later.last().copied().unwrap_or(self.first))
+    }
+
+    /// The servers of its segments, by index.
+    fn servers(&self) -> impl Iterator<Item = u64> + '_ {
+        std::iter::once(self.first).chain(self.later.iter().copied())
+    }
+}
+
+/// The winning attempt of one map and what it wrote.
+#[derive(Debug)]
+struct MapCommit {
+    attempt: u32,
+    /// One entry per partition.
+    partition_bytes: Vec<u64>,
+    /// One entry per partition, or empty when every entry is 0 (the map never pushed past a
+    /// partition's first segment: the common case, kept small).
+    first_segment: Vec<u32>,
+    last_segment: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct Shuffle {
+    job: String,
+    /// Declared map tasks, 0 when unknown.
+    maps: u32,
+    /// Recorded for when servers have more than one tier; today every segment goes to DRAM.
+    storage_class: StorageClass,
+    partitions: Vec<Partition>,
+    /// Segments per server, so an unregistration reaches exactly the servers holding some.
+    holders: BTreeMap<u64, u64>,
+    commits: BTreeMap<u32, MapCommit>,
+}
+
+impl Shuffle {
+    /// Lengths held by its commits.
+    fn committed_lengths(&self) -> u64 {
+        self.commits.len() as u64 * self.partitions.len() as u64
+    }
+}
+
+#[derive(Debug)]
+pub struct Shuffles {
+    shuffles: BTreeMap<u64, Shuffle>,
+    /// The shuffles of each job, so ending a job frees them all.
+    by_job: BTreeMap<String, BTreeSet<u64>>,
+    next_shuffle_id: u64,
+    /// Segments of all shuffles, bounded by MAX_SEGMENTS.
+    segments: u64,
+    /// Committed lengths of all shuffles, bounded by MAX_COMMITTED_LENGTHS.
+    committed_lengths: u64,
+}
+
+impl Shuffles {
+    /// An empty registry whose ids start at `first_shuffle_id` (at least 1, so 0 never names a
+    /// shuffle by accident).
+    pub fn new(first_shuffle_id: u64) -> Shuffles {
+        Shuffles {
+            shuffles: BTreeMap::new(),
+            by_job: BTreeMap::new(),
+            next_shuffle_id: first_shuffle_id.max(1),
+            segments: 0,
+            committed_lengths: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shuffles.len()
+    }
+
+    /// Registers a shuffle for job `req.job_id` (the caller checked that it is live) and places
+    /// each partition's first segment. The reply lists them all, so a shuffle has at most as many
+    /// partitions as one gRPC message can name (some 700,000 with addresses like 10.0.0.1:7000).
+    pub fn register(
+        &mut self,
+        req: &RegisterShuffleRequest,
+        block_size: u32,
+        servers: &mut Servers,
+    ) -> Result<RegisterShuffleResponse, Refusal> {
+        if !(1..=MAX_PARTITIONS).contains(&req.partitions) {
+            return Err(invalid(format!("partitions must be 1 to {MAX_PARTITIONS}, not {}", req.partitions)));
+        }
+        if req.maps > MAX_MAPS {
+            return Err(invalid(format!("maps must be at most {MAX_MAPS} (or 0: unknown), not {}", req.maps)));
+        }
+        let storage_class = StorageClass::parse(&req.storage_class)?;
+        let split_size_bytes = match req.split_size_bytes {
+            0 => DEFAULT_SPLIT_SIZE_BYTES,
+            size if size < u64::from(block_size) => {
+                return Err(invalid(format!("split size {size} is below the cluster block size {block_size}")));
+            }
+            size => size,
+        };
+        if self.shuffles.len() >= MAX_SHUFFLES {
+            return Err(Refusal::new(
+                ErrorKind::OutOfSpace,
+                format!("{MAX_SHUFFLES} shuffles are registered, the limit; unregister finished ones"),
+            ));
+        }
+        self.check_room_for_segments(u64::from(req.partitions))?;
+        let plan = servers.plan_segments(req.partitions as usize, None)?;
+        let segments: Vec<Segment> = plan
+            .iter()
+            .enumerate()
+            .map(|(partition, &server_id)| segment(servers, partition as u32, 0, server_id))
+            .collect();
+        let shuffle_id = self.next_shuffle_id;
+        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes };
+        // The reply names every partition's segment: refuse before registering if it cannot travel.
+        let reply_bytes = response.encoded_len();
+        if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
+            return Err(invalid(format!(
+                "the first segments of {} partitions take {reply_bytes} bytes, more than one reply may carry \
+                 ({} bytes); register fewer partitions",
+                req.partitions,
+                tern_proto::MAX_GRPC_MESSAGE_BYTES
+            )));
+        }
+        self.next_shuffle_id += 1;
+        servers.add_segments(&plan);
+        let mut holders = BTreeMap::new();
+        for &server_id in &plan {
+            *holders.entry(server_id).or_default() += 1;
+        }
+        let partitions = plan.into_iter().map(|first| Partition { first, later: Vec::new() }).collect();
+        let shuffle = Shuffle {
+            job: req.job_id.clone(),
+            maps: req.maps,
+            storage_class,
+            partitions,
+            holders,
+            commits: BTreeMap::new(),
+        };
+        self.segments += u64::from(req.partitions);
+        self.shuffles.insert(shuffle_id, shuffle);
+        self.by_job.entry(req.job_id.clone()).or_default().insert(shuffle_id);
+        Ok(response)
+    }
+
+    /// The segment after `req.full_segment`: the partition's last segment when it is already
+    /// later (many writers report the same full segment at once, and all get the one successor),
+    /// else a new one, on another live server when there is one.
+    pub fn advance(
+        &mut self,
+        req: &AdvanceSegmentRequest,
+        servers: &mut Servers,
+    ) -> Result<AdvanceSegmentResponse, Refusal> {
+        let room = self.check_room_for_segments(1);
+        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let partitions = shuffle.partitions.len();
+        let partition = shuffle
+            .partitions
+            .get_mut(req.partition as usize)
+            .ok_or_else(|| no_partition(req.partition, partitions))?;
+        let (last, last_server) = partition.last();
+        if last > req.full_segment {
+            return Ok(AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last, last_server)) });
+        }
+        if last < req.full_segment {
+            return Err(invalid(format!(
+                "segment {} does not exist yet: partition {}'s last segment is {last}",
+                req.full_segment, req.partition
+            )));
+        }
+        if partition.len() >= MAX_SEGMENTS_PER_PARTITION {
+            return Err(Refusal::new(
+                ErrorKind::OutOfSpace,
+                format!(
+                    "partition {} has {MAX_SEGMENTS_PER_PARTITION} segments, the most one partition may have; \
+                     register the shuffle with a larger split size",
+                    req.partition
+                ),
+            ));
+        }
+        room?;
+        // The last segment is the full one: its successor goes elsewhere.
+        let server_id = servers.plan_segments(1, Some(last_server))?[0];
+        servers.add_segments(&[server_id]);
+        partition.later.push(server_id);
+        *shuffle.holders.entry(server_id).or_default() += 1;
+        self.segments += 1;
+        Ok(AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last + 1, server_id)) })
+    }
+
+    /// Records a map attempt's output.
+    ///
+    /// Exactly once: the first commit of a map to reach the metadata server wins, and is recorded
+    /// whole (attempt, bytes and segment range of every partition) in one step, under the state's
+    /// lock. A later commit of the same map by another attempt (a speculative duplicate, or a
+    /// retry after a timeout whose first try did land) is answered `committed = false` with the
+    /// winner's attempt, and changes nothing: its batches stay on the servers, unread, until the
+    /// shuffle is freed. The winner committing again (a retry of a lost reply) is answered
+    /// `committed = true`; the first record stands. Only InvalidateMaps forgets a commit.
+    pub fn commit(&mut self, req: CommitMapRequest) -> Result<CommitMapResponse, Refusal> {
+        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let map_bound = if shuffle.maps > 0 { shuffle.maps } else { MAX_MAPS };
+        if req.map_index >= map_bound {
+            let what = if shuffle.maps > 0 { "the shuffle's declared maps" } else { "the most map indexes" };
+            return Err(invalid(format!("map index {} is not below {map_bound}, {what}", req.map_index)));
+        }
+        let partitions = shuffle.partitions.len();
+        if req.partition_bytes.len() != partitions {
+            return Err(invalid(format!(
+                "{} partition lengths given; the shuffle has {partitions} partitions",
+                req.partition_bytes.len()
+            )));
+        }
+        for (name, given) in [("first_segment", &req.first_segment), ("last_segment", &req.last_segment)] {
+            if !given.is_empty() && given.len() != partitions {
+                return Err(invalid(format!(
+                    "{} {name} entries given; give one per partition ({partitions}) or none",
+                    given.len()
+                )));
+            }
+        }
+        for (p, partition) in shuffle.partitions.iter().enumerate() {
+            let first = req.first_segment.get(p).copied().unwrap_or(0);
+            let last = req.last_segment.get(p).copied().unwrap_or(0);
+            let (last_index, _) = partition.last();
+            if first > last || last > last_index {
+                return Err(invalid(format!(
+                    "partition {p}: segments {first} to {last} are not a range of its segments 0 to {last_index}"
+                )));
+            }
+        }
+        if let Some(winner) = shuffle.commits.get(&req.map_index) {
+            return Ok(CommitMapResponse { committed: winner.attempt == req.attempt, winning_attempt: winner.attempt });
+        }
+        let lengths = partitions as u64;
+        if self.committed_lengths + lengths > MAX_COMMITTED_LENGTHS {
+            return Err(Refusal::new(
+                ErrorKind::OutOfSpace,
+                format!(
+                    "the metadata server holds {} committed map lengths, and the limit is {MAX_COMMITTED_LENGTHS}; \
+                     unregister finished shuffles",
+                    self.committed_lengths
+                ),
+            ));
+        }
+        let commit = MapCommit {
+            attempt: req.attempt,
+            partition_bytes: req.partition_bytes,
+            first_segment: unless_all_zero(req.first_segment),
+            last_segment: unless_all_zero(req.last_segment),
+        };
+        shuffle.commits.insert(req.map_index, commit);
+        self.committed_lengths += lengths;
+        Ok(CommitMapResponse { committed: true, winning_attempt: req.attempt })
+    }
+
+    /// The segments of a partition range and the committed outputs of a map range.
+    pub fn locate(&self, req: &LocateShuffleRequest, servers: &Servers) -> Result<LocateShuffleResponse, Refusal> {
+        let shuffle = self.shuffles.get(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let partitions = shuffle.partitions.len() as u32;
+        if req.start_partition > req.end_partition || req.start_map > req.end_map {
+            return Err(invalid(format!(
+                "partitions {}..{} or maps {}..{} is not a range (start above end)",
+                req.start_partition, req.end_partition, req.start_map, req.end_map
+            )));
+        }
+        let end_partition = req.end_partition.min(partitions);
+        if req.start_partition > end_partition {
+            return Err(no_partition(req.start_partition, shuffle.partitions.len()));
+        }
+        let start_partition = req.start_partition;
+        // Maps beyond the last commit have nothing to show when the count is unknown.
+        let end_map = match shuffle.maps {
+            0 => req.end_map.min(shuffle.commits.last_key_value().map_or(0, |(&map, _)| map + 1)),
+            maps if req.start_map > maps => {
+                return Err(invalid(format!("map {} is out of range: the shuffle has {maps} maps", req.start_map)))
+            }
+            maps => req.end_map.min(maps),
+        };
+        let start_map = req.start_map.min(end_map);
+        let (part_range, map_range) = (start_partition as usize..end_partition as usize, start_map..end_map);
+        let entries = u64::from(end_map - start_map) * part_range.len() as u64;
+        if entries > MAX_LOCATE_ENTRIES {
+            return Err(invalid(format!(
+                "maps {start_map}..{end_map} of partitions {start_partition}..{end_partition} are {entries} \
+                 map-partition entries, more than one reply may carry ({MAX_LOCATE_ENTRIES}); ask for fewer maps \
+                 or partitions"
+            )));
+        }
+        let in_range = &shuffle.partitions[part_range.clone()];
+        let segment_count: u64 = in_range.iter().map(|p| u64::from(p.len())).sum();
+        if segment_count > MAX_LOCATE_SEGMENTS {
+            return Err(invalid(format!(
+                "partitions {start_partition}..{end_partition} have {segment_count} segments, more than one reply \
+                 may carry ({MAX_LOCATE_SEGMENTS}); ask for fewer partitions"
+            )));
+        }
+        let mut segments = Vec::with_capacity(segment_count as usize);
+        for (partition, p) in (start_partition..).zip(in_range) {
+            for (index, server_id) in (0..).zip(p.servers()) {
+                segments.push(segment(servers, partition, index, server_id));
+            }
+        }
+        let width = part_range.len();
+        let slice_or_zeros =
+            |all: &[u32]| if all.is_empty() { vec![0; width] } else { all[part_range.clone()].to_vec() };
+        let outputs = shuffle
+            .commits
+            .range(map_range)
+            .map(|(&map_index, commit)| MapOutput {
+                map_index,
+                attempt: commit.attempt,
+                partition_bytes: commit.partition_bytes[part_range.clone()].to_vec(),
+                first_segment: slice_or_zeros(&commit.first_segment),
+                last_segment: slice_or_zeros(&commit.last_segment),
+            })
+            .collect();
+        let response =
+            LocateShuffleResponse { partitions, maps: shuffle.maps, segments, outputs, start_partition, end_partition };
+        let reply_bytes = response.encoded_len();
+        if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
+            return Err(invalid(format!(
+                "maps {start_map}..{end_map} of partitions {start_partition}..{end_partition} take {reply_bytes} \
+                 bytes, more than one reply may carry ({} bytes); ask for fewer maps or partitions",
+                tern_proto::MAX_GRPC_MESSAGE_BYTES
+            )));
+        }
+        Ok(response)
+    }
+
+    /// Forgets the commits of `req.map_indexes` (their data was lost), so new attempts can commit.
+    pub fn invalidate(&mut self, req: &InvalidateMapsRequest) -> Result<InvalidateMapsResponse, Refusal> {
+        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let mut invalidated = 0u32;
+        for map in &req.map_indexes {
+            if shuffle.commits.remove(map).is_some() {
+                invalidated += 1;
+            }
+        }
+        self.committed_lengths -= u64::from(invalidated) * shuffle.partitions.len() as u64;
+        Ok(InvalidateMapsResponse { invalidated })
+    }
+
+    /// Forgets a shuffle and queues its frees on the servers holding its segments.
+    pub fn unregister(&mut self, shuffle_id: u64, servers: &mut Servers) -> Result<(), Refusal> {
+        let shuffle = self.shuffles.remove(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
+        if let Some(ids) = self.by_job.get_mut(&shuffle.job) {
+            ids.remove(&shuffle_id);
+            if ids.is_empty() {
+                self.by_job.remove(&shuffle.job);
+            }
+        }
+        self.release(shuffle_id, &shuffle, servers);
+        Ok(())
+    }
+
+    /// Unregisters every shuffle of `job` (ended, or its lease lapsed); returns how many.
+    pub fn end_job(&mut self, job: &str, servers: &mut Servers) -> usize {
+        let ids = self.by_job.remove(job).unwrap_or_default();
+        for &id in &ids {
+            if let Some(shuffle) = self.shuffles.remove(&id) {
+                self.release(id, &shuffle, servers);
+            }
+        }
+        ids.len()
+    }
+
+    /// After storage server `dead` died: gives every partition whose last segment was there a new
+    /// last segment on a live server, so map attempts can push again. Returns how many were placed
+    /// (none when no server is live, or a bound is reached).
+    pub fn server_died(&mut self, dead: u64, servers: &mut Servers) -> usize {
+        let mut placed = 0;
+        for shuffle in self.shuffles.values_mut() {
+            let tails: Vec<usize> = (0..shuffle.partitions.len())
+                .filter(|&p| {
+                    let partition = &shuffle.partitions[p];
+                    partition.last().1 == dead && partition.len() < MAX_SEGMENTS_PER_PARTITION
+                })
+                .collect();
+            let room = MAX_SEGMENTS.saturating_sub(self.segments) as usize;
+            if tails.is_empty() || room == 0 {
+                continue;
+            }
+            let Ok(plan) = servers.plan_segments(tails.len().min(room), None) else {
+                return placed;
+            };
+            servers.add_segments(&plan);
+            for (&p, &server_id) in tails.iter().zip(&plan) {
+                shuffle.partitions[p].later.push(server_id);
+                *shuffle.holders.entry(server_id).or_default() += 1;
+            }
+            self.segments += plan.len() as u64;
+            placed += plan.len();
+        }
+        placed
+    }
+
+    /// Frees a shuffle already taken out of the registry.
+    fn release(&mut self, shuffle_id: u64, shuffle: &Shuffle, servers: &mut Servers) {
+        servers.free_shuffle(shuffle_id, &shuffle.holders);
+        let segments: u64 = shuffle.holders.values().sum();
+        self.segments -= segments;
+        self.committed_lengths -= shuffle.committed_lengths();
+        debug!(
+            "shuffle {shuffle_id} of job {} ({:?} class, {} partitions, {segments} segments, {} maps committed) freed",
+            shuffle.job,
+            shuffle.storage_class,
+            shuffle.partitions.len(),
+            shuffle.commits.len()
+        );
+    }
+
+    fn check_room_for_segments(&self, count: u64) -> Result<(), Refusal> {
+        if self.segments + count > MAX_SEGMENTS {
+            return Err(Refusal::new(
+                ErrorKind::OutOfSpace,
+                format!(
+                    "the shuffles hold {} segments, and {count} more would pass the limit of {MAX_SEGMENTS}; \
+                     unregister finished shuffles",
+                    self.segments
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A segment as clients see it: lost when its server is dead or no longer known.
+fn segment(servers: &Servers, partition: u32, index: u32, server_id: u64) -> Segment {
+    Segment { partition, index, server_id, address: servers.address(server_id), lost: !servers.is_alive(server_id) }
+}
+
+fn no_partition(partition: u32, partitions: usize) -> Refusal {
+    invalid(format!("partition {partition} is out of range: the shuffle has {partitions}"))
+}
+
+fn unknown(shuffle_id: u64) -> Refusal {
+    not_found(format!("shuffle {shuffle_id} is not registered (unregistered, or its job ended)"))
+}
+
+/// Segment indexes as stored: empty when all are 0.
+fn unless_all_zero(indexes: Vec<u32>) -> Vec<u32> {
+    if indexes.iter().all(|&i| i == 0) {
+        Vec::new()
+    } else {
+        indexes
+    }
+}

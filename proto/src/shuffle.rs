@@ -1,0 +1,205 @@
+//! The payloads of the shuffle frames, Push and Fetch (one definition for servers and clients).
+//!
+//! A shuffle partition is a chain of segments; each segment lives on one storage server, which
+//! appends the batches map writers push to it. Every batch is stored whole, with the map index and
+//! attempt that wrote it and a crc32c of its bytes, so a reader can ask for exactly the committed
+//! attempts and check every byte it gets.
+//!
+//! - **Push** payload: [`PushHeader`] (8 bytes: map index u32, attempt u32), then the batch.
+//! - **Fetch** payload: [`FetchRequest`]: cursor u32, max_bytes u32, then the committed
+//!   `(map, attempt)` pairs wanted, ascending by map. The reply's payload is a run of whole
+//!   batches, each a [`BatchHeader`] (16 bytes: map u32, attempt u32, length u32, crc32c u32)
+//!   followed by its bytes; the reply header's `length` is the cursor to ask with next, or
+//!   [`FETCH_DONE`]. A segment's batches are served ordered by map index, then push order, so
+//!   the same fetch always yields the same bytes in the same order.
+//!
+//! All integers are little-endian; every count and length is bounded on decode.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::frame::FrameError;
+
+pub const PUSH_HEADER_LEN: usize = 8;
+pub const BATCH_HEADER_LEN: usize = 16;
+/// The reply cursor saying a segment has no more batches for this request.
+pub const FETCH_DONE: u32 = u32::MAX;
+/// Most `(map, attempt)` pairs one Fetch may list.
+pub const MAX_FETCH_MAPS: usize = 1 << 17;
+
+/// Who wrote a pushed batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushHeader {
+    pub map: u32,
+    pub attempt: u32,
+}
+
+impl PushHeader {
+    pub fn encode(&self) -> [u8; PUSH_HEADER_LEN] {
+        let mut out = [0u8; PUSH_HEADER_LEN];
+        out[..4].copy_from_slice(&self.map.to_le_bytes());
+        out[4..].copy_from_slice(&self.attempt.to_le_bytes());
+        out
+    }
+
+    /// Splits a Push payload into its header and the batch.
+    pub fn decode(payload: &[u8]) -> Result<(PushHeader, &[u8]), FrameError> {
+        if payload.len() <= PUSH_HEADER_LEN {
+            return Err(FrameError::BadShufflePayload(format!(
+                "Push payload of {} bytes holds no batch after its {PUSH_HEADER_LEN}-byte header",
+                payload.len()
+            )));
+        }
+        let (mut head, batch) = payload.split_at(PUSH_HEADER_LEN);
+        Ok((PushHeader { map: head.get_u32_le(), attempt: head.get_u32_le() }, batch))
+    }
+}
+
+/// What a Fetch asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchRequest {
+    /// 0 at first, then the cursor the previous reply returned.
+    pub cursor: u32,
+    /// A page holds whole batches up to about this many bytes (always at least one batch).
+    pub max_bytes: u32,
+    /// The committed attempt of each wanted map, ascending by map.
+    pub maps: Vec<(u32, u32)>,
+}
+
+impl FetchRequest {
+    pub fn encode(&self) -> Bytes {
+        assert!(self.maps.len() <= MAX_FETCH_MAPS, "at most {MAX_FETCH_MAPS} maps per Fetch");
+        let mut out = BytesMut::with_capacity(8 + 8 * self.maps.len());
+        out.put_u32_le(self.cursor);
+        out.put_u32_le(self.max_bytes);
+        for (map, attempt) in &self.maps {
+            out.put_u32_le(*map);
+            out.put_u32_le(*attempt);
+        }
+        out.freeze()
+    }
+
+    pub fn decode(mut payload: &[u8]) -> Result<FetchRequest, FrameError> {
+        let bad = |why: String| FrameError::BadShufflePayload(format!("Fetch request: {why}"));
+        if payload.len() < 8 || !(payload.len() - 8).is_multiple_of(8) {
+            return Err(bad(format!("{} bytes is not 8 plus 8 per map", payload.len())));
+        }
+        let count = (payload.len() - 8) / 8;
+        if count > MAX_FETCH_MAPS {
+            return Err(bad(format!("{count} maps listed, at most {MAX_FETCH_MAPS} allowed")));
+        }
+        let cursor = payload.get_u32_le();
+        let max_bytes = payload.get_u32_le();
+        let mut maps = Vec::with_capacity(count);
+        for _ in 0..count {
+            maps.push((payload.get_u32_le(), payload.get_u32_le()));
+        }
+        if maps.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return Err(bad("maps are not strictly ascending".to_string()));
+        }
+        Ok(FetchRequest { cursor, max_bytes, maps })
+    }
+
+    /// The attempt wanted for `map`, if it is listed.
+    pub fn attempt_of(&self, map: u32) -> Option<u32> {
+        self.maps.binary_search_by_key(&map, |(m, _)| *m).ok().map(|i| self.maps[i].1)
+    }
+}
+
+/// The header of one batch in a Fetch reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub map: u32,
+    pub attempt: u32,
+    pub len: u32,
+    /// crc32c of the batch's bytes, taken when it was pushed.
+    pub crc: u32,
+}
+
+impl BatchHeader {
+    pub fn encode(&self) -> [u8; BATCH_HEADER_LEN] {
+        let mut out = [0u8; BATCH_HEADER_LEN];
+        let mut buf = &mut out[..];
+        buf.put_u32_le(self.map);
+        buf.put_u32_le(self.attempt);
+        buf.put_u32_le(self.len);
+        buf.put_u32_le(self.crc);
+        out
+    }
+}
+
+/// The batches of a Fetch reply payload, each with its bytes (slices of the payload, no copy).
+/// Yields an error, then stops, if the payload is malformed.
+pub fn batches(payload: Bytes) -> impl Iterator<Item = Result<(BatchHeader, Bytes), FrameError>> {
+    let mut rest = payload;
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if rest.is_empty() || failed {
+            return None;
+        }
+        if rest.len() < BATCH_HEADER_LEN {
+            failed = true;
+            return Some(Err(FrameError::BadShufflePayload(format!(
+                "{} stray bytes after the last batch",
+                rest.len()
+            ))));
+        }
+        let mut head = rest.split_to(BATCH_HEADER_LEN);
+        let header = BatchHeader {
+            map: head.get_u32_le(),
+            attempt: head.get_u32_le(),
+            len: head.get_u32_le(),
+            crc: head.get_u32_le(),
+        };
+        if header.len as usize > rest.len() {
+            failed = true;
+            return Some(Err(FrameError::BadShufflePayload(format!(
+                "batch of map {} claims {} bytes but {} remain",
+                header.map,
+                header.len,
+                rest.len()
+            ))));
+        }
+        Some(Ok((header, rest.split_to(header.len as usize))))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_headers_round_trip() {
+        let mut payload = PushHeader { map: 7, attempt: 2 }.encode().to_vec();
+        payload.extend_from_slice(b"records");
+        let (header, batch) = PushHeader::decode(&payload).unwrap();
+        assert_eq!((header, batch), (PushHeader { map: 7, attempt: 2 }, &b"records"[..]));
+        assert!(PushHeader::decode(&payload[..8]).is_err(), "an empty batch is refused");
+    }
+
+    #[test]
+    fn fetch_requests_round_trip_and_are_checked() {
+        let request = FetchRequest { cursor: 3, max_bytes: 1 << 20, maps: vec![(0, 1), (4, 0), (9, 2)] };
+        let decoded = FetchRequest::decode(&request.encode()).unwrap();
+        assert_eq!(decoded, request);
+        assert_eq!((decoded.attempt_of(4), decoded.attempt_of(5)), (Some(0), None));
+        assert!(FetchRequest::decode(&request.encode()[..11]).is_err());
+        let unsorted = FetchRequest { cursor: 0, max_bytes: 1, maps: vec![(4, 0), (4, 1)] };
+        assert!(FetchRequest::decode(&unsorted.encode()).is_err());
+    }
+
+    #[test]
+    fn batches_parse_and_bounds_are_checked() {
+        let mut payload = BytesMut::new();
+        for (map, data) in [(1u32, &b"abc"[..]), (2, &b""[..]), (3, &b"xyz!"[..])] {
+            let header = BatchHeader { map, attempt: 0, len: data.len() as u32, crc: crc32c::crc32c(data) };
+            payload.extend_from_slice(&header.encode());
+            payload.extend_from_slice(data);
+        }
+        let parsed: Vec<_> = batches(payload.clone().freeze()).collect::<Result<_, _>>().unwrap();
+        assert_eq!(parsed.len(), 3);
+        assert_eq!((parsed[2].0.map, &parsed[2].1[..]), (3, &b"xyz!"[..]));
+        let cut = payload.len() - 2;
+        let results: Vec<_> = batches(payload.freeze().slice(..cut)).collect();
+        assert!(results.last().unwrap().is_err());
+    }
+}

@@ -1,0 +1,153 @@
+//! `tern teragen`, `tern teravalidate` and `tern terasort`.
+
+use clap::Args;
+use indicatif::MultiProgress;
+use tern_bench::terasort::gensort::RECORD_LEN;
+use tern_bench::terasort_run::{self, TerasortOptions};
+use tern_common::ByteSize;
+
+use crate::cli::MetadataAddr;
+
+#[derive(Args)]
+pub struct TeragenArgs {
+    /// Bytes to generate (100-byte gensort records), e.g. 4GiB.
+    #[arg(long)]
+    size: ByteSize,
+    /// Output directory: a store path, or a local one with --local.
+    #[arg(long)]
+    out: String,
+    /// Parts to write, generated in parallel [default: one per 256 MiB, at least 2].
+    #[arg(long)]
+    parts: Option<usize>,
+    /// Write to a local directory instead of the store.
+    #[arg(long)]
+    local: bool,
+    #[command(flatten)]
+    metadata: MetadataAddr,
+}
+
+#[derive(Args)]
+pub struct TeravalidateArgs {
+    /// Directory whose part-* files, in name order, are the sorted output.
+    path: String,
+    /// Read a local directory instead of the store.
+    #[arg(long)]
+    local: bool,
+    /// Print one JSON object (records, checksum, duplicates, sorted).
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    metadata: MetadataAddr,
+}
+
+#[derive(Args)]
+pub struct TerasortArgs {
+    /// Bytes to sort, e.g. 1GiB.
+    #[arg(long, default_value = "1GiB")]
+    size: ByteSize,
+    /// Run against this cluster instead of starting an embedded one.
+    #[arg(long)]
+    metadata: Option<String>,
+    /// Map tasks [default: one per 256 MiB of input, at least 2].
+    #[arg(long)]
+    maps: Option<usize>,
+    /// Reduce tasks [default: one per 256 MiB, at least 2].
+    #[arg(long)]
+    reduces: Option<usize>,
+    /// Print one JSON object instead of progress and a table.
+    #[arg(long)]
+    json: bool,
+}
+
+async fn client_unless_local(local: bool, metadata: &MetadataAddr) -> anyhow::Result<Option<tern_client::Client>> {
+    Ok(if local { None } else { Some(metadata.connect().await?) })
+}
+
+pub async fn teragen(args: TeragenArgs) -> anyhow::Result<()> {
+    let client = client_unless_local(args.local, &args.metadata).await?;
+    let records = args.size.bytes() / RECORD_LEN as u64;
+    let parts = args.parts.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes()));
+    let out = terasort_run::location(&args.out, args.local);
+    let summary = terasort_run::teragen(client.as_ref(), records, parts, &out, &MultiProgress::new()).await?;
+    println!("Records: {}", summary.records);
+    println!("Checksum: {:x}", summary.checksum);
+    Ok(())
+}
+
+pub async fn teravalidate(args: TeravalidateArgs) -> anyhow::Result<()> {
+    let client = client_unless_local(args.local, &args.metadata).await?;
+    let dir = terasort_run::location(&args.path, args.local);
+    let progress = if args.json {
+        MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
+    } else {
+        MultiProgress::new()
+    };
+    let summary = terasort_run::teravalidate(client.as_ref(), &dir, &progress).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "records": summary.records,
+                "checksum": format!("{:x}", summary.checksum),
+                "duplicates": summary.duplicates,
+                "sorted": summary.sorted(),
+            })
+        );
+    } else {
+        println!("Records: {}", summary.records);
+        println!("Checksum: {:x}", summary.checksum);
+        println!("Duplicate keys: {}", summary.duplicates);
+        if summary.sorted() {
+            println!("SUCCESS - all records are in order");
+        }
+    }
+    anyhow::ensure!(summary.sorted(), "{} records are out of order", summary.unsorted);
+    Ok(())
+}
+
+pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
+    let options = TerasortOptions {
+        size_bytes: args.size.bytes(),
+        metadata: args.metadata,
+        maps: args.maps.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes())),
+        reduces: args.reduces.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes())),
+        tern: std::env::current_exe()?,
+        progress: !args.json,
+    };
+    let report = terasort_run::terasort(&options).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let phases = &report.phases;
+        println!(
+            "sorted {} records ({}) with {} maps and {} reduces",
+            report.records,
+            ByteSize(report.bytes),
+            report.maps,
+            report.reduces
+        );
+        println!("  teragen   {:>8.2} s", phases.teragen);
+        println!("  map       {:>8.2} s", phases.map);
+        println!("  reduce    {:>8.2} s", phases.reduce);
+        println!("  validate  {:>8.2} s", phases.validate);
+        println!("  total     {:>8.2} s", report.total_seconds);
+        println!(
+            "sort rate: {:.0} MB/s ({:.2} GB/min), map and reduce phases",
+            report.sort_mb_per_s,
+            report.sort_mb_per_s * 60.0 / 1000.0
+        );
+        println!(
+            "input checksum {}  output checksum {}  duplicates {}",
+            report.input_checksum, report.output_checksum, report.duplicates
+        );
+        println!("{}", if report.valid() { "output is VALID" } else { "output is INVALID" });
+    }
+    anyhow::ensure!(
+        report.valid(),
+        "terasort output is invalid (sorted: {}, checksums {} vs {})",
+        report.sorted,
+        report.input_checksum,
+        report.output_checksum
+    );
+    Ok(())
+}

@@ -1,0 +1,677 @@
+//! Shuffle segments: the push-merge side of the DRAM tier.
+//!
+//! A shuffle partition is a chain of segments; this server holds some of them. A segment is named
+//! by (shuffle id, partition, segment index) and created by the first Push to it. Map writers push
+//! batches; each batch is stored whole, in arrival order, in slots taken from the block store's
+//! pool (so shuffle data and file blocks share one arena and one capacity count), and indexed with
+//! the map index and attempt that wrote it and a crc32c of its bytes as stored.
+//!
+//! A Fetch names the committed attempt of each map it wants and gets the matching batches ordered
+//! by map index, then arrival, a page at a time; a cursor counts the matching batches already
+//! returned. The order is fixed by the index's layout (by `(map, attempt)`, each in arrival order),
+//! so later pushes (of other attempts) never shift what a cursor points at.
+//!
+//! Concurrency: a short map lock finds or creates a segment; each segment has its own lock,
+//! held while a push copies its batch in, so pushes to one segment serialise and pushes to
+//! different segments do not contend. A Fetch picks its page under the segment's lock as views of
+//! the arena, then copies and checks the bytes outside it.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use tern_proto::frame::MAX_PAYLOAD_BYTES;
+use tern_proto::shuffle::{BatchHeader, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
+use tern_proto::ErrorKind;
+
+use crate::store::{AppendSlot, Pool};
+
+/// Most bytes one Fetch reply carries, whatever the request asks for (a single batch may make it
+/// up to [`BATCH_HEADER_LEN`] bytes more than the block size, which clients must accept).
+pub const MAX_FETCH_PAGE_BYTES: u32 = 16 << 20;
+/// A slot takes batches while they average at least this many bytes. This bounds the index
+/// (16 bytes a batch) to 1/16 of the arena whatever batch sizes clients push; tinier batches leave
+/// the rest of a slot unused.
+const MIN_BYTES_PER_BATCH: u32 = 256;
+/// Most batches one segment holds, so that every cursor stays below [`FETCH_DONE`].
+const MAX_SEGMENT_BATCHES: u64 = FETCH_DONE as u64 - 1;
+/// Most freed shuffle ids remembered. A push to a remembered one is refused, so a straggling map
+/// task cannot re-create a segment of a freed shuffle, which nobody would ever free again.
+const FREED_REMEMBERED: usize = 1 << 16;
+
+/// Which segment: shuffle, reduce partition, and index in the partition's chain of segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SegmentId {
+    pub shuffle: u64,
+    pub partition: u32,
+    pub index: u32,
+}
+
+impl fmt::Display for SegmentId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shuffle {} partition {} segment {}", self.shuffle, self.partition, self.index)
+    }
+}
+
+/// One page of a Fetch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchPage {
+    /// Whole batches, each a [`BatchHeader`] and its bytes (what the Fetch reply carries).
+    pub payload: Bytes,
+    /// The cursor to ask with next, or [`FETCH_DONE`] when no matching batch remains.
+    pub next_cursor: u32,
+    /// Batches in `payload`.
+    pub batches: u32,
+}
+
+/// Why a Push or Fetch was refused. Messages name the segment and, for corruption, the map to
+/// recompute.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShuffleError {
+    #[error("{segment} is not held by storage server {server}")]
+    NotHeld { segment: SegmentId, server: u64 },
+    #[error("push to {segment} refused: the shuffle was freed on storage server {server} and takes no more pushes")]
+    Freed { segment: SegmentId, server: u64 },
+    #[error("push to {segment} refused: dram tier full: {in_use} of {total} blocks in use")]
+    Full { segment: SegmentId, in_use: usize, total: usize },
+    #[error("push to {segment} refused: the segment holds the most batches one may ({max}); push to the next segment")]
+    SegmentFull { segment: SegmentId, max: u64 },
+    #[error("push to {segment} refused: a batch of {len} bytes; batches hold 1 to {max} bytes")]
+    BatchSize { segment: SegmentId, len: usize, max: u32 },
+    #[error("fetch of {segment} refused: cursor {cursor} is past the {held} batches it holds for the maps asked for")]
+    CursorPastEnd { segment: SegmentId, cursor: u32, held: u64 },
+    #[error(
+        "fetch of {segment}: a batch of map {map} (attempt {attempt}) is corrupt at rest (stored crc32c \
+         {expected:#010x}, bytes give {actual:#010x}); recompute map {map}"
+    )]
+    Corrupt { segment: SegmentId, map: u32, attempt: u32, expected: u32, actual: u32 },
+}
+
+impl ShuffleError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ShuffleError::NotHeld { .. } | ShuffleError::Freed { .. } => ErrorKind::NotFound,
+            ShuffleError::Full { .. } | ShuffleError::SegmentFull { .. } => ErrorKind::OutOfSpace,
+            ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
+            ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
+        }
+    }
+}
+
+/// The largest batch a slot of `block_size` takes: one slot, and small enough that a Fetch reply
+/// carrying it alone stays within the frame payload limit.
+pub fn max_batch_bytes(block_size: u32) -> u32 {
+    block_size.min(MAX_PAYLOAD_BYTES - BATCH_HEADER_LEN as u32)
+}
+
+/// Where one batch lies.
+#[derive(Debug, Clone, Copy)]
+struct Batch {
+    /// Index into the segment's slots. A segment has fewer slots than batches (each slot holds at
+    /// least one), and fewer batches than `u32::MAX`.
+    slot: u32,
+    offset: u32,
+    len: u32,
+    /// crc32c of the batch's bytes as stored.
+    crc: u32,
+}
+
+/// One segment's slots and index. Guarded by the segment's lock.
+struct SegmentState {
+    /// Never empty: a segment is created with the slot for its first batch.
+    slots: Vec<AppendSlot>,
+    batches_in_last_slot: u32,
+    /// By `(map, attempt)`, each in arrival order. A Fetch names one attempt per map, so walking
+    /// this in key order yields its batches by map, then arrival.
+    index: BTreeMap<(u32, u32), Vec<Batch>>,
+    batches: u64,
+    bytes: u64,
+}
+
+struct Segment {
+    state: Mutex<SegmentState>,
+}
+
+/// Every segment this server holds, and the shuffles freed lately.
+#[derive(Default)]
+struct SegmentMap {
+    shuffles: HashMap<u64, HashMap<(u32, u32), Arc<Segment>>>,
+    segments: usize,
+    freed: HashSet<u64>,
+    /// `freed` in the order remembered, oldest first, to forget past [`FREED_REMEMBERED`].
+    freed_order: VecDeque<u64>,
+}
+
+impl SegmentMap {
+    fn get(&self, id: SegmentId) -> Option<Arc<Segment>> {
+        self.shuffles.get(&id.shuffle)?.get(&(id.partition, id.index)).cloned()
+    }
+
+    fn remember_freed(&mut self, shuffle: u64) {
+        if self.freed.insert(shuffle) {
+            self.freed_order.push_back(shuffle);
+            if self.freed_order.len() > FREED_REMEMBERED {
+                if let Some(oldest) = self.freed_order.pop_front() {
+                    self.freed.remove(&oldest);
+                }
+            }
+        }
+    }
+}
+
+/// The shuffle segments of one block store (which owns the pool their slots come from).
+#[derive(Default)]
+pub(crate) struct Shuffles {
+    map: Mutex<SegmentMap>,
+}
+
+fn full(pool: &Pool, segment: SegmentId) -> ShuffleError {
+    ShuffleError::Full { segment, in_use: pool.slots(), total: pool.slots() }
+}
+
+impl Shuffles {
+    /// Appends `batch` to the segment (created on its first push); returns the segment's size in
+    /// bytes afterwards.
+    pub(crate) fn push(
+        &self,
+        pool: &Arc<Pool>,
+        server: u64,
+        id: SegmentId,
+        from: PushHeader,
+        batch: &[u8],
+    ) -> Result<u64, ShuffleError> {
+        let max = max_batch_bytes(pool.block_size());
+        if batch.is_empty() || batch.len() > max as usize {
+            return Err(ShuffleError::BatchSize { segment: id, len: batch.len(), max });
+        }
+        let segment = self.segment_for_push(pool, server, id)?;
+        let mut state = segment.state.lock();
+        state.append(pool, id, from, batch)
+    }
+
+    /// The segment, created with an empty slot if new. Creating it with its slot means every
+    /// segment holds at least one, so their number is bounded by the arena's.
+    fn segment_for_push(&self, pool: &Arc<Pool>, server: u64, id: SegmentId) -> Result<Arc<Segment>, ShuffleError> {
+        let mut map = self.map.lock();
+        if map.freed.contains(&id.shuffle) {
+            return Err(ShuffleError::Freed { segment: id, server });
+        }
+        if let Some(segment) = map.get(id) {
+            return Ok(segment);
+        }
+        let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
+        let segment = Arc::new(Segment {
+            state: Mutex::new(SegmentState {
+                slots: vec![slot],
+                batches_in_last_slot: 0,
+                index: BTreeMap::new(),
+                batches: 0,
+                bytes: 0,
+            }),
+        });
+        map.shuffles.entry(id.shuffle).or_default().insert((id.partition, id.index), segment.clone());
+        map.segments += 1;
+        Ok(segment)
+    }
+
+    /// The page of `request`'s batches that starts at its cursor.
+    pub(crate) fn fetch(&self, server: u64, id: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
+        let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
+        let limit = request.max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
+        let (page, more) = segment.state.lock().page(id, request, limit)?;
+        drop(segment);
+        // Copied outside the segment's lock, so pushes to it do not wait for the copy; the views
+        // keep their slots intact meanwhile, even if the shuffle is freed.
+        let size = page.iter().map(|(_, bytes)| BATCH_HEADER_LEN + bytes.len()).sum();
+        let mut payload = BytesMut::with_capacity(size);
+        for (header, bytes) in &page {
+            payload.extend_from_slice(&header.encode());
+            let start = payload.len();
+            payload.extend_from_slice(bytes);
+            // Checked over the copy, so what is sent is what was pushed.
+            let actual = crc32c::crc32c(&payload[start..]);
+            if actual != header.crc {
+                return Err(ShuffleError::Corrupt {
+                    segment: id,
+                    map: header.map,
+                    attempt: header.attempt,
+                    expected: header.crc,
+                    actual,
+                });
+            }
+        }
+        let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
+        let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
+        Ok(FetchPage { payload: payload.freeze(), next_cursor, batches })
+    }
+
+    /// Drops every segment of the listed shuffles and remembers them as freed; returns how many
+    /// segments were held.
+    pub(crate) fn free(&self, shuffle_ids: &[u64]) -> usize {
+        let removed: Vec<HashMap<(u32, u32), Arc<Segment>>> = {
+            let mut map = self.map.lock();
+            let removed: Vec<_> = shuffle_ids
+                .iter()
+                .filter_map(|id| {
+                    map.remember_freed(*id);
+                    map.shuffles.remove(id)
+                })
+                .collect();
+            map.segments -= removed.iter().map(HashMap::len).sum::<usize>();
+            removed
+        };
+        // Slots go back to the free list as these drop, outside the map lock (a push or
+        // fetch under way keeps its segment, or its views, until it ends).
+        removed.iter().map(HashMap::len).sum()
+    }
+
+    /// Drops every segment and forgets which shuffles were freed (a new registration may see ids
+    /// reused); returns how many segments were held.
+    pub(crate) fn clear(&self) -> usize {
+        let removed = std::mem::take(&mut *self.map.lock());
+        removed.segments
+    }
+
+    pub(crate) fn segments(&self) -> usize {
+        self.map.lock().segments
+    }
+
+    /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.
+    #[cfg(test)]
+    pub(crate) fn corrupt(&self, id: SegmentId, map: u32) {
+        let segment = self.map.lock().get(id).expect("segment held");
+        let mut state = segment.state.lock();
+        let batch = state.index.iter().find(|((m, _), _)| *m == map).map(|(_, batches)| batches[0]).expect("map held");
+        state.slots[batch.slot as usize].flip_byte(batch.offset);
+    }
+}
+
+impl SegmentState {
+    fn append(&mut self, pool: &Arc<Pool>, id: SegmentId, from: PushHeader, batch: &[u8]) -> Result<u64, ShuffleError> {
+        if self.batches >= MAX_SEGMENT_BATCHES {
+            return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
+        }
+        // At most `max_batch_bytes`, checked by the caller.
+        let len = u32::try_from(batch.len()).expect("batches are at most a block");
+        let last = self.slots.last().expect("a segment always holds a slot");
+        let fits = len <= last.room() && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH;
+        if !fits {
+            // Batches are stored whole, in one slot each: the rest of the last slot stays unused.
+            let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
+            self.slots.push(slot);
+            self.batches_in_last_slot = 0;
+        }
+        let slot = self.slots.len() - 1;
+        let (offset, crc) = self.slots[slot].append(batch);
+        self.batches_in_last_slot += 1;
+        let slot = u32::try_from(slot).expect("a segment has fewer slots than batches");
+        self.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
+        self.batches += 1;
+        self.bytes += u64::from(len);
+        Ok(self.bytes)
+    }
+
+    /// The batches of the page `request` asks for (as views of the arena, at most about `limit`
+    /// bytes with their headers, and at least one), and whether more remain after them.
+    fn page(
+        &self,
+        id: SegmentId,
+        request: &FetchRequest,
+        limit: usize,
+    ) -> Result<(Vec<(BatchHeader, Bytes)>, bool), ShuffleError> {
+        let mut skip = u64::from(request.cursor);
+        let mut page = Vec::new();
+        let mut size = 0;
+        for (&(map, attempt), batches) in &self.index {
+            if request.attempt_of(map) != Some(attempt) {
+                continue;
+            }
+            let held = batches.len() as u64;
+            if skip >= held {
+                skip -= held;
+                continue;
+            }
+            // `skip < held`, so it fits a usize.
+            let rest = &batches[skip as usize..];
+            skip = 0;
+            for batch in rest {
+                let bytes = BATCH_HEADER_LEN + batch.len as usize;
+                if !page.is_empty() && size + bytes > limit {
+                    return Ok((page, true));
+                }
+                size += bytes;
+                let header = BatchHeader { map, attempt, len: batch.len, crc: batch.crc };
+                page.push((header, self.slots[batch.slot as usize].view(batch.offset, batch.len)));
+            }
+        }
+        if skip > 0 {
+            let held = u64::from(request.cursor) - skip;
+            return Err(ShuffleError::CursorPastEnd { segment: id, cursor: request.cursor, held });
+        }
+        Ok((page, false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::BlockStore;
+    use tern_proto::shuffle::batches;
+
+    const BS: u32 = 4096;
+
+    fn seg(shuffle: u64, partition: u32, index: u32) -> SegmentId {
+        SegmentId { shuffle, partition, index }
+    }
+
+    fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (map as usize * 131 + attempt as usize * 31 + n as usize * 7 + i) as u8).collect()
+    }
+
+    fn push(store: &BlockStore, id: SegmentId, map: u32, attempt: u32, batch: &[u8]) -> Result<u64, ShuffleError> {
+        store.push(id, PushHeader { map, attempt }, batch)
+    }
+
+    fn request(cursor: u32, max_bytes: u32, maps: &[(u32, u32)]) -> FetchRequest {
+        FetchRequest { cursor, max_bytes, maps: maps.to_vec() }
+    }
+
+    /// Every batch of a page, checked against its crc.
+    fn parse(page: &FetchPage) -> Vec<(u32, u32, Vec<u8>)> {
+        let parsed: Vec<_> = batches(page.payload.clone())
+            .map(|batch| {
+                let (header, bytes) = batch.unwrap();
+                assert_eq!(header.crc, crc32c::crc32c(&bytes));
+                assert_eq!(header.len as usize, bytes.len());
+                (header.map, header.attempt, bytes.to_vec())
+            })
+            .collect();
+        assert_eq!(parsed.len(), page.batches as usize);
+        parsed
+    }
+
+    /// Pages through the whole of `maps`' batches, `max_bytes` at a time.
+    fn fetch_all(store: &BlockStore, id: SegmentId, maps: &[(u32, u32)], max_bytes: u32) -> Vec<(u32, u32, Vec<u8>)> {
+        let mut cursor = 0;
+        let mut all = Vec::new();
+        for _ in 0..10_000 {
+            let page = store.fetch(id, &request(cursor, max_bytes, maps)).unwrap();
+            let parsed = parse(&page);
+            assert!(!parsed.is_empty() || page.next_cursor == FETCH_DONE, "an empty page must end the fetch");
+            all.extend(parsed);
+            if page.next_cursor == FETCH_DONE {
+                return all;
+            }
+            assert_eq!(page.next_cursor, cursor + page.batches);
+            cursor = page.next_cursor;
+        }
+        panic!("fetch never finished");
+    }
+
+    #[test]
+    fn batches_append_across_blocks() {
+        let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
+        let id = seg(1, 2, 0);
+        let batch = |n| data(0, 0, n, 1500);
+        // Two batches fit a block; the third starts the next one, leaving 1096 bytes unused.
+        assert_eq!(push(&store, id, 0, 0, &batch(0)).unwrap(), 1500);
+        assert_eq!(push(&store, id, 0, 0, &batch(1)).unwrap(), 3000);
+        assert_eq!(store.usage().used_blocks, 1);
+        assert_eq!(push(&store, id, 0, 0, &batch(2)).unwrap(), 4500);
+        assert_eq!(store.usage().used_blocks, 2);
+        assert_eq!(store.usage().used_bytes, 4500);
+        // A batch of a whole block takes a block of its own.
+        let whole = data(0, 0, 3, BS as usize);
+        assert_eq!(push(&store, id, 0, 0, &whole).unwrap(), 4500 + u64::from(BS));
+        assert_eq!(store.usage().used_blocks, 3);
+        assert_eq!(store.shuffle_segments(), 1);
+
+        let page = store.fetch(id, &request(0, u32::MAX, &[(0, 0)])).unwrap();
+        assert_eq!((page.batches, page.next_cursor), (4, FETCH_DONE));
+        let got = parse(&page);
+        let want: Vec<_> = [batch(0), batch(1), batch(2), whole].into_iter().map(|b| (0, 0, b)).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn batches_come_by_map_then_arrival() {
+        let store = BlockStore::new(BS, 8 * BS as u64).unwrap();
+        let id = seg(1, 0, 0);
+        let pushes = [(2, 0), (0, 0), (2, 1), (1, 0), (0, 0), (2, 0), (1, 0)];
+        for (n, (map, attempt)) in pushes.iter().enumerate() {
+            push(&store, id, *map, *attempt, &data(*map, *attempt, n as u32, 100 + n)).unwrap();
+        }
+        let got = fetch_all(&store, id, &[(0, 0), (1, 0), (2, 0)], u32::MAX);
+        let want = vec![
+            (0, 0, data(0, 0, 1, 101)),
+            (0, 0, data(0, 0, 4, 104)),
+            (1, 0, data(1, 0, 3, 103)),
+            (1, 0, data(1, 0, 6, 106)),
+            (2, 0, data(2, 0, 0, 100)),
+            (2, 0, data(2, 0, 5, 105)),
+        ];
+        assert_eq!(got, want);
+        // Later pushes of an uncommitted attempt do not move what the cursor points at.
+        let first = store.fetch(id, &request(0, 1, &[(0, 0), (1, 0), (2, 0)])).unwrap();
+        push(&store, id, 0, 7, b"late attempt").unwrap();
+        push(&store, id, 1, 1, b"another").unwrap();
+        let mut got = parse(&first);
+        got.extend(fetch_all_from(&store, id, first.next_cursor, &[(0, 0), (1, 0), (2, 0)]));
+        assert_eq!(got, want);
+    }
+
+    fn fetch_all_from(store: &BlockStore, id: SegmentId, cursor: u32, maps: &[(u32, u32)]) -> Vec<(u32, u32, Vec<u8>)> {
+        let page = store.fetch(id, &request(cursor, u32::MAX, maps)).unwrap();
+        assert_eq!(page.next_cursor, FETCH_DONE);
+        parse(&page)
+    }
+
+    #[test]
+    fn only_committed_attempts_are_served() {
+        let store = BlockStore::new(BS, 8 * BS as u64).unwrap();
+        let id = seg(4, 1, 3);
+        push(&store, id, 0, 0, b"map 0 attempt 0, lost executor").unwrap();
+        push(&store, id, 0, 1, b"map 0 attempt 1").unwrap();
+        push(&store, id, 1, 0, b"map 1").unwrap();
+        push(&store, id, 0, 1, b"map 0 attempt 1, more").unwrap();
+        push(&store, id, 5, 0, b"map 5, not committed").unwrap();
+        let got = fetch_all(&store, id, &[(0, 1), (1, 0), (3, 0)], u32::MAX);
+        let want = vec![
+            (0, 1, b"map 0 attempt 1".to_vec()),
+            (0, 1, b"map 0 attempt 1, more".to_vec()),
+            (1, 0, b"map 1".to_vec()),
+        ];
+        assert_eq!(got, want);
+        // Nothing committed: an empty page that says done.
+        let page = store.fetch(id, &request(0, u32::MAX, &[])).unwrap();
+        assert_eq!((page.payload.len(), page.batches, page.next_cursor), (0, 0, FETCH_DONE));
+        let page = store.fetch(id, &request(0, u32::MAX, &[(0, 2)])).unwrap();
+        assert_eq!((page.batches, page.next_cursor), (0, FETCH_DONE));
+        // A cursor at the end is done; past it, refused.
+        let page = store.fetch(id, &request(3, u32::MAX, &[(0, 1), (1, 0)])).unwrap();
+        assert_eq!((page.batches, page.next_cursor), (0, FETCH_DONE));
+        let err = store.fetch(id, &request(4, u32::MAX, &[(0, 1), (1, 0)])).unwrap_err();
+        assert_eq!(err, ShuffleError::CursorPastEnd { segment: id, cursor: 4, held: 3 });
+        assert_eq!(err.kind(), ErrorKind::Invalid);
+    }
+
+    #[test]
+    fn small_pages_return_every_batch_exactly_once() {
+        let store = BlockStore::new(BS, 32 * BS as u64).unwrap();
+        let id = seg(9, 0, 1);
+        let mut pushed = Vec::new();
+        for n in 0..60u32 {
+            let (map, attempt) = (n * 7 % 5, n % 2);
+            let batch = data(map, attempt, n, 1 + (n as usize * 97) % 1500);
+            push(&store, id, map, attempt, &batch).unwrap();
+            pushed.push((map, attempt, batch));
+        }
+        let maps = [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)];
+        let whole = fetch_all(&store, id, &maps, u32::MAX);
+        // Exactly the committed ones, by map then arrival.
+        let mut want: Vec<_> = pushed.iter().filter(|(m, a, _)| maps.contains(&(*m, *a))).cloned().collect();
+        want.sort_by_key(|(map, _, _)| *map);
+        assert_eq!(whole, want);
+        for max_bytes in [0, 1, 100, 1000, 2000, 5000] {
+            assert_eq!(fetch_all(&store, id, &maps, max_bytes), whole, "pages of {max_bytes} bytes");
+        }
+        // Pages hold whole batches up to the limit (one alone may exceed it), and stop only where
+        // the next would not fit.
+        let (mut cursor, mut served) = (0, 0);
+        let mut pages_of_many = 0;
+        while cursor != FETCH_DONE {
+            let page = store.fetch(id, &request(cursor, 2000, &maps)).unwrap();
+            served += page.batches as usize;
+            assert!(page.payload.len() <= 2000 || page.batches == 1, "{} bytes", page.payload.len());
+            pages_of_many += usize::from(page.batches > 1);
+            if page.next_cursor != FETCH_DONE {
+                let next = &whole[served];
+                assert!(page.payload.len() + BATCH_HEADER_LEN + next.2.len() > 2000);
+            }
+            cursor = page.next_cursor;
+        }
+        assert_eq!(served, whole.len());
+        assert!(pages_of_many > 0);
+    }
+
+    #[test]
+    fn a_full_tier_refuses_pushes_naming_the_segment() {
+        let store = BlockStore::new(BS, 2 * BS as u64).unwrap();
+        let id = seg(3, 7, 1);
+        push(&store, id, 0, 0, &[1; 3000]).unwrap();
+        push(&store, id, 0, 0, &[2; 3000]).unwrap();
+        let err = push(&store, id, 0, 0, &[3; 3000]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::OutOfSpace);
+        assert_eq!(
+            err.to_string(),
+            "push to shuffle 3 partition 7 segment 1 refused: dram tier full: 2 of 2 blocks in use"
+        );
+        // What fits in the last block still goes in; a new segment has nowhere to go.
+        assert_eq!(push(&store, id, 0, 0, &[4; 1000]).unwrap(), 7000);
+        let err = push(&store, seg(3, 8, 0), 0, 0, b"x").unwrap_err();
+        assert!(matches!(err, ShuffleError::Full { in_use: 2, total: 2, .. }), "{err}");
+        assert_eq!(store.shuffle_segments(), 1);
+        // File blocks and shuffles share the arena.
+        assert!(store.begin_write(1, 0, 1).is_err());
+        assert_eq!(fetch_all(&store, id, &[(0, 0)], u32::MAX).len(), 3);
+    }
+
+    #[test]
+    fn freeing_a_shuffle_returns_its_slots() {
+        let store = BlockStore::new(BS, 5 * BS as u64).unwrap();
+        store.set_server_id(5);
+        for partition in 0..2 {
+            push(&store, seg(1, partition, 0), 0, 0, &[7; 3000]).unwrap();
+            push(&store, seg(1, partition, 0), 1, 0, &[8; 3000]).unwrap();
+        }
+        push(&store, seg(2, 0, 0), 0, 0, b"other shuffle").unwrap();
+        assert!(push(&store, seg(2, 0, 1), 0, 0, b"no room").is_err());
+        assert_eq!(store.usage().used_blocks, 5);
+        assert_eq!(store.usage().used_bytes, 12013);
+        assert_eq!(store.shuffle_segments(), 3);
+        assert_eq!(store.free_shuffles(&[1, 99]), 2);
+        assert_eq!(store.shuffle_segments(), 1);
+        assert_eq!(store.usage().used_blocks, 1);
+        assert_eq!(store.usage().used_bytes, 13);
+        let err = store.fetch(seg(1, 0, 0), &request(0, u32::MAX, &[(0, 0)])).unwrap_err();
+        assert_eq!(err.to_string(), "shuffle 1 partition 0 segment 0 is not held by storage server 5");
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+        // A straggler's push cannot bring a freed shuffle back.
+        let err = push(&store, seg(1, 0, 0), 2, 0, b"late").unwrap_err();
+        assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: 5 });
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+        let err = push(&store, seg(99, 0, 0), 0, 0, b"freed before its first push").unwrap_err();
+        assert!(matches!(err, ShuffleError::Freed { .. }), "{err}");
+        assert_eq!(fetch_all(&store, seg(2, 0, 0), &[(0, 0)], u32::MAX), vec![(0, 0, b"other shuffle".to_vec())]);
+        // Freeing again is a no-op.
+        assert_eq!(store.free_shuffles(&[1]), 0);
+        // A re-registration drops everything and forgets the freed ids.
+        assert_eq!(store.clear(), (0, 1));
+        assert_eq!((store.usage().used_blocks, store.usage().used_bytes, store.shuffle_segments()), (0, 0, 0));
+        push(&store, seg(1, 0, 0), 0, 0, b"a new shuffle 1").unwrap();
+    }
+
+    #[test]
+    fn freed_ids_are_remembered_within_a_bound() {
+        let store = BlockStore::new(BS, BS as u64).unwrap();
+        let ids: Vec<u64> = (0..FREED_REMEMBERED as u64 + 1).collect();
+        store.free_shuffles(&ids);
+        store.free_shuffles(&ids[1..]);
+        // Shuffle 0 was forgotten first.
+        push(&store, seg(0, 0, 0), 0, 0, b"x").unwrap();
+        assert!(push(&store, seg(1, 0, 0), 0, 0, b"x").is_err());
+        assert!(push(&store, seg(FREED_REMEMBERED as u64, 0, 0), 0, 0, b"x").is_err());
+    }
+
+    #[test]
+    fn corruption_at_rest_names_the_map() {
+        let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
+        let id = seg(6, 2, 0);
+        push(&store, id, 0, 0, b"map zero").unwrap();
+        push(&store, id, 1, 3, b"map one").unwrap();
+        push(&store, id, 2, 0, b"map two").unwrap();
+        store.shuffles().corrupt(id, 1);
+        let err = store.fetch(id, &request(0, u32::MAX, &[(0, 0), (1, 3), (2, 0)])).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        assert!(matches!(err, ShuffleError::Corrupt { map: 1, attempt: 3, .. }), "{err}");
+        let message = err.to_string();
+        assert!(
+            message.contains("shuffle 6 partition 2 segment 0") && message.contains("recompute map 1"),
+            "{message}"
+        );
+        // The rest of the segment is still served.
+        assert_eq!(fetch_all(&store, id, &[(0, 0), (2, 0)], u32::MAX).len(), 2);
+        assert!(store.fetch(id, &request(0, 1, &[(0, 0), (1, 3)])).is_ok(), "the first page holds only map 0");
+    }
+
+    #[test]
+    fn batch_sizes_and_counts_are_bounded() {
+        let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
+        let id = seg(1, 0, 0);
+        let err = push(&store, id, 0, 0, b"").unwrap_err();
+        assert_eq!(err, ShuffleError::BatchSize { segment: id, len: 0, max: BS });
+        let err = push(&store, id, 0, 0, &vec![0; BS as usize + 1]).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Invalid);
+        assert_eq!(store.shuffle_segments(), 0, "a refused first push creates nothing");
+        // Tiny batches fill a slot only up to its batch budget (16 for 4 KiB blocks).
+        for n in 0..BS / MIN_BYTES_PER_BATCH {
+            push(&store, id, 0, 0, &[n as u8]).unwrap();
+        }
+        assert_eq!(store.usage().used_blocks, 1);
+        push(&store, id, 0, 0, b"next slot").unwrap();
+        assert_eq!(store.usage().used_blocks, 2);
+        assert_eq!(max_batch_bytes(tern_proto::MAX_BLOCK_SIZE), MAX_PAYLOAD_BYTES - BATCH_HEADER_LEN as u32);
+    }
+
+    #[test]
+    fn concurrent_pushes_lose_nothing() {
+        let store = Arc::new(BlockStore::new(BS, 256 * BS as u64).unwrap());
+        let threads: Vec<_> = (0..4u32)
+            .map(|map| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    for n in 0..200u32 {
+                        // Every thread pushes to the shared segment and to one of its own.
+                        let batch = data(map, 0, n, 1 + (n as usize * 13) % 700);
+                        push(&store, seg(1, 0, 0), map, 0, &batch).unwrap();
+                        push(&store, seg(1, 1 + map, 0), map, 0, &batch).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        let maps: Vec<_> = (0..4).map(|map| (map, 0)).collect();
+        let shared = fetch_all(&store, seg(1, 0, 0), &maps, 4096);
+        assert_eq!(shared.len(), 800);
+        for map in 0..4u32 {
+            let want: Vec<_> = (0..200u32).map(|n| (map, 0, data(map, 0, n, 1 + (n as usize * 13) % 700))).collect();
+            let of_map: Vec<_> = shared.iter().filter(|(m, _, _)| *m == map).cloned().collect();
+            assert_eq!(of_map, want, "map {map}, in push order");
+            assert_eq!(fetch_all(&store, seg(1, 1 + map, 0), &maps, 4096), want);
+        }
+    }
+}
