@@ -39,6 +39,26 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Shuffle service: metadata cost of M maps x R partitions beside plain Stat calls, and a
+    /// reducer's partition read rate beside a plain file read.
+    Shuffle {
+        #[arg(long, default_value_t = 1000)]
+        maps: u32,
+        #[arg(long, default_value_t = 1000)]
+        partitions: u32,
+        /// Size of the partition read.
+        #[arg(long, default_value = "512MiB")]
+        read_size: ByteSize,
+        /// Maps that push the partition read.
+        #[arg(long, default_value_t = 8)]
+        read_maps: u32,
+        /// Read runs; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -59,6 +79,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::core::print_table(&report);
+            }
+            Ok(())
+        }
+        BenchCommand::Shuffle { maps, partitions, read_size, read_maps, runs, json } => {
+            let options = tern_bench::shuffle::ShuffleBenchOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                maps,
+                partitions,
+                read_bytes: read_size.bytes(),
+                read_maps,
+                runs,
+            };
+            let report = tern_bench::shuffle::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_bench::shuffle::print_table(&report);
             }
             Ok(())
         }

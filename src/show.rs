@@ -5,7 +5,7 @@ use tern_client::{BlockLocation, EntryKind, FileInfo, StatusResponse};
 use tern_common::ByteSize;
 
 pub fn size(bytes: u64) -> String {
-    ByteSize(bytes).to_string()
+    ByteSize(bytes).human()
 }
 
 pub fn kind_name(info: &FileInfo) -> &'static str {

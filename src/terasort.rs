@@ -122,7 +122,7 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         println!(
             "sorted {} records ({}) with {} maps and {} reduces",
             report.records,
-            ByteSize(report.bytes),
+            ByteSize(report.bytes).human(),
             report.maps,
             report.reduces
         );

@@ -59,25 +59,36 @@ impl FromStr for ByteSize {
     }
 }
 
+const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+/// Exact: the largest unit that divides the size (`512MiB`, `1280MiB`, `1000B`), so what is
+/// printed, in a config dump or on a command line, parses back to the same number of bytes.
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
         let mut value = self.0;
         let mut unit = 0;
-        // Exact units print as integers so that a printed config parses back to the same value.
         while unit + 1 < UNITS.len() && value >= 1024 && value.is_multiple_of(1024) {
             value /= 1024;
             unit += 1;
         }
-        if value >= 1024 && unit + 1 < UNITS.len() {
-            let mut approx = value as f64;
-            while approx >= 1024.0 && unit + 1 < UNITS.len() {
-                approx /= 1024.0;
-                unit += 1;
-            }
-            return write!(f, "{approx:.1}{}", UNITS[unit]);
-        }
         write!(f, "{value}{}", UNITS[unit])
+    }
+}
+
+impl ByteSize {
+    /// Approximate, for people: `1.5GiB`, `812.3MiB`, `17B`.
+    pub fn human(self) -> String {
+        let mut value = self.0 as f64;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < UNITS.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        if unit == 0 || value.fract() == 0.0 {
+            format!("{value:.0}{}", UNITS[unit])
+        } else {
+            format!("{value:.1}{}", UNITS[unit])
+        }
     }
 }
 
@@ -121,14 +132,20 @@ mod tests {
     }
 
     #[test]
-    fn display_parses_back() {
-        for n in [0, 1, 1023, 1024, 1536, ByteSize::mib(512).0, ByteSize::gib(3).0, 5 << 40] {
+    fn display_is_exact_and_parses_back() {
+        for n in [0, 1, 1023, 1024, 1536, 1_000_000, ByteSize::mib(1280).0, ByteSize::gib(3).0, 5 << 40, u64::MAX] {
             let shown = ByteSize(n).to_string();
-            if !shown.contains('.') {
-                assert_eq!(shown.parse(), Ok(ByteSize(n)), "{shown}");
-            }
+            assert_eq!(shown.parse(), Ok(ByteSize(n)), "{shown}");
         }
         assert_eq!(ByteSize::mib(512).to_string(), "512MiB");
-        assert_eq!(ByteSize(1536 * 1024 + 1).to_string(), "1.5MiB");
+        assert_eq!(ByteSize::mib(1280).to_string(), "1280MiB");
+    }
+
+    #[test]
+    fn human_is_short() {
+        assert_eq!(ByteSize(17).human(), "17B");
+        assert_eq!(ByteSize::mib(1280).human(), "1.2GiB");
+        assert_eq!(ByteSize::gib(2).human(), "2GiB");
+        assert_eq!(ByteSize(1536 * 1024 + 1).human(), "1.5MiB");
     }
 }

@@ -224,6 +224,15 @@ impl Frame {
         Frame::new(request.op, true, request.request_id, request.block_id, request.offset, length, payload)
     }
 
+    /// A successful reply whose payload crc32c the sender already knows (e.g. combined from
+    /// checksums of its parts), sparing a pass over the payload. `payload_crc` must be the
+    /// payload's crc32c: the receiver checks it.
+    pub fn reply_with_crc(request: &Header, length: u32, payload: Bytes, payload_crc: u32) -> Frame {
+        let payload_len = u32::try_from(payload.len()).expect("payloads are bounded by MAX_PAYLOAD_BYTES");
+        let header = Header { op: request.op, response: true, status: 0, length, payload_len, payload_crc, ..*request };
+        Frame { header, payload }
+    }
+
     /// An error reply: `status` carries the kind, the payload the message (UTF-8, bounded).
     pub fn error(request_id: u64, op: Op, block_id: u64, kind: ErrorKind, message: &str) -> Frame {
         let mut end = message.len().min(MAX_ERROR_MESSAGE_BYTES);

@@ -400,11 +400,15 @@ mod tests {
         }
         let mut session = Session::new(7);
         assert_eq!(session.request(&store.usage()).tiers[0].used_blocks, 4);
-        assert_eq!(session.request(&store.usage()).tiers[0].used_bytes, 1 + 3 * 5);
+        // Each batch is stored behind its 16-byte header.
+        assert_eq!(session.request(&store.usage()).tiers[0].used_bytes, 1 + 3 * (5 + 16));
         let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
         assert_eq!(session.apply(&both, &store), freed(1, 2));
         let request = session.request(&store.usage());
-        assert_eq!((request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes), (20, 1, 5));
+        assert_eq!(
+            (request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes),
+            (20, 1, 5 + 16)
+        );
         assert_eq!(store.shuffle_segments(), 1);
         // Resent (the ack was lost): nothing more to do, nothing comes back.
         assert_eq!(session.apply(&both, &store), freed(0, 0));

@@ -363,7 +363,7 @@ async fn serve_fetch(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> 
     match store.fetch(segment_of(h), &request) {
         Ok(page) => {
             let bytes = page.payload.len() as u64;
-            Ok((Frame::reply(h, page.next_cursor, page.payload), bytes))
+            Ok((Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc), bytes))
         }
         Err(e) => Ok((shuffle_error(h, &e), 0)),
     }

@@ -64,6 +64,8 @@ pub struct FetchPage {
     pub next_cursor: u32,
     /// Batches in `payload`.
     pub batches: u32,
+    /// crc32c of `payload`, combined from the batches' checked crcs without another pass.
+    pub crc: u32,
 }
 
 /// Why a Push or Fetch was refused. Messages name the segment and, for corruption, the map to
@@ -103,7 +105,8 @@ impl ShuffleError {
 /// The largest batch a slot of `block_size` takes: one slot, and small enough that a Fetch reply
 /// carrying it alone stays within the frame payload limit.
 pub fn max_batch_bytes(block_size: u32) -> u32 {
-    block_size.min(MAX_PAYLOAD_BYTES - BATCH_HEADER_LEN as u32)
+    // Each batch is stored behind its BatchHeader, as a Fetch reply carries it.
+    block_size.min(MAX_PAYLOAD_BYTES) - BATCH_HEADER_LEN as u32
 }
 
 /// Where one batch lies.
@@ -224,10 +227,35 @@ impl Shuffles {
         drop(segment);
         // Copied outside the segment's lock, so pushes to it do not wait for the copy; the views
         // keep their slots intact meanwhile, even if the shuffle is freed.
-        let size = page.iter().map(|(_, bytes)| BATCH_HEADER_LEN + bytes.len()).sum();
+        let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
+        let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
+        // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
+        // (the usual page for large batches) goes out as the view itself, without a copy.
+        if let [(header, stored)] = page.as_slice() {
+            let actual = crc32c::crc32c(&stored[BATCH_HEADER_LEN..]);
+            if actual != header.crc {
+                return Err(ShuffleError::Corrupt {
+                    segment: id,
+                    map: header.map,
+                    attempt: header.attempt,
+                    expected: header.crc,
+                    actual,
+                });
+            }
+            let crc = crc32c::crc32c_combine(
+                crc32c::crc32c(&stored[..BATCH_HEADER_LEN]),
+                actual,
+                stored.len() - BATCH_HEADER_LEN,
+            );
+            return Ok(FetchPage { payload: stored.clone(), next_cursor, batches, crc });
+        }
+        let size = page.iter().map(|(_, stored)| stored.len()).sum();
         let mut payload = BytesMut::with_capacity(size);
-        for (header, bytes) in &page {
-            payload.extend_from_slice(&header.encode());
+        let mut crc = 0;
+        for (header, stored) in &page {
+            let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
+            crc = crc32c::crc32c_append(crc, encoded);
+            payload.extend_from_slice(encoded);
             let start = payload.len();
             payload.extend_from_slice(bytes);
             // Checked over the copy, so what is sent is what was pushed.
@@ -241,10 +269,10 @@ impl Shuffles {
                     actual,
                 });
             }
+            // The checked crc of the batch extends the payload's crc with no second pass.
+            crc = crc32c::crc32c_combine(crc, actual, bytes.len());
         }
-        let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
-        let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
-        Ok(FetchPage { payload: payload.freeze(), next_cursor, batches })
+        Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc })
     }
 
     /// Drops every segment of the listed shuffles and remembers them as freed; returns how many
@@ -296,7 +324,8 @@ impl SegmentState {
         // At most `max_batch_bytes`, checked by the caller.
         let len = u32::try_from(batch.len()).expect("batches are at most a block");
         let last = self.slots.last().expect("a segment always holds a slot");
-        let fits = len <= last.room() && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH;
+        let fits = len + BATCH_HEADER_LEN as u32 <= last.room()
+            && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH;
         if !fits {
             // Batches are stored whole, in one slot each: the rest of the last slot stays unused.
             let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
@@ -304,7 +333,9 @@ impl SegmentState {
             self.batches_in_last_slot = 0;
         }
         let slot = self.slots.len() - 1;
-        let (offset, crc) = self.slots[slot].append(batch);
+        // Stored as served: [BatchHeader | bytes], so a page of one batch goes out without a copy.
+        let (offset, crc) = self.slots[slot]
+            .append_with_header(batch, |crc| BatchHeader { map: from.map, attempt: from.attempt, len, crc }.encode());
         self.batches_in_last_slot += 1;
         let slot = u32::try_from(slot).expect("a segment has fewer slots than batches");
         self.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
@@ -343,7 +374,8 @@ impl SegmentState {
                 }
                 size += bytes;
                 let header = BatchHeader { map, attempt, len: batch.len, crc: batch.crc };
-                page.push((header, self.slots[batch.slot as usize].view(batch.offset, batch.len)));
+                let head = BATCH_HEADER_LEN as u32;
+                page.push((header, self.slots[batch.slot as usize].view(batch.offset - head, batch.len + head)));
             }
         }
         if skip > 0 {
@@ -415,16 +447,17 @@ mod tests {
         let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
         let id = seg(1, 2, 0);
         let batch = |n| data(0, 0, n, 1500);
-        // Two batches fit a block; the third starts the next one, leaving 1096 bytes unused.
+        // Two batches (each behind its 16-byte header) fit a block; the third starts the next one,
+        // leaving 1064 bytes unused.
         assert_eq!(push(&store, id, 0, 0, &batch(0)).unwrap(), 1500);
         assert_eq!(push(&store, id, 0, 0, &batch(1)).unwrap(), 3000);
         assert_eq!(store.usage().used_blocks, 1);
         assert_eq!(push(&store, id, 0, 0, &batch(2)).unwrap(), 4500);
         assert_eq!(store.usage().used_blocks, 2);
-        assert_eq!(store.usage().used_bytes, 4500);
-        // A batch of a whole block takes a block of its own.
-        let whole = data(0, 0, 3, BS as usize);
-        assert_eq!(push(&store, id, 0, 0, &whole).unwrap(), 4500 + u64::from(BS));
+        assert_eq!(store.usage().used_bytes, 4500 + 3 * 16);
+        // The largest batch, with its header, takes a block of its own.
+        let whole = data(0, 0, 3, BS as usize - 16);
+        assert_eq!(push(&store, id, 0, 0, &whole).unwrap(), 4500 + u64::from(BS) - 16);
         assert_eq!(store.usage().used_blocks, 3);
         assert_eq!(store.shuffle_segments(), 1);
 
@@ -569,12 +602,12 @@ mod tests {
         push(&store, seg(2, 0, 0), 0, 0, b"other shuffle").unwrap();
         assert!(push(&store, seg(2, 0, 1), 0, 0, b"no room").is_err());
         assert_eq!(store.usage().used_blocks, 5);
-        assert_eq!(store.usage().used_bytes, 12013);
+        assert_eq!(store.usage().used_bytes, 12013 + 5 * 16);
         assert_eq!(store.shuffle_segments(), 3);
         assert_eq!(store.free_shuffles(&[1, 99]), 2);
         assert_eq!(store.shuffle_segments(), 1);
         assert_eq!(store.usage().used_blocks, 1);
-        assert_eq!(store.usage().used_bytes, 13);
+        assert_eq!(store.usage().used_bytes, 13 + 16);
         let err = store.fetch(seg(1, 0, 0), &request(0, u32::MAX, &[(0, 0)])).unwrap_err();
         assert_eq!(err.to_string(), "shuffle 1 partition 0 segment 0 is not held by storage server 5");
         assert_eq!(err.kind(), ErrorKind::NotFound);
@@ -631,7 +664,7 @@ mod tests {
         let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
         let id = seg(1, 0, 0);
         let err = push(&store, id, 0, 0, b"").unwrap_err();
-        assert_eq!(err, ShuffleError::BatchSize { segment: id, len: 0, max: BS });
+        assert_eq!(err, ShuffleError::BatchSize { segment: id, len: 0, max: BS - 16 });
         let err = push(&store, id, 0, 0, &vec![0; BS as usize + 1]).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Invalid);
         assert_eq!(store.shuffle_segments(), 0, "a refused first push creates nothing");

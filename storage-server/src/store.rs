@@ -180,26 +180,34 @@ impl AppendSlot {
         self.slot.pool.block_size - self.len()
     }
 
-    /// Appends `data` after the published bytes and publishes it; returns its offset in the slot
-    /// and the crc32c of the bytes as stored. Panics if it does not fit (callers check `room`).
-    pub(crate) fn append(&mut self, data: &[u8]) -> (u32, u32) {
+    /// Appends a batch as it is served, `[header | data]` with `header = head(crc of data)`, and
+    /// publishes both at once; returns the data's offset in the slot and its crc32c as stored.
+    /// One pass over the data, and a Fetch of the batch can send the stored bytes as they are.
+    /// Panics if it does not fit (callers check `room`).
+    pub(crate) fn append_with_header<const H: usize>(
+        &mut self,
+        data: &[u8],
+        head: impl FnOnce(u32) -> [u8; H],
+    ) -> (u32, u32) {
         let offset = self.len();
-        let len = u32::try_from(data.len()).ok().filter(|len| *len <= self.room());
-        let Some(len) = len else {
-            panic!("append of {} bytes to a slot with {} bytes of room", data.len(), self.room());
+        let total = u32::try_from(H + data.len()).ok().filter(|total| *total <= self.room());
+        let Some(total) = total else {
+            panic!("append of {H}+{} bytes to a slot with {} bytes of room", data.len(), self.room());
         };
-        // SAFETY: `[offset, offset + len)` lies within the slot (`len <= room`) and at or above its
-        // published length, so no view covers it, and `&mut self` makes this the only writer.
+        // SAFETY: `[offset, offset + total)` lies within the slot (`total <= room`) and at or above
+        // its published length, so no view covers it, and `&mut self` makes this the only writer.
         // `data` cannot overlap it: any slice of arena bytes is of published bytes. `dst` is last
         // used before the bytes are published.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.slot.ptr(offset), len as usize) };
-        dst.copy_from_slice(data);
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.slot.ptr(offset), total as usize) };
+        let (header, body) = dst.split_at_mut(H);
+        body.copy_from_slice(data);
         // Taken over the arena bytes, so reads can check the bytes at rest, not only in flight.
-        let crc = crc32c::crc32c(dst);
-        self.slot.pool.used_bytes.fetch_add(u64::from(len), Ordering::Relaxed);
+        let crc = crc32c::crc32c(body);
+        header.copy_from_slice(&head(crc));
+        self.slot.pool.used_bytes.fetch_add(u64::from(total), Ordering::Relaxed);
         // Release: the bytes written above happen-before any view's creation that observes it.
-        self.slot.len.store(offset + len, Ordering::Release);
-        (offset, crc)
+        self.slot.len.store(offset + total, Ordering::Release);
+        (offset + H as u32, crc)
     }
 
     /// The published bytes `[offset, offset + len)`, without copying; they keep the slot from

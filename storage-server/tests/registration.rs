@@ -177,7 +177,12 @@ async fn registers_heartbeats_frees_and_reregisters() {
     assert_eq!(page.payload.len(), tern_proto::shuffle::BATCH_HEADER_LEN + 5);
     // Shuffle data counts in the tier's use.
     eventually("heartbeats report the use", || {
-        registry.0.lock().heartbeats.last().is_some_and(|h| h.tiers[0].used_blocks == 2 && h.tiers[0].used_bytes == 17)
+        registry
+            .0
+            .lock()
+            .heartbeats
+            .last()
+            .is_some_and(|h| h.tiers[0].used_blocks == 2 && h.tiers[0].used_bytes == 17 + 16)
     })
     .await;
 

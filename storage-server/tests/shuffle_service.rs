@@ -139,8 +139,8 @@ async fn pushed_batches_are_fetched_by_committed_attempt_in_pages() {
         size += len as u32;
         assert_eq!(reply.header.length, size, "the segment's size after push {n}");
     }
-    // A batch as large as a frame allows: a block less the push header.
-    let largest = batch(3, 0, 99, (BS as usize) - PUSH_HEADER_LEN);
+    // The largest batch: a block less the header it is stored behind.
+    let largest = batch(3, 0, 99, (BS as usize) - tern_proto::shuffle::BATCH_HEADER_LEN);
     call_ok(&mut s, &push_frame(50, seg, 3, 0, &largest)).await;
 
     let committed = [(0, 1), (1, 0), (3, 0)];
@@ -165,12 +165,14 @@ async fn pushed_batches_are_fetched_by_committed_attempt_in_pages() {
     assert_eq!((reply.payload.len(), reply.header.length), (0, FETCH_DONE));
 
     let usage = server.store.usage();
-    assert_eq!(usage.used_bytes, u64::from(size) + largest.len() as u64);
+    // Every batch is stored behind its 16-byte header.
+    let stored_headers = (pushes.len() as u64 + 1) * tern_proto::shuffle::BATCH_HEADER_LEN as u64;
+    assert_eq!(usage.used_bytes, u64::from(size) + largest.len() as u64 + stored_headers);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &server.registry).unwrap();
     for line in [
         "tern_storage_requests_total{op=\"push\"} 8".to_string(),
-        format!("tern_storage_bytes_total{{op=\"push\"}} {}", usage.used_bytes),
+        format!("tern_storage_bytes_total{{op=\"push\"}} {}", usage.used_bytes - stored_headers),
         "tern_storage_requests_total{op=\"fetch\"} 10".to_string(),
         "tern_storage_shuffle_segments 1".to_string(),
         format!("tern_storage_tier_used_bytes{{tier=\"dram\"}} {}", usage.used_bytes),
