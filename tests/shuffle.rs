@@ -105,8 +105,10 @@ async fn a_partition_past_its_split_size_continues_on_another_server() {
     let job = client.start_job(None, Duration::from_secs(30)).await.unwrap();
     let options = ShuffleOptions { maps: 2, split_size_bytes: 1 << 20, ..Default::default() };
     let shuffle = client.register_shuffle(job.id(), 1, options).await.unwrap();
+    // Map 1 writes through the shuffle as another process sees it: opened by id.
+    let reopened = client.open_shuffle(shuffle.id()).await.unwrap();
     for map in 0..2 {
-        let mut writer = shuffle.writer(map, 0);
+        let mut writer = if map == 0 { shuffle.writer(map, 0) } else { reopened.writer(map, 0) };
         for n in 0..(3 << 20) / 24 {
             writer.write(0, &record(map, 0, 0, n)).await.unwrap();
         }

@@ -144,12 +144,11 @@ impl Client {
             return Err(Error::new(ErrorKind::Internal, format!("open shuffle {shuffle_id}: segments missing")));
         }
         let block_size = self.block_size().await?;
-        // The split size is the writers' concern; a reopened shuffle learns it from replies.
         Ok(Shuffle {
             client: self.clone(),
             id: shuffle_id,
             partitions: located.partitions,
-            split_size: u64::MAX,
+            split_size: located.split_size_bytes,
             block_size,
             current: Arc::new(Mutex::new(current)),
         })

@@ -115,6 +115,8 @@ struct Shuffle {
     maps: u32,
     /// Recorded for when servers have more than one tier; today every segment goes to DRAM.
     storage_class: StorageClass,
+    /// Bytes after which writers move a partition to its next segment.
+    split_size_bytes: u64,
     partitions: Vec<Partition>,
     /// Segments per server, so an unregistration reaches exactly the servers holding some.
     holders: BTreeMap<u64, u64>,
@@ -216,6 +218,7 @@ impl Shuffles {
             job: req.job_id.clone(),
             maps: req.maps,
             storage_class,
+            split_size_bytes,
             partitions,
             holders,
             commits: BTreeMap::new(),
@@ -398,8 +401,15 @@ impl Shuffles {
                 last_segment: slice_or_zeros(&commit.last_segment),
             })
             .collect();
-        let response =
-            LocateShuffleResponse { partitions, maps: shuffle.maps, segments, outputs, start_partition, end_partition };
+        let response = LocateShuffleResponse {
+            partitions,
+            maps: shuffle.maps,
+            segments,
+            outputs,
+            start_partition,
+            end_partition,
+            split_size_bytes: shuffle.split_size_bytes,
+        };
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
             return Err(invalid(format!(
