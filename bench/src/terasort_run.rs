@@ -48,6 +48,31 @@ impl Location {
     }
 }
 
+/// Runs `tasks`, as many at once as this machine has cores, and returns their results in order.
+async fn run_all<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> anyhow::Result<Vec<T>>
+where
+    F: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let limit = Arc::new(Semaphore::new(cores));
+    let handles: Vec<_> = tasks
+        .into_iter()
+        .map(|task| {
+            let limit = limit.clone();
+            tokio::spawn(async move {
+                let _slot = limit.acquire_owned().await?;
+                task.await
+            })
+        })
+        .collect();
+    let mut results = Vec::with_capacity(handles.len());
+    for handle in handles {
+        results.push(handle.await.with_context(|| format!("{what} task"))??);
+    }
+    Ok(results)
+}
+
 fn part_name(i: usize) -> String {
     format!("part-{i:05}")
 }
@@ -83,20 +108,11 @@ pub async fn teragen(
         Location::Store(dir) => client.context("teragen into the store needs a cluster")?.mkdir(dir, true).await?,
         Location::Local(dir) => std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?,
     }
-    let limit = Arc::new(Semaphore::new(2));
-    let mut tasks = Vec::new();
-    for (i, (first, count)) in split_records(records, parts).into_iter().enumerate() {
-        let (client, target, limit, bar) = (client.cloned(), out.part(i), limit.clone(), bar.clone());
-        tasks.push(tokio::spawn(async move {
-            let _slot = limit.acquire_owned().await?;
-            generate_part(client, first, count, target, bar).await
-        }));
-    }
-    let mut summary = Summary::default();
-    for task in tasks {
-        let part = task.await.context("teragen task")??;
-        summary = summary.merge(&part);
-    }
+    let tasks = split_records(records, parts)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (first, count))| generate_part(client.cloned(), first, count, out.part(i), bar.clone()));
+    let summary = run_all("teragen", tasks).await?.iter().fold(Summary::default(), |all, part| all.merge(part));
     bar.finish();
     Ok(summary)
 }
@@ -161,23 +177,8 @@ pub async fn teravalidate(
     }
     let total: u64 = parts.iter().map(|(_, len)| len).sum();
     let bar = bar(progress, total, "validate");
-    let limit = Arc::new(Semaphore::new(2));
-    let mut tasks = Vec::new();
-    for (part, _) in parts {
-        let (client, limit, bar) = (client.cloned(), limit.clone(), bar.clone());
-        tasks.push(tokio::spawn(async move {
-            let _slot = limit.acquire_owned().await?;
-            validate_part(client, part, bar).await
-        }));
-    }
-    let mut summary: Option<Summary> = None;
-    for task in tasks {
-        let part = task.await.context("validate task")??;
-        summary = Some(match summary {
-            Some(so_far) => so_far.merge(&part),
-            None => part,
-        });
-    }
+    let tasks = parts.into_iter().map(|(part, _)| validate_part(client.cloned(), part, bar.clone()));
+    let summary = run_all("validate", tasks).await?.into_iter().reduce(|so_far, part| so_far.merge(&part));
     bar.finish();
     summary.context("no parts")
 }
@@ -377,19 +378,13 @@ async fn run_maps(
     progress: &MultiProgress,
 ) -> anyhow::Result<()> {
     let bar = bar(progress, bytes, "map");
-    let limit = Arc::new(Semaphore::new(2));
-    let mut tasks = Vec::new();
-    for map in 0..maps {
-        let (client, shuffle, limit, bar) = (client.clone(), shuffle.clone(), limit.clone(), bar.clone());
-        let Location::Store(path) = input.part(map) else { bail!("map input must be in the store") };
-        tasks.push(tokio::spawn(async move {
-            let _slot = limit.acquire_owned().await?;
-            map_task(&client, &shuffle, map as u32, &path, &bar).await
-        }));
-    }
-    for task in tasks {
-        task.await.context("map task")??;
-    }
+    let Location::Store(dir) = input else { bail!("map input must be in the store") };
+    let tasks = (0..maps).map(|map| {
+        let (client, shuffle, bar, path) =
+            (client.clone(), shuffle.clone(), bar.clone(), format!("{dir}/{}", part_name(map)));
+        async move { map_task(&client, &shuffle, map as u32, &path, &bar).await }
+    });
+    run_all("map", tasks).await?;
     bar.finish();
     Ok(())
 }
@@ -460,19 +455,13 @@ async fn run_reduces(
     if let Location::Store(dir) = output {
         client.mkdir(dir, true).await?;
     }
-    let limit = Arc::new(Semaphore::new(2));
-    let mut tasks = Vec::new();
-    for reduce in 0..reduces {
-        let (client, shuffle, limit, bar) = (client.clone(), shuffle.clone(), limit.clone(), bar.clone());
-        let Location::Store(path) = output.part(reduce) else { bail!("reduce output must be in the store") };
-        tasks.push(tokio::spawn(async move {
-            let _slot = limit.acquire_owned().await?;
-            reduce_task(&client, &shuffle, reduce as u32, &path, &bar).await
-        }));
-    }
-    for task in tasks {
-        task.await.context("reduce task")??;
-    }
+    let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
+    let tasks = (0..reduces).map(|reduce| {
+        let (client, shuffle, bar, path) =
+            (client.clone(), shuffle.clone(), bar.clone(), format!("{dir}/{}", part_name(reduce)));
+        async move { reduce_task(&client, &shuffle, reduce as u32, &path, &bar).await }
+    });
+    run_all("reduce", tasks).await?;
     bar.finish();
     Ok(())
 }

@@ -230,9 +230,11 @@ impl Shuffles {
         let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
         let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
         // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
-        // (the usual page for large batches) goes out as the view itself, without a copy.
-        if let [(header, stored)] = page.as_slice() {
-            let actual = crc32c::crc32c(&stored[BATCH_HEADER_LEN..]);
+        // (the usual page for large batches) goes out as the view itself, without a copy; more
+        // are gathered into one buffer. Either way every batch is checked against the crc taken
+        // when it was stored, and that checked crc extends the payload's crc with no second pass.
+        let check = |header: &BatchHeader, bytes: &[u8]| {
+            let actual = crc32c::crc32c(bytes);
             if actual != header.crc {
                 return Err(ShuffleError::Corrupt {
                     segment: id,
@@ -242,11 +244,11 @@ impl Shuffles {
                     actual,
                 });
             }
-            let crc = crc32c::crc32c_combine(
-                crc32c::crc32c(&stored[..BATCH_HEADER_LEN]),
-                actual,
-                stored.len() - BATCH_HEADER_LEN,
-            );
+            Ok(actual)
+        };
+        if let [(header, stored)] = page.as_slice() {
+            let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
+            let crc = crc32c::crc32c_combine(crc32c::crc32c(encoded), check(header, bytes)?, bytes.len());
             return Ok(FetchPage { payload: stored.clone(), next_cursor, batches, crc });
         }
         let size = page.iter().map(|(_, stored)| stored.len()).sum();
@@ -259,18 +261,7 @@ impl Shuffles {
             let start = payload.len();
             payload.extend_from_slice(bytes);
             // Checked over the copy, so what is sent is what was pushed.
-            let actual = crc32c::crc32c(&payload[start..]);
-            if actual != header.crc {
-                return Err(ShuffleError::Corrupt {
-                    segment: id,
-                    map: header.map,
-                    attempt: header.attempt,
-                    expected: header.crc,
-                    actual,
-                });
-            }
-            // The checked crc of the batch extends the payload's crc with no second pass.
-            crc = crc32c::crc32c_combine(crc, actual, bytes.len());
+            crc = crc32c::crc32c_combine(crc, check(header, &payload[start..])?, bytes.len());
         }
         Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc })
     }
