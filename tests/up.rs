@@ -7,19 +7,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-/// The first of `len` consecutive loopback ports that are free now.
-fn free_port_range(len: u16) -> u16 {
-    (21_000u16..60_000)
-        .step_by(211)
-        .map(|p| p + (std::process::id() % 200) as u16)
-        .find(|&p| (p..p + len).all(|q| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok()))
-        .expect("a free port range")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port_range(14);
+    let port = tern_bench::cluster::free_port_range(14).unwrap();
     let mut up = Command::new(common::TERN)
         .args(["up", "--dir", dir.path().to_str().unwrap(), "--port", &port.to_string(), "--dram", "64MiB"])
         .stdout(Stdio::piped())

@@ -70,7 +70,7 @@ impl Drop for EmbeddedCluster {
 }
 
 /// The first port of `len` consecutive free loopback ports.
-fn free_port_range(len: u16) -> anyhow::Result<u16> {
+pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
     for start in (20_000u16..60_000).step_by(97) {
         let start = start + (std::process::id() % 89) as u16;
         if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {

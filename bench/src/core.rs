@@ -18,7 +18,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::cluster::EmbeddedCluster;
-use crate::percentile;
+use crate::{median, percentile};
 
 pub struct CoreOptions {
     /// The `tern` binary to run (usually the running one).
@@ -209,11 +209,6 @@ async fn wait_until_freed(client: &tern_client::Client) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
-}
-
-fn median(mut samples: Vec<f64>) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    percentile(&samples, 50.0)
 }
 
 /// Latencies (us, sorted) of `count` create + close pairs and of `count` sealed creates, from a

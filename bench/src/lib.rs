@@ -17,6 +17,12 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len() - 1)]
 }
 
+/// The median of samples in any order.
+pub fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    percentile(&samples, 50.0)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

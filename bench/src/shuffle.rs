@@ -17,6 +17,7 @@ use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{CommitMapRequest, LocateShuffleRequest, RegisterShuffleRequest, StatRequest};
 
 use crate::cluster::EmbeddedCluster;
+use crate::median;
 
 pub struct ShuffleBenchOptions {
     pub tern: std::path::PathBuf,
@@ -147,10 +148,6 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
         partition_rates.push(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
     }
     job.end().await.context("ending the bench job")?;
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        crate::percentile(&v, 50.0)
-    };
     let (file_read_gb_s, partition_read_gb_s) = (median(file_rates), median(partition_rates));
     Ok(ShuffleBenchReport {
         maps: options.maps,

@@ -40,10 +40,9 @@ pub enum Location {
 
 impl Location {
     fn part(&self, i: usize) -> Location {
-        let name = part_name(i);
         match self {
-            Location::Store(dir) => Location::Store(format!("{}/{name}", dir.trim_end_matches('/'))),
-            Location::Local(dir) => Location::Local(dir.join(name)),
+            Location::Store(dir) => Location::Store(store_part(dir, i)),
+            Location::Local(dir) => Location::Local(dir.join(part_name(i))),
         }
     }
 }
@@ -75,6 +74,11 @@ where
 
 fn part_name(i: usize) -> String {
     format!("part-{i:05}")
+}
+
+/// Part `i` of a dataset in the store directory `dir`.
+fn store_part(dir: &str, i: usize) -> String {
+    format!("{}/{}", dir.trim_end_matches('/'), part_name(i))
 }
 
 /// Splits `records` into `parts` nearly equal runs: (first record, count) of each.
@@ -380,8 +384,7 @@ async fn run_maps(
     let bar = bar(progress, bytes, "map");
     let Location::Store(dir) = input else { bail!("map input must be in the store") };
     let tasks = (0..maps).map(|map| {
-        let (client, shuffle, bar, path) =
-            (client.clone(), shuffle.clone(), bar.clone(), format!("{dir}/{}", part_name(map)));
+        let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, map));
         async move { map_task(&client, &shuffle, map as u32, &path, &bar).await }
     });
     run_all("map", tasks).await?;
@@ -457,8 +460,7 @@ async fn run_reduces(
     }
     let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
     let tasks = (0..reduces).map(|reduce| {
-        let (client, shuffle, bar, path) =
-            (client.clone(), shuffle.clone(), bar.clone(), format!("{dir}/{}", part_name(reduce)));
+        let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, reduce));
         async move { reduce_task(&client, &shuffle, reduce as u32, &path, &bar).await }
     });
     run_all("reduce", tasks).await?;

@@ -2,70 +2,18 @@
 //! `serve_blocks`, spoken to with real frames.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use prometheus_client::registry::Registry;
 use tern_proto::frame::{self, Frame, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
 use tern_proto::ErrorKind;
-use tern_storage::{serve_blocks, BlockStore, Limits, Metrics};
+use tern_storage::Limits;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
+use tokio::net::TcpStream;
 
-const BS: u32 = 64 << 10;
+mod common;
 
-struct Server {
-    addr: SocketAddr,
-    store: Arc<BlockStore>,
-    registry: Registry,
-    task: JoinHandle<()>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn serve(blocks: u64, limits: Limits) -> Server {
-    let store = Arc::new(BlockStore::new(BS, blocks * BS as u64).unwrap());
-    store.set_server_id(3);
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(serve_blocks(listener, store.clone(), limits, metrics));
-    Server { addr, store, registry, task }
-}
-
-async fn send(stream: &mut TcpStream, frame: &Frame) {
-    frame::write_frame(stream, frame).await.unwrap();
-}
-
-async fn recv(stream: &mut TcpStream) -> Frame {
-    tokio::time::timeout(Duration::from_secs(10), frame::read_frame(stream, MAX_PAYLOAD_BYTES))
-        .await
-        .expect("a reply within 10 s")
-        .expect("a well-formed reply")
-        .expect("a reply, not the end of the stream")
-}
-
-/// Sends `frame` and returns the error kind and message of its reply.
-async fn call_err(stream: &mut TcpStream, frame: &Frame) -> (ErrorKind, String) {
-    send(stream, frame).await;
-    let reply = recv(stream).await;
-    assert_eq!(reply.header.request_id, frame.header.request_id);
-    reply.into_result().expect_err("an error reply")
-}
-
-async fn call_ok(stream: &mut TcpStream, frame: &Frame) -> Frame {
-    send(stream, frame).await;
-    let reply = recv(stream).await;
-    assert_eq!(reply.header.request_id, frame.header.request_id);
-    reply.into_result().unwrap_or_else(|(kind, message)| panic!("{kind}: {message}"))
-}
+use common::{call_err, call_ok, recv, send, serve, BS};
 
 /// The stream ends (the server closed it) within a few seconds.
 async fn assert_closed(stream: &mut TcpStream) {

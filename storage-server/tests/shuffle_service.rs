@@ -1,70 +1,21 @@
 //! Push and Fetch over real TCP on loopback, without a metadata server: a store served by
 //! `serve_blocks`, spoken to with real frames.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
-
 use bytes::{BufMut, Bytes, BytesMut};
-use prometheus_client::registry::Registry;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::ErrorKind;
-use tern_storage::{serve_blocks, BlockStore, Limits, Metrics};
+use tern_storage::Limits;
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
+use tokio::net::TcpStream;
 
-const BS: u32 = 64 << 10;
+mod common;
 
-struct Server {
-    addr: SocketAddr,
-    store: Arc<BlockStore>,
-    registry: Registry,
-    task: JoinHandle<()>,
-}
+use common::{call_err, call_ok, connect, Server, BS};
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
+/// A block service with the default limits.
 async fn serve(blocks: u64) -> Server {
-    let store = Arc::new(BlockStore::new(BS, blocks * BS as u64).unwrap());
-    store.set_server_id(3);
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(serve_blocks(listener, store.clone(), Limits::default(), metrics));
-    Server { addr, store, registry, task }
-}
-
-/// A client connection; without Nagle's delay, as the real client's are.
-async fn connect(addr: SocketAddr) -> TcpStream {
-    let stream = TcpStream::connect(addr).await.unwrap();
-    stream.set_nodelay(true).unwrap();
-    stream
-}
-
-async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
-    frame::write_frame(stream, request).await.unwrap();
-    let reply = tokio::time::timeout(Duration::from_secs(10), frame::read_frame(stream, MAX_PAYLOAD_BYTES))
-        .await
-        .expect("a reply within 10 s")
-        .expect("a well-formed reply")
-        .expect("a reply, not the end of the stream");
-    assert_eq!((reply.header.request_id, reply.header.op), (request.header.request_id, request.header.op));
-    reply.into_result()
-}
-
-async fn call_ok(stream: &mut TcpStream, request: &Frame) -> Frame {
-    call(stream, request).await.unwrap_or_else(|(kind, message)| panic!("{kind}: {message}"))
-}
-
-async fn call_err(stream: &mut TcpStream, request: &Frame) -> (ErrorKind, String) {
-    call(stream, request).await.expect_err("an error reply")
+    common::serve(blocks, Limits::default()).await
 }
 
 fn batch(map: u32, attempt: u32, n: u32, len: usize) -> Bytes {

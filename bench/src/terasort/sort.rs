@@ -153,14 +153,8 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::terasort::gensort::{generate, generate_parallel};
+    use crate::terasort::gensort::{gen, generate, generate_parallel};
     use crate::terasort::validate::{checksum, validate_parallel};
-
-    fn gen(first: u64, count: u64) -> Vec<u8> {
-        let mut out = vec![0u8; count as usize * RECORD_LEN];
-        generate(first, count, &mut out);
-        out
-    }
 
     fn check_sorted_permutation(input: &[u8], out: &[u8]) {
         let s = validate_parallel(out).unwrap();

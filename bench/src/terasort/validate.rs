@@ -248,13 +248,7 @@ pub fn checksum_exact(bytes: &[u8]) -> Result<(u64, u128), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::terasort::gensort::generate;
-
-    fn gen(first: u64, count: u64) -> Vec<u8> {
-        let mut out = vec![0u8; count as usize * RECORD_LEN];
-        generate(first, count, &mut out);
-        out
-    }
+    use crate::terasort::gensort::gen;
 
     fn validate(bytes: &[u8]) -> Result<Summary, String> {
         let mut v = Validator::new();
