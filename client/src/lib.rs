@@ -35,6 +35,7 @@ pub use job::JobSession;
 pub use reader::FileReader;
 pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
+pub use tern_proto::{StorageClass, Tier};
 pub use writer::FileWriter;
 
 /// Tuning knobs; the defaults suit a client on the same 10-100 Gbit/s network as the servers.
@@ -152,7 +153,14 @@ impl Client {
     /// Creates a file for writing; it becomes readable once the writer is closed. Refused with
     /// `AlreadyExists` if the path exists.
     pub async fn create(&self, path: &str, parents: bool) -> Result<FileWriter> {
-        let request = pb::CreateRequest { path: path.into(), parents, sealed: false };
+        self.create_with_class(path, parents, StorageClass::Any).await
+    }
+
+    /// Creates a file whose blocks go to the tiers `class` allows (`Any`: DRAM first, NVMe when
+    /// no live server has DRAM room). `OutOfSpace` comes at allocation, when no allowed tier has room.
+    pub async fn create_with_class(&self, path: &str, parents: bool, class: StorageClass) -> Result<FileWriter> {
+        let request =
+            pb::CreateRequest { path: path.into(), parents, sealed: false, storage_class: class.name().to_string() };
         let created = self.metadata().create(request).await?.into_inner();
         Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size))
     }
@@ -160,7 +168,9 @@ impl Client {
     /// Creates an empty, sealed file in one round trip (markers, empty outputs). Refused with
     /// `AlreadyExists` if the path exists.
     pub async fn create_empty(&self, path: &str, parents: bool) -> Result<()> {
-        self.metadata().create(pb::CreateRequest { path: path.into(), parents, sealed: true }).await?;
+        self.metadata()
+            .create(pb::CreateRequest { path: path.into(), parents, sealed: true, ..Default::default() })
+            .await?;
         Ok(())
     }
 
@@ -237,10 +247,15 @@ impl Client {
 
     /// Writes `data` to a new file (creating missing parents) in one call.
     pub async fn put(&self, path: &str, data: bytes::Bytes) -> Result<()> {
+        self.put_with_class(path, data, StorageClass::Any).await
+    }
+
+    /// [`Client::put`] into storage class `class`.
+    pub async fn put_with_class(&self, path: &str, data: bytes::Bytes, class: StorageClass) -> Result<()> {
         if data.is_empty() {
             return self.create_empty(path, true).await;
         }
-        let mut writer = self.create(path, true).await?;
+        let mut writer = self.create_with_class(path, true, class).await?;
         writer.write_bytes(data).await?;
         writer.close().await.map(|_| ())
     }

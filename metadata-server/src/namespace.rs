@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
 use tern_proto::v1::{EntryKind, FileInfo};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass};
 
 use crate::error::{already_exists, invalid, not_found, Refusal};
 use crate::path::{self, Place};
@@ -39,6 +39,8 @@ pub struct FileMeta {
     /// Bytes; 0 until sealed.
     pub length: u64,
     pub blocks: Vec<BlockRef>,
+    /// Which tiers its blocks may go to.
+    pub storage_class: StorageClass,
 }
 
 #[derive(Debug)]
@@ -114,13 +116,19 @@ impl Namespace {
     }
 
     /// Creates an unsealed, empty file at `path` (normalised); returns its file id.
-    pub fn create_file(&mut self, path: &str, parents: bool, now_unix_ms: u64) -> Result<u64, Refusal> {
+    pub fn create_file(
+        &mut self,
+        path: &str,
+        parents: bool,
+        storage_class: StorageClass,
+        now_unix_ms: u64,
+    ) -> Result<u64, Refusal> {
         if self.lookup(path).is_some() {
             return Err(already_exists("already exists"));
         }
         let (parent, name) = self.parent_dir(path, parents, now_unix_ms)?;
         let file_id = self.next_file_id;
-        let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new() };
+        let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new(), storage_class };
         let node = self.insert(parent, name, Body::File(meta), now_unix_ms)?;
         self.next_file_id += 1;
         self.file_nodes.insert(file_id, node);
@@ -339,6 +347,7 @@ impl Namespace {
                 info.length = meta.length;
                 info.file_id = meta.file_id;
                 info.block_count = meta.blocks.len() as u64;
+                info.storage_class = meta.storage_class.name().to_string();
             }
         }
         info
@@ -377,13 +386,13 @@ mod tests {
         ns.mkdir("/a", true, 1).unwrap();
         assert_eq!(ns.mkdir("/x/y", false, 1).unwrap_err().kind, ErrorKind::NotFound);
         ns.mkdir("/x/y", true, 1).unwrap();
-        let id = ns.create_file("/a/f", false, 2).unwrap();
-        assert_eq!(ns.create_file("/a/f", false, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(ns.create_file("/a", false, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
+        let id = ns.create_file("/a/f", false, StorageClass::Any, 2).unwrap();
+        assert_eq!(ns.create_file("/a/f", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
+        assert_eq!(ns.create_file("/a", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
         assert_eq!(ns.mkdir("/a/f", true, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(ns.create_file("/a/f/g", true, 2).unwrap_err().kind, ErrorKind::Invalid);
-        assert_eq!(ns.create_file("/b/c/f", false, 2).unwrap_err().kind, ErrorKind::NotFound);
-        let id2 = ns.create_file("/b/c/f", true, 2).unwrap();
+        assert_eq!(ns.create_file("/a/f/g", true, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::Invalid);
+        assert_eq!(ns.create_file("/b/c/f", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::NotFound);
+        let id2 = ns.create_file("/b/c/f", true, StorageClass::Any, 2).unwrap();
         assert!(id2 > id);
         assert_eq!((ns.files(), ns.directories()), (2, 5));
         let (info, meta) = ns.stat("/a/f").unwrap();
@@ -401,7 +410,7 @@ mod tests {
     fn lists_sorted_in_pages() {
         let mut ns = Namespace::new(100);
         for name in ["d", "b", "a", "e", "c"] {
-            ns.create_file(&format!("/dir/{name}"), true, 0).unwrap();
+            ns.create_file(&format!("/dir/{name}"), true, StorageClass::Any, 0).unwrap();
         }
         let (page, truncated) = ns.list("/dir", "", 2).unwrap();
         assert_eq!((names(&page), truncated), (vec!["/dir/a", "/dir/b"], true));
@@ -421,8 +430,8 @@ mod tests {
     #[test]
     fn removes_recursively_only_when_asked() {
         let mut ns = Namespace::new(100);
-        let a = ns.create_file("/d/a", true, 0).unwrap();
-        ns.create_file("/d/sub/b", true, 0).unwrap();
+        let a = ns.create_file("/d/a", true, StorageClass::Any, 0).unwrap();
+        ns.create_file("/d/sub/b", true, StorageClass::Any, 0).unwrap();
         let meta = ns.file_mut(a).unwrap();
         meta.blocks = vec![BlockRef { block_id: 1, server_id: 1 }, BlockRef { block_id: 2, server_id: 2 }];
         meta.sealed = true;
@@ -444,7 +453,7 @@ mod tests {
     #[test]
     fn renames_directories_with_descendants() {
         let mut ns = Namespace::new(100);
-        let id = ns.create_file("/a/b/c/f", true, 0).unwrap();
+        let id = ns.create_file("/a/b/c/f", true, StorageClass::Any, 0).unwrap();
         ns.mkdir("/z", false, 0).unwrap();
         ns.rename("/a/b", "/z/moved").unwrap();
         assert_eq!(ns.file_path(id).unwrap(), "/z/moved/c/f");
@@ -470,11 +479,11 @@ mod tests {
     #[test]
     fn refuses_past_max_entries() {
         let mut ns = Namespace::new(3);
-        ns.create_file("/a/b/f", true, 0).unwrap();
-        let refusal = ns.create_file("/a/g", false, 0).unwrap_err();
+        ns.create_file("/a/b/f", true, StorageClass::Any, 0).unwrap();
+        let refusal = ns.create_file("/a/g", false, StorageClass::Any, 0).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
         assert!(refusal.reason.contains("max_entries"), "{}", refusal.reason);
         ns.remove("/a/b", true).unwrap();
-        ns.create_file("/a/g", false, 0).unwrap();
+        ns.create_file("/a/g", false, StorageClass::Any, 0).unwrap();
     }
 }

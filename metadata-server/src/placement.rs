@@ -11,6 +11,11 @@
 //! heartbeat acknowledges it with `freed_through_seq`. Unacknowledged frees are sent again, so a
 //! lost reply costs nothing but a repeat (frees are idempotent on the storage server).
 //!
+//! Each server has a DRAM tier and may have an NVMe tier; placement counts capacity and blocks
+//! placed per tier, and a file's storage class says which tiers its blocks may use (`any`: DRAM
+//! first, cluster-wide, NVMe only when no live server has DRAM room). NVMe block ids carry
+//! [`NVME_BLOCK_BIT`], so a storage server knows a block's tier from its id.
+//!
 //! A server's DRAM holds file blocks and shuffle segments side by side, and the server reports
 //! only the total in use. The metadata server knows the blocks it placed there; shuffle data
 //! grows as maps push, so it is known only through those reports (see `Server::used_blocks`).
@@ -21,7 +26,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use tern_proto::v1::{BlockLocation, HeartbeatResponse, ServerStatus, TierUsage};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass, Tier, NVME_BLOCK_BIT};
 
 use crate::error::{invalid, Refusal};
 use crate::namespace::BlockRef;
@@ -30,8 +35,13 @@ use crate::namespace::BlockRef;
 pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
 /// Dead servers remembered for status and DataLost messages; the oldest beyond this are forgotten.
 pub const MAX_DEAD_SERVERS: usize = 1024;
-/// The tier whose capacity bounds placement today.
+/// The DRAM tier's name in usage reports.
 pub const DRAM_TIER: &str = "dram";
+
+/// A storage class named in a request: "dram", "nvme" or "any" ("" = "any").
+pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
+    name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
+}
 
 /// One entry of a server's free queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,15 +61,20 @@ struct Server {
     death: String,
     tiers: Vec<TierUsage>,
     last_seen: Instant,
-    /// Blocks placed here and not yet acknowledged as freed: what placement balances.
+    /// DRAM blocks placed here and not yet acknowledged as freed: what placement balances.
     allocated: u64,
+    /// The same for NVMe blocks.
+    nvme_allocated: u64,
     /// DRAM blocks in use at the last report beyond `allocated`: shuffle data.
     unplaced_used: u64,
     /// Segments of registered shuffles placed here: shuffle load not yet visible in reports.
     segments: u64,
     frees: VecDeque<(u64, Free)>,
-    /// How many of `frees` are shuffles (the rest are blocks, each still counted in `allocated`).
+    /// How many of `frees` are shuffles (the rest are blocks, each still counted in `allocated` or
+    /// `nvme_allocated`).
     shuffle_frees: u64,
+    /// How many of `frees` are NVMe blocks.
+    nvme_frees: u64,
     next_free_seq: u64,
 }
 
@@ -70,6 +85,34 @@ impl Server {
 
     fn capacity_blocks(&self) -> u64 {
         self.tier(DRAM_TIER).map_or(0, |t| t.capacity_blocks)
+    }
+
+    /// Blocks the tier holds, as last reported (0 for a tier the server does not have).
+    fn tier_capacity(&self, tier: Tier) -> u64 {
+        self.tier(tier.name()).map_or(0, |t| t.capacity_blocks)
+    }
+
+    /// Blocks of the tier in use as far as placement can tell (see [`Server::used_blocks`]).
+    fn tier_used(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Dram => self.used_blocks(),
+            Tier::Nvme => self.nvme_allocated,
+        }
+    }
+
+    /// Blocks of the tier that queued frees give back once carried out.
+    fn tier_being_freed(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Dram => self.being_freed(),
+            Tier::Nvme => self.nvme_frees,
+        }
+    }
+
+    fn allocated_mut(&mut self, tier: Tier) -> &mut u64 {
+        match tier {
+            Tier::Dram => &mut self.allocated,
+            Tier::Nvme => &mut self.nvme_allocated,
+        }
     }
 
     /// DRAM blocks in use as far as placement can tell: the blocks placed here, plus what else the
@@ -89,10 +132,10 @@ impl Server {
         self.unplaced_used = reported.saturating_sub(self.allocated);
     }
 
-    /// Blocks in use that queued frees will give back once carried out: the blocks among them,
-    /// and, when a shuffle free is queued, the shuffle data as far as it can be told apart.
+    /// DRAM blocks in use that queued frees will give back once carried out: the blocks among
+    /// them, and, when a shuffle free is queued, the shuffle data as far as it can be told apart.
     fn being_freed(&self) -> u64 {
-        let blocks = self.frees.len() as u64 - self.shuffle_frees;
+        let blocks = self.frees.len() as u64 - self.shuffle_frees - self.nvme_frees;
         let shuffles = if self.shuffle_frees > 0 { self.unplaced_used } else { 0 };
         blocks + shuffles
     }
@@ -107,8 +150,10 @@ impl Server {
     fn queue_free(&mut self, free: Free) {
         self.frees.push_back((self.next_free_seq, free));
         self.next_free_seq += 1;
-        if matches!(free, Free::Shuffle(_)) {
-            self.shuffle_frees += 1;
+        match free {
+            Free::Shuffle(_) => self.shuffle_frees += 1,
+            Free::Block(id) if Tier::of_block(id) == Tier::Nvme => self.nvme_frees += 1,
+            Free::Block(_) => {}
         }
     }
 
@@ -156,10 +201,12 @@ impl Servers {
             tiers: Vec::new(),
             last_seen: now,
             allocated: 0,
+            nvme_allocated: 0,
             unplaced_used: 0,
             segments: 0,
             frees: VecDeque::new(),
             shuffle_frees: 0,
+            nvme_frees: 0,
             next_free_seq: 1,
         };
         server.take_report(tiers);
@@ -186,7 +233,14 @@ impl Servers {
             server.frees.pop_front();
             // A freed shuffle gives its space back through the server's usage reports instead.
             match free {
-                Free::Block(_) => server.allocated = server.allocated.saturating_sub(1),
+                Free::Block(id) => {
+                    let tier = Tier::of_block(id);
+                    if tier == Tier::Nvme {
+                        server.nvme_frees -= 1;
+                    }
+                    let allocated = server.allocated_mut(tier);
+                    *allocated = allocated.saturating_sub(1);
+                }
                 Free::Shuffle(_) => server.shuffle_frees -= 1,
             }
         }
@@ -224,65 +278,88 @@ impl Servers {
             .collect()
     }
 
-    /// Places `count` new blocks: on live servers with room, those on `client_host` first, then
-    /// the least used (so a batch spreads across equal servers round-robin).
-    pub fn allocate(&mut self, count: u32, client_host: &str) -> Result<Vec<BlockRef>, Refusal> {
+    /// Places `count` new blocks of storage class `class`: tier by tier in the class's order (DRAM
+    /// first for `any`, across the whole cluster), on live servers with room in that tier, those on
+    /// `client_host` first, then the least used (so a batch spreads across equal servers
+    /// round-robin). A batch may span tiers when the first fills up.
+    pub fn allocate(&mut self, count: u32, client_host: &str, class: StorageClass) -> Result<Vec<BlockRef>, Refusal> {
         let client_host = normalize_host(client_host);
-        let mut live = 0;
-        let mut free_total: u64 = 0;
-        let mut being_freed: u64 = 0;
-        let mut candidates = BinaryHeap::new();
-        for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
-            live += 1;
-            being_freed += server.being_freed();
-            let (capacity, used) = (server.capacity_blocks(), server.used_blocks());
-            if used < capacity {
-                free_total += capacity - used;
-                let remote = client_host.is_empty() || server.host != client_host;
-                candidates.push(Reverse((remote, used, id, capacity)));
-            }
-        }
+        let live = self.live_count();
         if live == 0 {
             return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
         }
-        if free_total < u64::from(count) && free_total + being_freed >= u64::from(count) {
+        let tiers = class.tiers();
+        let mut free = Vec::with_capacity(tiers.len());
+        let mut being_freed: u64 = 0;
+        for &tier in tiers {
+            let mut tier_free = 0;
+            for server in self.servers.values().filter(|s| s.alive) {
+                tier_free += server.tier_capacity(tier).saturating_sub(server.tier_used(tier));
+                being_freed += server.tier_being_freed(tier);
+            }
+            free.push((tier, tier_free));
+        }
+        let free_total: u64 = free.iter().map(|(_, f)| f).sum();
+        let count64 = u64::from(count);
+        let free_list = || free.iter().map(|(tier, f)| format!("{f} {tier}")).collect::<Vec<_>>().join(" and ");
+        if free_total < count64 && free_total + being_freed >= count64 {
             // Space that deletes gave back is still held until the servers' next heartbeats
             // carry the frees out: worth a retry in a moment, unlike a full cluster.
             return Err(Refusal::new(
                 ErrorKind::Unavailable,
                 format!(
-                    "{count} blocks asked; {free_total} free and {being_freed} being freed on the {live} live \
-                     storage servers: retry after their next heartbeat"
+                    "{count} blocks of class {class} asked; {} blocks free and {being_freed} being freed on the \
+                     {live} live storage servers: retry after their next heartbeat",
+                    free_list()
                 ),
             ));
         }
-        if free_total < u64::from(count) {
+        if free_total < count64 {
             return Err(Refusal::new(
                 ErrorKind::OutOfSpace,
                 format!(
-                    "{count} blocks asked, but the {live} live storage servers have {free_total} free between them"
+                    "{count} blocks of class {class} asked, but the {live} live storage servers have {} blocks free \
+                     between them",
+                    free_list()
                 ),
             ));
         }
         // Plan first, then apply: a refusal leaves no trace.
         let mut plan = Vec::with_capacity(count as usize);
-        for _ in 0..count {
-            let Some(Reverse((remote, used, id, capacity))) = candidates.pop() else {
-                return Err(Refusal::new(ErrorKind::Internal, "placement ran out of servers despite free space"));
-            };
-            plan.push(id);
-            if used + 1 < capacity {
-                candidates.push(Reverse((remote, used + 1, id, capacity)));
+        for &(tier, tier_free) in &free {
+            let take = tier_free.min(count64 - plan.len() as u64);
+            if take == 0 {
+                continue;
+            }
+            let mut candidates = BinaryHeap::new();
+            for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
+                let (capacity, used) = (server.tier_capacity(tier), server.tier_used(tier));
+                if used < capacity {
+                    let remote = client_host.is_empty() || server.host != client_host;
+                    candidates.push(Reverse((remote, used, id, capacity)));
+                }
+            }
+            for _ in 0..take {
+                let Some(Reverse((remote, used, id, capacity))) = candidates.pop() else {
+                    return Err(Refusal::new(ErrorKind::Internal, "placement ran out of servers despite free space"));
+                };
+                plan.push((tier, id));
+                if used + 1 < capacity {
+                    candidates.push(Reverse((remote, used + 1, id, capacity)));
+                }
             }
         }
         let blocks = plan
             .into_iter()
-            .map(|server_id| {
+            .map(|(tier, server_id)| {
                 if let Some(server) = self.servers.get_mut(&server_id) {
-                    server.allocated += 1;
+                    *server.allocated_mut(tier) += 1;
                 }
-                let block_id = self.next_block_id;
+                let mut block_id = self.next_block_id;
                 self.next_block_id += 1;
+                if tier == Tier::Nvme {
+                    block_id |= NVME_BLOCK_BIT;
+                }
                 BlockRef { block_id, server_id }
             })
             .collect();
@@ -299,7 +376,8 @@ impl Servers {
             if server.alive {
                 server.queue_free(Free::Block(block.block_id));
             } else {
-                server.allocated = server.allocated.saturating_sub(1);
+                let allocated = server.allocated_mut(Tier::of_block(block.block_id));
+                *allocated = allocated.saturating_sub(1);
             }
         }
     }
@@ -386,7 +464,7 @@ impl Servers {
                 address: s.address.clone(),
                 alive: s.alive,
                 tiers: s.tiers.clone(),
-                allocated_blocks: s.allocated,
+                allocated_blocks: s.allocated + s.nvme_allocated,
                 last_heartbeat_ms_ago: now.saturating_duration_since(s.last_seen).as_millis() as u64,
             })
             .collect()
@@ -400,9 +478,9 @@ impl Servers {
         self.servers.values().filter(|s| !s.alive).count() as u64
     }
 
-    /// Blocks placed on live servers and not yet acknowledged as freed.
+    /// Blocks placed on live servers (all tiers) and not yet acknowledged as freed.
     pub fn allocated_blocks(&self) -> u64 {
-        self.servers.values().filter(|s| s.alive).map(|s| s.allocated).sum()
+        self.servers.values().filter(|s| s.alive).map(|s| s.allocated + s.nvme_allocated).sum()
     }
 
     /// Marks a server dead, drops its pending frees, and forgets the oldest dead servers beyond
@@ -414,10 +492,12 @@ impl Servers {
             server.alive = false;
             server.death = reason;
             // Its pending frees will never be carried out, and need not be: the data is gone.
-            let block_frees = server.frees.len() as u64 - server.shuffle_frees;
-            server.allocated = server.allocated.saturating_sub(block_frees);
+            let dram_frees = server.frees.len() as u64 - server.shuffle_frees - server.nvme_frees;
+            server.allocated = server.allocated.saturating_sub(dram_frees);
+            server.nvme_allocated = server.nvme_allocated.saturating_sub(server.nvme_frees);
             server.frees = VecDeque::new();
             server.shuffle_frees = 0;
+            server.nvme_frees = 0;
         }
         let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.alive).map(|(&id, _)| id).collect();
         for id in dead.iter().take(dead.len().saturating_sub(MAX_DEAD_SERVERS)) {
@@ -498,12 +578,12 @@ mod tests {
     #[test]
     fn spreads_evenly_across_equal_servers() {
         let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 1000);
-        let blocks = servers.allocate(6, "").unwrap();
+        let blocks = servers.allocate(6, "", StorageClass::Any).unwrap();
         let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
         assert_eq!(order, [1, 2, 3, 1, 2, 3]);
         let ids: Vec<u64> = blocks.iter().map(|b| b.block_id).collect();
         assert_eq!(ids, [1, 2, 3, 4, 5, 6]);
-        let blocks = servers.allocate(1024, "").unwrap();
+        let blocks = servers.allocate(1024, "", StorageClass::Any).unwrap();
         let counts = per_server(&blocks);
         assert_eq!(counts.values().copied().collect::<Vec<_>>(), [342, 341, 341]);
         assert_eq!(servers.allocated_blocks(), 1030);
@@ -512,11 +592,11 @@ mod tests {
     #[test]
     fn prefers_the_client_host_then_spills() {
         let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.2:2"], 4);
-        let blocks = servers.allocate(8, "10.0.0.2").unwrap();
+        let blocks = servers.allocate(8, "10.0.0.2", StorageClass::Any).unwrap();
         let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
         assert_eq!(order, [2, 3, 2, 3, 2, 3, 2, 3]);
         // The local servers are full now: the remote one takes the rest.
-        let blocks = servers.allocate(2, "10.0.0.2").unwrap();
+        let blocks = servers.allocate(2, "10.0.0.2", StorageClass::Any).unwrap();
         assert_eq!(per_server(&blocks), BTreeMap::from([(1, 2)]));
     }
 
@@ -524,51 +604,51 @@ mod tests {
     fn skips_dead_and_full_servers() {
         let (mut servers, start) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 2);
         servers.register("10.0.0.3:1", dram(0), start).unwrap();
-        servers.allocate(2, "").unwrap();
+        servers.allocate(2, "", StorageClass::Any).unwrap();
         // Server 2 keeps heartbeating; server 1 (and 3) go silent.
         let later = start + Duration::from_secs(10);
         servers.heartbeat(2, Vec::new(), 0, later);
         let dead = servers.expire(later, Duration::from_secs(5));
         assert_eq!(dead.len(), 2);
         assert!(dead[0].1.contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
-        let blocks = servers.allocate(1, "10.0.0.1").unwrap();
+        let blocks = servers.allocate(1, "10.0.0.1", StorageClass::Any).unwrap();
         assert_eq!(blocks[0].server_id, 2);
-        let refusal = servers.allocate(1, "").unwrap_err();
+        let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
         assert_eq!((servers.live_count(), servers.dead_count()), (1, 2));
         // Server 2 is full; it dies too and then nothing is live.
         servers.expire(later + Duration::from_secs(10), Duration::from_secs(5));
-        let refusal = servers.allocate(1, "").unwrap_err();
+        let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
         assert_eq!((refusal.kind, refusal.reason.as_str()), (ErrorKind::Unavailable, "no live storage servers"));
     }
 
     #[test]
     fn refuses_a_batch_that_does_not_fit_without_placing_any() {
         let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 512);
-        assert_eq!(servers.allocate(1025, "").unwrap_err().kind, ErrorKind::OutOfSpace);
+        assert_eq!(servers.allocate(1025, "", StorageClass::Any).unwrap_err().kind, ErrorKind::OutOfSpace);
         assert_eq!(servers.allocated_blocks(), 0);
-        assert_eq!(servers.allocate(1024, "").unwrap().len(), 1024);
+        assert_eq!(servers.allocate(1024, "", StorageClass::Any).unwrap().len(), 1024);
     }
 
     #[test]
     fn space_being_freed_is_worth_a_retry_not_out_of_space() {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 4);
-        let blocks = servers.allocate(4, "").unwrap();
+        let blocks = servers.allocate(4, "", StorageClass::Any).unwrap();
         servers.free(&blocks[..2]);
-        let refusal = servers.allocate(2, "").unwrap_err();
+        let refusal = servers.allocate(2, "", StorageClass::Any).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::Unavailable, "{}", refusal.reason);
         assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
-        assert_eq!(servers.allocate(3, "").unwrap_err().kind, ErrorKind::OutOfSpace);
+        assert_eq!(servers.allocate(3, "", StorageClass::Any).unwrap_err().kind, ErrorKind::OutOfSpace);
         // Once the server acknowledges the frees, the space is there.
         let reply = servers.heartbeat(1, Vec::new(), 0, now);
         servers.heartbeat(1, Vec::new(), reply.free_seq, now);
-        assert_eq!(servers.allocate(2, "").unwrap().len(), 2);
+        assert_eq!(servers.allocate(2, "", StorageClass::Any).unwrap().len(), 2);
     }
 
     #[test]
     fn frees_are_delivered_until_acknowledged() {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
-        let blocks = servers.allocate(3, "").unwrap();
+        let blocks = servers.allocate(3, "", StorageClass::Any).unwrap();
         servers.free(&blocks[..2]);
         let reply = servers.heartbeat(1, Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids.clone(), reply.free_seq, reply.reregister), (vec![1, 2], 2, false));
@@ -589,7 +669,7 @@ mod tests {
     #[test]
     fn shuffle_frees_share_the_queue_but_not_the_block_count() {
         let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
-        let blocks = servers.allocate(4, "").unwrap();
+        let blocks = servers.allocate(4, "", StorageClass::Any).unwrap();
         servers.add_segments(&[1, 1, 2]);
         servers.free(&blocks[..1]);
         servers.free_shuffle(7, &BTreeMap::from([(1, 2), (2, 1)]));
@@ -610,7 +690,7 @@ mod tests {
     #[test]
     fn segments_go_round_robin_by_load_avoiding_a_full_segments_server() {
         let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 10);
-        servers.allocate(1, "").unwrap();
+        servers.allocate(1, "", StorageClass::Any).unwrap();
         assert_eq!(servers.plan_segments(5, None).unwrap(), [2, 3, 1, 2, 3]);
         servers.add_segments(&[2, 2]);
         assert_eq!(servers.plan_segments(1, None).unwrap(), [3]);
@@ -628,12 +708,95 @@ mod tests {
         assert_eq!(servers.plan_segments(1, None).unwrap_err().kind, ErrorKind::Unavailable);
     }
 
+    fn tiers(dram_blocks: u64, nvme_blocks: u64) -> Vec<TierUsage> {
+        let mut tiers = dram(dram_blocks);
+        tiers.push(TierUsage {
+            tier: Tier::Nvme.name().into(),
+            capacity_blocks: nvme_blocks,
+            engine: "uring".into(),
+            ..TierUsage::default()
+        });
+        tiers
+    }
+
+    fn tiers_of(blocks: &[BlockRef]) -> Vec<Tier> {
+        blocks.iter().map(|b| Tier::of_block(b.block_id)).collect()
+    }
+
+    #[test]
+    fn any_fills_dram_cluster_wide_before_nvme() {
+        let now = Instant::now();
+        let mut servers = Servers::default();
+        servers.register("10.0.0.1:1", tiers(2, 4), now).unwrap();
+        servers.register("10.0.0.2:1", dram(1), now).unwrap();
+        // Three DRAM blocks in the cluster: all go to DRAM, on both servers, before any NVMe.
+        let blocks = servers.allocate(3, "10.0.0.1", StorageClass::Any).unwrap();
+        assert_eq!(tiers_of(&blocks), [Tier::Dram; 3]);
+        assert_eq!(per_server(&blocks), BTreeMap::from([(1, 2), (2, 1)]));
+        // A batch spans tiers once DRAM is full; NVMe ids carry the tier bit.
+        let blocks = servers.allocate(2, "", StorageClass::Any).unwrap();
+        assert_eq!(tiers_of(&blocks), [Tier::Nvme; 2]);
+        assert!(blocks.iter().all(|b| b.block_id & NVME_BLOCK_BIT != 0 && b.server_id == 1));
+        assert_eq!(blocks[0].block_id & !NVME_BLOCK_BIT, 4);
+        assert_eq!(servers.allocated_blocks(), 5);
+        // Only DRAM asked: none left, so OutOfSpace naming the class and free counts.
+        let refusal = servers.allocate(1, "", StorageClass::Dram).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
+        assert!(refusal.reason.contains("class dram") && refusal.reason.contains("0 dram"), "{}", refusal.reason);
+        // Two NVMe blocks remain: three is too many for any class.
+        let refusal = servers.allocate(3, "", StorageClass::Any).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
+        assert!(refusal.reason.contains("0 dram and 2 nvme"), "{}", refusal.reason);
+        assert_eq!(servers.allocate(2, "", StorageClass::Nvme).unwrap().len(), 2);
+        let refusal = servers.allocate(1, "", StorageClass::Nvme).unwrap_err();
+        assert!(refusal.reason.contains("class nvme") && refusal.reason.contains("0 nvme"), "{}", refusal.reason);
+    }
+
+    #[test]
+    fn nvme_class_skips_servers_without_nvme() {
+        let now = Instant::now();
+        let mut servers = Servers::default();
+        servers.register("10.0.0.1:1", dram(10), now).unwrap();
+        let refusal = servers.allocate(1, "", StorageClass::Nvme).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
+        servers.register("10.0.0.2:1", tiers(10, 3), now).unwrap();
+        let blocks = servers.allocate(3, "10.0.0.1", StorageClass::Nvme).unwrap();
+        assert_eq!(per_server(&blocks), BTreeMap::from([(2, 3)]));
+        assert_eq!(tiers_of(&blocks), [Tier::Nvme; 3]);
+        // DRAM class leaves NVMe alone.
+        assert_eq!(tiers_of(&servers.allocate(2, "", StorageClass::Dram).unwrap()), [Tier::Dram; 2]);
+    }
+
+    #[test]
+    fn nvme_frees_count_per_tier() {
+        let now = Instant::now();
+        let mut servers = Servers::default();
+        servers.register("10.0.0.1:1", tiers(1, 2), now).unwrap();
+        let dram_block = servers.allocate(1, "", StorageClass::Dram).unwrap();
+        let nvme_blocks = servers.allocate(2, "", StorageClass::Nvme).unwrap();
+        servers.free(&nvme_blocks);
+        // NVMe space being freed is a retry for nvme, but dram has simply no room.
+        let refusal = servers.allocate(1, "", StorageClass::Nvme).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::Unavailable, "{}", refusal.reason);
+        assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
+        assert_eq!(servers.allocate(1, "", StorageClass::Dram).unwrap_err().kind, ErrorKind::OutOfSpace);
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!(reply.free_block_ids, nvme_blocks.iter().map(|b| b.block_id).collect::<Vec<_>>());
+        servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        assert_eq!(servers.allocated_blocks(), 1);
+        assert_eq!(servers.allocate(2, "", StorageClass::Nvme).unwrap().len(), 2);
+        // A server that dies with NVMe and DRAM frees queued drops both from its counts.
+        servers.free(&dram_block);
+        servers.mark_dead(1, "test".into());
+        assert_eq!(servers.status(now)[0].allocated_blocks, 2);
+    }
+
     #[test]
     fn caps_frees_per_heartbeat() {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 100_000);
         let mut blocks = Vec::new();
         for _ in 0..70 {
-            blocks.extend(servers.allocate(1024, "").unwrap());
+            blocks.extend(servers.allocate(1024, "", StorageClass::Any).unwrap());
         }
         servers.free(&blocks);
         let reply = servers.heartbeat(1, Vec::new(), 0, now);
@@ -646,7 +809,7 @@ mod tests {
     #[test]
     fn reregistration_replaces_the_old_instance() {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
-        let block = servers.allocate(1, "").unwrap()[0];
+        let block = servers.allocate(1, "", StorageClass::Any).unwrap()[0];
         let (new_id, replaced) = servers.register("10.0.0.1:1", dram(10), now).unwrap();
         assert_eq!((new_id, replaced), (2, Some(1)));
         assert!(!servers.is_alive(1));

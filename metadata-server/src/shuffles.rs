@@ -29,7 +29,9 @@ use tern_proto::ErrorKind;
 use tracing::debug;
 
 use crate::error::{invalid, not_found, Refusal};
+use crate::placement::parse_storage_class;
 use crate::placement::Servers;
+use tern_proto::StorageClass;
 
 /// Most reduce partitions of one shuffle.
 pub const MAX_PARTITIONS: u32 = 1_000_000;
@@ -51,26 +53,6 @@ pub const MAX_COMMITTED_LENGTHS: u64 = 1 << 27;
 pub const MAX_LOCATE_ENTRIES: u64 = 1 << 20;
 /// Most segments one LocateShuffle reply may carry.
 pub const MAX_LOCATE_SEGMENTS: u64 = 1 << 20;
-
-/// Where a shuffle asks its data to live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum StorageClass {
-    /// DRAM first, NVMe when DRAM is full.
-    Any,
-    Dram,
-    Nvme,
-}
-
-impl StorageClass {
-    fn parse(class: &str) -> Result<StorageClass, Refusal> {
-        match class {
-            "" | "any" => Ok(StorageClass::Any),
-            "dram" => Ok(StorageClass::Dram),
-            "nvme" => Ok(StorageClass::Nvme),
-            other => Err(invalid(format!("storage class {other:?} is not \"dram\", \"nvme\" or \"any\""))),
-        }
-    }
-}
 
 /// A partition's segments, by index: the server holding each. Most partitions never split, so the
 /// first segment is kept inline and only later ones allocate.
@@ -174,7 +156,7 @@ impl Shuffles {
         if req.maps > MAX_MAPS {
             return Err(invalid(format!("maps must be at most {MAX_MAPS} (or 0: unknown), not {}", req.maps)));
         }
-        let storage_class = StorageClass::parse(&req.storage_class)?;
+        let storage_class = parse_storage_class(&req.storage_class)?;
         let split_size_bytes = match req.split_size_bytes {
             0 => DEFAULT_SPLIT_SIZE_BYTES,
             size if size < u64::from(block_size) => {

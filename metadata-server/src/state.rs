@@ -21,7 +21,7 @@ use crate::jobs::Jobs;
 use crate::metrics::Gauges;
 use crate::namespace::{FileMeta, Namespace, Removed};
 use crate::path::{self, Place, JOBS_DIR};
-use crate::placement::Servers;
+use crate::placement::{parse_storage_class, Servers};
 use crate::shuffles::Shuffles;
 
 #[derive(Debug)]
@@ -69,8 +69,9 @@ impl State {
     pub fn create(&mut self, req: CreateRequest, now: Instant) -> Result<CreateResponse, Status> {
         let context = format!("create {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
+        let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
-        let file_id = self.namespace.create_file(&path, req.parents, unix_ms()).context(&context)?;
+        let file_id = self.namespace.create_file(&path, req.parents, storage_class, unix_ms()).context(&context)?;
         if req.sealed {
             self.namespace.file_mut(file_id).context(&context)?.sealed = true;
         }
@@ -95,7 +96,7 @@ impl State {
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
-        let blocks = self.servers.allocate(req.count, &req.client_host).context(&context)?;
+        let blocks = self.servers.allocate(req.count, &req.client_host, file.storage_class).context(&context)?;
         let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
         file.blocks.extend(blocks);
         Ok(AllocateBlocksResponse { blocks: locations })

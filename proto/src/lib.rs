@@ -2,11 +2,13 @@
 //! - [`v1`]: the gRPC control plane (namespace, jobs, storage-server registry), from `proto/tern.proto`;
 //! - [`frame`]: the binary block-frame codec of the data plane;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
-//! - [`error`]: the error kinds both planes carry, so a caller can act on them.
+//! - [`error`]: the error kinds both planes carry, so a caller can act on them;
+//! - [`tier`]: storage tiers, the tier bit of block ids, and storage classes.
 
 pub mod error;
 pub mod frame;
 pub mod shuffle;
+pub mod tier;
 
 /// Generated gRPC messages and services (package `tern.v1`).
 pub mod v1 {
@@ -14,6 +16,7 @@ pub mod v1 {
 }
 
 pub use error::ErrorKind;
+pub use tier::{StorageClass, Tier, NVME_BLOCK_BIT};
 
 /// Default cluster block size: 1 MiB.
 pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;

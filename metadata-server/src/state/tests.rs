@@ -103,7 +103,9 @@ fn writes_then_reads_a_file() {
     write(&mut state, "/data/empty", 0, now);
     assert!(open(&mut state, "/data/empty", now).unwrap().blocks.is_empty());
     // ... and can be created sealed in one call.
-    state.create(CreateRequest { path: "/data/marker".into(), parents: false, sealed: true }, now).unwrap();
+    state
+        .create(CreateRequest { path: "/data/marker".into(), parents: false, sealed: true, ..Default::default() }, now)
+        .unwrap();
     let marker = open(&mut state, "/data/marker", now).unwrap();
     assert_eq!((marker.info.unwrap().length, marker.blocks.len()), (0, 0));
     let stat = state.stat(StatRequest { path: "/data".into(), with_blocks: true }, now).unwrap();
@@ -115,8 +117,9 @@ fn writes_then_reads_a_file() {
 fn refuses_what_the_namespace_forbids() {
     let (mut state, now) = state();
     let file_id = create(&mut state, "/a/b", now);
-    let (kind, message) =
-        refused(state.create(CreateRequest { path: "/a/b".into(), parents: false, sealed: false }, now));
+    let (kind, message) = refused(
+        state.create(CreateRequest { path: "/a/b".into(), parents: false, sealed: false, ..Default::default() }, now),
+    );
     assert_eq!((kind, message.as_str()), (ErrorKind::AlreadyExists, "create /a/b: already exists"));
     let (kind, message) = refused(state.mkdir(MkdirRequest { path: "/a".into(), parents: false }, now));
     assert_eq!(kind, ErrorKind::AlreadyExists, "{message}");
@@ -132,8 +135,9 @@ fn refuses_what_the_namespace_forbids() {
         assert_eq!(kind, ErrorKind::Invalid, "{bad:?}");
         assert!(message.starts_with(&format!("stat {bad}: ")), "{message}");
     }
-    let (kind, message) =
-        refused(state.create(CreateRequest { path: "/c/d".into(), parents: false, sealed: false }, now));
+    let (kind, message) = refused(
+        state.create(CreateRequest { path: "/c/d".into(), parents: false, sealed: false, ..Default::default() }, now),
+    );
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "create /c/d: parent directory /c does not exist"));
     seal(&mut state, file_id, 0, now);
     let (kind, message) = refused(state.seal(SealRequest { file_id, length: 0 }, now));
@@ -318,8 +322,10 @@ fn jobs_own_their_directory() {
     // Inside a live job: fine. Under an unknown one, or a job root by hand: refused.
     write(&mut state, "/jobs/j1/x/y", 1, now);
     state.mkdir(MkdirRequest { path: "/jobs/j1".into(), parents: true }, now).unwrap();
-    let (kind, message) =
-        refused(state.create(CreateRequest { path: "/jobs/ghost/f".into(), parents: true, sealed: false }, now));
+    let (kind, message) = refused(state.create(
+        CreateRequest { path: "/jobs/ghost/f".into(), parents: true, sealed: false, ..Default::default() },
+        now,
+    ));
     assert_eq!(
         (kind, message.as_str()),
         (ErrorKind::NotFound, "create /jobs/ghost/f: job ghost is not registered (ended or lease lapsed)")
@@ -327,9 +333,16 @@ fn jobs_own_their_directory() {
     assert_eq!(refused(state.mkdir(MkdirRequest { path: "/jobs/ghost".into(), parents: true }, now)).0, {
         ErrorKind::Invalid
     });
-    assert_eq!(refused(state.create(CreateRequest { path: "/jobs".into(), parents: false, sealed: false }, now)).0, {
-        ErrorKind::Invalid
-    });
+    assert_eq!(
+        refused(
+            state.create(
+                CreateRequest { path: "/jobs".into(), parents: false, sealed: false, ..Default::default() },
+                now
+            )
+        )
+        .0,
+        { ErrorKind::Invalid }
+    );
     let (kind, message) = refused(delete(&mut state, "/jobs/j1", true, now));
     assert_eq!(kind, ErrorKind::Invalid);
     assert!(message.contains("end the job instead"), "{message}");
@@ -376,8 +389,10 @@ fn lapsed_leases_end_jobs_unless_renewed() {
     assert_eq!(renewed.lease_ms, 100);
     let after = start + Duration::from_millis(150);
     // Lapsed but not yet reaped: no new entries, and no renewal.
-    let (kind, _) =
-        refused(state.create(CreateRequest { path: "/jobs/short/g".into(), parents: false, sealed: false }, after));
+    let (kind, _) = refused(state.create(
+        CreateRequest { path: "/jobs/short/g".into(), parents: false, sealed: false, ..Default::default() },
+        after,
+    ));
     assert_eq!(kind, ErrorKind::NotFound);
     assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "short".into() }, after)).0, ErrorKind::NotFound);
     state.reap(after);
@@ -420,4 +435,49 @@ fn status_reports_servers_jobs_and_totals() {
     assert_eq!((status.files, status.directories), (1, 2));
     let gauges = state.gauges();
     assert_eq!((gauges.files, gauges.jobs, gauges.live_servers, gauges.allocated_blocks), (1, 1, 2, 1));
+}
+
+#[test]
+fn storage_classes_steer_placement() {
+    let (mut state, now) = state();
+    let tiers = vec![
+        TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 2, ..TierUsage::default() },
+        TierUsage {
+            tier: tern_proto::Tier::Nvme.name().into(),
+            capacity_blocks: 3,
+            engine: "psync".into(),
+            ..TierUsage::default()
+        },
+    ];
+    state.register_server(RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers }, now).unwrap();
+    let create_class = |state: &mut State, path: &str, class: &str| {
+        let request =
+            CreateRequest { path: path.into(), parents: true, storage_class: class.into(), ..Default::default() };
+        state.create(request, now)
+    };
+    let (kind, message) = refused(create_class(&mut state, "/bad", "ssd"));
+    assert_eq!(kind, ErrorKind::Invalid);
+    assert!(message.contains("create /bad") && message.contains("\"ssd\"") && message.contains("\"any\""), "{message}");
+
+    let nvme = create_class(&mut state, "/n", "nvme").unwrap().file_id;
+    let placed = allocate(&mut state, nvme, 1, now);
+    assert_eq!(tern_proto::Tier::of_block(placed[0].block_id), tern_proto::Tier::Nvme);
+    // "" is any: DRAM first, then NVMe once DRAM is full.
+    let any = create_class(&mut state, "/a", "").unwrap().file_id;
+    let placed = allocate(&mut state, any, 3, now);
+    let tiers: Vec<_> = placed.iter().map(|b| tern_proto::Tier::of_block(b.block_id).name()).collect();
+    assert_eq!(tiers, ["dram", "dram", "nvme"]);
+    let dram = create_class(&mut state, "/d", "dram").unwrap().file_id;
+    let request = AllocateBlocksRequest { file_id: dram, count: 1, client_host: String::new() };
+    let (kind, message) = refused(state.allocate_blocks(request, now));
+    assert_eq!(kind, ErrorKind::OutOfSpace);
+    assert!(message.contains("class dram") && message.contains("0 dram"), "{message}");
+    let request = AllocateBlocksRequest { file_id: any, count: 2, client_host: String::new() };
+    let (kind, message) = refused(state.allocate_blocks(request, now));
+    assert_eq!(kind, ErrorKind::OutOfSpace);
+    assert!(message.contains("0 dram and 1 nvme"), "{message}");
+    for (path, class) in [("/n", "nvme"), ("/a", "any"), ("/d", "dram")] {
+        let info = state.stat(StatRequest { path: path.into(), with_blocks: false }, now).unwrap().info.unwrap();
+        assert_eq!(info.storage_class, class, "{path}");
+    }
 }
