@@ -69,6 +69,17 @@ pub struct StorageArgs {
     /// Most client connections served at once [default: 1024].
     #[arg(long)]
     max_connections: Option<usize>,
+    /// NVMe tier: a file (created and preallocated if missing) or block device, opened with
+    /// O_DIRECT [default: none].
+    #[arg(long)]
+    nvme: Option<PathBuf>,
+    /// Bytes of the NVMe file or device to use, e.g. 100GiB; required for a new file
+    /// [default: the existing file's or device's size].
+    #[arg(long)]
+    nvme_size: Option<ByteSize>,
+    /// NVMe io engine: uring, psync, or auto (uring if it works here, else psync) [default: auto].
+    #[arg(long)]
+    io_engine: Option<tern_storage::config::IoEngineChoice>,
 }
 
 pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
@@ -81,6 +92,13 @@ pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
     override_with(&mut config.dram, args.dram);
     override_with(&mut config.admin_listen, args.admin);
     override_with(&mut config.max_connections, args.max_connections);
+    if args.nvme.is_some() {
+        config.nvme = args.nvme;
+    }
+    if args.nvme_size.is_some() {
+        config.nvme_size = args.nvme_size;
+    }
+    override_with(&mut config.io_engine, args.io_engine);
     tern_storage::run(config).await
 }
 

@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tern_client::{Client, EntryKind, ErrorKind};
+use tern_client::{Client, EntryKind, ErrorKind, StorageClass, Tier};
 
 use crate::cli::MetadataAddr;
 use crate::show;
@@ -28,6 +28,9 @@ enum FsCommand {
     Put {
         local: PathBuf,
         remote: String,
+        /// Storage class: dram, nvme, or any (DRAM first, NVMe when no server has DRAM room).
+        #[arg(long, default_value = "any")]
+        class: StorageClass,
         /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
         #[arg(long)]
         json: bool,
@@ -85,7 +88,7 @@ const LOCAL_WRITERS: usize = 2;
 pub async fn run(args: FsArgs) -> anyhow::Result<()> {
     let client = args.metadata.connect().await?;
     match args.command {
-        FsCommand::Put { local, remote, json } => put(&client, &local, &remote, json).await,
+        FsCommand::Put { local, remote, class, json } => put(&client, &local, &remote, class, json).await,
         FsCommand::Get { remote, local, json } => get(&client, &remote, &local, json).await,
         FsCommand::Cat { remote } => get(&client, &remote, Path::new("-"), false).await,
         FsCommand::Ls { path, long, json } => ls(&client, &path, long, json).await,
@@ -99,7 +102,7 @@ pub async fn run(args: FsArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn put(client: &Client, local: &Path, remote: &str, json: bool) -> anyhow::Result<()> {
+async fn put(client: &Client, local: &Path, remote: &str, class: StorageClass, json: bool) -> anyhow::Result<()> {
     let name = local.file_name().and_then(|n| n.to_str()).filter(|_| local != Path::new("-"));
     let remote = match name {
         Some(name) if remote_is_dir(client, remote).await? => format!("{}/{name}", remote.trim_end_matches('/')),
@@ -111,7 +114,7 @@ async fn put(client: &Client, local: &Path, remote: &str, json: bool) -> anyhow:
         report("put", &remote, 0, started, json);
         return Ok(());
     }
-    let mut writer = client.create(&remote, true).await?;
+    let mut writer = client.create_with_class(&remote, true, class).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
     if let Some(whole) = map_local(local)? {
         // A regular file goes out straight from the page cache: the writer slices blocks off
@@ -344,18 +347,23 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
         println!("length:   {} ({} bytes)", show::size(info.length), info.length);
         println!("file id:  {}", info.file_id);
         println!("blocks:   {}", info.block_count);
+        println!("class:    {}", info.storage_class);
     }
     println!("created:  {} UTC", show::utc_time(info.created_unix_ms));
     if !info.job.is_empty() {
         println!("job:      {}", info.job);
     }
     if !blocks.is_empty() {
-        println!("{:>12} {:>7} {:<22} {:>10} STATE", "BLOCK", "SERVER", "ADDRESS", "LENGTH");
+        println!("{:>20} {:<5} {:>7} {:<22} {:>10} STATE", "BLOCK", "TIER", "SERVER", "ADDRESS", "LENGTH");
         for (block, alive) in &blocks {
             let state = if *alive { "ok" } else { "lost" };
             println!(
-                "{:>12} {:>7} {:<22} {:>10} {state}",
-                block.block_id, block.server_id, block.address, block.length
+                "{:>20} {:<5} {:>7} {:<22} {:>10} {state}",
+                block.block_id,
+                Tier::of_block(block.block_id),
+                block.server_id,
+                block.address,
+                block.length
             );
         }
     }

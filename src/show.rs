@@ -27,12 +27,14 @@ pub fn file_json(info: &FileInfo) -> Value {
         "block_count": info.block_count,
         "created_unix_ms": info.created_unix_ms,
         "job": info.job,
+        "storage_class": info.storage_class,
     })
 }
 
 pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
     json!({
         "block_id": block.block_id,
+        "tier": tern_client::Tier::of_block(block.block_id).name(),
         "server_id": block.server_id,
         "address": block.address,
         "length": block.length,
@@ -57,6 +59,7 @@ pub fn status_json(status: &StatusResponse) -> Value {
                 "used_bytes": t.used_bytes,
                 "capacity_blocks": t.capacity_blocks,
                 "used_blocks": t.used_blocks,
+                "engine": t.engine,
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "jobs": status.jobs.iter().map(|j| json!({

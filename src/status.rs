@@ -31,8 +31,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>5} {:>15} {:>10}",
-        "SERVER", "ADDRESS", "STATE", "TIER", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT"
+        "{:<6} {:<22} {:<6} {:<5} {:<6} {:>10} {:>10} {:>5} {:>15} {:>10}",
+        "SERVER", "ADDRESS", "STATE", "TIER", "ENGINE", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT"
     );
     for server in &status.servers {
         let state = if server.alive { "alive" } else { "dead" };
@@ -44,11 +44,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64
             };
             println!(
-                "{:<6} {:<22} {:<6} {:<5} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
+                "{:<6} {:<22} {:<6} {:<5} {:<6} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
                 server.server_id,
                 server.address,
                 state,
                 tier.tier,
+                if tier.engine.is_empty() { "-" } else { tier.engine.as_str() },
                 show::size(tier.used_bytes),
                 show::size(tier.capacity_bytes),
                 percent,

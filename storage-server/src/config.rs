@@ -1,10 +1,13 @@
 //! The storage server's configuration: one typed struct, loaded from TOML, printed at start-up.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
 use tern_common::ByteSize;
+
+pub use crate::nvme::engine::IoEngineChoice;
 
 /// Configuration of `tern storage-server`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +35,16 @@ pub struct Config {
     /// Fault the whole arena in at start-up (MAP_POPULATE), so the first writes do not pay for
     /// page faults and a machine without the memory fails at once. Default `true`.
     pub prefault: bool,
+    /// The NVMe tier: a file (created if missing and preallocated to `nvme_size`) or a block
+    /// device, opened with O_DIRECT. It must be on a filesystem that takes O_DIRECT (not tmpfs).
+    /// Default: none (no NVMe tier).
+    pub nvme: Option<PathBuf>,
+    /// Bytes of `nvme` to use. Required for a new or empty file; for an existing file its size,
+    /// for a block device the device size. Default: none.
+    pub nvme_size: Option<ByteSize>,
+    /// The NVMe tier's io engine: `uring`, `psync` or `auto` (io_uring if a probe at start-up
+    /// works, else psync, logged at warn with the reason). Default `auto`.
+    pub io_engine: IoEngineChoice,
 }
 
 impl Default for Config {
@@ -46,6 +59,9 @@ impl Default for Config {
             max_in_flight_per_connection: 64,
             huge_pages: true,
             prefault: true,
+            nvme: None,
+            nvme_size: None,
+            io_engine: IoEngineChoice::Auto,
         }
     }
 }
@@ -67,6 +83,12 @@ impl Config {
         }
         if self.max_in_flight_per_connection == 0 {
             bail!("max_in_flight_per_connection: must be at least 1");
+        }
+        if self.nvme.is_none() && self.nvme_size.is_some() {
+            bail!("nvme_size: set without `nvme`; give the NVMe file or device path too");
+        }
+        if self.nvme_size.is_some_and(|size| size.bytes() == 0) {
+            bail!("nvme_size: 0; give the NVMe tier at least one block");
         }
         if let Some(advertise) = &self.advertise {
             if advertise.trim().is_empty() {
@@ -103,6 +125,11 @@ mod tests {
         assert_eq!(partial.dram, ByteSize::mib(64));
         assert_eq!(partial.max_connections, 1024);
         assert!(toml::from_str::<Config>("dramm = 1\n").is_err());
+        let nvme: Config =
+            toml::from_str("nvme = \"/data/tern.nvme\"\nnvme_size = \"8GiB\"\nio_engine = \"psync\"\n").unwrap();
+        assert_eq!(nvme.nvme.as_deref(), Some(std::path::Path::new("/data/tern.nvme")));
+        assert_eq!((nvme.nvme_size, nvme.io_engine), (Some(ByteSize::gib(8)), IoEngineChoice::Psync));
+        assert!(toml::from_str::<Config>("io_engine = \"spdk\"\n").is_err());
     }
 
     #[test]
@@ -124,5 +151,6 @@ mod tests {
         assert!(Config { max_connections: 0, ..Config::default() }.validate().is_err());
         assert!(Config { max_in_flight_per_connection: 0, ..Config::default() }.validate().is_err());
         assert!(Config { metadata: String::new(), ..Config::default() }.validate().is_err());
+        assert!(Config { nvme_size: Some(ByteSize::mib(1)), ..Config::default() }.validate().is_err());
     }
 }

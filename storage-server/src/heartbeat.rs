@@ -19,6 +19,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::metrics::Metrics;
+use crate::nvme::NVME_TIER;
 use crate::store::{BlockStore, Usage, DRAM_TIER};
 
 /// How long start-up waits for the metadata server to accept the registration.
@@ -48,14 +49,24 @@ pub(crate) fn connect(metadata: &str) -> anyhow::Result<RegistryClient<Channel>>
         .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES))
 }
 
-fn tier_usage(usage: &Usage) -> TierUsage {
+fn tier_usage(tier: &str, usage: &Usage, engine: &str) -> TierUsage {
     TierUsage {
-        tier: DRAM_TIER.to_string(),
+        tier: tier.to_string(),
         capacity_bytes: usage.capacity_bytes,
         used_bytes: usage.used_bytes,
         capacity_blocks: usage.capacity_blocks,
         used_blocks: usage.used_blocks,
+        engine: engine.to_string(),
     }
+}
+
+/// Every tier's use: DRAM, and NVMe (with its io engine) when the server has it.
+pub(crate) fn tiers(store: &BlockStore) -> Vec<TierUsage> {
+    let mut tiers = vec![tier_usage(DRAM_TIER, &store.usage(), "")];
+    if let Some(nvme) = store.nvme() {
+        tiers.push(tier_usage(NVME_TIER, &nvme.usage(), nvme.engine()));
+    }
+    tiers
 }
 
 /// Registers at start-up, retrying while the metadata server is unreachable for up to
@@ -66,14 +77,18 @@ pub(crate) async fn register_at_start(
     metadata: &str,
     address: &str,
     dram_bytes: u64,
+    nvme: Option<(u64, &str)>,
 ) -> anyhow::Result<RegisterServerResponse> {
-    let tiers = vec![TierUsage {
-        tier: DRAM_TIER.to_string(),
-        capacity_bytes: dram_bytes,
-        used_bytes: 0,
-        capacity_blocks: 0,
-        used_blocks: 0,
-    }];
+    let capacity = |tier: &str, capacity_bytes: u64, engine: &str| TierUsage {
+        tier: tier.to_string(),
+        capacity_bytes,
+        engine: engine.to_string(),
+        ..TierUsage::default()
+    };
+    let mut tiers = vec![capacity(DRAM_TIER, dram_bytes, "")];
+    if let Some((nvme_bytes, engine)) = nvme {
+        tiers.push(capacity(NVME_TIER, nvme_bytes, engine));
+    }
     let request = RegisterServerRequest { address: address.to_string(), tiers };
     let deadline = Instant::now() + REGISTER_DEADLINE;
     let mut backoff = Backoff::new();
@@ -148,12 +163,8 @@ impl Session {
         Session { server_id, freed_through_seq: 0 }
     }
 
-    fn request(&self, usage: &Usage) -> HeartbeatRequest {
-        HeartbeatRequest {
-            server_id: self.server_id,
-            tiers: vec![tier_usage(usage)],
-            freed_through_seq: self.freed_through_seq,
-        }
+    fn request(&self, tiers: Vec<TierUsage>) -> HeartbeatRequest {
+        HeartbeatRequest { server_id: self.server_id, tiers, freed_through_seq: self.freed_through_seq }
     }
 
     /// Carries out a heartbeat reply: frees first, and only then records them as done.
@@ -261,8 +272,7 @@ impl Heartbeater {
     /// and retried at the next beat.
     pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
         self.metrics.observe_store(&self.store);
-        let usage = self.store.usage();
-        let reply = match self.client.heartbeat(self.session.request(&usage)).await {
+        let reply = match self.client.heartbeat(self.session.request(tiers(&self.store))).await {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
                 if let Some(held_back) = self.unreachable.allow(Instant::now()) {
@@ -304,8 +314,7 @@ impl Heartbeater {
         let mut backoff = Backoff::new();
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
         let registered = loop {
-            let request =
-                RegisterServerRequest { address: self.address.clone(), tiers: vec![tier_usage(&self.store.usage())] };
+            let request = RegisterServerRequest { address: self.address.clone(), tiers: tiers(&self.store) };
             match self.client.register_server(request).await {
                 Ok(reply) => break reply.into_inner(),
                 Err(status) => {
@@ -370,8 +379,7 @@ mod tests {
     fn frees_are_acknowledged_after_they_are_done() {
         let store = store_with(&[1, 2, 3, 4]);
         let mut session = Session::new(7);
-        let usage = store.usage();
-        let first = session.request(&usage);
+        let first = session.request(tiers(&store));
         assert_eq!((first.server_id, first.freed_through_seq), (7, 0));
         assert_eq!(first.tiers[0].tier, "dram");
         assert_eq!(first.tiers[0].used_blocks, 4);
@@ -379,7 +387,7 @@ mod tests {
 
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
         assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
-        assert_eq!(session.request(&store.usage()).freed_through_seq, 12);
+        assert_eq!(session.request(tiers(&store)).freed_through_seq, 12);
         assert_eq!(store.usage().used_blocks, 2);
         assert!(store.read(1, 0, 1).is_err() && store.read(3, 0, 1).is_ok());
 
@@ -389,7 +397,7 @@ mod tests {
         assert_eq!(session.apply(&reply(&[], 0), &store), freed(0, 0));
         assert_eq!(session.freed_through_seq, 12);
         assert_eq!(session.apply(&reply(&[3], 13), &store), freed(1, 0));
-        assert_eq!(session.request(&store.usage()).freed_through_seq, 13);
+        assert_eq!(session.request(tiers(&store)).freed_through_seq, 13);
     }
 
     #[test]
@@ -399,12 +407,12 @@ mod tests {
             push(&store, shuffle, partition);
         }
         let mut session = Session::new(7);
-        assert_eq!(session.request(&store.usage()).tiers[0].used_blocks, 4);
+        assert_eq!(session.request(tiers(&store)).tiers[0].used_blocks, 4);
         // Each batch is stored behind its 16-byte header.
-        assert_eq!(session.request(&store.usage()).tiers[0].used_bytes, 1 + 3 * (5 + 16));
+        assert_eq!(session.request(tiers(&store)).tiers[0].used_bytes, 1 + 3 * (5 + 16));
         let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
         assert_eq!(session.apply(&both, &store), freed(1, 2));
-        let request = session.request(&store.usage());
+        let request = session.request(tiers(&store));
         assert_eq!(
             (request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes),
             (20, 1, 5 + 16)
@@ -472,7 +480,8 @@ mod tests {
         let metadata = format!("127.0.0.1:{port}");
         let mut client = connect(&metadata).unwrap();
         tokio::time::pause();
-        let err = register_at_start(&mut client, &metadata, "127.0.0.1:1", 1 << 20).await.unwrap_err().to_string();
+        let err =
+            register_at_start(&mut client, &metadata, "127.0.0.1:1", 1 << 20, None).await.unwrap_err().to_string();
         assert!(err.contains("cannot reach the metadata server") && err.contains(&metadata), "{err}");
     }
 }

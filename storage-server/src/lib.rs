@@ -3,6 +3,8 @@
 //! - [`config`]: the typed configuration;
 //! - `arena`: the DRAM tier's one anonymous memory mapping;
 //! - [`store`]: the arena cut into blocks: write-once, append-only, zero-copy reads;
+//! - [`nvme`]: the NVMe tier: an O_DIRECT file or block device cut into blocks, with the same
+//!   rules, behind an io engine (io_uring or pread/pwrite);
 //! - [`shuffle`]: shuffle segments in the same arena: pushed batches appended (push-merge),
 //!   fetched by committed attempt, a page at a time;
 //! - [`service`]: the block protocol over TCP (pipelined, bounded, never taken down by bad input);
@@ -16,6 +18,7 @@ mod arena;
 pub mod config;
 mod heartbeat;
 pub mod metrics;
+pub mod nvme;
 pub mod service;
 pub mod shuffle;
 pub mod store;
@@ -95,6 +98,20 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         .await
         .context("mapping the DRAM arena")??;
 
+    let device = match &config.nvme {
+        Some(path) => {
+            let (path, size) = (path.clone(), config.nvme_size);
+            // Creating and preallocating a large file takes a while: off the async workers.
+            let device = tokio::task::spawn_blocking(move || nvme::device::open(&path, size))
+                .await
+                .context("opening the NVMe tier")??;
+            let file = Arc::new(device.file);
+            let engine = nvme::engine::choose(config.io_engine, file, device.align as usize).await?;
+            Some((engine, device.size, device.align))
+        }
+        None => None,
+    };
+
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the block service to {}", config.listen))?;
@@ -105,11 +122,16 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
 
     let mut client = heartbeat::connect(&config.metadata)?;
-    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, dram).await?;
-    let store =
-        Arc::new(BlockStore::with_arena(arena, registered.block_size).with_context(|| {
-            format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size)
-        })?);
+    let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));
+    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, dram, nvme_tier).await?;
+    let mut store = BlockStore::with_arena(arena, registered.block_size)
+        .with_context(|| format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size))?;
+    if let Some((engine, size, align)) = device {
+        let tier = nvme::NvmeStore::new(engine, size, align, registered.block_size)
+            .context("cutting the NVMe tier into the cluster's blocks")?;
+        store = store.with_nvme(tier);
+    }
+    let store = Arc::new(store);
     metrics.observe_store(&store);
     let service = tokio::spawn(serve_blocks(listener, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =
@@ -128,8 +150,14 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let shutdown = tern_common::shutdown_signal();
     let server = start(config.clone()).await?;
+    let nvme = match server.store.nvme() {
+        Some(nvme) => {
+            format!(", nvme {} on the {} io engine", tern_common::ByteSize(nvme.usage().capacity_bytes), nvme.engine())
+        }
+        None => String::new(),
+    };
     tracing::info!(
-        "storage server {} listening on {} (admin {}, dram {})",
+        "storage server {} listening on {} (admin {}, dram {}{nvme})",
         server.server_id(),
         server.addr(),
         server.admin_addr(),

@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 use tern_proto::frame::Op;
 use tern_proto::ErrorKind;
 
+use crate::nvme::NVME_TIER;
 use crate::store::{BlockStore, Usage, DRAM_TIER};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -30,6 +31,11 @@ struct TierLabels {
     tier: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EngineLabels {
+    engine: &'static str,
+}
+
 /// Per-op handles, resolved once so the request path does no label hashing.
 struct OpMetrics {
     requests: Counter,
@@ -44,6 +50,10 @@ pub struct Metrics {
     dram_capacity_bytes: Gauge,
     dram_used_bytes: Gauge,
     dram_blocks: Gauge,
+    nvme_capacity_bytes: Gauge,
+    nvme_used_bytes: Gauge,
+    nvme_blocks: Gauge,
+    io_engine: Family<EngineLabels, Gauge>,
     shuffle_segments: Gauge,
     connections: Gauge,
 }
@@ -80,6 +90,12 @@ impl Metrics {
         let blocks = Family::<TierLabels, Gauge>::default();
         let shuffle_segments = Gauge::default();
         let connections = Gauge::default();
+        let io_engine = Family::<EngineLabels, Gauge>::default();
+        registry.register(
+            "tern_storage_io_engine_info",
+            "The NVMe tier's io engine (uring or psync): 1 for the one in use",
+            io_engine.clone(),
+        );
         registry.register("tern_storage_requests", "Block-service requests handled, by op", requests.clone());
         registry.register(
             "tern_storage_errors",
@@ -114,12 +130,17 @@ impl Metrics {
             }
         });
         let dram = TierLabels { tier: DRAM_TIER };
+        let nvme = TierLabels { tier: NVME_TIER };
         Arc::new(Metrics {
             ops,
             errors,
             dram_capacity_bytes: capacity.get_or_create_owned(&dram),
             dram_used_bytes: used.get_or_create_owned(&dram),
             dram_blocks: blocks.get_or_create_owned(&dram),
+            nvme_capacity_bytes: capacity.get_or_create_owned(&nvme),
+            nvme_used_bytes: used.get_or_create_owned(&nvme),
+            nvme_blocks: blocks.get_or_create_owned(&nvme),
+            io_engine,
             shuffle_segments,
             connections,
         })
@@ -143,9 +164,20 @@ impl Metrics {
         self.dram_blocks.set(gauge_value(usage.used_blocks));
     }
 
+    /// Updates the NVMe tier gauges and names its io engine.
+    pub fn observe_nvme(&self, usage: &Usage, engine: &'static str) {
+        self.nvme_capacity_bytes.set(gauge_value(usage.capacity_bytes));
+        self.nvme_used_bytes.set(gauge_value(usage.used_bytes));
+        self.nvme_blocks.set(gauge_value(usage.used_blocks));
+        self.io_engine.get_or_create(&EngineLabels { engine }).set(1);
+    }
+
     /// Updates every gauge that describes `store`.
     pub fn observe_store(&self, store: &BlockStore) {
         self.observe_usage(&store.usage());
+        if let Some(nvme) = store.nvme() {
+            self.observe_nvme(&nvme.usage(), nvme.engine());
+        }
         self.shuffle_segments.set(gauge_value(store.shuffle_segments() as u64));
     }
 
@@ -175,6 +207,10 @@ mod tests {
         metrics.record(Op::Read, Duration::from_millis(2), 100, None);
         metrics.observe_usage(&Usage { capacity_bytes: 1 << 20, used_bytes: 4096, capacity_blocks: 1, used_blocks: 1 });
         metrics.connection_opened();
+        metrics.observe_nvme(
+            &Usage { capacity_bytes: 8 << 20, used_bytes: 10, capacity_blocks: 8, used_blocks: 1 },
+            "uring",
+        );
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         for line in [
@@ -187,6 +223,9 @@ mod tests {
             "tern_storage_tier_used_bytes{tier=\"dram\"} 4096",
             "tern_storage_blocks{tier=\"dram\"} 1",
             "tern_storage_connections 1",
+            "tern_storage_tier_capacity_bytes{tier=\"nvme\"} 8388608",
+            "tern_storage_blocks{tier=\"nvme\"} 1",
+            "tern_storage_io_engine_info{engine=\"uring\"} 1",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

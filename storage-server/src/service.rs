@@ -1,9 +1,13 @@
 //! The block service: block frames over TCP.
 //!
 //! Each connection has a reader task and a writer task joined by a bounded queue of replies. The
-//! reader handles requests in order (DRAM ops are memcpy-fast) and queues each reply; when the
+//! reader handles DRAM requests in order (they are memcpy-fast) and queues each reply; when the
 //! queue is full it stops reading, which pushes back on a client that pipelines faster than it
-//! reads replies. Write payloads are read from the socket straight into the arena and read replies
+//! reads replies. NVMe reads and writes (block ids with `NVME_BLOCK_BIT`) wait on the disk, so
+//! they do not hold the connection up: the reader reads a write's payload into an aligned buffer,
+//! then spawns the op, which queues its own reply; a per-connection semaphore of
+//! `max_in_flight_per_connection` permits bounds the ops under way. Their replies may overtake
+//! earlier ones: clients match replies by request id. Write payloads are read from the socket straight into the arena and read replies
 //! are views of the arena, so block data is never copied on the server. Shuffle ops copy once each
 //! way: a Push's payload is read into a buffer and copied into its segment (the segment's lock is
 //! not held while a slow client sends), and a Fetch reply gathers whole batches into one payload.
@@ -19,7 +23,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, MAX_FREE_IDS};
 use tern_proto::shuffle::{FetchRequest, PushHeader, MAX_FETCH_MAPS};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, Tier};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -99,7 +103,8 @@ pub async fn serve_blocks(listener: TcpListener, store: Arc<BlockStore>, limits:
                 let (rd, wr) = stream.into_split();
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
                 tasks.spawn(write_replies(wr, rx, guard.clone(), peer));
-                tasks.spawn(read_requests(rd, tx, store.clone(), metrics.clone(), guard, peer));
+                let nvme_ops = Arc::new(Semaphore::new(limits.max_in_flight_per_connection));
+                tasks.spawn(read_requests(rd, tx, store.clone(), metrics.clone(), guard, peer, nvme_ops));
             }
             Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                 if let Err(e) = joined {
@@ -171,6 +176,7 @@ async fn read_requests(
     metrics: Arc<Metrics>,
     _guard: Arc<ConnectionGuard>,
     peer: SocketAddr,
+    nvme_ops: Arc<Semaphore>,
 ) {
     let block_size = store.block_size();
     loop {
@@ -184,6 +190,24 @@ async fn read_requests(
         };
         let (reply, fatal) = match header {
             Ok(None) => return,
+            Ok(Some(header)) if is_nvme_op(&header) => {
+                let started = Instant::now();
+                let nvme = NvmeOp { store: &store, tx: &tx, metrics: &metrics, permits: &nvme_ops, started };
+                match serve_nvme(&mut rd, nvme, header).await {
+                    // Spawned: it queues its own reply.
+                    Ok(None) => continue,
+                    Ok(Some(reply)) => {
+                        metrics.record(header.op, started.elapsed(), 0, error_kind(&reply));
+                        (reply, false)
+                    }
+                    Err(e) => {
+                        let message = format!("{header}: {e}");
+                        let reply = Frame::error(header.request_id, header.op, header.block_id, e.kind(), &message);
+                        metrics.record(header.op, started.elapsed(), 0, error_kind(&reply));
+                        (reply, true)
+                    }
+                }
+            }
             Ok(Some(header)) => {
                 let started = Instant::now();
                 let (reply, bytes, fatal) = match serve_request(&mut rd, &store, &header).await {
@@ -223,6 +247,80 @@ async fn read_requests(
             return;
         }
     }
+}
+
+/// A Read or Write of an NVMe block: served off the reader task.
+fn is_nvme_op(h: &Header) -> bool {
+    !h.response
+        && Tier::of_block(h.block_id) == Tier::Nvme
+        && (h.op == Op::Write || (h.op == Op::Read && h.payload_len == 0))
+}
+
+/// What an NVMe op needs from its connection.
+struct NvmeOp<'a> {
+    store: &'a Arc<BlockStore>,
+    tx: &'a mpsc::Sender<Frame>,
+    metrics: &'a Arc<Metrics>,
+    permits: &'a Arc<Semaphore>,
+    started: Instant,
+}
+
+/// Starts an NVMe Read or Write: validates it, reads a write's payload into its aligned buffer,
+/// and spawns the disk op, which queues the reply (`Ok(None)`). `Ok(Some(reply))` when it was
+/// refused before reaching the disk; `Err` is a stream error after which the connection closes.
+async fn serve_nvme(rd: &mut OwnedReadHalf, op: NvmeOp<'_>, h: Header) -> Result<Option<Frame>, FrameError> {
+    let nvme = match op.store.nvme_for(h.block_id) {
+        Ok(nvme) => nvme.clone(),
+        Err(e) => {
+            frame::skip_payload(rd, h.payload_len).await?;
+            return Ok(Some(store_error(&h, &e)));
+        }
+    };
+    let (store, tx, metrics, started) = (op.store.clone(), op.tx.clone(), op.metrics.clone(), op.started);
+    if h.op == Op::Read {
+        // Never closed, so acquiring only waits.
+        let Ok(permit) = op.permits.clone().acquire_owned().await else {
+            return Ok(Some(Frame::error(h.request_id, h.op, h.block_id, ErrorKind::Internal, "connection closing")));
+        };
+        tokio::spawn(async move {
+            let (reply, bytes) = match nvme.read(h.block_id, h.offset, h.length, store.server_id()).await {
+                Ok((data, held)) => {
+                    let bytes = data.len() as u64;
+                    (Frame::reply(&h, held, data), bytes)
+                }
+                Err(e) => (store_error(&h, &e), 0),
+            };
+            metrics.record(h.op, started.elapsed(), bytes, error_kind(&reply));
+            let _ = tx.send(reply).await;
+            drop(permit);
+        });
+        return Ok(None);
+    }
+    let mut pending = match nvme.begin_write(h.block_id, h.offset, h.payload_len) {
+        Ok(pending) => pending,
+        Err(e) => {
+            frame::skip_payload(rd, h.payload_len).await?;
+            return Ok(Some(store_error(&h, &e)));
+        }
+    };
+    let Ok(permit) = op.permits.clone().acquire_owned().await else {
+        return Ok(Some(Frame::error(h.request_id, h.op, h.block_id, ErrorKind::Internal, "connection closing")));
+    };
+    // On a stream error `pending` is dropped unpublished: nothing of this payload becomes visible.
+    read_exactly(rd, pending.payload()).await?;
+    tokio::spawn(async move {
+        let (reply, bytes) = match pending.commit(h.payload_crc).await {
+            Ok(len) => (Frame::reply(&h, len, Bytes::new()), u64::from(h.payload_len)),
+            Err(e) => (store_error(&h, &e), 0),
+        };
+        metrics.record(h.op, started.elapsed(), bytes, error_kind(&reply));
+        if reply.header.status == 0 {
+            metrics.observe_store(&store);
+        }
+        let _ = tx.send(reply).await;
+        drop(permit);
+    });
+    Ok(None)
 }
 
 /// The kind an error reply carries; `None` for a successful reply.

@@ -22,9 +22,10 @@ use anyhow::bail;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tern_proto::shuffle::{FetchRequest, PushHeader};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, Tier};
 
 use crate::arena::Arena;
+use crate::nvme::NvmeStore;
 use crate::shuffle::{FetchPage, SegmentId, ShuffleError, Shuffles};
 
 /// The tier's name in registrations, heartbeats and metrics.
@@ -35,8 +36,12 @@ pub const DRAM_TIER: &str = "dram";
 pub enum StoreError {
     #[error("block {block} is not held by storage server {server}")]
     NotHeld { block: u64, server: u64 },
-    #[error("dram tier full: {in_use} of {total} blocks in use")]
-    Full { in_use: usize, total: usize },
+    #[error("{tier} tier full: {in_use} of {total} blocks in use")]
+    Full { tier: &'static str, in_use: usize, total: usize },
+    #[error("block {block} is an NVMe block, but storage server {server} has no NVMe tier")]
+    NoNvmeTier { block: u64, server: u64 },
+    #[error("{op} of block {block} range {offset}+{len} failed on the NVMe device: {error}")]
+    Io { block: u64, offset: u32, len: u32, op: &'static str, error: String },
     #[error("write at offset {offset} to block {block} refused: block holds {held} bytes; blocks are append-only")]
     NotAppend { block: u64, offset: u32, held: u32 },
     #[error("write of block {block} range {offset}+{len} refused: it ends past the block size of {block_size} bytes")]
@@ -59,6 +64,8 @@ impl StoreError {
         match self {
             StoreError::NotHeld { .. } => ErrorKind::NotFound,
             StoreError::Full { .. } => ErrorKind::OutOfSpace,
+            StoreError::NoNvmeTier { .. } => ErrorKind::NotFound,
+            StoreError::Io { .. } => ErrorKind::Internal,
             StoreError::Corrupt { .. } => ErrorKind::Corrupt,
             StoreError::NotAppend { .. }
             | StoreError::PastBlockEnd { .. }
@@ -300,6 +307,8 @@ impl Drop for PendingWrite<'_> {
 /// same slots.
 pub struct BlockStore {
     pool: Arc<Pool>,
+    /// The NVMe tier, if the server has one: blocks whose ids carry `NVME_BLOCK_BIT`.
+    nvme: Option<Arc<NvmeStore>>,
     blocks: Mutex<HashMap<u64, Arc<Slot>>>,
     shuffles: Shuffles,
     /// The id the metadata server gave this server, named in not-held errors.
@@ -336,6 +345,7 @@ impl BlockStore {
         let pool = Arc::new(Pool { arena, block_size, slots, free: Mutex::new(free), used_bytes: AtomicU64::new(0) });
         Ok(BlockStore {
             pool,
+            nvme: None,
             blocks: Mutex::new(HashMap::with_capacity(slots)),
             shuffles: Shuffles::default(),
             server_id: AtomicU64::new(0),
@@ -344,6 +354,22 @@ impl BlockStore {
 
     pub fn block_size(&self) -> u32 {
         self.pool.block_size
+    }
+
+    /// Adds an NVMe tier (cut into this store's block size).
+    pub fn with_nvme(mut self, nvme: NvmeStore) -> BlockStore {
+        self.nvme = Some(Arc::new(nvme));
+        self
+    }
+
+    /// The NVMe tier, if any.
+    pub fn nvme(&self) -> Option<&Arc<NvmeStore>> {
+        self.nvme.as_ref()
+    }
+
+    /// The NVMe tier for an op on `block_id`, or why there is none.
+    pub fn nvme_for(&self, block_id: u64) -> Result<&Arc<NvmeStore>, StoreError> {
+        self.nvme.as_ref().ok_or(StoreError::NoNvmeTier { block: block_id, server: self.server_id() })
     }
 
     pub fn server_id(&self) -> u64 {
@@ -394,7 +420,7 @@ impl BlockStore {
             None => {
                 check(0)?;
                 let Some(slot) = self.pool.take_slot(true) else {
-                    return Err(StoreError::Full { in_use: self.pool.slots, total: self.pool.slots });
+                    return Err(StoreError::Full { tier: DRAM_TIER, in_use: self.pool.slots, total: self.pool.slots });
                 };
                 blocks.insert(block_id, slot.clone());
                 (slot, true)
@@ -420,8 +446,15 @@ impl BlockStore {
         Ok((Bytes::from_owner(BlockView { slot, offset, len }), held))
     }
 
-    /// Drops the listed blocks (ids not held are skipped); returns how many were held.
+    /// Drops the listed blocks of either tier (ids not held are skipped); returns how many were
+    /// held.
     pub fn free(&self, block_ids: &[u64]) -> usize {
+        let (nvme, dram): (Vec<u64>, Vec<u64>) = block_ids.iter().partition(|id| Tier::of_block(**id) == Tier::Nvme);
+        let nvme_freed = self.nvme.as_ref().map_or(0, |tier| tier.free(&nvme));
+        nvme_freed + self.free_dram(&dram)
+    }
+
+    fn free_dram(&self, block_ids: &[u64]) -> usize {
         let removed: Vec<Arc<Slot>> = {
             let mut blocks = self.blocks.lock();
             block_ids.iter().filter_map(|id| blocks.remove(id)).collect()
@@ -435,7 +468,8 @@ impl BlockStore {
     /// never be served again. Returns how many blocks and how many segments were held.
     pub fn clear(&self) -> (usize, usize) {
         let removed = std::mem::take(&mut *self.blocks.lock());
-        (removed.len(), self.shuffles.clear())
+        let nvme = self.nvme.as_ref().map_or(0, |tier| tier.clear());
+        (removed.len() + nvme, self.shuffles.clear())
     }
 
     /// Appends a pushed batch to a shuffle segment, creating the segment on its first push;
