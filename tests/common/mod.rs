@@ -39,11 +39,25 @@ fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Child {
         .unwrap_or_else(|e| panic!("starting {name}: {e}"))
 }
 
+/// An NVMe tier for each storage server: a file of `size` in the cluster's directory (on the
+/// real disk, under the target dir), served by `engine` ("uring", "psync" or "auto").
+#[derive(Debug, Clone, Copy)]
+pub struct Nvme<'a> {
+    pub size: &'a str,
+    pub engine: &'a str,
+}
+
 impl Cluster {
     /// Starts a metadata server and `servers` storage servers of `dram` each, and waits until
     /// every storage server has registered.
     pub async fn start(servers: usize, dram: &str) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
+        Cluster::start_with(servers, dram, None).await
+    }
+
+    /// [`Cluster::start`], each storage server with an NVMe tier when `nvme` is given.
+    pub async fn start_with(servers: usize, dram: &str, nvme: Option<Nvme<'_>>) -> Cluster {
+        // O_DIRECT needs a disk filesystem: the target dir is on the real disk, /tmp may be tmpfs.
+        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let metadata_addr = format!("127.0.0.1:{}", free_port());
         let metadata = spawn_logged(
             dir.path(),
@@ -65,21 +79,22 @@ impl Cluster {
         let mut cluster = Cluster { dir, metadata_addr, storage_addrs: Vec::new(), metadata, storage: Vec::new() };
         for i in 0..servers {
             let addr = format!("127.0.0.1:{}", free_port());
-            let child = spawn_logged(
-                cluster.dir.path(),
-                &format!("storage-{i}"),
-                &[
-                    "storage-server",
-                    "--metadata",
-                    &cluster.metadata_addr,
-                    "--listen",
-                    &addr,
-                    "--admin",
-                    "127.0.0.1:0",
-                    "--dram",
-                    dram,
-                ],
-            );
+            let nvme_path = cluster.dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
+            let mut args = vec![
+                "storage-server",
+                "--metadata",
+                &cluster.metadata_addr,
+                "--listen",
+                &addr,
+                "--admin",
+                "127.0.0.1:0",
+                "--dram",
+                dram,
+            ];
+            if let Some(nvme) = &nvme {
+                args.extend(["--nvme", &nvme_path, "--nvme-size", nvme.size, "--io-engine", nvme.engine]);
+            }
+            let child = spawn_logged(cluster.dir.path(), &format!("storage-{i}"), &args);
             cluster.storage.push(Some(child));
             cluster.storage_addrs.push(addr);
         }
