@@ -10,6 +10,16 @@ if ! cargo nextest --version >/dev/null 2>&1; then
 fi
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt clippy
 
+# `tern bench io` measures a real redis-server beside Tern; its test requires one here.
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "installing redis-server..." >&2
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update
+    $sudo apt-get install -y redis-server
+fi
+export TERN_TEST_REQUIRE_REDIS=1
+
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo nextest run --workspace --profile ci

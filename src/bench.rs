@@ -59,6 +59,49 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Block write and read throughput and latency of Tern's data plane beside a redis-server the
+    /// bench starts (SET/GET) and plain files (pwrite/pread), for 4KiB, 64KiB, 1MiB and 4MiB at
+    /// concurrency 1, 4 and 16; each worker has its own connection and one request in flight.
+    /// Prints a table with each system's ratio to Redis.
+    Io {
+        /// Systems to measure, comma-separated: tern-tcp, redis, file.
+        #[arg(long, value_delimiter = ',', default_value = "tern-tcp,redis,file")]
+        systems: Vec<tern_bench::io::System>,
+        /// Only 1MiB at concurrency 4 and 4KiB at concurrency 1 (under a minute).
+        #[arg(long)]
+        quick: bool,
+        /// Block sizes to measure, comma-separated (at most 4MiB); ignored with --quick.
+        #[arg(long, value_delimiter = ',', default_value = "4KiB,64KiB,1MiB,4MiB")]
+        sizes: Vec<ByteSize>,
+        /// Concurrencies to measure, comma-separated; ignored with --quick.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        concurrency: Vec<u32>,
+        /// Measured seconds per (system, op, size, concurrency) cell [default: 1, 0.5 with --quick].
+        #[arg(long)]
+        seconds: Option<f64>,
+        /// Unmeasured warm-up seconds before each cell.
+        #[arg(long, default_value_t = 0.2)]
+        warmup: f64,
+        /// Most bytes one cell writes or reads (bounds memory: each Tern write cell allocates this
+        /// much of the DRAM tier).
+        #[arg(long, default_value = "1GiB")]
+        max_bytes: ByteSize,
+        /// DRAM tier of the embedded cluster's storage server.
+        #[arg(long, default_value = "2GiB")]
+        dram: ByteSize,
+        /// Directory on the disk whose files the `file` system measures (a temp dir is made in it).
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// Write the results as JSON Lines to FILE, one object per (system, op, size, concurrency).
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+        /// Draw throughput against size per system to FILE (.svg or .png).
+        #[arg(long, value_name = "FILE")]
+        plot: Option<PathBuf>,
+        /// No progress bar on stderr.
+        #[arg(long)]
+        no_progress: bool,
+    },
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -96,6 +139,63 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::shuffle::print_table(&report);
+            }
+            Ok(())
+        }
+        BenchCommand::Io {
+            systems,
+            quick,
+            sizes,
+            concurrency,
+            seconds,
+            warmup,
+            max_bytes,
+            dram,
+            dir,
+            json,
+            plot,
+            no_progress,
+        } => {
+            let cells = if quick {
+                tern_bench::io::QUICK_CELLS.to_vec()
+            } else {
+                sizes.iter().flat_map(|size| concurrency.iter().map(move |&c| (size.bytes(), c))).collect()
+            };
+            let mut systems_unique = Vec::new();
+            for system in systems {
+                if !systems_unique.contains(&system) {
+                    systems_unique.push(system);
+                }
+            }
+            if systems_unique.contains(&tern_bench::io::System::Redis) && !tern_bench::io::redis_installed() {
+                anyhow::bail!("{}", tern_bench::io::REDIS_INSTALL_HINT);
+            }
+            if let Some(path) = &plot {
+                let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
+                anyhow::ensure!(
+                    extension == "svg" || extension == "png",
+                    "--plot {}: the file must end in .svg or .png",
+                    path.display()
+                );
+            }
+            let options = tern_bench::io::IoOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                systems: systems_unique,
+                cells,
+                seconds: seconds.unwrap_or(if quick { 0.5 } else { 1.0 }),
+                warmup_seconds: warmup,
+                max_bytes: max_bytes.bytes(),
+                dir,
+                dram_bytes: dram.bytes(),
+                progress: !no_progress,
+            };
+            let report = tern_bench::io::run(&options).await?;
+            tern_bench::io::print_table(&report);
+            if let Some(path) = json {
+                tern_bench::io::write_json_lines(&report.results, &path)?;
+            }
+            if let Some(path) = plot {
+                tern_bench::io::plot(&report.results, &path)?;
             }
             Ok(())
         }

@@ -17,12 +17,22 @@ impl EmbeddedCluster {
     /// Starts `tern up` with `servers` storage servers of `dram` each on a free port range, and
     /// waits until all have registered.
     pub async fn start(tern: &Path, servers: u16, dram: &str) -> anyhow::Result<EmbeddedCluster> {
+        EmbeddedCluster::start_with(tern, servers, dram, "1MiB").await
+    }
+
+    /// As [`EmbeddedCluster::start`], with the cluster block size `block_size` (e.g. "4MiB").
+    pub async fn start_with(
+        tern: &Path,
+        servers: u16,
+        dram: &str,
+        block_size: &str,
+    ) -> anyhow::Result<EmbeddedCluster> {
         let dir = tempfile::tempdir()?;
         let port = free_port_range(12 + 2 * servers)?;
         let log = std::fs::File::create(dir.path().join("up.log"))?;
         let child = Command::new(tern)
             .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &port.to_string()])
-            .args(["--storage-servers", &servers.to_string(), "--dram", dram])
+            .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

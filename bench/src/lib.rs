@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod core;
+pub mod io;
 pub mod shuffle;
 pub mod terasort;
 pub mod terasort_run;

@@ -245,6 +245,19 @@ impl Client {
         JobSession::start(self.clone(), name, lease).await
     }
 
+    /// Appends `data` at `offset` of an allocated block: one block-write round trip, the data
+    /// plane without [`FileWriter`]'s buffering. Blocks are append-only, so `offset` must be the
+    /// bytes the block already holds, and `offset + data.len()` at most the cluster block size.
+    /// For tools that measure or drive the data plane (`tern bench io`); files are written with
+    /// [`Client::create`].
+    pub async fn write_block(&self, block: &BlockLocation, offset: u32, data: bytes::Bytes) -> Result<()> {
+        let conn = self.inner.blocks.get(&block.address).await?;
+        conn.call(|id| tern_proto::frame::Frame::write(id, block.block_id, offset, data))
+            .await
+            .map(|_| ())
+            .map_err(|e| e.context(format_args!("write block {} at offset {offset}", block.block_id)))
+    }
+
     /// Writes `data` to a new file (creating missing parents) in one call.
     pub async fn put(&self, path: &str, data: bytes::Bytes) -> Result<()> {
         self.put_with_class(path, data, StorageClass::Any).await

@@ -87,6 +87,13 @@ impl FileReader {
             ))
         })?;
         let first = (offset / self.block_size) as usize;
+        let within = offset % self.block_size;
+        // A range inside one block (the common small read) is fetched on the caller's task:
+        // spawning it would add a task hop, a cross-core wakeup here, to every small read.
+        if let Some(block) = self.blocks.get(first).filter(|b| len > 0 && within + len as u64 <= b.length as u64) {
+            return fetch(self.client.clone(), self.info.path.clone(), block.clone(), within as u32, Some(len as u32))
+                .await;
+        }
         let mut parts = Vec::new();
         let mut at = offset;
         for block in &self.blocks[first..] {
