@@ -37,6 +37,11 @@ pub struct MetadataServer {
 /// Validates `config`, locks its directory, binds, and starts serving in the background.
 pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     config.validate().context("invalid metadata server configuration")?;
+    let mut grpc = tonic::transport::Server::builder();
+    if let Some(dir) = &config.tls_dir {
+        let tls = tern_transport::tls::TlsMaterial::load(dir)?;
+        grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
+    }
     let lock = DirLock::acquire(&config.dir)?;
     let state = Arc::new(Mutex::new(State::new(&config)));
     let mut registry = prometheus_client::registry::Registry::default();
@@ -49,8 +54,10 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let (stop, stopped) = watch::channel(false);
     let service = Arc::new(Service::new(state.clone(), metrics));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
-    let tasks =
-        vec![tokio::spawn(serve(listener, service, stopped.clone())), tokio::spawn(reap(state, reap_period, stopped))];
+    let tasks = vec![
+        tokio::spawn(serve(grpc, listener, service, stopped.clone())),
+        tokio::spawn(reap(state, reap_period, stopped)),
+    ];
     Ok(MetadataServer { addr, admin_addr, stop, tasks, _lock: lock })
 }
 
@@ -58,8 +65,12 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     tern_common::config::log_effective("metadata server", &config);
     let shutdown = tern_common::shutdown_signal();
-    let server = start(config).await?;
-    info!("metadata server listening on {} (admin {})", server.addr(), server.admin_addr());
+    let server = start(config.clone()).await?;
+    let tls = match &config.tls_dir {
+        Some(dir) => format!("mutual TLS from {}", dir.display()),
+        None => "plain TCP".to_string(),
+    };
+    info!("metadata server listening on {} ({tls}; admin {})", server.addr(), server.admin_addr());
     shutdown.await;
     info!("metadata server shutting down");
     server.shutdown().await;
@@ -95,13 +106,18 @@ impl MetadataServer {
     }
 }
 
-async fn serve(listener: tokio::net::TcpListener, service: Arc<Service>, mut stopped: watch::Receiver<bool>) {
+async fn serve(
+    mut grpc: tonic::transport::Server,
+    listener: tokio::net::TcpListener,
+    service: Arc<Service>,
+    mut stopped: watch::Receiver<bool>,
+) {
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
     let metadata =
         MetadataService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let registry = RegistryService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let result = tonic::transport::Server::builder()
+    let result = grpc
         .add_service(metadata)
         .add_service(registry)
         .serve_with_incoming_shutdown(incoming, async move {
@@ -161,7 +177,7 @@ mod tests {
         let mut registry = RegistryClient::connect(endpoint.clone()).await.unwrap();
         let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 64, ..TierUsage::default() }];
         let registered = registry
-            .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers })
+            .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, ..Default::default() })
             .await
             .unwrap()
             .into_inner();

@@ -16,7 +16,7 @@ use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, TierUsage};
 use tern_proto::ErrorKind;
 use tokio::time::{Instant, MissedTickBehavior};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
 use crate::store::{BlockStore, Usage, DRAM_TIER};
@@ -37,10 +37,12 @@ const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// A gRPC client of the metadata server's Registry service. The channel connects lazily and
 /// reconnects by itself, so one client serves the server's whole life.
-pub(crate) fn connect(metadata: &str) -> anyhow::Result<RegistryClient<Channel>> {
-    let uri = if metadata.contains("://") { metadata.to_string() } else { format!("http://{metadata}") };
-    let endpoint = Endpoint::from_shared(uri)
-        .with_context(|| format!("metadata server address {metadata:?} is not a valid host:port"))?
+pub(crate) fn connect(
+    metadata: &str,
+    tls: Option<&tern_transport::tls::TlsMaterial>,
+) -> anyhow::Result<RegistryClient<Channel>> {
+    let endpoint = tern_transport::tls::grpc_endpoint(metadata, tls)
+        .with_context(|| format!("metadata server address {metadata:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(RPC_TIMEOUT);
     Ok(RegistryClient::new(endpoint.connect_lazy())
@@ -65,6 +67,7 @@ pub(crate) async fn register_at_start(
     client: &mut RegistryClient<Channel>,
     metadata: &str,
     address: &str,
+    quic_address: &str,
     dram_bytes: u64,
 ) -> anyhow::Result<RegisterServerResponse> {
     let tiers = vec![TierUsage {
@@ -74,7 +77,7 @@ pub(crate) async fn register_at_start(
         capacity_blocks: 0,
         used_blocks: 0,
     }];
-    let request = RegisterServerRequest { address: address.to_string(), tiers };
+    let request = RegisterServerRequest { address: address.to_string(), tiers, quic_address: quic_address.to_string() };
     let deadline = Instant::now() + REGISTER_DEADLINE;
     let mut backoff = Backoff::new();
     loop {
@@ -210,6 +213,8 @@ pub(crate) struct Heartbeater {
     client: RegistryClient<Channel>,
     metadata: String,
     address: String,
+    /// The QUIC address registered with `address` ("" for none).
+    quic_address: String,
     store: Arc<BlockStore>,
     metrics: Arc<Metrics>,
     session: Session,
@@ -231,12 +236,19 @@ impl Heartbeater {
             client,
             metadata,
             address,
+            quic_address: String::new(),
             store,
             metrics,
             session: Session::new(registered.server_id),
             interval: heartbeat_interval(registered.heartbeat_interval_ms),
             unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
         }
+    }
+
+    /// Registers `quic_address` too when registering again.
+    pub(crate) fn with_quic_address(mut self, quic_address: String) -> Heartbeater {
+        self.quic_address = quic_address;
+        self
     }
 
     /// Heartbeats every interval until an error that needs an operator (then logged).
@@ -304,8 +316,11 @@ impl Heartbeater {
         let mut backoff = Backoff::new();
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
         let registered = loop {
-            let request =
-                RegisterServerRequest { address: self.address.clone(), tiers: vec![tier_usage(&self.store.usage())] };
+            let request = RegisterServerRequest {
+                address: self.address.clone(),
+                tiers: vec![tier_usage(&self.store.usage())],
+                quic_address: self.quic_address.clone(),
+            };
             match self.client.register_server(request).await {
                 Ok(reply) => break reply.into_inner(),
                 Err(status) => {
@@ -470,9 +485,9 @@ mod tests {
         // 10 s deadline passes instantly.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let metadata = format!("127.0.0.1:{port}");
-        let mut client = connect(&metadata).unwrap();
+        let mut client = connect(&metadata, None).unwrap();
         tokio::time::pause();
-        let err = register_at_start(&mut client, &metadata, "127.0.0.1:1", 1 << 20).await.unwrap_err().to_string();
+        let err = register_at_start(&mut client, &metadata, "127.0.0.1:1", "", 1 << 20).await.unwrap_err().to_string();
         assert!(err.contains("cannot reach the metadata server") && err.contains(&metadata), "{err}");
     }
 }

@@ -5,7 +5,8 @@
 //! - [`store`]: the arena cut into blocks: write-once, append-only, zero-copy reads;
 //! - [`shuffle`]: shuffle segments in the same arena: pushed batches appended (push-merge),
 //!   fetched by committed attempt, a page at a time;
-//! - [`service`]: the block protocol over TCP (pipelined, bounded, never taken down by bad input);
+//! - [`service`]: the block protocol over TCP and, with TLS material, QUIC (one code path over
+//!   `tern_transport`'s listener trait; pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
 //! - [`metrics`]: Prometheus metrics, served on the admin endpoint.
 //!
@@ -29,7 +30,7 @@ use tokio::task::JoinHandle;
 
 pub use config::Config;
 pub use metrics::Metrics;
-pub use service::{serve_blocks, Limits};
+pub use service::{serve_block_listeners, serve_blocks, Limits};
 pub use shuffle::{FetchPage, SegmentId, ShuffleError};
 pub use store::{BlockStore, StoreError, Usage};
 
@@ -37,6 +38,7 @@ pub use store::{BlockStore, StoreError, Usage};
 /// for them to end.
 pub struct StorageServer {
     addr: SocketAddr,
+    quic_addr: Option<SocketAddr>,
     admin_addr: SocketAddr,
     store: Arc<BlockStore>,
     tasks: Vec<JoinHandle<()>>,
@@ -46,6 +48,11 @@ impl StorageServer {
     /// The bound address of the block service.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound address of the QUIC block service, if it serves one.
+    pub fn quic_addr(&self) -> Option<SocketAddr> {
+        self.quic_addr
     }
 
     /// The bound address of the admin endpoint (`/metrics`, `/health`).
@@ -95,32 +102,50 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         .await
         .context("mapping the DRAM arena")??;
 
+    let tls = config.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the block service to {}", config.listen))?;
     let addr = listener.local_addr()?;
     let address = config.advertised_address(addr)?;
+    let mut listeners: Vec<Box<dyn tern_transport::Listener>> = vec![Box::new(listener)];
+    let (mut quic_addr, mut quic_address) = (None, String::new());
+    if let Some(tls) = &tls {
+        let quic_listen = config.quic_listen_for(addr);
+        let quic = tern_transport::quic::QuicListener::bind(
+            quic_listen,
+            tls,
+            &tern_transport::quic::QuicTuning::default(),
+            config.max_connections,
+        )
+        .with_context(|| format!("starting the QUIC block service on {quic_listen} (UDP)"))?;
+        let bound = tern_transport::Listener::local_addr(&quic);
+        quic_address = config.advertised_quic_address(bound)?;
+        quic_addr = Some(bound);
+        listeners.push(Box::new(quic));
+    }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
     let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
 
-    let mut client = heartbeat::connect(&config.metadata)?;
-    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, dram).await?;
+    let mut client = heartbeat::connect(&config.metadata, tls.as_ref())?;
+    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, &quic_address, dram).await?;
     let store =
         Arc::new(BlockStore::with_arena(arena, registered.block_size).with_context(|| {
             format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size)
         })?);
     metrics.observe_store(&store);
-    let service = tokio::spawn(serve_blocks(listener, store.clone(), Limits::from(&config), metrics.clone()));
+    let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =
-        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered);
+        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered)
+            .with_quic_address(quic_address);
     // The registration could not say how many blocks fit; report them before anyone allocates.
     if let Err(e) = heartbeater.beat().await {
         service.abort();
         return Err(e);
     }
     let heartbeat = tokio::spawn(heartbeater.run());
-    Ok(StorageServer { addr, admin_addr, store, tasks: vec![service, heartbeat] })
+    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat] })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
@@ -128,8 +153,12 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let shutdown = tern_common::shutdown_signal();
     let server = start(config.clone()).await?;
+    let quic = match server.quic_addr() {
+        Some(quic) => format!(", QUIC on {quic} (UDP)"),
+        None => String::new(),
+    };
     tracing::info!(
-        "storage server {} listening on {} (admin {}, dram {})",
+        "storage server {} listening on {} (TCP{quic}; admin {}, dram {})",
         server.server_id(),
         server.addr(),
         server.admin_addr(),
