@@ -49,7 +49,7 @@ pub fn run(args: CertArgs) -> anyhow::Result<()> {
             println!();
             println!("  tern metadata-server --tls-dir {dir} ...");
             println!("  tern storage-server --tls-dir {dir} ...   # also serves QUIC");
-            println!("  tern --tls-dir {dir} --transport quic fs ls /");
+            println!("  tern fs --tls-dir {dir} --transport quic ls /");
             Ok(())
         }
     }

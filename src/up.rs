@@ -237,10 +237,10 @@ fn print_banner(args: &UpArgs, metadata_addr: &str, tls_dir: &Path, logs: &Path)
     println!("  tern fs ls -l /data");
     println!("  tern status");
     if args.tls {
-        println!("  tern --transport quic fs get /data/some-file ./copy   # block data over QUIC");
+        println!("  tern fs --transport quic get /data/some-file ./copy   # block data over QUIC");
     } else {
         println!(
-            "  tern --metadata http://{metadata_addr} --tls-dir {} --transport quic fs ls /data   # block data over QUIC",
+            "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport quic ls /data   # block data over QUIC",
             tls_dir.display()
         );
     }
