@@ -35,6 +35,7 @@ pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
         "block_id": block.block_id,
         "server_id": block.server_id,
         "address": block.address,
+        "quic_address": block.quic_address,
         "length": block.length,
         "alive": alive,
     })
@@ -48,6 +49,7 @@ pub fn status_json(status: &StatusResponse) -> Value {
         "servers": status.servers.iter().map(|s| json!({
             "server_id": s.server_id,
             "address": s.address,
+            "quic_address": s.quic_address,
             "alive": s.alive,
             "allocated_blocks": s.allocated_blocks,
             "last_heartbeat_ms_ago": s.last_heartbeat_ms_ago,

@@ -55,6 +55,8 @@ async fn the_command_line_moves_files_over_quic() {
     cluster.tern_ok(&["fs", "--transport", "quic", "put", &local.to_string_lossy(), "/q/file"]);
     cluster.tern_ok(&["fs", "--transport", "quic", "get", "/q/file", &copy.to_string_lossy()]);
     assert_eq!(std::fs::read(&copy).unwrap(), data);
+    let status = cluster.tern_ok(&["status", "--json"]);
+    assert!(status.contains("\"quic_address\":\"127.0.0.1:"), "{status}");
     // Plain clients of `tern up`-style clusters keep working over TCP without TLS material.
     let out = Command::new(TERN)
         .args(["fs", "cat", "/q/file"])
