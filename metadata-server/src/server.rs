@@ -161,6 +161,59 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn mutual_tls_admits_the_cluster_ca_only_and_passes_quic_addresses_on() {
+        use tern_transport::tls;
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+        let temp = tempfile::tempdir().unwrap();
+        let (ours, theirs) = (temp.path().join("ours"), temp.path().join("theirs"));
+        tls::init(&ours, &tls::InitOptions::default()).unwrap();
+        tls::init(&theirs, &tls::InitOptions::default()).unwrap();
+        let config = Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            dir: temp.path().join("meta"),
+            tls_dir: Some(ours.clone()),
+            ..Config::default()
+        };
+        let server = start(config).await.unwrap();
+        let addr = server.addr().to_string();
+
+        let material = tls::TlsMaterial::load(&ours).unwrap();
+        let channel = tls::grpc_endpoint(&addr, Some(&material)).unwrap().connect().await.unwrap();
+        let mut registry = RegistryClient::new(channel.clone());
+        let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 8, ..TierUsage::default() }];
+        let request =
+            RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, quic_address: "127.0.0.1:7001".into() };
+        registry.register_server(request).await.unwrap();
+        let status = MetadataClient::new(channel).status(StatusRequest {}).await.unwrap().into_inner();
+        assert_eq!(status.servers[0].quic_address, "127.0.0.1:7001");
+
+        // A client that trusts our CA but presents a certificate of another CA is refused.
+        let read = |path: std::path::PathBuf| std::fs::read(path).unwrap();
+        let intruder = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ours.join(tls::CA_CERT))))
+            .identity(Identity::from_pem(read(theirs.join(tls::NODE_CERT)), read(theirs.join(tls::NODE_KEY))))
+            .domain_name("127.0.0.1");
+        let endpoint = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(intruder).unwrap();
+        let refused = match endpoint.connect().await {
+            Ok(channel) => MetadataClient::new(channel).status(StatusRequest {}).await.map(|_| ()),
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        assert!(refused.is_err(), "a client certificate of another CA was accepted");
+        // So is a client with no certificate at all.
+        let anonymous = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ours.join(tls::CA_CERT))))
+            .domain_name("127.0.0.1");
+        let endpoint = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(anonymous).unwrap();
+        let refused = match endpoint.connect().await {
+            Ok(channel) => MetadataClient::new(channel).status(StatusRequest {}).await.map(|_| ()),
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        assert!(refused.is_err(), "a client without a certificate was accepted");
+        server.shutdown().await;
+    }
+
+    #[tokio::test]
     async fn serves_clients_and_storage_servers_over_grpc() {
         let temp = tempfile::tempdir().unwrap();
         let config = Config {
