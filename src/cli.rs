@@ -2,7 +2,11 @@
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::{bench, daemons, fs, status, terasort, up};
+use std::path::PathBuf;
+
+use tern_client::{ClientOptions, TransportKind};
+
+use crate::{bench, cert, daemons, fs, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -31,6 +35,8 @@ pub enum Command {
     Teragen(terasort::TeragenArgs),
     /// Check sorted records as valsort does: order, count, checksum, duplicates.
     Teravalidate(terasort::TeravalidateArgs),
+    /// TLS material: `cert init` makes a cluster CA and a node certificate.
+    Cert(cert::CertArgs),
 }
 
 impl Command {
@@ -40,17 +46,29 @@ impl Command {
     }
 }
 
-/// Where client commands find the cluster.
+/// Where client commands find the cluster, and how they talk to it.
 #[derive(Args, Clone)]
 pub struct MetadataAddr {
-    /// Metadata server address (host:port).
+    /// Metadata server address: host:port, https://host:port (TLS) or http://host:port (plain).
+    /// A bare host:port uses TLS when --tls-dir is given.
     #[arg(long = "metadata", env = "TERN_METADATA", default_value = "127.0.0.1:9060", global = true)]
     pub addr: String,
+    /// TLS material (`tern cert init`, or DIR/tls of `tern up`): mutual TLS to the metadata
+    /// server, and needed for --transport quic.
+    #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]
+    pub tls_dir: Option<PathBuf>,
+    /// Transport of block data to storage servers: tcp or quic (needs --tls-dir).
+    #[arg(long, env = "TERN_TRANSPORT", default_value = "tcp", global = true)]
+    pub transport: TransportKind,
 }
 
 impl MetadataAddr {
+    pub fn options(&self) -> ClientOptions {
+        ClientOptions { transport: self.transport, tls_dir: self.tls_dir.clone(), ..ClientOptions::default() }
+    }
+
     pub async fn connect(&self) -> anyhow::Result<tern_client::Client> {
-        Ok(tern_client::Client::connect(&self.addr).await?)
+        Ok(tern_client::Client::connect_with(&self.addr, self.options()).await?)
     }
 }
 
@@ -65,5 +83,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Terasort(args) => terasort::terasort(args).await,
         Command::Teragen(args) => terasort::teragen(args).await,
         Command::Teravalidate(args) => terasort::teravalidate(args).await,
+        Command::Cert(args) => cert::run(args),
     }
 }

@@ -32,6 +32,12 @@ pub struct MetadataArgs {
     /// Lease of a job that asks for none [default: 30000].
     #[arg(long)]
     default_lease_ms: Option<u64>,
+    /// TLS material (`tern cert init`): serve gRPC over mutual TLS [default: none].
+    #[arg(long)]
+    tls_dir: Option<PathBuf>,
+    /// Allow plain gRPC beyond loopback without TLS [default: false].
+    #[arg(long)]
+    trusted_network: bool,
 }
 
 pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
@@ -43,6 +49,10 @@ pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
     override_with(&mut config.heartbeat_interval_ms, args.heartbeat_interval_ms);
     override_with(&mut config.server_timeout_ms, args.server_timeout_ms);
     override_with(&mut config.default_lease_ms, args.default_lease_ms);
+    if args.tls_dir.is_some() {
+        config.tls_dir = args.tls_dir;
+    }
+    config.trusted_network |= args.trusted_network;
     tern_metadata::run(config).await
 }
 
@@ -66,7 +76,7 @@ pub struct StorageArgs {
     /// Prometheus metrics endpoint [default: 127.0.0.1:9071].
     #[arg(long)]
     admin: Option<SocketAddr>,
-    /// Most client connections served at once [default: 1024].
+    /// Most client connections served at once, TCP and QUIC together [default: 1024].
     #[arg(long)]
     max_connections: Option<usize>,
     /// NVMe tier: a file (created and preallocated if missing) or block device, opened with
@@ -80,6 +90,16 @@ pub struct StorageArgs {
     /// NVMe io engine: uring, psync, or auto (uring if it works here, else psync) [default: auto].
     #[arg(long)]
     io_engine: Option<tern_storage::config::IoEngineChoice>,
+    /// TLS material (`tern cert init`): also serve the block protocol over QUIC, and use TLS
+    /// to the metadata server unless its address says http:// [default: none].
+    #[arg(long)]
+    tls_dir: Option<PathBuf>,
+    /// QUIC (UDP) listen address [default: the block service's host and port].
+    #[arg(long)]
+    quic_listen: Option<SocketAddr>,
+    /// Allow the plain-TCP block service beyond loopback without TLS [default: false].
+    #[arg(long)]
+    trusted_network: bool,
 }
 
 pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
@@ -99,6 +119,13 @@ pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
         config.nvme_size = args.nvme_size;
     }
     override_with(&mut config.io_engine, args.io_engine);
+    if args.tls_dir.is_some() {
+        config.tls_dir = args.tls_dir;
+    }
+    if args.quic_listen.is_some() {
+        config.quic_listen = args.quic_listen;
+    }
+    config.trusted_network |= args.trusted_network;
     tern_storage::run(config).await
 }
 

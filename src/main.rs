@@ -2,6 +2,7 @@
 //! only parses the command line and reports errors.
 
 mod bench;
+mod cert;
 mod cli;
 mod daemons;
 mod fs;

@@ -37,6 +37,7 @@ pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
         "tier": tern_client::Tier::of_block(block.block_id).name(),
         "server_id": block.server_id,
         "address": block.address,
+        "quic_address": block.quic_address,
         "length": block.length,
         "alive": alive,
     })
@@ -50,6 +51,7 @@ pub fn status_json(status: &StatusResponse) -> Value {
         "servers": status.servers.iter().map(|s| json!({
             "server_id": s.server_id,
             "address": s.address,
+            "quic_address": s.quic_address,
             "alive": s.alive,
             "allocated_blocks": s.allocated_blocks,
             "last_heartbeat_ms_ago": s.last_heartbeat_ms_ago,

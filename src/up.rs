@@ -30,6 +30,17 @@ pub struct UpArgs {
     /// Cluster block size.
     #[arg(long, default_value = "1MiB")]
     block_size: ByteSize,
+    /// Serve the control plane (gRPC) over mutual TLS too; clients then need --tls-dir DIR/tls.
+    /// (Storage servers always serve QUIC with the cluster's own CA in DIR/tls.)
+    #[arg(long)]
+    tls: bool,
+    /// Give each storage server an NVMe tier of this size: a file DIR/nvme/storage-I.nvme on the
+    /// disk holding DIR (opened with O_DIRECT) [default: no NVMe tier].
+    #[arg(long)]
+    nvme_size: Option<ByteSize>,
+    /// io engine of the NVMe tiers: uring, psync or auto.
+    #[arg(long, default_value = "auto")]
+    io_engine: String,
 }
 
 /// How long the cluster may take to come up before `tern up` gives up.
@@ -49,49 +60,70 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     tokio::pin!(shutdown);
     let logs = args.dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let tls_dir = args.dir.join("tls");
+    ensure_tls(&tls_dir)?;
+    let tls_dir_arg = tls_dir.to_string_lossy().to_string();
     let metadata_addr = format!("127.0.0.1:{}", args.port);
+    // The scheme tells storage servers (which have TLS material for QUIC either way) whether the
+    // control plane is TLS.
+    let metadata_url = format!("{}://{metadata_addr}", if args.tls { "https" } else { "http" });
     let port = |offset: u32| -> anyhow::Result<u16> {
         u16::try_from(args.port as u32 + offset).context("--port is too high for the ports the cluster needs")
     };
-    let mut daemons = vec![spawn(
-        "metadata",
-        &logs,
-        &[
-            "metadata-server",
-            "--listen",
-            &metadata_addr,
-            "--dir",
-            &args.dir.join("metadata").to_string_lossy(),
-            "--admin",
-            &format!("127.0.0.1:{}", port(1)?),
-            "--block-size",
-            &args.block_size.to_string(),
-        ],
-    )?];
+    let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
+    let (admin, block_size) = (format!("127.0.0.1:{}", port(1)?), args.block_size.to_string());
+    let mut metadata_args = vec![
+        "metadata-server",
+        "--listen",
+        &metadata_addr,
+        "--dir",
+        &metadata_dir,
+        "--admin",
+        &admin,
+        "--block-size",
+        &block_size,
+    ];
+    if args.tls {
+        metadata_args.extend(["--tls-dir", &tls_dir_arg]);
+    }
+    let mut daemons = vec![spawn("metadata", &logs, &metadata_args)?];
+    let nvme_dir = args.dir.join("nvme");
+    if args.nvme_size.is_some() {
+        std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
+    }
     for i in 0..args.storage_servers as u32 {
-        daemons.push(spawn(
-            &format!("storage-{i}"),
-            &logs,
-            &[
-                "storage-server",
-                "--metadata",
-                &metadata_addr,
-                "--listen",
-                &format!("127.0.0.1:{}", port(10 + 2 * i)?),
-                "--admin",
-                &format!("127.0.0.1:{}", port(11 + 2 * i)?),
-                "--dram",
-                &args.dram.to_string(),
-            ],
-        )?);
+        let (listen, admin, dram) = (
+            format!("127.0.0.1:{}", port(10 + 2 * i)?),
+            format!("127.0.0.1:{}", port(11 + 2 * i)?),
+            args.dram.to_string(),
+        );
+        let mut storage_args = vec![
+            "storage-server",
+            "--metadata",
+            &metadata_url,
+            "--tls-dir",
+            &tls_dir_arg,
+            "--listen",
+            &listen,
+            "--admin",
+            &admin,
+            "--dram",
+            &dram,
+        ];
+        let nvme_path = nvme_dir.join(format!("storage-{i}.nvme")).to_string_lossy().to_string();
+        let nvme_size = args.nvme_size.map(|size| size.to_string()).unwrap_or_default();
+        if args.nvme_size.is_some() {
+            storage_args.extend(["--nvme", &nvme_path, "--nvme-size", &nvme_size, "--io-engine", &args.io_engine]);
+        }
+        daemons.push(spawn(&format!("storage-{i}"), &logs, &storage_args)?);
     }
     let ready = tokio::select! {
-        ready = wait_until_ready(&metadata_addr, args.storage_servers as usize, &mut daemons) => Some(ready),
+        ready = wait_until_ready(&metadata_url, &tls_dir, args.storage_servers as usize, &mut daemons) => Some(ready),
         _ = &mut shutdown => None,
     };
     let outcome = match ready {
         Some(Ok(())) => {
-            print_banner(&args, &metadata_addr, &logs);
+            print_banner(&args, &metadata_addr, &tls_dir, &logs);
             tokio::select! {
                 _ = &mut shutdown => Ok(()),
                 died = first_exit(&mut daemons) => Err(died),
@@ -123,13 +155,30 @@ fn spawn(name: &str, logs: &Path, args: &[&str]) -> anyhow::Result<Daemon> {
     Ok(Daemon { name: name.to_string(), log, child })
 }
 
-async fn wait_until_ready(metadata_addr: &str, servers: usize, daemons: &mut [Daemon]) -> anyhow::Result<()> {
+/// Makes the cluster's CA and node certificate in `dir` on first start; reuses them later.
+fn ensure_tls(dir: &Path) -> anyhow::Result<()> {
+    if !dir.join(tern_transport::tls::CA_CERT).exists() {
+        tern_transport::tls::init(dir, &tern_transport::tls::InitOptions::default())
+            .with_context(|| format!("making the cluster's TLS material in {}", dir.display()))?;
+    }
+    tern_transport::tls::TlsMaterial::load(dir).map(|_| ()).with_context(|| {
+        format!("the cluster's TLS material; delete {} to have `tern up` make new material", dir.display())
+    })
+}
+
+async fn wait_until_ready(
+    metadata_url: &str,
+    tls_dir: &Path,
+    servers: usize,
+    daemons: &mut [Daemon],
+) -> anyhow::Result<()> {
     let started = Instant::now();
+    let options = tern_client::ClientOptions { tls_dir: Some(tls_dir.to_path_buf()), ..Default::default() };
     loop {
         if let Some(died) = exited(daemons) {
             return Err(died);
         }
-        if let Ok(client) = tern_client::Client::connect(metadata_addr).await {
+        if let Ok(client) = tern_client::Client::connect_with(metadata_url, options.clone()).await {
             if let Ok(status) = client.status().await {
                 if status.servers.iter().filter(|s| s.alive).count() >= servers {
                     return Ok(());
@@ -186,7 +235,7 @@ async fn stop_all(daemons: &mut [Daemon]) {
     }
 }
 
-fn print_banner(args: &UpArgs, metadata_addr: &str, logs: &Path) {
+fn print_banner(args: &UpArgs, metadata_addr: &str, tls_dir: &Path, logs: &Path) {
     let admin_port = args.port as u32 + 1;
     println!(
         "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
@@ -195,10 +244,24 @@ fn print_banner(args: &UpArgs, metadata_addr: &str, logs: &Path) {
     println!();
     println!("In another shell:");
     println!("  export TERN_METADATA={metadata_addr}");
+    if args.tls {
+        println!(
+            "  export TERN_TLS_DIR={}   # the control plane is TLS: clients need the cluster's certificates",
+            tls_dir.display()
+        );
+    }
     println!("  tern fs put ./some-file /data/some-file");
     println!("  tern fs get /data/some-file ./copy");
     println!("  tern fs ls -l /data");
     println!("  tern status");
+    if args.tls {
+        println!("  tern fs --transport quic get /data/some-file ./copy   # block data over QUIC");
+    } else {
+        println!(
+            "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport quic ls /data   # block data over QUIC",
+            tls_dir.display()
+        );
+    }
     println!();
     println!(
         "Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i",

@@ -24,7 +24,7 @@ async fn put(client: &Client, path: &str, data: &[u8], class: StorageClass) -> t
 async fn dram_then_nvme_then_out_of_space(engine: &str) {
     // 4 DRAM blocks and 8 NVMe blocks of 1 MiB. Files of 2.5 MiB take 3 blocks each (a writer
     // asks for 2, then 1 at close), so no allocation asks for more than the file needs.
-    let cluster = Cluster::start_with(1, "4MiB", Some(Nvme { size: "8MiB", engine })).await;
+    let cluster = Cluster::start_with_nvme(1, "4MiB", Nvme { size: "8MiB", engine }).await;
     let client = cluster.client().await;
     let status = client.status().await.unwrap();
     let nvme = status.servers[0].tiers.iter().find(|t| t.tier == "nvme").expect("an nvme tier");

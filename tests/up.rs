@@ -7,17 +7,15 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = tern_bench::cluster::free_port_range(14).unwrap();
+/// Starts `tern up` with `extra` flags and waits for its banner.
+fn start_up(dir: &std::path::Path, port: u16, extra: &[&str]) -> (std::process::Child, String) {
     let mut up = Command::new(common::TERN)
-        .args(["up", "--dir", dir.path().to_str().unwrap(), "--port", &port.to_string(), "--dram", "64MiB"])
+        .args(["up", "--dir", dir.to_str().unwrap(), "--port", &port.to_string(), "--dram", "64MiB"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let addr = format!("127.0.0.1:{port}");
     // Ready is when `tern up` says so: its banner ends with how to stop it.
     let stdout = up.stdout.take().unwrap();
     let (lines_tx, lines) = std::sync::mpsc::channel();
@@ -35,12 +33,29 @@ async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
         banner.push_str(&line);
         banner.push('\n');
     }
+    (up, banner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_bench::cluster::free_port_range(14).unwrap();
+    let (mut up, banner) = start_up(dir.path(), port, &[]);
+    let addr = format!("127.0.0.1:{port}");
     assert!(banner.contains(&format!("TERN_METADATA={addr}")), "the banner says how to use it:\n{banner}");
     let client = tern_client::Client::connect(&addr).await.unwrap();
     assert_eq!(client.status().await.unwrap().servers.iter().filter(|s| s.alive).count(), 2);
     client.put("/hello", Bytes::from_static(b"from tern up")).await.unwrap();
     assert_eq!(client.open("/hello").await.unwrap().read_to_end().await.unwrap(), b"from tern up");
     assert!(dir.path().join("logs/metadata.log").exists() && dir.path().join("logs/storage-1.log").exists());
+    // Its storage servers serve QUIC with the CA `tern up` made in DIR/tls.
+    let quic = tern_client::ClientOptions {
+        transport: tern_client::TransportKind::Quic,
+        tls_dir: Some(dir.path().join("tls")),
+        ..Default::default()
+    };
+    let over_quic = tern_client::Client::connect_with(&format!("http://{addr}"), quic).await.unwrap();
+    assert_eq!(over_quic.open("/hello").await.unwrap().read_to_end().await.unwrap(), b"from tern up");
 
     // Ctrl-C: SIGINT to `tern up`, which stops its daemons and exits 0.
     // SAFETY: kill(2) on our own child.
@@ -51,4 +66,40 @@ async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
     assert!(status.success(), "tern up exited with {status}");
     assert!(std::net::TcpStream::connect(&addr).is_err(), "the metadata server is gone once tern up has exited");
     assert!(std::net::TcpStream::connect(("127.0.0.1", port + 10)).is_err(), "storage server 0 is gone too");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_tls_serves_the_control_plane_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_bench::cluster::free_port_range(14).unwrap();
+    let (mut up, banner) = start_up(dir.path(), port, &["--tls"]);
+    let tls_dir = dir.path().join("tls");
+    assert!(banner.contains(&format!("TERN_TLS_DIR={}", tls_dir.display())), "the banner names the TLS dir:\n{banner}");
+    let addr = format!("127.0.0.1:{port}");
+    let options = tern_client::ClientOptions {
+        transport: tern_client::TransportKind::Quic,
+        tls_dir: Some(tls_dir.clone()),
+        ..Default::default()
+    };
+    let client = tern_client::Client::connect_with(&addr, options).await.unwrap();
+    client.put("/tls", Bytes::from_static(b"over TLS and QUIC")).await.unwrap();
+    assert_eq!(client.open("/tls").await.unwrap().read_to_end().await.unwrap(), b"over TLS and QUIC");
+    let plain = tern_client::ClientOptions { connect_timeout: Duration::from_secs(3), ..Default::default() };
+    let plain = tern_client::Client::connect_with(&addr, plain).await;
+    assert!(plain.is_err() || plain.unwrap().status().await.is_err(), "a plain client was served");
+    let ca = std::fs::read(tls_dir.join("ca.pem")).unwrap();
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(up.id() as libc::pid_t, libc::SIGINT);
+    }
+    assert!(up.wait().unwrap().success());
+
+    // A second start reuses the CA.
+    let (mut again, _) = start_up(dir.path(), port, &["--tls"]);
+    assert_eq!(std::fs::read(tls_dir.join("ca.pem")).unwrap(), ca, "tern up made a new CA on its second start");
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(again.id() as libc::pid_t, libc::SIGINT);
+    }
+    assert!(again.wait().unwrap().success());
 }

@@ -17,22 +17,30 @@ impl EmbeddedCluster {
     /// Starts `tern up` with `servers` storage servers of `dram` each on a free port range, and
     /// waits until all have registered.
     pub async fn start(tern: &Path, servers: u16, dram: &str) -> anyhow::Result<EmbeddedCluster> {
-        EmbeddedCluster::start_with(tern, servers, dram, "1MiB").await
+        EmbeddedCluster::start_with(tern, servers, dram, "1MiB", None, &std::env::temp_dir()).await
     }
 
-    /// As [`EmbeddedCluster::start`], with the cluster block size `block_size` (e.g. "4MiB").
+    /// As [`EmbeddedCluster::start`], with the cluster block size `block_size` (e.g. "4MiB"), an
+    /// NVMe tier of `nvme` per storage server if given, and the cluster's directory in `parent`
+    /// (where the NVMe files go: it must be on a disk that takes O_DIRECT).
     pub async fn start_with(
         tern: &Path,
         servers: u16,
         dram: &str,
         block_size: &str,
+        nvme: Option<&str>,
+        parent: &Path,
     ) -> anyhow::Result<EmbeddedCluster> {
-        let dir = tempfile::tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("tern-up-")
+            .tempdir_in(parent)
+            .with_context(|| format!("making a temp dir in {}", parent.display()))?;
         let port = free_port_range(12 + 2 * servers)?;
         let log = std::fs::File::create(dir.path().join("up.log"))?;
         let child = Command::new(tern)
             .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &port.to_string()])
             .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
+            .args(nvme.map(|size| ["--nvme-size", size]).into_iter().flatten())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -63,6 +71,11 @@ impl EmbeddedCluster {
     }
 
     /// Storage server `i`'s block-service address (as `tern up` assigns ports).
+    /// The cluster's own TLS material (`tern up` makes it): what QUIC clients need.
+    pub fn tls_dir(&self) -> PathBuf {
+        self.dir.path().join("tls")
+    }
+
     pub fn storage_addr(&self, i: u16) -> String {
         format!("127.0.0.1:{}", self.port + 10 + 2 * i)
     }

@@ -62,21 +62,32 @@ const ALLOCATE_PATIENCE: Duration = Duration::from_secs(30);
 pub enum System {
     /// Tern's DRAM tier over TCP.
     TernTcp,
+    /// Tern's DRAM tier over QUIC (TLS with the embedded cluster's own CA).
+    TernQuic,
+    /// Tern's NVMe tier (files of class `nvme`, on the disk of `--dir`) over TCP.
+    TernNvme,
     /// A redis-server started by the bench.
     Redis,
-    /// Plain files on the disk of `--dir`.
+    /// Plain files on the disk of `--dir`, through the page cache.
     File,
+    /// Plain files on the disk of `--dir` with O_DIRECT: what the disk itself reaches, the
+    /// peer of `tern-nvme`.
+    FileDirect,
 }
 
 impl System {
     /// Every system, in the order the output lists them.
-    pub const ALL: [System; 3] = [System::TernTcp, System::Redis, System::File];
+    pub const ALL: [System; 6] =
+        [System::TernTcp, System::TernQuic, System::TernNvme, System::Redis, System::File, System::FileDirect];
 
     pub fn name(self) -> &'static str {
         match self {
             System::TernTcp => "tern-tcp",
+            System::TernQuic => "tern-quic",
+            System::TernNvme => "tern-nvme",
             System::Redis => "redis",
             System::File => "file",
+            System::FileDirect => "file-direct",
         }
     }
 
@@ -253,11 +264,12 @@ enum TargetKind {
 impl Target {
     async fn start(system: System, options: &IoOptions) -> anyhow::Result<Target> {
         let kind = match system {
-            System::TernTcp => TargetKind::Tern(Box::new(
-                TernTarget::start(&options.tern, options.dram_bytes, ClientOptions::default()).await?,
-            )),
+            System::TernTcp | System::TernQuic | System::TernNvme => {
+                TargetKind::Tern(Box::new(TernTarget::start(system, options).await?))
+            }
             System::Redis => TargetKind::Redis(RedisTarget::start().await?),
-            System::File => TargetKind::File(FileTarget::start(&options.dir)?),
+            System::File => TargetKind::File(FileTarget::start(&options.dir, false)?),
+            System::FileDirect => TargetKind::File(FileTarget::start(&options.dir, true)?),
         };
         Ok(Target { system, kind })
     }
@@ -268,7 +280,12 @@ impl Target {
             TargetKind::Redis(r) => {
                 Some(format!("redis: {} on 127.0.0.1:{}, --save \"\" --appendonly no", r.version, r.port))
             }
-            TargetKind::File(f) => Some(format!("file: buffered pwrite/pread in {}", f.dir.path().display())),
+            TargetKind::File(f) => Some(format!(
+                "{}: {} pwrite/pread in {}",
+                self.system,
+                if f.direct { "O_DIRECT" } else { "buffered" },
+                f.dir.path().display()
+            )),
         }
     }
 
@@ -284,6 +301,7 @@ impl Target {
         match &mut self.kind {
             TargetKind::Tern(t) => t.finish_reads().await.map(|_| None),
             TargetKind::Redis(_) => Ok(None),
+            TargetKind::File(f) if f.direct => f.finish_reads(size).map(|_| None),
             TargetKind::File(f) => f.finish_reads(size).map(Some),
         }
     }
@@ -558,6 +576,8 @@ async fn join_all<T: Send + 'static>(tasks: Vec<tokio::task::JoinHandle<anyhow::
 struct TernTarget {
     cluster: EmbeddedCluster,
     options: ClientOptions,
+    /// The storage class of the files it writes and reads.
+    class: tern_client::StorageClass,
     admin: Client,
     metadata: MetadataClient<tonic::transport::Channel>,
     /// The read set: path of a sealed file of `items` x `size` bytes.
@@ -566,30 +586,45 @@ struct TernTarget {
 }
 
 impl TernTarget {
-    async fn start(tern: &Path, dram_bytes: u64, options: ClientOptions) -> anyhow::Result<TernTarget> {
-        let dram = format!("{}MiB", dram_bytes.div_ceil(1 << 20));
+    /// One storage server with a DRAM tier of `--dram`; for `tern-nvme` also an NVMe tier as
+    /// large in a file beside the `file` systems' (on the disk of `--dir`).
+    async fn start(system: System, io: &IoOptions) -> anyhow::Result<TernTarget> {
+        let dram = format!("{}MiB", io.dram_bytes.div_ceil(1 << 20));
         let block_size = format!("{}MiB", TERN_BLOCK_SIZE >> 20);
-        let cluster = EmbeddedCluster::start_with(tern, 1, &dram, &block_size).await?;
-        let admin = Client::connect_with(&cluster.metadata_addr, options.clone()).await?;
-        let metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await?;
+        let nvme = (system == System::TernNvme).then(|| dram.clone());
+        let cluster = EmbeddedCluster::start_with(&io.tern, 1, &dram, &block_size, nvme.as_deref(), &io.dir).await?;
+        let mut options = ClientOptions::default();
+        let mut class = tern_client::StorageClass::Dram;
+        match system {
+            System::TernQuic => {
+                options.transport = tern_client::TransportKind::Quic;
+                options.tls_dir = Some(cluster.tls_dir());
+            }
+            System::TernNvme => class = tern_client::StorageClass::Nvme,
+            _ => {}
+        }
+        // The embedded cluster's control plane is plain on loopback, QUIC or not.
+        let metadata_url = format!("http://{}", cluster.metadata_addr);
+        let admin = Client::connect_with(&metadata_url, options.clone()).await?;
+        let metadata = MetadataClient::connect(metadata_url).await?;
         let block_size = admin.block_size().await?;
         ensure!(
             u64::from(block_size) >= TERN_BLOCK_SIZE,
             "the embedded cluster has {block_size}-byte blocks, less than the {TERN_BLOCK_SIZE} bytes measured"
         );
-        Ok(TernTarget { cluster, options, admin, metadata, reads: None, cells: 0 })
+        Ok(TernTarget { cluster, options, class, admin, metadata, reads: None, cells: 0 })
     }
 
     /// A client of its own per worker, with one connection to the storage server, so each worker
     /// has its own connection as each Redis worker does.
     async fn worker_client(&self) -> anyhow::Result<Client> {
         let options = ClientOptions { connections_per_server: 1, ..self.options.clone() };
-        Ok(Client::connect_with(&self.cluster.metadata_addr, options).await?)
+        Ok(Client::connect_with(&format!("http://{}", self.cluster.metadata_addr), options).await?)
     }
 
     async fn prepare_reads(&mut self, size: u64, items: u64) -> anyhow::Result<()> {
         let path = format!("/bench-io/read-{size}");
-        let mut writer = self.admin.create(&path, true).await?;
+        let mut writer = self.admin.create_with_class(&path, true, self.class).await?;
         for item in 0..items {
             writer.write_bytes(payload(size, item)).await?;
         }
@@ -618,7 +653,12 @@ impl TernTarget {
                 let path = format!("/bench-io/write-{}", self.cells);
                 let file_id = self
                     .metadata
-                    .create(CreateRequest { path: path.clone(), parents: true, sealed: false })
+                    .create(CreateRequest {
+                        path: path.clone(),
+                        parents: true,
+                        sealed: false,
+                        storage_class: self.class.to_string(),
+                    })
                     .await?
                     .into_inner()
                     .file_id;
@@ -961,17 +1001,19 @@ async fn write_all_vectored(writer: &mut tokio::net::tcp::OwnedWriteHalf, parts:
 /// one thread per worker.
 struct FileTarget {
     dir: tempfile::TempDir,
+    /// O_DIRECT: every op reaches the disk, none the page cache.
+    direct: bool,
     /// The read set: (path, size, items).
     reads: Option<(PathBuf, u64, u64)>,
 }
 
 impl FileTarget {
-    fn start(dir: &Path) -> anyhow::Result<FileTarget> {
+    fn start(dir: &Path, direct: bool) -> anyhow::Result<FileTarget> {
         let dir = tempfile::Builder::new()
             .prefix("tern-bench-io-")
             .tempdir_in(dir)
             .with_context(|| format!("making a temp dir in {}", dir.display()))?;
-        Ok(FileTarget { dir, reads: None })
+        Ok(FileTarget { dir, direct, reads: None })
     }
 
     fn prepare_reads(&mut self, size: u64, items: u64) -> anyhow::Result<()> {
@@ -1014,20 +1056,24 @@ impl FileTarget {
         let mut threads = Vec::new();
         for worker in 0..cell.concurrency as u64 {
             let file = match cell.op {
-                Op::Read => std::fs::File::open(&path)?,
-                Op::Write => std::fs::File::create(self.dir.path().join(format!("write-{worker}")))?,
+                Op::Read => self.open(&path, false)?,
+                Op::Write => self.open(&self.dir.path().join(format!("write-{worker}")), true)?,
             };
             let (size, op, concurrency) = (cell.size, cell.op, u64::from(cell.concurrency));
             threads.push(std::thread::spawn(move || -> anyhow::Result<Recorder> {
-                let data = payload(size, 7);
-                let mut buf = vec![0u8; size as usize];
+                // Aligned for O_DIRECT (sizes are multiples of 4 KiB).
+                let mut data = AlignedVec::new(size as usize);
+                data.as_mut().copy_from_slice(&payload(size, 7));
+                let data = data;
+                let mut buf = AlignedVec::new(size as usize);
+                let buf = buf.as_mut();
                 let mut recorder = Recorder::new(budget);
                 let mut item = worker;
                 while go_blocking(&recorder) {
                     let started = Instant::now();
                     match op {
-                        Op::Write => file.write_all_at(&data, (item % write_items) * size)?,
-                        Op::Read => file.read_exact_at(&mut buf, (item % items) * size)?,
+                        Op::Write => file.write_all_at(data.as_ref(), (item % write_items) * size)?,
+                        Op::Read => file.read_exact_at(buf, (item % items) * size)?,
                     }
                     recorder.record(started);
                     item += if op == Op::Read { concurrency } else { 1 };
@@ -1048,6 +1094,52 @@ impl FileTarget {
             }
         }
         Samples::merge(recorders)
+    }
+}
+
+impl FileTarget {
+    /// Opens `path` for the measured ops, with O_DIRECT if this target is direct.
+    fn open(&self, path: &Path, create: bool) -> anyhow::Result<std::fs::File> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true).write(create).create(create).truncate(create);
+        if self.direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        options.open(path).with_context(|| {
+            format!(
+                "opening {}{}",
+                path.display(),
+                if self.direct { " with O_DIRECT (tmpfs may refuse it)" } else { "" }
+            )
+        })
+    }
+}
+
+/// A zeroed byte buffer aligned to 4 KiB, as O_DIRECT needs.
+struct AlignedVec {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedVec {
+    const ALIGN: usize = 4096;
+
+    fn new(len: usize) -> AlignedVec {
+        let raw = vec![0u8; len + AlignedVec::ALIGN];
+        let start = raw.as_ptr().align_offset(AlignedVec::ALIGN);
+        AlignedVec { raw, start, len }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}
+
+impl AsRef<[u8]> for AlignedVec {
+    fn as_ref(&self) -> &[u8] {
+        &self.raw[self.start..self.start + self.len]
     }
 }
 

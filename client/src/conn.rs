@@ -1,5 +1,8 @@
 //! One pipelined connection to a storage server's block service, and the pool of them.
 //!
+//! A connection is one byte stream of the client's transport (`tern_transport`): a TCP socket, or
+//! a QUIC stream (several of them share a QUIC connection).
+//!
 //! A connection carries many requests at once: a writer task sends frames as they are queued, a
 //! reader task matches replies to waiting callers by request id. A semaphore bounds the requests
 //! in flight, so a fast producer waits instead of queueing without limit.
@@ -11,8 +14,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::error::{Error, Result};
@@ -33,17 +36,17 @@ pub(crate) struct BlockConnection {
 
 impl BlockConnection {
     async fn connect(
+        connector: &dyn Connector,
         addr: &str,
         max_in_flight: usize,
         timeout: Duration,
         request_timeout: Duration,
     ) -> Result<BlockConnection> {
-        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        let stream = tokio::time::timeout(timeout, connector.connect(addr))
             .await
             .map_err(|_| Error::unavailable(format!("storage server {addr}: connect timed out after {timeout:?}")))?
             .map_err(|e| Error::unavailable(format!("storage server {addr}: cannot connect: {e}")))?;
-        stream.set_nodelay(true).map_err(|e| Error::unavailable(format!("storage server {addr}: {e}")))?;
-        let (read_half, write_half) = stream.into_split();
+        let (read_half, write_half) = (stream.reader, stream.writer);
         let (outbox, inbox) = mpsc::channel(max_in_flight);
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
@@ -97,11 +100,7 @@ impl BlockConnection {
     }
 }
 
-async fn send_frames(
-    mut inbox: mpsc::Receiver<Frame>,
-    write_half: tokio::net::tcp::OwnedWriteHalf,
-    broken: Arc<AtomicBool>,
-) {
+async fn send_frames(mut inbox: mpsc::Receiver<Frame>, write_half: BoxWrite, broken: Arc<AtomicBool>) {
     let mut out = BufWriter::with_capacity(64 << 10, write_half);
     while let Some(frame) = inbox.recv().await {
         let mut result = frame::write_frame(&mut out, &frame).await;
@@ -119,12 +118,7 @@ async fn send_frames(
     }
 }
 
-async fn receive_frames(
-    mut read_half: tokio::net::tcp::OwnedReadHalf,
-    pending: Pending,
-    broken: Arc<AtomicBool>,
-    addr: String,
-) {
+async fn receive_frames(mut read_half: BoxRead, pending: Pending, broken: Arc<AtomicBool>, addr: String) {
     let why = loop {
         match frame::read_frame(&mut read_half, MAX_PAYLOAD_BYTES).await {
             Ok(Some(reply)) => {
@@ -158,6 +152,7 @@ async fn receive_frames(
 /// Connections to every storage server a client talks to, a few per server, made on first use
 /// and replaced when they break.
 pub(crate) struct BlockPool {
+    connector: Arc<dyn Connector>,
     per_server: usize,
     max_in_flight: usize,
     connect_timeout: Duration,
@@ -169,12 +164,14 @@ pub(crate) struct BlockPool {
 
 impl BlockPool {
     pub(crate) fn new(
+        connector: Arc<dyn Connector>,
         per_server: usize,
         max_in_flight: usize,
         connect_timeout: Duration,
         request_timeout: Duration,
     ) -> BlockPool {
         BlockPool {
+            connector,
             per_server: per_server.max(1),
             max_in_flight: max_in_flight.max(1),
             connect_timeout,
@@ -197,7 +194,14 @@ impl BlockPool {
             return Ok(conn);
         }
         let conn = Arc::new(
-            BlockConnection::connect(addr, self.max_in_flight, self.connect_timeout, self.request_timeout).await?,
+            BlockConnection::connect(
+                self.connector.as_ref(),
+                addr,
+                self.max_in_flight,
+                self.connect_timeout,
+                self.request_timeout,
+            )
+            .await?,
         );
         let mut servers = self.servers.lock();
         let conns = servers.entry(addr.to_string()).or_default();

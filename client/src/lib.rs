@@ -23,12 +23,13 @@ mod shuffle;
 mod writer;
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
@@ -36,6 +37,7 @@ pub use reader::FileReader;
 pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
 pub use tern_proto::{StorageClass, Tier};
+pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
 /// Tuning knobs; the defaults suit a client on the same 10-100 Gbit/s network as the servers.
@@ -54,6 +56,11 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// Deadline for one metadata call or one block request.
     pub request_timeout: Duration,
+    /// Transport of block traffic: TCP (default) or QUIC, which needs `tls_dir`.
+    pub transport: TransportKind,
+    /// TLS material (`tern cert init`): the metadata channel uses mutual TLS with it (unless the
+    /// address says `http://`), and QUIC needs it.
+    pub tls_dir: Option<PathBuf>,
 }
 
 impl Default for ClientOptions {
@@ -66,6 +73,8 @@ impl Default for ClientOptions {
             max_allocate_batch: 256,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
+            transport: TransportKind::Tcp,
+            tls_dir: None,
         }
     }
 }
@@ -88,20 +97,30 @@ struct Inner {
 }
 
 impl Client {
-    /// Connects to the metadata server at `addr` (`host:port`).
+    /// Connects to the metadata server at `addr`: `host:port`, `https://host:port` (TLS, needs
+    /// `ClientOptions::tls_dir`) or `http://host:port` (plain). A bare `host:port` uses TLS when
+    /// `tls_dir` is given.
     pub async fn connect(addr: &str) -> Result<Client> {
         Client::connect_with(addr, ClientOptions::default()).await
     }
 
     pub async fn connect_with(addr: &str, options: ClientOptions) -> Result<Client> {
-        let addr = addr.trim().trim_start_matches("http://").trim_end_matches('/').to_string();
+        let tls = match &options.tls_dir {
+            Some(dir) => {
+                Some(tern_transport::tls::TlsMaterial::load(dir).map_err(|e| Error::invalid(format!("{e:#}")))?)
+            }
+            None => None,
+        };
+        let endpoint = tern_transport::tls::grpc_endpoint(addr, tls.as_ref())
+            .map_err(|e| Error::invalid(format!("metadata address: {e:#}")))?;
+        let addr =
+            addr.trim().trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string();
         let socket_addr = addr
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| Error::invalid(format!("metadata address {addr:?} is not host:port")))?;
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Error::invalid(format!("metadata address {addr:?}: {e}")))?
+        let endpoint = endpoint
             .connect_timeout(options.connect_timeout)
             .timeout(options.request_timeout)
             .tcp_nodelay(true)
@@ -110,10 +129,22 @@ impl Client {
         let channel = endpoint.connect().await.map_err(|e| {
             Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e)))
         })?;
+        let connector: Arc<dyn tern_transport::Connector> =
+            match (options.transport, &tls) {
+                (TransportKind::Tcp, _) => Arc::new(tern_transport::tcp::TcpConnector),
+                (TransportKind::Quic, Some(tls)) => Arc::new(
+                    tern_transport::quic::QuicConnector::new(tls, &tern_transport::quic::QuicTuning::default())
+                        .map_err(|e| Error::invalid(format!("QUIC: {e:#}")))?,
+                ),
+                (TransportKind::Quic, None) => return Err(Error::invalid(
+                    "the QUIC transport needs TLS material: pass --tls-dir DIR (made by `tern cert init --dir DIR`)",
+                )),
+            };
         let metadata = MetadataClient::new(channel)
             .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
         let blocks = conn::BlockPool::new(
+            connector,
             options.connections_per_server,
             options.requests_per_connection,
             options.connect_timeout,
@@ -138,6 +169,25 @@ impl Client {
 
     pub fn options(&self) -> &ClientOptions {
         &self.inner.options
+    }
+
+    /// A pooled block connection to a storage server over the client's transport.
+    pub(crate) async fn block_connection(
+        &self,
+        server_id: u64,
+        address: &str,
+        quic_address: &str,
+    ) -> Result<Arc<conn::BlockConnection>> {
+        let addr = match self.inner.options.transport {
+            TransportKind::Tcp => address,
+            TransportKind::Quic if quic_address.is_empty() => {
+                return Err(Error::invalid(format!(
+                    "storage server {server_id} ({address}) has no QUIC endpoint: start it with --tls-dir"
+                )))
+            }
+            TransportKind::Quic => quic_address,
+        };
+        self.inner.blocks.get(addr).await
     }
 
     fn metadata(&self) -> MetadataClient<Channel> {

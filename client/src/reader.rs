@@ -130,7 +130,7 @@ async fn join(task: JoinHandle<Result<Bytes>>, path: &str) -> Result<Bytes> {
 async fn fetch(client: Client, path: String, block: BlockLocation, offset: u32, len: Option<u32>) -> Result<Bytes> {
     let len = len.unwrap_or(block.length - offset);
     let result = async {
-        let conn = client.inner.blocks.get(&block.address).await?;
+        let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
         conn.call(|id| Frame::read(id, block.block_id, offset, len)).await
     }
     .await;

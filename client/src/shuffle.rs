@@ -403,16 +403,19 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
-        let conn = match shuffle.client.inner.blocks.get(&segment.address).await {
-            Ok(conn) => conn,
-            // Nothing was sent, so moving on cannot duplicate the batch: the metadata server
-            // hands out the partition's next segment (re-placed already if the server is dead).
-            Err(e) => {
-                tracing::debug!("{e}; moving on to a new segment");
-                segment = shuffle.advance(partition, segment.index).await?;
-                continue;
-            }
-        };
+        let conn =
+            match shuffle.client.block_connection(segment.server_id, &segment.address, &segment.quic_address).await {
+                Ok(conn) => conn,
+                // A server without the transport asked for: no other segment would do better.
+                Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
+                // Nothing was sent, so moving on cannot duplicate the batch: the metadata server
+                // hands out the partition's next segment (re-placed already if the server is dead).
+                Err(e) => {
+                    tracing::debug!("{e}; moving on to a new segment");
+                    segment = shuffle.advance(partition, segment.index).await?;
+                    continue;
+                }
+            };
         let sent = payload.clone();
         let result = conn.call(|id| Frame::push(id, shuffle.id, partition, segment.index, sent)).await;
         match result {
@@ -646,7 +649,11 @@ async fn fetch_page(
             format!("{place} on {} is unreadable; recompute maps {maps:?}: {}", segment.address, e.message()),
         )
     };
-    let conn = client.inner.blocks.get(&segment.address).await.map_err(lost)?;
+    let conn = match client.block_connection(segment.server_id, &segment.address, &segment.quic_address).await {
+        Ok(conn) => conn,
+        Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
+        Err(e) => return Err(lost(e)),
+    };
     let payload = request.encode();
     let reply = match conn.call(|id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload)).await {
         Ok(reply) => reply,

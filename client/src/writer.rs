@@ -110,7 +110,7 @@ impl FileWriter {
         let client = self.client.clone();
         let path = self.path.clone();
         self.in_flight.push(tokio::spawn(async move {
-            let conn = client.inner.blocks.get(&location.address).await?;
+            let conn = client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
             conn.call(|id| Frame::write(id, location.block_id, 0, data))
                 .await
                 .map(|_| ())

@@ -34,6 +34,11 @@ pub struct Config {
     pub max_jobs: u32,
     /// Most files and directories in the namespace. Default `10000000`.
     pub max_entries: u64,
+    /// Directory of TLS material (`tern cert init`): serve gRPC over mutual TLS with it.
+    /// Default: none (plain gRPC, which only loopback or a trusted network accepts).
+    pub tls_dir: Option<PathBuf>,
+    /// Allow plain gRPC on a non-loopback address without TLS. Default `false`.
+    pub trusted_network: bool,
 }
 
 impl Default for Config {
@@ -50,6 +55,8 @@ impl Default for Config {
             max_list_entries: 10_000,
             max_jobs: 10_000,
             max_entries: 10_000_000,
+            tls_dir: None,
+            trusted_network: false,
         }
     }
 }
@@ -86,6 +93,7 @@ impl Config {
                 bail!("{key} must be at least 1");
             }
         }
+        tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
         Ok(())
     }
 
@@ -123,7 +131,8 @@ mod tests {
     #[test]
     fn refuses_bad_values() {
         type Case = (fn(&mut Config), &'static str);
-        let cases: [Case; 6] = [
+        let cases: [Case; 7] = [
+            (|c| c.listen = "0.0.0.0:9060".parse().unwrap(), "tern cert init --dir DIR"),
             (|c| c.block_size = ByteSize(3 << 20), "power of two"),
             (|c| c.block_size = ByteSize::kib(2), "power of two"),
             (|c| c.block_size = ByteSize::mib(128), "power of two"),

@@ -54,6 +54,8 @@ enum Free {
 #[derive(Debug)]
 struct Server {
     address: String,
+    /// host:port of its QUIC endpoint; empty if it has none.
+    quic_address: String,
     /// The address's host, compared with clients' hosts for locality.
     host: String,
     alive: bool,
@@ -195,6 +197,7 @@ impl Servers {
         }
         let mut server = Server {
             address: address.to_string(),
+            quic_address: String::new(),
             host,
             alive: true,
             death: String::new(),
@@ -450,10 +453,27 @@ impl Servers {
         self.servers.get(&server_id).map(|s| s.address.clone()).unwrap_or_default()
     }
 
+    /// Records where a server serves the block protocol over QUIC ("" for nowhere).
+    pub fn set_quic_address(&mut self, server_id: u64, quic_address: &str) -> Result<(), Refusal> {
+        if !quic_address.is_empty() {
+            host_of_address(quic_address)?;
+        }
+        if let Some(server) = self.servers.get_mut(&server_id) {
+            server.quic_address = quic_address.to_string();
+        }
+        Ok(())
+    }
+
+    /// A server's QUIC address; empty for a server without one or no longer known.
+    pub fn quic_address(&self, server_id: u64) -> String {
+        self.servers.get(&server_id).map(|s| s.quic_address.clone()).unwrap_or_default()
+    }
+
     /// Where a block lives, for clients.
     pub fn location(&self, block: &BlockRef, length: u32) -> BlockLocation {
-        let address = self.servers.get(&block.server_id).map(|s| s.address.clone()).unwrap_or_default();
-        BlockLocation { block_id: block.block_id, server_id: block.server_id, address, length }
+        let (address, quic_address) =
+            self.servers.get(&block.server_id).map(|s| (s.address.clone(), s.quic_address.clone())).unwrap_or_default();
+        BlockLocation { block_id: block.block_id, server_id: block.server_id, address, length, quic_address }
     }
 
     pub fn status(&self, now: Instant) -> Vec<ServerStatus> {
@@ -462,6 +482,7 @@ impl Servers {
             .map(|(&server_id, s)| ServerStatus {
                 server_id,
                 address: s.address.clone(),
+                quic_address: s.quic_address.clone(),
                 alive: s.alive,
                 tiers: s.tiers.clone(),
                 allocated_blocks: s.allocated + s.nvme_allocated,

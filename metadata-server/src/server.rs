@@ -37,6 +37,11 @@ pub struct MetadataServer {
 /// Validates `config`, locks its directory, binds, and starts serving in the background.
 pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     config.validate().context("invalid metadata server configuration")?;
+    let mut grpc = tonic::transport::Server::builder();
+    if let Some(dir) = &config.tls_dir {
+        let tls = tern_transport::tls::TlsMaterial::load(dir)?;
+        grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
+    }
     let lock = DirLock::acquire(&config.dir)?;
     let state = Arc::new(Mutex::new(State::new(&config)));
     let mut registry = prometheus_client::registry::Registry::default();
@@ -49,8 +54,10 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let (stop, stopped) = watch::channel(false);
     let service = Arc::new(Service::new(state.clone(), metrics));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
-    let tasks =
-        vec![tokio::spawn(serve(listener, service, stopped.clone())), tokio::spawn(reap(state, reap_period, stopped))];
+    let tasks = vec![
+        tokio::spawn(serve(grpc, listener, service, stopped.clone())),
+        tokio::spawn(reap(state, reap_period, stopped)),
+    ];
     Ok(MetadataServer { addr, admin_addr, stop, tasks, _lock: lock })
 }
 
@@ -58,8 +65,12 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     tern_common::config::log_effective("metadata server", &config);
     let shutdown = tern_common::shutdown_signal();
-    let server = start(config).await?;
-    info!("metadata server listening on {} (admin {})", server.addr(), server.admin_addr());
+    let server = start(config.clone()).await?;
+    let tls = match &config.tls_dir {
+        Some(dir) => format!("mutual TLS from {}", dir.display()),
+        None => "plain TCP".to_string(),
+    };
+    info!("metadata server listening on {} ({tls}; admin {})", server.addr(), server.admin_addr());
     shutdown.await;
     info!("metadata server shutting down");
     server.shutdown().await;
@@ -95,13 +106,18 @@ impl MetadataServer {
     }
 }
 
-async fn serve(listener: tokio::net::TcpListener, service: Arc<Service>, mut stopped: watch::Receiver<bool>) {
+async fn serve(
+    mut grpc: tonic::transport::Server,
+    listener: tokio::net::TcpListener,
+    service: Arc<Service>,
+    mut stopped: watch::Receiver<bool>,
+) {
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
     let metadata =
         MetadataService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let registry = RegistryService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let result = tonic::transport::Server::builder()
+    let result = grpc
         .add_service(metadata)
         .add_service(registry)
         .serve_with_incoming_shutdown(incoming, async move {
@@ -145,6 +161,59 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn mutual_tls_admits_the_cluster_ca_only_and_passes_quic_addresses_on() {
+        use tern_transport::tls;
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+        let temp = tempfile::tempdir().unwrap();
+        let (ours, theirs) = (temp.path().join("ours"), temp.path().join("theirs"));
+        tls::init(&ours, &tls::InitOptions::default()).unwrap();
+        tls::init(&theirs, &tls::InitOptions::default()).unwrap();
+        let config = Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            dir: temp.path().join("meta"),
+            tls_dir: Some(ours.clone()),
+            ..Config::default()
+        };
+        let server = start(config).await.unwrap();
+        let addr = server.addr().to_string();
+
+        let material = tls::TlsMaterial::load(&ours).unwrap();
+        let channel = tls::grpc_endpoint(&addr, Some(&material)).unwrap().connect().await.unwrap();
+        let mut registry = RegistryClient::new(channel.clone());
+        let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 8, ..TierUsage::default() }];
+        let request =
+            RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, quic_address: "127.0.0.1:7001".into() };
+        registry.register_server(request).await.unwrap();
+        let status = MetadataClient::new(channel).status(StatusRequest {}).await.unwrap().into_inner();
+        assert_eq!(status.servers[0].quic_address, "127.0.0.1:7001");
+
+        // A client that trusts our CA but presents a certificate of another CA is refused.
+        let read = |path: std::path::PathBuf| std::fs::read(path).unwrap();
+        let intruder = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ours.join(tls::CA_CERT))))
+            .identity(Identity::from_pem(read(theirs.join(tls::NODE_CERT)), read(theirs.join(tls::NODE_KEY))))
+            .domain_name("127.0.0.1");
+        let endpoint = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(intruder).unwrap();
+        let refused = match endpoint.connect().await {
+            Ok(channel) => MetadataClient::new(channel).status(StatusRequest {}).await.map(|_| ()),
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        assert!(refused.is_err(), "a client certificate of another CA was accepted");
+        // So is a client with no certificate at all.
+        let anonymous = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read(ours.join(tls::CA_CERT))))
+            .domain_name("127.0.0.1");
+        let endpoint = Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(anonymous).unwrap();
+        let refused = match endpoint.connect().await {
+            Ok(channel) => MetadataClient::new(channel).status(StatusRequest {}).await.map(|_| ()),
+            Err(e) => Err(tonic::Status::unavailable(e.to_string())),
+        };
+        assert!(refused.is_err(), "a client without a certificate was accepted");
+        server.shutdown().await;
+    }
+
+    #[tokio::test]
     async fn serves_clients_and_storage_servers_over_grpc() {
         let temp = tempfile::tempdir().unwrap();
         let config = Config {
@@ -161,7 +230,7 @@ mod tests {
         let mut registry = RegistryClient::connect(endpoint.clone()).await.unwrap();
         let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 64, ..TierUsage::default() }];
         let registered = registry
-            .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers })
+            .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, ..Default::default() })
             .await
             .unwrap()
             .into_inner();

@@ -502,7 +502,14 @@ impl Shuffles {
 
 /// A segment as clients see it: lost when its server is dead or no longer known.
 fn segment(servers: &Servers, partition: u32, index: u32, server_id: u64) -> Segment {
-    Segment { partition, index, server_id, address: servers.address(server_id), lost: !servers.is_alive(server_id) }
+    Segment {
+        partition,
+        index,
+        server_id,
+        address: servers.address(server_id),
+        quic_address: servers.quic_address(server_id),
+        lost: !servers.is_alive(server_id),
+    }
 }
 
 fn no_partition(partition: u32, partitions: usize) -> Refusal {

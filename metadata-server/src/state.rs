@@ -312,6 +312,7 @@ impl State {
     ) -> Result<RegisterServerResponse, Status> {
         let context = format!("register storage server {}", req.address);
         let (server_id, replaced) = self.servers.register(&req.address, req.tiers, now).context(&context)?;
+        self.servers.set_quic_address(server_id, &req.quic_address).context(&context)?;
         if let Some(old) = replaced {
             warn!(
                 "storage server {old} ({}) restarted as storage server {server_id}; its blocks are lost",
@@ -319,7 +320,11 @@ impl State {
             );
             self.lose_server(old);
         }
-        info!("storage server {server_id} registered from {}", req.address);
+        if req.quic_address.is_empty() {
+            info!("storage server {server_id} registered from {}", req.address);
+        } else {
+            info!("storage server {server_id} registered from {} (QUIC {})", req.address, req.quic_address);
+        }
         Ok(RegisterServerResponse {
             server_id,
             block_size: self.block_size,

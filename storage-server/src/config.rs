@@ -45,6 +45,16 @@ pub struct Config {
     /// The NVMe tier's io engine: `uring`, `psync` or `auto` (io_uring if a probe at start-up
     /// works, else psync, logged at warn with the reason). Default `auto`.
     pub io_engine: IoEngineChoice,
+    /// Directory of TLS material (`tern cert init`). With it the server also serves the block
+    /// protocol over QUIC (mutual TLS), and talks TLS to a metadata server given as `https://` or
+    /// as a bare host:port. Default: none (TCP only).
+    pub tls_dir: Option<PathBuf>,
+    /// Address of the QUIC (UDP) block service, used when `tls_dir` is set. Default: none,
+    /// meaning the block service's host and port number (the bound one when `listen` has port 0).
+    pub quic_listen: Option<SocketAddr>,
+    /// Allow the plain-TCP block service on a non-loopback address. Default `false`: beyond
+    /// loopback, remote clients should use QUIC.
+    pub trusted_network: bool,
 }
 
 impl Default for Config {
@@ -62,6 +72,9 @@ impl Default for Config {
             nvme: None,
             nvme_size: None,
             io_engine: IoEngineChoice::Auto,
+            tls_dir: None,
+            quic_listen: None,
+            trusted_network: false,
         }
     }
 }
@@ -95,7 +108,37 @@ impl Config {
                 bail!("advertise: empty address (expected host:port, or leave it unset)");
             }
         }
+        if self.quic_listen.is_some() && self.tls_dir.is_none() {
+            bail!("quic_listen is set but tls_dir is not: QUIC needs TLS material (`tern cert init --dir DIR`, then `--tls-dir DIR`)");
+        }
+        tern_transport::check_listen(
+            "the block service over plain TCP",
+            self.listen,
+            self.tls_dir.is_some(),
+            self.trusted_network,
+        )?;
         Ok(())
+    }
+
+    /// Where QUIC listens once TCP is bound to `tcp`: `quic_listen`, else TCP's address and port.
+    pub(crate) fn quic_listen_for(&self, tcp: SocketAddr) -> SocketAddr {
+        self.quic_listen.unwrap_or(tcp)
+    }
+
+    /// The QUIC address to register: `advertise`'s host with the bound QUIC port, else the bound
+    /// address when a client can dial it.
+    pub(crate) fn advertised_quic_address(&self, bound: SocketAddr) -> anyhow::Result<String> {
+        match &self.advertise {
+            Some(advertise) => {
+                let host = advertise.rsplit_once(':').map_or(advertise.as_str(), |(host, _)| host);
+                Ok(format!("{host}:{}", bound.port()))
+            }
+            None if bound.ip().is_unspecified() => bail!(
+                "the QUIC block service listens on {bound}, which clients cannot dial; \
+                 set `advertise` to the host:port clients should use"
+            ),
+            None => Ok(bound.to_string()),
+        }
     }
 
     /// The address to register for clients: `advertise`, else the bound address when it is one a
@@ -152,5 +195,27 @@ mod tests {
         assert!(Config { max_in_flight_per_connection: 0, ..Config::default() }.validate().is_err());
         assert!(Config { metadata: String::new(), ..Config::default() }.validate().is_err());
         assert!(Config { nvme_size: Some(ByteSize::mib(1)), ..Config::default() }.validate().is_err());
+        let quic = Config { quic_listen: Some("127.0.0.1:1".parse().unwrap()), ..Config::default() };
+        assert!(quic.validate().unwrap_err().to_string().contains("tls_dir"));
+    }
+
+    #[test]
+    fn plain_tcp_beyond_loopback_needs_tls_or_a_trusted_network() {
+        let wide = Config { listen: "0.0.0.0:9070".parse().unwrap(), ..Config::default() };
+        let err = wide.validate().unwrap_err().to_string();
+        assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
+        assert!(Config { trusted_network: true, ..wide.clone() }.validate().is_ok());
+        assert!(Config { tls_dir: Some("/etc/tern/tls".into()), ..wide }.validate().is_ok());
+    }
+
+    #[test]
+    fn quic_address_follows_advertise() {
+        let bound: SocketAddr = "0.0.0.0:9170".parse().unwrap();
+        assert!(Config::default().advertised_quic_address(bound).is_err());
+        let config = Config { advertise: Some("store-1:9070".into()), ..Config::default() };
+        assert_eq!(config.advertised_quic_address(bound).unwrap(), "store-1:9170");
+        let local: SocketAddr = "127.0.0.1:9070".parse().unwrap();
+        assert_eq!(Config::default().advertised_quic_address(local).unwrap(), "127.0.0.1:9070");
+        assert_eq!(Config::default().quic_listen_for(local), local);
     }
 }

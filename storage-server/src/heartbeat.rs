@@ -16,7 +16,7 @@ use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, TierUsage};
 use tern_proto::ErrorKind;
 use tokio::time::{Instant, MissedTickBehavior};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
 use crate::nvme::NVME_TIER;
@@ -38,10 +38,12 @@ const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// A gRPC client of the metadata server's Registry service. The channel connects lazily and
 /// reconnects by itself, so one client serves the server's whole life.
-pub(crate) fn connect(metadata: &str) -> anyhow::Result<RegistryClient<Channel>> {
-    let uri = if metadata.contains("://") { metadata.to_string() } else { format!("http://{metadata}") };
-    let endpoint = Endpoint::from_shared(uri)
-        .with_context(|| format!("metadata server address {metadata:?} is not a valid host:port"))?
+pub(crate) fn connect(
+    metadata: &str,
+    tls: Option<&tern_transport::tls::TlsMaterial>,
+) -> anyhow::Result<RegistryClient<Channel>> {
+    let endpoint = tern_transport::tls::grpc_endpoint(metadata, tls)
+        .with_context(|| format!("metadata server address {metadata:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(RPC_TIMEOUT);
     Ok(RegistryClient::new(endpoint.connect_lazy())
@@ -76,6 +78,7 @@ pub(crate) async fn register_at_start(
     client: &mut RegistryClient<Channel>,
     metadata: &str,
     address: &str,
+    quic_address: &str,
     dram_bytes: u64,
     nvme: Option<(u64, &str)>,
 ) -> anyhow::Result<RegisterServerResponse> {
@@ -89,7 +92,7 @@ pub(crate) async fn register_at_start(
     if let Some((nvme_bytes, engine)) = nvme {
         tiers.push(capacity(NVME_TIER, nvme_bytes, engine));
     }
-    let request = RegisterServerRequest { address: address.to_string(), tiers };
+    let request = RegisterServerRequest { address: address.to_string(), tiers, quic_address: quic_address.to_string() };
     let deadline = Instant::now() + REGISTER_DEADLINE;
     let mut backoff = Backoff::new();
     loop {
@@ -221,6 +224,8 @@ pub(crate) struct Heartbeater {
     client: RegistryClient<Channel>,
     metadata: String,
     address: String,
+    /// The QUIC address registered with `address` ("" for none).
+    quic_address: String,
     store: Arc<BlockStore>,
     metrics: Arc<Metrics>,
     session: Session,
@@ -242,12 +247,19 @@ impl Heartbeater {
             client,
             metadata,
             address,
+            quic_address: String::new(),
             store,
             metrics,
             session: Session::new(registered.server_id),
             interval: heartbeat_interval(registered.heartbeat_interval_ms),
             unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
         }
+    }
+
+    /// Registers `quic_address` too when registering again.
+    pub(crate) fn with_quic_address(mut self, quic_address: String) -> Heartbeater {
+        self.quic_address = quic_address;
+        self
     }
 
     /// Heartbeats every interval until an error that needs an operator (then logged).
@@ -314,7 +326,11 @@ impl Heartbeater {
         let mut backoff = Backoff::new();
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
         let registered = loop {
-            let request = RegisterServerRequest { address: self.address.clone(), tiers: tiers(&self.store) };
+            let request = RegisterServerRequest {
+                address: self.address.clone(),
+                tiers: tiers(&self.store),
+                quic_address: self.quic_address.clone(),
+            };
             match self.client.register_server(request).await {
                 Ok(reply) => break reply.into_inner(),
                 Err(status) => {
@@ -478,10 +494,10 @@ mod tests {
         // 10 s deadline passes instantly.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let metadata = format!("127.0.0.1:{port}");
-        let mut client = connect(&metadata).unwrap();
+        let mut client = connect(&metadata, None).unwrap();
         tokio::time::pause();
         let err =
-            register_at_start(&mut client, &metadata, "127.0.0.1:1", 1 << 20, None).await.unwrap_err().to_string();
+            register_at_start(&mut client, &metadata, "127.0.0.1:1", "", 1 << 20, None).await.unwrap_err().to_string();
         assert!(err.contains("cannot reach the metadata server") && err.contains(&metadata), "{err}");
     }
 }

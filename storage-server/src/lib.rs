@@ -7,7 +7,8 @@
 //!   rules, behind an io engine (io_uring or pread/pwrite);
 //! - [`shuffle`]: shuffle segments in the same arena: pushed batches appended (push-merge),
 //!   fetched by committed attempt, a page at a time;
-//! - [`service`]: the block protocol over TCP (pipelined, bounded, never taken down by bad input);
+//! - [`service`]: the block protocol over TCP and, with TLS material, QUIC (one code path over
+//!   `tern_transport`'s listener trait; pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
 //! - [`metrics`]: Prometheus metrics, served on the admin endpoint.
 //!
@@ -32,7 +33,7 @@ use tokio::task::JoinHandle;
 
 pub use config::Config;
 pub use metrics::Metrics;
-pub use service::{serve_blocks, Limits};
+pub use service::{serve_block_listeners, serve_blocks, Limits};
 pub use shuffle::{FetchPage, SegmentId, ShuffleError};
 pub use store::{BlockStore, StoreError, Usage};
 
@@ -40,6 +41,7 @@ pub use store::{BlockStore, StoreError, Usage};
 /// for them to end.
 pub struct StorageServer {
     addr: SocketAddr,
+    quic_addr: Option<SocketAddr>,
     admin_addr: SocketAddr,
     store: Arc<BlockStore>,
     tasks: Vec<JoinHandle<()>>,
@@ -49,6 +51,11 @@ impl StorageServer {
     /// The bound address of the block service.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The bound address of the QUIC block service, if it serves one.
+    pub fn quic_addr(&self) -> Option<SocketAddr> {
+        self.quic_addr
     }
 
     /// The bound address of the admin endpoint (`/metrics`, `/health`).
@@ -112,18 +119,36 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         None => None,
     };
 
+    let tls = config.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding the block service to {}", config.listen))?;
     let addr = listener.local_addr()?;
     let address = config.advertised_address(addr)?;
+    let mut listeners: Vec<Box<dyn tern_transport::Listener>> = vec![Box::new(listener)];
+    let (mut quic_addr, mut quic_address) = (None, String::new());
+    if let Some(tls) = &tls {
+        let quic_listen = config.quic_listen_for(addr);
+        let quic = tern_transport::quic::QuicListener::bind(
+            quic_listen,
+            tls,
+            &tern_transport::quic::QuicTuning::default(),
+            config.max_connections,
+        )
+        .with_context(|| format!("starting the QUIC block service on {quic_listen} (UDP)"))?;
+        let bound = tern_transport::Listener::local_addr(&quic);
+        quic_address = config.advertised_quic_address(bound)?;
+        quic_addr = Some(bound);
+        listeners.push(Box::new(quic));
+    }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
     let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
 
-    let mut client = heartbeat::connect(&config.metadata)?;
+    let mut client = heartbeat::connect(&config.metadata, tls.as_ref())?;
     let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));
-    let registered = heartbeat::register_at_start(&mut client, &config.metadata, &address, dram, nvme_tier).await?;
+    let registered =
+        heartbeat::register_at_start(&mut client, &config.metadata, &address, &quic_address, dram, nvme_tier).await?;
     let mut store = BlockStore::with_arena(arena, registered.block_size)
         .with_context(|| format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size))?;
     if let Some((engine, size, align)) = device {
@@ -133,16 +158,17 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     }
     let store = Arc::new(store);
     metrics.observe_store(&store);
-    let service = tokio::spawn(serve_blocks(listener, store.clone(), Limits::from(&config), metrics.clone()));
+    let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =
-        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered);
+        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered)
+            .with_quic_address(quic_address);
     // The registration could not say how many blocks fit; report them before anyone allocates.
     if let Err(e) = heartbeater.beat().await {
         service.abort();
         return Err(e);
     }
     let heartbeat = tokio::spawn(heartbeater.run());
-    Ok(StorageServer { addr, admin_addr, store, tasks: vec![service, heartbeat] })
+    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat] })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
@@ -156,8 +182,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
         None => String::new(),
     };
+    let quic = match server.quic_addr() {
+        Some(quic) => format!(", QUIC on {quic} (UDP)"),
+        None => String::new(),
+    };
     tracing::info!(
-        "storage server {} listening on {} (admin {}, dram {}{nvme})",
+        "storage server {} listening on {} (TCP{quic}; admin {}, dram {}{nvme})",
         server.server_id(),
         server.addr(),
         server.admin_addr(),

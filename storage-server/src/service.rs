@@ -1,4 +1,5 @@
-//! The block service: block frames over TCP.
+//! The block service: block frames over any [`Listener`] of `tern_transport` (TCP, QUIC), one
+//! code path and one connection limit for all of them.
 //!
 //! Each connection has a reader task and a writer task joined by a bounded queue of replies. The
 //! reader handles DRAM requests in order (they are memcpy-fast) and queues each reply; when the
@@ -21,12 +22,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, MAX_FREE_IDS};
 use tern_proto::shuffle::{FetchRequest, PushHeader, MAX_FETCH_MAPS};
 use tern_proto::{ErrorKind, Tier};
+use tern_transport::{BoxRead, BoxWrite, Listener, Stream};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
@@ -44,6 +45,10 @@ const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: u64 = 4 << 20;
 /// Pause after a failed accept (e.g. out of file descriptors), so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Refusals of connections over the limit being written at once, and how long each may take;
+/// past either, a refused connection is closed without a word.
+const MAX_REFUSALS: usize = 64;
+const REFUSAL_TIMEOUT: Duration = Duration::from_secs(1);
 /// The largest Fetch request: its cursor, page size and the most `(map, attempt)` pairs one may
 /// list. It may exceed the block size, the limit of every other op's payload.
 const MAX_FETCH_REQUEST_BYTES: u32 = 8 + 8 * MAX_FETCH_MAPS as u32;
@@ -75,36 +80,59 @@ impl From<&crate::Config> for Limits {
 
 /// Serves block frames on `listener` from `store` until the returned future is dropped (which
 /// closes every connection it serves).
-pub async fn serve_blocks(listener: TcpListener, store: Arc<BlockStore>, limits: Limits, metrics: Arc<Metrics>) {
+pub async fn serve_blocks(listener: impl Listener, store: Arc<BlockStore>, limits: Limits, metrics: Arc<Metrics>) {
+    serve_block_listeners(vec![Box::new(listener)], store, limits, metrics).await
+}
+
+/// Serves block frames on every listener (e.g. TCP and QUIC) from `store`; `max_connections`
+/// counts the connections of all of them together.
+pub async fn serve_block_listeners(
+    listeners: Vec<Box<dyn Listener>>,
+    store: Arc<BlockStore>,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+) {
     assert!(limits.max_connections > 0 && limits.max_in_flight_per_connection > 0, "limits must be positive");
     let permits = Arc::new(Semaphore::new(limits.max_connections));
-    // Two tasks per connection; dropping the set (with this future) aborts them all.
+    let refusals = Arc::new(Semaphore::new(MAX_REFUSALS));
+    let mut accepted = futures::stream::select_all(listeners.into_iter().map(|listener| {
+        let name = listener.name();
+        futures::stream::unfold(listener, move |mut listener| async move {
+            let next = listener.accept().await;
+            Some(((name, next), listener))
+        })
+        .boxed()
+    }));
+    // Two tasks per connection (and one per refusal); dropping the set (with this future) aborts them all.
     let mut tasks = JoinSet::new();
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(accepted) => accepted,
+            Some((transport, next)) = accepted.next() => {
+                let stream = match next {
+                    Ok(stream) => stream,
                     Err(e) => {
-                        tracing::warn!("block service: accept failed: {e}");
+                        tracing::warn!("block service: {transport} accept failed: {e}");
                         tokio::time::sleep(ACCEPT_BACKOFF).await;
                         continue;
                     }
                 };
                 let Ok(permit) = permits.clone().try_acquire_owned() else {
-                    refuse_connection(stream, peer, limits.max_connections, &metrics).await;
+                    if let Ok(slot) = refusals.clone().try_acquire_owned() {
+                        let metrics = metrics.clone();
+                        tasks.spawn(async move {
+                            let _slot = slot;
+                            refuse_connection(stream, limits.max_connections, &metrics).await;
+                        });
+                    }
                     continue;
                 };
-                if let Err(e) = stream.set_nodelay(true) {
-                    tracing::debug!("block service: TCP_NODELAY on {peer}: {e}");
-                }
                 metrics.connection_opened();
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
-                let (rd, wr) = stream.into_split();
+                let Stream { reader, writer, peer } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
-                tasks.spawn(write_replies(wr, rx, guard.clone(), peer));
+                tasks.spawn(write_replies(writer, rx, guard.clone(), peer));
                 let nvme_ops = Arc::new(Semaphore::new(limits.max_in_flight_per_connection));
-                tasks.spawn(read_requests(rd, tx, store.clone(), metrics.clone(), guard, peer, nvme_ops));
+                tasks.spawn(read_requests(reader, tx, store.clone(), metrics.clone(), guard, peer, nvme_ops));
             }
             Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                 if let Err(e) = joined {
@@ -129,27 +157,24 @@ impl Drop for ConnectionGuard {
     }
 }
 
-/// Tells a connection over the limit why it is refused, without waiting on it, and closes it.
-async fn refuse_connection(stream: TcpStream, peer: SocketAddr, limit: usize, metrics: &Metrics) {
+/// Tells a connection over the limit why it is refused, waiting on it at most
+/// [`REFUSAL_TIMEOUT`], and closes it.
+async fn refuse_connection(stream: Stream, limit: usize, metrics: &Metrics) {
     let message = format!("storage server is at its limit of {limit} connections; retry later");
     let frame = Frame::error(0, Op::Malformed, 0, ErrorKind::Unavailable, &message);
-    let mut wire = Vec::with_capacity(frame::HEADER_LEN + frame.payload.len());
-    if frame::write_frame(&mut wire, &frame).await.is_ok() {
-        // A fresh socket's send buffer takes these few hundred bytes at once; a peer that cannot
-        // take them is not waited for.
-        let _ = stream.try_write(&wire);
-    }
+    let Stream { reader, mut writer, peer } = stream;
+    let sent = tokio::time::timeout(REFUSAL_TIMEOUT, async {
+        frame::write_frame(&mut writer, &frame).await?;
+        writer.shutdown().await
+    })
+    .await;
+    drop(reader);
     metrics.record(Op::Malformed, Duration::ZERO, 0, Some(ErrorKind::Unavailable));
-    tracing::debug!("block service: refused {peer}: {message}");
+    tracing::debug!("block service: refused {peer}: {message} (told: {})", matches!(sent, Ok(Ok(()))));
 }
 
 /// Writes queued replies, batching them while more are queued.
-async fn write_replies(
-    wr: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Frame>,
-    _guard: Arc<ConnectionGuard>,
-    peer: SocketAddr,
-) {
+async fn write_replies(wr: BoxWrite, mut rx: mpsc::Receiver<Frame>, _guard: Arc<ConnectionGuard>, peer: SocketAddr) {
     let mut out = BufWriter::with_capacity(WRITE_BUFFER_BYTES, wr);
     while let Some(reply) = rx.recv().await {
         let written = match frame::write_frame(&mut out, &reply).await {
@@ -170,7 +195,7 @@ async fn write_replies(
 
 /// Reads and handles requests in order, queueing one reply per request.
 async fn read_requests(
-    mut rd: OwnedReadHalf,
+    mut rd: BoxRead,
     tx: mpsc::Sender<Frame>,
     store: Arc<BlockStore>,
     metrics: Arc<Metrics>,
@@ -268,7 +293,7 @@ struct NvmeOp<'a> {
 /// Starts an NVMe Read or Write: validates it, reads a write's payload into its aligned buffer,
 /// and spawns the disk op, which queues the reply (`Ok(None)`). `Ok(Some(reply))` when it was
 /// refused before reaching the disk; `Err` is a stream error after which the connection closes.
-async fn serve_nvme(rd: &mut OwnedReadHalf, op: NvmeOp<'_>, h: Header) -> Result<Option<Frame>, FrameError> {
+async fn serve_nvme(rd: &mut BoxRead, op: NvmeOp<'_>, h: Header) -> Result<Option<Frame>, FrameError> {
     let nvme = match op.store.nvme_for(h.block_id) {
         Ok(nvme) => nvme.clone(),
         Err(e) => {
@@ -332,7 +357,7 @@ fn error_kind(reply: &Frame) -> Option<ErrorKind> {
 }
 
 /// The reply to a header that could not be decoded, and whether the connection must close.
-async fn reply_to_bad_header(rd: &mut OwnedReadHalf, err: FrameError) -> (Frame, bool) {
+async fn reply_to_bad_header(rd: &mut BoxRead, err: FrameError) -> (Frame, bool) {
     if let FrameError::UnknownOp { request_id, payload_len, .. } = err {
         let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch)");
         // The header was sound, so skipping the payload brings the stream to the next frame.
@@ -345,14 +370,14 @@ async fn reply_to_bad_header(rd: &mut OwnedReadHalf, err: FrameError) -> (Frame,
 }
 
 /// Discards what the peer still sends, bounded in time and bytes (see [`LINGER`]).
-async fn linger(rd: &mut OwnedReadHalf) {
+async fn linger(rd: &mut BoxRead) {
     let mut rest = rd.take(LINGER_BYTES);
     let _ = tokio::time::timeout(LINGER, tokio::io::copy(&mut rest, &mut tokio::io::sink())).await;
 }
 
 /// Handles one request whose header decoded. `Ok` carries the reply (which may be an error
 /// reply) and the payload bytes moved; `Err` is a stream error after which the connection closes.
-async fn serve_request(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_request(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
     if h.response {
         let message = format!("{h}: a reply frame sent to a storage server, which takes requests only");
         return refuse(rd, h, ErrorKind::Invalid, &message).await;
@@ -382,7 +407,7 @@ async fn serve_request(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -
 }
 
 /// Appends a Write's payload to its block, reading it from the socket straight into the arena.
-async fn serve_write(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_write(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
     let mut pending = match store.begin_write(h.block_id, h.offset, h.payload_len) {
         Ok(pending) => pending,
         Err(e) => {
@@ -399,7 +424,7 @@ async fn serve_write(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> 
 }
 
 /// Frees the blocks a Free frame lists; the reply's length is the number freed.
-async fn serve_free(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_free(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
     if h.payload_len as usize > MAX_FREE_IDS * 8 {
         let err = FrameError::BadFreeList { bytes: h.payload_len as usize };
         return refuse(rd, h, err.kind(), &format!("{h}: {err}")).await;
@@ -420,7 +445,7 @@ async fn serve_free(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> R
 
 /// Reads a request's whole payload. `Ok(Err(reply))` when it is unusable but the stream is still
 /// at a frame boundary (a bad checksum): the error reply to send.
-async fn read_request_payload(rd: &mut OwnedReadHalf, h: &Header) -> Result<Result<Bytes, Frame>, FrameError> {
+async fn read_request_payload(rd: &mut BoxRead, h: &Header) -> Result<Result<Bytes, Frame>, FrameError> {
     match frame::read_payload(rd, h).await {
         Ok(payload) => Ok(Ok(payload)),
         Err(e) if !e.is_fatal() => Ok(Err(frame_error(h, &e))),
@@ -430,7 +455,7 @@ async fn read_request_payload(rd: &mut OwnedReadHalf, h: &Header) -> Result<Resu
 
 /// Appends a Push's batch to its segment; the reply's length is the segment's size afterwards
 /// (saturating at `u32::MAX`).
-async fn serve_push(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_push(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
     let payload = match read_request_payload(rd, h).await? {
         Ok(payload) => payload,
         Err(reply) => return Ok((reply, 0)),
@@ -449,7 +474,7 @@ async fn serve_push(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> R
 }
 
 /// Answers a Fetch with a page of committed batches; the reply's length is the next cursor.
-async fn serve_fetch(rd: &mut OwnedReadHalf, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_fetch(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
     let payload = match read_request_payload(rd, h).await? {
         Ok(payload) => payload,
         Err(reply) => return Ok((reply, 0)),
@@ -473,12 +498,7 @@ fn segment_of(h: &Header) -> SegmentId {
 }
 
 /// Skips the request's payload (keeping the stream at a frame boundary) and answers with an error.
-async fn refuse(
-    rd: &mut OwnedReadHalf,
-    h: &Header,
-    kind: ErrorKind,
-    message: &str,
-) -> Result<(Frame, u64), FrameError> {
+async fn refuse(rd: &mut BoxRead, h: &Header, kind: ErrorKind, message: &str) -> Result<(Frame, u64), FrameError> {
     frame::skip_payload(rd, h.payload_len).await?;
     Ok((Frame::error(h.request_id, h.op, h.block_id, kind, message), 0))
 }

@@ -230,9 +230,14 @@ async fn registers_heartbeats_frees_and_reregisters() {
 
 #[tokio::test]
 async fn start_refuses_what_cannot_work() {
-    // A wildcard listen address cannot be registered for clients.
+    // Plain TCP beyond loopback needs TLS material or a trusted network.
     let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
     let wildcard = Config { listen: "0.0.0.0:0".parse().unwrap(), ..config(unused) };
+    let err = start(wildcard.clone()).await.err().unwrap().to_string();
+    assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
+
+    // A wildcard listen address cannot be registered for clients.
+    let wildcard = Config { trusted_network: true, ..wildcard };
     let err = start(wildcard).await.err().unwrap().to_string();
     assert!(err.contains("advertise"), "{err}");
 

@@ -8,17 +8,31 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use tern_client::Client;
+use tern_client::{Client, ClientOptions, TransportKind};
 
 pub const TERN: &str = env!("CARGO_BIN_EXE_tern");
 /// Heartbeats are fast in tests so that deaths and frees show within a second or two.
 pub const HEARTBEAT_MS: u64 = 200;
 pub const SERVER_TIMEOUT_MS: u64 = 1500;
 
+/// How a test cluster uses TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tls {
+    /// Plain TCP everywhere, as `tern up` without TLS material.
+    Off,
+    /// TLS material in DIR/tls: storage servers also serve QUIC; gRPC stays plain (as `tern up`).
+    Quic,
+    /// As `Quic`, and the metadata server serves gRPC over mutual TLS (as `tern up --tls`).
+    Full,
+}
+
 pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub metadata_addr: String,
     pub storage_addrs: Vec<String>,
+    /// The cluster's TLS material (`tern cert init`), unless started with `Tls::Off`.
+    pub tls_dir: Option<PathBuf>,
+    pub tls: Tls,
     metadata: Child,
     storage: Vec<Option<Child>>,
 }
@@ -28,7 +42,7 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Child {
+pub fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Child {
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
     Command::new(TERN)
         .args(args)
@@ -51,39 +65,70 @@ impl Cluster {
     /// Starts a metadata server and `servers` storage servers of `dram` each, and waits until
     /// every storage server has registered.
     pub async fn start(servers: usize, dram: &str) -> Cluster {
-        Cluster::start_with(servers, dram, None).await
+        Cluster::start_full(servers, dram, Tls::Off, None).await
     }
 
-    /// [`Cluster::start`], each storage server with an NVMe tier when `nvme` is given.
-    pub async fn start_with(servers: usize, dram: &str, nvme: Option<Nvme<'_>>) -> Cluster {
+    /// [`Cluster::start`] with TLS material made by `tern cert init` as `tls` says.
+    pub async fn start_with(servers: usize, dram: &str, tls: Tls) -> Cluster {
+        Cluster::start_full(servers, dram, tls, None).await
+    }
+
+    /// [`Cluster::start`], each storage server with an NVMe tier.
+    pub async fn start_with_nvme(servers: usize, dram: &str, nvme: Nvme<'_>) -> Cluster {
+        Cluster::start_full(servers, dram, Tls::Off, Some(nvme)).await
+    }
+
+    async fn start_full(servers: usize, dram: &str, tls: Tls, nvme: Option<Nvme<'_>>) -> Cluster {
         // O_DIRECT needs a disk filesystem: the target dir is on the real disk, /tmp may be tmpfs.
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let metadata_addr = format!("127.0.0.1:{}", free_port());
+        let tls_dir = (tls != Tls::Off).then(|| dir.path().join("tls"));
+        if let Some(tls_dir) = &tls_dir {
+            let out = Command::new(TERN).args(["cert", "init", "--dir"]).arg(tls_dir).output().unwrap();
+            assert!(out.status.success(), "tern cert init: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let tls_arg = tls_dir.as_ref().map(|d| d.to_string_lossy().to_string()).unwrap_or_default();
+        let storage_tls: Vec<&str> = if tls == Tls::Off { Vec::new() } else { vec!["--tls-dir", &tls_arg] };
+        let mut metadata_tls: Vec<&str> = Vec::new();
+        if tls == Tls::Full {
+            metadata_tls.extend(["--tls-dir", &tls_arg]);
+        }
+        // Storage servers are told by the scheme whether the control plane is TLS.
+        let metadata_url = match tls {
+            Tls::Off => metadata_addr.clone(),
+            Tls::Quic => format!("http://{metadata_addr}"),
+            Tls::Full => format!("https://{metadata_addr}"),
+        };
         let metadata = spawn_logged(
             dir.path(),
             "metadata",
             &[
-                "metadata-server",
-                "--listen",
-                &metadata_addr,
-                "--dir",
-                &dir.path().join("metadata").to_string_lossy(),
-                "--admin",
-                "127.0.0.1:0",
-                "--heartbeat-interval-ms",
-                &HEARTBEAT_MS.to_string(),
-                "--server-timeout-ms",
-                &SERVER_TIMEOUT_MS.to_string(),
-            ],
+                &[
+                    "metadata-server",
+                    "--listen",
+                    &metadata_addr,
+                    "--dir",
+                    &dir.path().join("metadata").to_string_lossy(),
+                    "--admin",
+                    "127.0.0.1:0",
+                    "--heartbeat-interval-ms",
+                    &HEARTBEAT_MS.to_string(),
+                    "--server-timeout-ms",
+                    &SERVER_TIMEOUT_MS.to_string(),
+                ][..],
+                &metadata_tls,
+            ]
+            .concat(),
         );
-        let mut cluster = Cluster { dir, metadata_addr, storage_addrs: Vec::new(), metadata, storage: Vec::new() };
+        let mut cluster =
+            Cluster { dir, metadata_addr, storage_addrs: Vec::new(), tls_dir, tls, metadata, storage: Vec::new() };
         for i in 0..servers {
             let addr = format!("127.0.0.1:{}", free_port());
             let nvme_path = cluster.dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
             let mut args = vec![
                 "storage-server",
                 "--metadata",
-                &cluster.metadata_addr,
+                &metadata_url,
                 "--listen",
                 &addr,
                 "--admin",
@@ -91,6 +136,7 @@ impl Cluster {
                 "--dram",
                 dram,
             ];
+            args.extend(&storage_tls);
             if let Some(nvme) = &nvme {
                 args.extend(["--nvme", &nvme_path, "--nvme-size", nvme.size, "--io-engine", nvme.engine]);
             }
@@ -109,9 +155,28 @@ impl Cluster {
     }
 
     pub async fn client(&self) -> Client {
+        self.client_over(TransportKind::Tcp).await
+    }
+
+    /// The metadata address as a client of this cluster gives it: `http://` when the cluster's
+    /// gRPC is plain but the client has TLS material (for QUIC).
+    pub fn metadata_url(&self) -> String {
+        match self.tls {
+            Tls::Off | Tls::Full => self.metadata_addr.clone(),
+            Tls::Quic => format!("http://{}", self.metadata_addr),
+        }
+    }
+
+    /// Client options with this cluster's TLS material and `transport`.
+    pub fn options(&self, transport: TransportKind) -> ClientOptions {
+        ClientOptions { transport, tls_dir: self.tls_dir.clone(), ..ClientOptions::default() }
+    }
+
+    /// A client whose block traffic goes over `transport`.
+    pub async fn client_over(&self, transport: TransportKind) -> Client {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            match Client::connect(&self.metadata_addr).await {
+            match Client::connect_with(&self.metadata_url(), self.options(transport)).await {
                 Ok(client) => return client,
                 Err(e) if Instant::now() > deadline => panic!("metadata server never answered: {e}\n{}", self.logs()),
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -121,7 +186,13 @@ impl Cluster {
 
     /// Runs the `tern` command line against this cluster.
     pub fn tern(&self, args: &[&str]) -> Output {
-        Command::new(TERN).args(args).env("TERN_METADATA", &self.metadata_addr).output().unwrap()
+        let mut command = Command::new(TERN);
+        command.args(args).env("TERN_METADATA", self.metadata_url()).env_remove("TERN_TRANSPORT");
+        match &self.tls_dir {
+            Some(dir) => command.env("TERN_TLS_DIR", dir),
+            None => command.env_remove("TERN_TLS_DIR"),
+        };
+        command.output().unwrap()
     }
 
     /// Runs `tern` and returns its stdout, failing the test if it fails.

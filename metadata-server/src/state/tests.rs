@@ -25,7 +25,9 @@ pub(super) fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String
 
 pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }];
-    let reply = state.register_server(RegisterServerRequest { address: address.into(), tiers }, now).unwrap();
+    let reply = state
+        .register_server(RegisterServerRequest { address: address.into(), tiers, ..Default::default() }, now)
+        .unwrap();
     assert_eq!(reply.block_size as u64, BLOCK);
     reply.server_id
 }
@@ -300,7 +302,7 @@ fn a_restarted_server_loses_its_blocks() {
     assert_eq!(kind, ErrorKind::DataLost);
     assert!(message.contains("storage server 1 (10.0.0.1:7000) is lost: the server restarted"), "{message}");
     let (kind, _) =
-        refused(state.register_server(RegisterServerRequest { address: "nope".into(), tiers: vec![] }, now));
+        refused(state.register_server(RegisterServerRequest { address: "nope".into(), ..Default::default() }, now));
     assert_eq!(kind, ErrorKind::Invalid);
 }
 

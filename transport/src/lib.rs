@@ -1,0 +1,145 @@
+//! Tern's data-plane transports and the cluster's TLS material.
+//!
+//! The block protocol (`tern_proto::frame`) runs over any ordered, reliable byte stream. This
+//! crate gives the storage server's block service and the client's connection pool one interface
+//! to such streams:
+//!
+//! - a [`Connector`] (client side) dials `host:port` and hands back a reader and a writer;
+//! - a [`Listener`] (server side) accepts them, with the peer's address;
+//!
+//! implemented for plain TCP ([`tcp`]) and for QUIC with mutual TLS ([`quic`]: one bidirectional
+//! stream per block connection, spread over several endpoints so more than one core carries
+//! traffic). [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
+//! [`check_listen`] is the rule that keeps plain TCP on loopback unless a network is trusted.
+
+pub mod quic;
+pub mod tcp;
+pub mod tls;
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::str::FromStr;
+
+use futures::future::BoxFuture;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// The reading half of a block connection.
+pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+/// The writing half of a block connection; `shutdown` ends the stream (TCP FIN, QUIC stream FIN).
+pub type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// One byte stream between a client and a storage server.
+pub struct Stream {
+    pub reader: BoxRead,
+    pub writer: BoxWrite,
+    /// The other end's address.
+    pub peer: SocketAddr,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// The client side: dials storage servers.
+pub trait Connector: Send + Sync + 'static {
+    /// Opens a new stream to `addr` (`host:port`).
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>>;
+}
+
+/// The server side: accepts streams from clients.
+pub trait Listener: Send + 'static {
+    /// The next stream a client opened. An error is about one attempt; the listener stays usable.
+    fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>>;
+    /// The bound address.
+    fn local_addr(&self) -> SocketAddr;
+    /// A short name for logs ("tcp", "quic").
+    fn name(&self) -> &'static str;
+}
+
+impl Listener for Box<dyn Listener> {
+    fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
+        (**self).accept()
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        (**self).local_addr()
+    }
+
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+}
+
+/// Which transport a client uses for block traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Plain TCP (TCP_NODELAY), the storage servers' `listen` address.
+    #[default]
+    Tcp,
+    /// QUIC with mutual TLS, the storage servers' `quic_listen` address; needs TLS material.
+    Quic,
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Quic => "quic",
+        })
+    }
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<TransportKind, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "tcp" => Ok(TransportKind::Tcp),
+            "quic" => Ok(TransportKind::Quic),
+            other => Err(format!("unknown transport {other:?} (expected tcp or quic)")),
+        }
+    }
+}
+
+/// The trusted-network rule, checked by every daemon before it binds: plain TCP (block service or
+/// gRPC) is fine on loopback; beyond it the daemon needs TLS material, or an explicit
+/// `--trusted-network` saying the network itself is private.
+pub fn check_listen(what: &str, addr: SocketAddr, has_tls: bool, trusted_network: bool) -> anyhow::Result<()> {
+    if addr.ip().is_loopback() || has_tls || trusted_network {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "refusing to serve {what} on {addr} without TLS: beyond loopback Tern needs TLS material. \
+         Create it with `tern cert init --dir DIR` (copy DIR to every node), then start with \
+         `--tls-dir DIR`; or pass `--trusted-network` if this network is private and plain TCP is acceptable"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_tcp_only_on_loopback_unless_trusted_or_tls() {
+        let loopback: SocketAddr = "127.0.0.1:9070".parse().unwrap();
+        let any: SocketAddr = "0.0.0.0:9070".parse().unwrap();
+        assert!(check_listen("the block service", loopback, false, false).is_ok());
+        assert!(check_listen("the block service", "[::1]:1".parse().unwrap(), false, false).is_ok());
+        let err = check_listen("the block service", any, false, false).unwrap_err().to_string();
+        assert!(
+            err.contains("tern cert init --dir DIR") && err.contains("--tls-dir") && err.contains("--trusted-network")
+        );
+        assert!(check_listen("the block service", any, true, false).is_ok());
+        assert!(check_listen("the block service", any, false, true).is_ok());
+    }
+
+    #[test]
+    fn transport_kinds_parse() {
+        assert_eq!("QUIC".parse::<TransportKind>().unwrap(), TransportKind::Quic);
+        assert_eq!(TransportKind::Tcp.to_string(), "tcp");
+        assert!("udp".parse::<TransportKind>().is_err());
+    }
+}
