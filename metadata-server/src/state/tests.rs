@@ -451,7 +451,9 @@ fn storage_classes_steer_placement() {
             ..TierUsage::default()
         },
     ];
-    state.register_server(RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers }, now).unwrap();
+    state
+        .register_server(RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers, ..Default::default() }, now)
+        .unwrap();
     let create_class = |state: &mut State, path: &str, class: &str| {
         let request =
             CreateRequest { path: path.into(), parents: true, storage_class: class.into(), ..Default::default() };
