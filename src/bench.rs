@@ -59,13 +59,15 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Block write and read throughput and latency of Tern's data plane beside a redis-server the
-    /// bench starts (SET/GET) and plain files (pwrite/pread), for 4KiB, 64KiB, 1MiB and 4MiB at
+    /// Block write and read throughput and latency of Tern's data plane (DRAM over TCP and QUIC,
+    /// NVMe over TCP) beside a redis-server the bench starts (SET/GET) and plain files
+    /// (pwrite/pread, buffered and O_DIRECT), for 4KiB, 64KiB, 1MiB and 4MiB at
     /// concurrency 1, 4 and 16; each worker has its own connection and one request in flight.
     /// Prints a table with each system's ratio to Redis.
     Io {
-        /// Systems to measure, comma-separated: tern-tcp, redis, file.
-        #[arg(long, value_delimiter = ',', default_value = "tern-tcp,redis,file")]
+        /// Systems to measure, comma-separated: tern-tcp, tern-quic, tern-nvme, redis, file,
+        /// file-direct.
+        #[arg(long, value_delimiter = ',', default_value = "tern-tcp,tern-quic,tern-nvme,redis,file,file-direct")]
         systems: Vec<tern_bench::io::System>,
         /// Only 1MiB at concurrency 4 and 4KiB at concurrency 1 (under a minute).
         #[arg(long)]
