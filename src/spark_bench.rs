@@ -77,6 +77,8 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         "no plugin jar at {} (run spark-shuffle/build.sh --release)",
         options.jar.display()
     );
+    // Executors run in their own work directories: the jar path must be absolute.
+    let jar_path = std::fs::canonicalize(&options.jar)?;
     let spark_home = spark_home(options.spark_home.as_deref())?;
     let submit = spark_home.join("bin/spark-submit");
     anyhow::ensure!(submit.exists(), "no {}", submit.display());
@@ -106,7 +108,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
             .env("SPARK_HOME", &spark_home)
             .args(["--master", &options.master, "--class", "io.tern.spark.tools.TeraSort"])
             .args(["--driver-memory", "1g", "--executor-memory", &options.executor_memory]);
-        let jar = options.jar.to_string_lossy().to_string();
+        let jar = jar_path.to_string_lossy().to_string();
         let mut confs = vec![
             format!("spark.driver.extraClassPath={jar}"),
             format!("spark.executor.extraClassPath={jar}"),
@@ -143,6 +145,9 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         let summary = terasort_run::teravalidate(None, &Location::Local(out.clone()), &progress).await?;
         let valid = summary.sorted() && summary.checksum == generated.checksum && summary.records == generated.records;
         std::fs::remove_dir_all(&out).ok();
+        if !options.quiet {
+            eprintln!("spark-terasort: {name}: {:.2} s, output valid: {valid}", run.seconds);
+        }
         runs.push((run, valid));
     }
     drop(cluster);
