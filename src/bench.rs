@@ -104,6 +104,33 @@ enum BenchCommand {
         #[arg(long)]
         no_progress: bool,
     },
+    /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
+    /// plugin jar's TeraSort driver), same input and executors; both outputs validated.
+    SparkTerasort {
+        /// Bytes to sort (100-byte gensort records).
+        #[arg(long, default_value = "2GiB")]
+        size: ByteSize,
+        /// Reduce partitions [default: one per 64 MiB, at least 4].
+        #[arg(long, default_value_t = 0)]
+        partitions: usize,
+        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with
+        /// spark-shuffle/build.sh --release].
+        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
+        jar: PathBuf,
+        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
+        #[arg(long)]
+        spark_home: Option<PathBuf>,
+        #[arg(long, default_value = "local-cluster[2,1,1024]")]
+        master: String,
+        #[arg(long, default_value = "900m")]
+        executor_memory: String,
+        /// Directory for the input and outputs (local disk, about 2x the size).
+        #[arg(long, default_value = "/tmp")]
+        scratch: PathBuf,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -199,6 +226,27 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             if let Some(path) = plot {
                 tern_bench::io::plot(&report.results, &path)?;
             }
+            Ok(())
+        }
+        BenchCommand::SparkTerasort { size, partitions, jar, spark_home, master, executor_memory, scratch, json } => {
+            let options = crate::spark_bench::SparkTerasortOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                size_bytes: size.bytes(),
+                partitions,
+                jar,
+                spark_home,
+                master,
+                executor_memory,
+                scratch,
+                quiet: json,
+            };
+            let report = crate::spark_bench::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                crate::spark_bench::print_table(&report);
+            }
+            anyhow::ensure!(report.builtin_valid && report.tern_valid, "a Spark TeraSort output is invalid");
             Ok(())
         }
     }

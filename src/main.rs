@@ -7,6 +7,7 @@ mod cli;
 mod daemons;
 mod fs;
 mod show;
+mod spark_bench;
 mod status;
 mod terasort;
 mod up;

@@ -202,6 +202,11 @@ impl Cluster {
         String::from_utf8(out.stdout).unwrap()
     }
 
+    /// The process id of storage server `i` (for a test that kills it from another process).
+    pub fn storage_pid(&self, i: usize) -> u32 {
+        self.storage[i].as_ref().expect("storage server already killed").id()
+    }
+
     /// SIGKILLs storage server `i`.
     pub fn kill_storage(&mut self, i: usize) {
         let mut child = self.storage[i].take().expect("storage server already killed");

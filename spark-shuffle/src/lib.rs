@@ -1,0 +1,526 @@
+//! The native half of Tern's Spark shuffle plugin: tern-client's shuffle API over JNI, for the
+//! Java class `io.tern.spark.TernNative`.
+//!
+//! Rules every entry point keeps:
+//! - **Opaque handles.** Native state crosses as a `jlong` made by `Box::into_raw`; Java frees it
+//!   with the matching `close*` call, exactly once. A zero handle is refused, never dereferenced.
+//! - **Nothing unwinds into the JVM.** Each entry point runs under `catch_unwind`; an error or a
+//!   panic becomes a thrown `io.tern.spark.TernException` carrying the message and the error kind
+//!   (`data-lost`, `not-found`, ... as in `tern_proto::ErrorKind::name`, or `panic`).
+//! - **Zero copy.** Data goes in and out as direct ByteBuffers: a write reads the caller's buffer
+//!   in place; a read hands Java a direct buffer over the fetched bytes, valid until the next
+//!   `nextBatch` or `closeReader` on that reader.
+//! - **One runtime per process**, created on first use; calls block the calling Java thread on it.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bytes::Bytes;
+use jni::objects::{JByteBuffer, JClass, JIntArray, JObject, JString, JValue};
+use jni::sys::{jint, jintArray, jlong, jlongArray, jobject, jstring};
+use jni::JNIEnv;
+use tern_client::{Client, ErrorKind, JobSession, MapWriter, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
+
+const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
+
+/// An error on its way to Java: a kind (`ErrorKind::name`, or `panic`/`jni`) and a message.
+struct Failure {
+    kind: String,
+    message: String,
+}
+
+impl From<tern_client::Error> for Failure {
+    fn from(e: tern_client::Error) -> Failure {
+        Failure { kind: e.kind().name().to_string(), message: e.message().to_string() }
+    }
+}
+
+impl From<jni::errors::Error> for Failure {
+    fn from(e: jni::errors::Error) -> Failure {
+        Failure { kind: "jni".into(), message: e.to_string() }
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Failure {
+    Failure { kind: ErrorKind::Invalid.name().into(), message: message.into() }
+}
+
+type Outcome<T> = Result<T, Failure>;
+
+/// The process's runtime. Its workers run the pushes and fetches in the background; a JNI call
+/// blocks its own (Java) thread until its future completes. Threads: `TERN_SPARK_THREADS`, else 2.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        let threads = std::env::var("TERN_SPARK_THREADS").ok().and_then(|t| t.parse().ok()).unwrap_or(2usize);
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("TERN_SPARK_LOG")
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            )
+            .with_writer(std::io::stderr)
+            .try_init();
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("tern-spark")
+            .enable_all()
+            .build()
+            .expect("building the tern-spark tokio runtime")
+    })
+}
+
+/// Runs `body`, turning an error or a panic into a pending Java exception and returning
+/// `T::default()` (which Java never sees, since the exception is thrown on return).
+fn entry<'local, T: Default>(env: &mut JNIEnv<'local>, body: impl FnOnce(&mut JNIEnv<'local>) -> Outcome<T>) -> T {
+    let result = catch_unwind(AssertUnwindSafe(|| body(env)));
+    let failure = match result {
+        Ok(Ok(value)) => return value,
+        Ok(Err(failure)) => failure,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Failure { kind: "panic".into(), message: format!("tern-spark native code panicked: {message}") }
+        }
+    };
+    throw(env, &failure);
+    T::default()
+}
+
+fn throw(env: &mut JNIEnv, failure: &Failure) {
+    if env.exception_check().unwrap_or(false) {
+        return; // a Java exception (from a callback) is already on its way
+    }
+    let thrown = (|| -> jni::errors::Result<()> {
+        let kind = env.new_string(&failure.kind)?;
+        let message = env.new_string(&failure.message)?;
+        let exception = env.new_object(
+            EXCEPTION_CLASS,
+            "(Ljava/lang/String;Ljava/lang/String;)V",
+            &[JValue::Object(&kind), JValue::Object(&message)],
+        )?;
+        env.throw(jni::objects::JThrowable::from(exception))
+    })();
+    if thrown.is_err() {
+        let _ = env.exception_clear();
+        let _ = env.throw_new("java/lang/RuntimeException", format!("{} ({})", failure.message, failure.kind));
+    }
+}
+
+fn into_handle<T>(value: T) -> jlong {
+    Box::into_raw(Box::new(value)) as jlong
+}
+
+/// Borrows the object behind a handle made by `into_handle::<T>`.
+///
+/// # Safety
+/// `handle` must come from `into_handle::<T>` and not have been closed; Java's wrappers keep
+/// that promise (each handle is owned by one object, closed once, never used after).
+unsafe fn borrow<'a, T>(handle: jlong) -> Outcome<&'a mut T> {
+    if handle == 0 {
+        return Err(invalid("a closed or null native handle was used"));
+    }
+    Ok(&mut *(handle as *mut T))
+}
+
+/// Frees the object behind a handle; zero is ignored.
+///
+/// # Safety
+/// As for [`borrow`]; afterwards the handle must not be used again.
+unsafe fn close<T>(handle: jlong) {
+    if handle != 0 {
+        drop(Box::from_raw(handle as *mut T));
+    }
+}
+
+fn string(env: &mut JNIEnv, s: &JString) -> Outcome<String> {
+    if s.is_null() {
+        return Ok(String::new());
+    }
+    Ok(env.get_string(s)?.into())
+}
+
+fn range(start: jint, end: jint) -> Outcome<std::ops::Range<u32>> {
+    if start < 0 || end < start {
+        return Err(invalid(format!("bad range [{start}, {end})")));
+    }
+    Ok(start as u32..end as u32)
+}
+
+struct Reader {
+    reader: ShuffleReader,
+    /// The batch Java is looking at: kept alive while its direct buffer is in use.
+    current: Option<Bytes>,
+}
+
+struct Writer {
+    writer: Option<MapWriter>,
+}
+
+// ---- clients and jobs -------------------------------------------------------------------------
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    addr: JString<'l>,
+) -> jlong {
+    entry(&mut env, |env| {
+        let addr = string(env, &addr)?;
+        let client = runtime().block_on(Client::connect(&addr))?;
+        Ok(into_handle(client))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_closeClient<'l>(_: JNIEnv<'l>, _: JClass<'l>, client: jlong) {
+    // SAFETY: the handle came from `connect` and Java closes it once.
+    let _ = catch_unwind(|| unsafe { close::<Client>(client) });
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_startJob<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    name: JString<'l>,
+    lease_ms: jlong,
+) -> jlong {
+    entry(&mut env, |env| {
+        // SAFETY: a live client handle (see `borrow`).
+        let client = unsafe { borrow::<Client>(client)? }.clone();
+        let name = string(env, &name)?;
+        let lease = Duration::from_millis(lease_ms.max(1) as u64);
+        let job = runtime().block_on(client.start_job((!name.is_empty()).then_some(name.as_str()), lease))?;
+        Ok(into_handle(job))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_jobId<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    job: jlong,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live job handle.
+        let job = unsafe { borrow::<JobSession>(job)? };
+        Ok(env.new_string(job.id())?.into_raw())
+    })
+}
+
+/// Ends the job (freeing everything under it) and frees the handle.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_endJob<'l>(mut env: JNIEnv<'l>, _: JClass<'l>, job: jlong) {
+    entry(&mut env, |_| {
+        if job == 0 {
+            return Err(invalid("endJob on a closed job handle"));
+        }
+        // SAFETY: a live job handle, consumed here; Java drops its copy.
+        let job = unsafe { Box::from_raw(job as *mut JobSession) };
+        runtime().block_on(job.end())?;
+        Ok(())
+    })
+}
+
+/// Stops renewing the job's lease without ending it (as a crashed driver would): the metadata
+/// server frees the job's data when the lease lapses. Frees the handle.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_abandonJob<'l>(mut env: JNIEnv<'l>, _: JClass<'l>, job: jlong) {
+    entry(&mut env, |_| {
+        if job == 0 {
+            return Err(invalid("abandonJob on a closed job handle"));
+        }
+        // SAFETY: a live job handle, consumed here.
+        let job = unsafe { Box::from_raw(job as *mut JobSession) };
+        let _guard = runtime().enter();
+        job.abandon();
+        Ok(())
+    })
+}
+
+// ---- shuffles ---------------------------------------------------------------------------------
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "system" fn Java_io_tern_spark_TernNative_registerShuffle<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    job_id: JString<'l>,
+    partitions: jint,
+    maps: jint,
+    storage_class: JString<'l>,
+    split_size_bytes: jlong,
+) -> jlong {
+    entry(&mut env, |env| {
+        // SAFETY: a live client handle.
+        let client = unsafe { borrow::<Client>(client)? }.clone();
+        let job_id = string(env, &job_id)?;
+        if partitions <= 0 || maps < 0 || split_size_bytes < 0 {
+            return Err(invalid(format!(
+                "registerShuffle: {partitions} partitions, {maps} maps, split {split_size_bytes}"
+            )));
+        }
+        let options = ShuffleOptions {
+            maps: maps as u32,
+            storage_class: string(env, &storage_class)?,
+            split_size_bytes: split_size_bytes as u64,
+        };
+        let shuffle = runtime().block_on(client.register_shuffle(&job_id, partitions as u32, options))?;
+        Ok(into_handle(shuffle))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_openShuffle<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    shuffle_id: jlong,
+) -> jlong {
+    entry(&mut env, |_| {
+        // SAFETY: a live client handle.
+        let client = unsafe { borrow::<Client>(client)? }.clone();
+        let shuffle = runtime().block_on(client.open_shuffle(shuffle_id as u64))?;
+        Ok(into_handle(shuffle))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_shuffleId<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+) -> jlong {
+    // SAFETY: a live shuffle handle.
+    entry(&mut env, |_| Ok(unsafe { borrow::<Shuffle>(shuffle)? }.id() as jlong))
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_unregisterShuffle<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+) {
+    entry(&mut env, |_| {
+        // SAFETY: a live shuffle handle.
+        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        Ok(runtime().block_on(shuffle.unregister())?)
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_closeShuffle<'l>(_: JNIEnv<'l>, _: JClass<'l>, shuffle: jlong) {
+    // SAFETY: a shuffle handle, closed once.
+    let _ = catch_unwind(|| unsafe { close::<Shuffle>(shuffle) });
+}
+
+/// Map indexes in `[start_map, end_map)` whose committed output has bytes of partitions
+/// `[start_partition, end_partition)` on a lost server.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_lostMaps<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+    start_partition: jint,
+    end_partition: jint,
+    start_map: jint,
+    end_map: jint,
+) -> jintArray {
+    entry(&mut env, |env| {
+        // SAFETY: a live shuffle handle.
+        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let (partitions, maps) = (range(start_partition, end_partition)?, range(start_map, end_map)?);
+        let lost = runtime().block_on(shuffle.lost_maps(partitions, maps))?;
+        let lost: Vec<jint> = lost.into_iter().map(|m| m as jint).collect();
+        let array = env.new_int_array(lost.len() as jint)?;
+        env.set_int_array_region(&array, 0, &lost)?;
+        Ok(array.into_raw())
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_invalidateMaps<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+    maps: JIntArray<'l>,
+) -> jint {
+    entry(&mut env, |env| {
+        // SAFETY: a live shuffle handle.
+        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let mut buf = vec![0; env.get_array_length(&maps)? as usize];
+        env.get_int_array_region(&maps, 0, &mut buf)?;
+        let maps: Vec<u32> = buf.into_iter().map(|m| m as u32).collect();
+        Ok(runtime().block_on(shuffle.invalidate_maps(&maps))? as jint)
+    })
+}
+
+// ---- map writers ------------------------------------------------------------------------------
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_openWriter<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+    map: jint,
+    attempt: jint,
+    buffer_bytes: jlong,
+    batch_bytes: jint,
+    pushes_in_flight: jint,
+) -> jlong {
+    entry(&mut env, |_| {
+        // SAFETY: a live shuffle handle.
+        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        if map < 0 || buffer_bytes <= 0 || batch_bytes <= 0 || pushes_in_flight <= 0 {
+            return Err(invalid(format!(
+                "openWriter: map {map}, buffer {buffer_bytes}, batch {batch_bytes}, in flight {pushes_in_flight}"
+            )));
+        }
+        let options = MapWriterOptions {
+            buffer_bytes: buffer_bytes as usize,
+            batch_bytes: batch_bytes as usize,
+            pushes_in_flight: pushes_in_flight as usize,
+        };
+        let writer = shuffle.writer_with(map as u32, attempt as u32, options);
+        Ok(into_handle(Writer { writer: Some(writer) }))
+    })
+}
+
+/// Appends `length` bytes at `offset` of the direct buffer `data` to `partition`'s output. One
+/// call's bytes stay together in one batch unless they exceed the batch size.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_write<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    writer: jlong,
+    partition: jint,
+    data: JByteBuffer<'l>,
+    offset: jint,
+    length: jint,
+) {
+    entry(&mut env, |env| {
+        // SAFETY: a live writer handle.
+        let writer = unsafe { borrow::<Writer>(writer)? };
+        let writer = writer.writer.as_mut().ok_or_else(|| invalid("write after commit"))?;
+        let address = env.get_direct_buffer_address(&data)?;
+        let capacity = env.get_direct_buffer_capacity(&data)?;
+        if partition < 0 || offset < 0 || length < 0 || offset as usize + length as usize > capacity {
+            return Err(invalid(format!(
+                "write: partition {partition}, bytes [{offset}, +{length}) of a {capacity}-byte buffer"
+            )));
+        }
+        // SAFETY: the range lies inside the direct buffer, which Java keeps alive and unchanged
+        // for the duration of this call (the write copies what it keeps).
+        let bytes = unsafe { std::slice::from_raw_parts(address.add(offset as usize), length as usize) };
+        runtime().block_on(writer.write(partition as u32, bytes))?;
+        Ok(())
+    })
+}
+
+/// Pushes what is buffered and commits. Returns the winning attempt in the low 32 bits and, in
+/// bit 32, whether this attempt won (first commit wins).
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_commit<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    writer: jlong,
+) -> jlong {
+    entry(&mut env, |_| {
+        // SAFETY: a live writer handle.
+        let writer = unsafe { borrow::<Writer>(writer)? };
+        let writer = writer.writer.take().ok_or_else(|| invalid("commit twice"))?;
+        let outcome = runtime().block_on(writer.commit())?;
+        Ok(((outcome.committed as jlong) << 32) | jlong::from(outcome.winning_attempt))
+    })
+}
+
+/// Frees a writer; an uncommitted one is abandoned (its pushed bytes are never read).
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_closeWriter<'l>(_: JNIEnv<'l>, _: JClass<'l>, writer: jlong) {
+    let _ = catch_unwind(|| {
+        // Push tasks in flight belong to the runtime; dropping them needs its context.
+        let _guard = runtime().enter();
+        // SAFETY: a writer handle, closed once.
+        unsafe { close::<Writer>(writer) }
+    });
+}
+
+// ---- readers ----------------------------------------------------------------------------------
+
+/// A reader of the committed batches of partitions x maps (half-open ranges). Fails with
+/// `data-lost` at once if any of those maps has bytes on a lost server.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_openReader<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    shuffle: jlong,
+    start_partition: jint,
+    end_partition: jint,
+    start_map: jint,
+    end_map: jint,
+) -> jlong {
+    entry(&mut env, |_| {
+        // SAFETY: a live shuffle handle.
+        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let (partitions, maps) = (range(start_partition, end_partition)?, range(start_map, end_map)?);
+        let reader = runtime().block_on(shuffle.reader(partitions, maps))?;
+        Ok(into_handle(Reader { reader, current: None }))
+    })
+}
+
+/// The committed maps the reader covers, as `[map index, attempt, map index, attempt, ...]`.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_readerCommits<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    reader: jlong,
+) -> jlongArray {
+    entry(&mut env, |env| {
+        // SAFETY: a live reader handle.
+        let reader = unsafe { borrow::<Reader>(reader)? };
+        let pairs: Vec<jlong> =
+            reader.reader.outputs().iter().flat_map(|o| [jlong::from(o.map_index), jlong::from(o.attempt)]).collect();
+        let array = env.new_long_array(pairs.len() as jint)?;
+        env.set_long_array_region(&array, 0, &pairs)?;
+        Ok(array.into_raw())
+    })
+}
+
+/// The next batch as a direct ByteBuffer over native memory (valid until the next call on this
+/// reader), with `meta[0]` = its partition and `meta[1]` = its map index; null at the end.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_nextBatch<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    reader: jlong,
+    meta: JIntArray<'l>,
+) -> jobject {
+    entry(&mut env, |env| {
+        // SAFETY: a live reader handle.
+        let reader = unsafe { borrow::<Reader>(reader)? };
+        reader.current = None;
+        let Some(batch) = runtime().block_on(reader.reader.next_batch())? else {
+            return Ok(JObject::null().into_raw());
+        };
+        env.set_int_array_region(&meta, 0, &[batch.partition as jint, batch.map as jint])?;
+        let data = reader.current.insert(batch.data);
+        // SAFETY: the bytes live in `reader.current` until the next call or close, and Java
+        // only reads through the buffer.
+        let buffer = unsafe { env.new_direct_byte_buffer(data.as_ptr() as *mut u8, data.len())? };
+        Ok(buffer.into_raw())
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_closeReader<'l>(_: JNIEnv<'l>, _: JClass<'l>, reader: jlong) {
+    let _ = catch_unwind(|| {
+        let _guard = runtime().enter();
+        // SAFETY: a reader handle, closed once.
+        unsafe { close::<Reader>(reader) }
+    });
+}

@@ -1,0 +1,54 @@
+package io.tern.spark;
+
+import org.apache.spark.SparkConf;
+
+/** The plugin's settings, read from the SparkConf (documented in the repository's README). */
+final class TernConf {
+    /** Metadata server, host:port. Required. */
+    static final String METADATA = "spark.tern.metadata";
+    /** "dram", "nvme" or "any". */
+    static final String STORAGE_CLASS = "spark.tern.storageClass";
+    /** Bytes after which a partition continues on another server (0: the cluster's default). */
+    static final String SPLIT_SIZE = "spark.tern.splitSize";
+    /** Lease of the driver's Tern job: a crashed driver's data is freed this long after it dies. */
+    static final String JOB_LEASE = "spark.tern.jobLease";
+    /** Serialized bytes a partition gathers before they go to the native writer as one chunk. */
+    static final String CHUNK_SIZE = "spark.tern.write.chunkSize";
+    /** Serialized bytes a map task holds across partitions before flushing the largest. */
+    static final String WRITE_BUFFER = "spark.tern.write.bufferSize";
+    /** Bytes the native writer buffers across partitions before pushing. */
+    static final String PUSH_BUFFER = "spark.tern.push.bufferSize";
+    /** Largest batch the native writer pushes (capped by the cluster's block size). */
+    static final String PUSH_BATCH = "spark.tern.push.batchSize";
+    /** Pushes a map task has in flight at once. */
+    static final String PUSHES_IN_FLIGHT = "spark.tern.push.inFlight";
+
+    final String metadata;
+    final String storageClass;
+    final long splitSizeBytes;
+    final long jobLeaseMs;
+    final int chunkBytes;
+    final long writeBufferBytes;
+    final long pushBufferBytes;
+    final int pushBatchBytes;
+    final int pushesInFlight;
+
+    TernConf(SparkConf conf) {
+        metadata = conf.get(METADATA, "");
+        storageClass = conf.get(STORAGE_CLASS, "");
+        splitSizeBytes = conf.getSizeAsBytes(SPLIT_SIZE, "0");
+        jobLeaseMs = conf.getTimeAsMs(JOB_LEASE, "30s");
+        chunkBytes = (int) Math.min(conf.getSizeAsBytes(CHUNK_SIZE, "256k"), 64L << 20);
+        writeBufferBytes = conf.getSizeAsBytes(WRITE_BUFFER, "32m");
+        pushBufferBytes = conf.getSizeAsBytes(PUSH_BUFFER, "16m");
+        pushBatchBytes = (int) Math.min(conf.getSizeAsBytes(PUSH_BATCH, "1m"), 1L << 30);
+        pushesInFlight = conf.getInt(PUSHES_IN_FLIGHT, 16);
+    }
+
+    String requireMetadata() {
+        if (metadata.isEmpty()) {
+            throw new IllegalArgumentException(METADATA + " is not set: give the Tern metadata server's host:port");
+        }
+        return metadata;
+    }
+}

@@ -1,0 +1,96 @@
+package io.tern.spark;
+
+import java.io.File;
+import java.io.InputStream;
+import java.nio.ByteBuffer;
+import java.nio.file.Files;
+import java.nio.file.StandardCopyOption;
+
+/**
+ * The JNI bridge to libtern_spark (spark-shuffle/src/lib.rs). Every {@code long} is an opaque
+ * native handle, freed by its {@code close*} call exactly once; data moves through direct
+ * ByteBuffers. Every failure is thrown as a {@link TernException}.
+ *
+ * <p>The library is found with {@code System.loadLibrary("tern_spark")} (java.library.path) or,
+ * failing that, extracted from this jar ({@code /native/libtern_spark.so}) to a temp file and
+ * loaded from there, so users need no library-path setting.
+ */
+public final class TernNative {
+    private TernNative() {}
+
+    static {
+        load();
+    }
+
+    private static void load() {
+        try {
+            System.loadLibrary("tern_spark");
+            return;
+        } catch (UnsatisfiedLinkError notOnPath) {
+            // fall through to the copy bundled in the jar
+        }
+        String resource = "/native/libtern_spark.so";
+        try (InputStream in = TernNative.class.getResourceAsStream(resource)) {
+            if (in == null) {
+                throw new UnsatisfiedLinkError(
+                        "libtern_spark is neither on java.library.path nor bundled in the jar at " + resource);
+            }
+            File file = File.createTempFile("libtern_spark", ".so");
+            file.deleteOnExit();
+            Files.copy(in, file.toPath(), StandardCopyOption.REPLACE_EXISTING);
+            System.load(file.getAbsolutePath());
+        } catch (java.io.IOException e) {
+            throw new UnsatisfiedLinkError("extracting " + resource + ": " + e);
+        }
+    }
+
+    public static native long connect(String metadataAddr);
+
+    public static native void closeClient(long client);
+
+    public static native long startJob(long client, String name, long leaseMs);
+
+    public static native String jobId(long job);
+
+    /** Ends the job, freeing all its data, and frees the handle. */
+    public static native void endJob(long job);
+
+    /** Stops renewing the job's lease (as a crashed driver would) and frees the handle. */
+    public static native void abandonJob(long job);
+
+    public static native long registerShuffle(
+            long client, String jobId, int partitions, int maps, String storageClass, long splitSizeBytes);
+
+    public static native long openShuffle(long client, long ternShuffleId);
+
+    public static native long shuffleId(long shuffle);
+
+    public static native void unregisterShuffle(long shuffle);
+
+    public static native void closeShuffle(long shuffle);
+
+    public static native int[] lostMaps(long shuffle, int startPartition, int endPartition, int startMap, int endMap);
+
+    public static native int invalidateMaps(long shuffle, int[] maps);
+
+    public static native long openWriter(
+            long shuffle, int map, int attempt, long bufferBytes, int batchBytes, int pushesInFlight);
+
+    /** Appends bytes [offset, offset+length) of a direct buffer to a partition. */
+    public static native void write(long writer, int partition, ByteBuffer data, int offset, int length);
+
+    /** Commits; bit 32 set if this attempt won, low 32 bits the winning attempt. */
+    public static native long commit(long writer);
+
+    public static native void closeWriter(long writer);
+
+    public static native long openReader(long shuffle, int startPartition, int endPartition, int startMap, int endMap);
+
+    /** [map index, attempt, ...] of the committed maps the reader covers. */
+    public static native long[] readerCommits(long reader);
+
+    /** The next batch (valid until the next call), meta = {partition, map}; null at the end. */
+    public static native ByteBuffer nextBatch(long reader, int[] meta);
+
+    public static native void closeReader(long reader);
+}

@@ -1,0 +1,208 @@
+package io.tern.spark;
+
+import java.util.Map;
+import java.util.concurrent.ConcurrentHashMap;
+
+import org.apache.spark.ShuffleDependency;
+import org.apache.spark.SparkConf;
+import org.apache.spark.TaskContext;
+import org.apache.spark.network.buffer.ManagedBuffer;
+import org.apache.spark.network.shuffle.MergedBlockMeta;
+import org.apache.spark.shuffle.ShuffleBlockResolver;
+import org.apache.spark.shuffle.ShuffleHandle;
+import org.apache.spark.shuffle.ShuffleManager;
+import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
+import org.apache.spark.shuffle.ShuffleReader;
+import org.apache.spark.shuffle.ShuffleWriteMetricsReporter;
+import org.apache.spark.shuffle.ShuffleWriter;
+import org.apache.spark.storage.BlockId;
+import org.apache.spark.storage.ShuffleMergedBlockId;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
+
+import scala.Option;
+import scala.collection.Seq;
+
+/**
+ * Spark's shuffle on Tern ({@code spark.shuffle.manager=io.tern.spark.TernShuffleManager}).
+ *
+ * <p>The driver holds one Tern job (named after the application, its lease renewed in the
+ * background) and registers one Tern shuffle per Spark shuffle under it; unregisterShuffle frees
+ * the shuffle's data and stop() ends the job, freeing everything; a driver that dies stops renewing
+ * and Tern frees the job when the lease lapses. Executors open shuffles by Tern id from the handle.
+ */
+public class TernShuffleManager implements ShuffleManager {
+    private static final Logger LOG = LoggerFactory.getLogger(TernShuffleManager.class);
+
+    private final SparkConf sparkConf;
+    private final TernConf conf;
+    private final boolean isDriver;
+    private final ShuffleBlockResolver resolver = new NoBlocks();
+    /** Tern shuffle id -> open native shuffle handle. */
+    private final Map<Long, Long> shuffles = new ConcurrentHashMap<>();
+    /** Spark shuffle id -> Tern shuffle id. */
+    private final Map<Integer, Long> ternIds = new ConcurrentHashMap<>();
+    private long client;
+    private long job;
+    private String jobId;
+    private boolean stopped;
+
+    public TernShuffleManager(SparkConf conf, boolean isDriver) {
+        this.sparkConf = conf;
+        this.conf = new TernConf(conf);
+        this.isDriver = isDriver;
+        this.conf.requireMetadata();
+    }
+
+    TernConf conf() {
+        return conf;
+    }
+
+    synchronized long client() {
+        if (stopped) {
+            throw new IllegalStateException("TernShuffleManager is stopped");
+        }
+        if (client == 0) {
+            client = TernNative.connect(conf.requireMetadata());
+        }
+        return client;
+    }
+
+    /** The driver's job, started on the first shuffle (the app id is set by then). */
+    private synchronized String jobId() {
+        if (job == 0) {
+            String name = "spark-" + sparkConf.get("spark.app.id", "app-" + System.currentTimeMillis());
+            job = TernNative.startJob(client(), name, conf.jobLeaseMs);
+            jobId = TernNative.jobId(job);
+            LOG.info("Tern job {} holds this application's shuffles (lease {} ms)", jobId, conf.jobLeaseMs);
+        }
+        return jobId;
+    }
+
+    /** The native handle of Tern shuffle {@code ternId}, opened once per process. */
+    long shuffle(long ternId) {
+        return shuffles.computeIfAbsent(ternId, id -> TernNative.openShuffle(client(), id));
+    }
+
+    @Override
+    public <K, V, C> ShuffleHandle registerShuffle(int shuffleId, ShuffleDependency<K, V, C> dependency) {
+        int partitions = Math.max(1, dependency.partitioner().numPartitions());
+        int maps = dependency.rdd().getNumPartitions();
+        long handle = TernNative.registerShuffle(
+                client(), jobId(), partitions, maps, conf.storageClass, conf.splitSizeBytes);
+        long ternId = TernNative.shuffleId(handle);
+        shuffles.put(ternId, handle);
+        ternIds.put(shuffleId, ternId);
+        LOG.info("Spark shuffle {} is Tern shuffle {} ({} maps x {} partitions)", shuffleId, ternId, maps, partitions);
+        return new TernShuffleHandle<>(shuffleId, dependency, ternId, partitions);
+    }
+
+    @Override
+    public <K, V> ShuffleWriter<K, V> getWriter(
+            ShuffleHandle handle, long mapId, TaskContext context, ShuffleWriteMetricsReporter metrics) {
+        TernShuffleHandle<K, V, ?> tern = cast(handle);
+        ternIds.putIfAbsent(tern.shuffleId(), tern.ternShuffleId());
+        return new TernShuffleWriter<>(this, tern, mapId, context, metrics);
+    }
+
+    @Override
+    public <K, C> ShuffleReader<K, C> getReader(
+            ShuffleHandle handle,
+            int startMapIndex,
+            int endMapIndex,
+            int startPartition,
+            int endPartition,
+            TaskContext context,
+            ShuffleReadMetricsReporter metrics) {
+        TernShuffleHandle<K, ?, C> tern = cast(handle);
+        ternIds.putIfAbsent(tern.shuffleId(), tern.ternShuffleId());
+        return new TernShuffleReader<>(
+                this, tern, startMapIndex, endMapIndex, startPartition, endPartition, context, metrics);
+    }
+
+    @SuppressWarnings("unchecked")
+    private static <K, V, C> TernShuffleHandle<K, V, C> cast(ShuffleHandle handle) {
+        if (!(handle instanceof TernShuffleHandle)) {
+            throw new IllegalArgumentException("not a Tern shuffle handle: " + handle
+                    + " (is spark.shuffle.manager the same on the driver and the executors?)");
+        }
+        return (TernShuffleHandle<K, V, C>) handle;
+    }
+
+    /** On the driver, frees the shuffle's data in Tern; everywhere, closes the local handle. */
+    @Override
+    public boolean unregisterShuffle(int shuffleId) {
+        Long ternId = ternIds.remove(shuffleId);
+        if (ternId == null) {
+            return true;
+        }
+        Long handle = shuffles.remove(ternId);
+        if (handle == null) {
+            return true;
+        }
+        try {
+            if (isDriver) {
+                TernNative.unregisterShuffle(handle);
+            }
+        } catch (TernException e) {
+            LOG.warn("freeing Tern shuffle {} (Spark shuffle {}) failed; it goes with the job: {}",
+                    ternId, shuffleId, e.getMessage());
+        } finally {
+            TernNative.closeShuffle(handle);
+        }
+        return true;
+    }
+
+    @Override
+    public ShuffleBlockResolver shuffleBlockResolver() {
+        return resolver;
+    }
+
+    /** On the driver, ends the Tern job: every shuffle of the application is freed. */
+    @Override
+    public synchronized void stop() {
+        if (stopped) {
+            return;
+        }
+        stopped = true;
+        for (Long handle : shuffles.values()) {
+            TernNative.closeShuffle(handle);
+        }
+        shuffles.clear();
+        ternIds.clear();
+        if (job != 0) {
+            try {
+                TernNative.endJob(job);
+                LOG.info("Tern job {} ended; its shuffles are freed", jobId);
+            } catch (TernException e) {
+                LOG.warn("ending Tern job {} failed; its lease will lapse: {}", jobId, e.getMessage());
+            }
+            job = 0;
+        }
+        if (client != 0) {
+            TernNative.closeClient(client);
+            client = 0;
+        }
+    }
+
+    /** Spark never fetches Tern shuffle blocks through the block manager. */
+    private static final class NoBlocks implements ShuffleBlockResolver {
+        @Override
+        public ManagedBuffer getBlockData(BlockId blockId, Option<String[]> dirs) {
+            throw new UnsupportedOperationException("Tern shuffle blocks are read from Tern, not served: " + blockId);
+        }
+
+        @Override
+        public Seq<ManagedBuffer> getMergedBlockData(ShuffleMergedBlockId blockId, Option<String[]> dirs) {
+            throw new UnsupportedOperationException("no push-based merged blocks with Tern: " + blockId);
+        }
+
+        @Override
+        public MergedBlockMeta getMergedBlockMeta(ShuffleMergedBlockId blockId, Option<String[]> dirs) {
+            throw new UnsupportedOperationException("no push-based merged blocks with Tern: " + blockId);
+        }
+
+        @Override
+        public void stop() {}
+    }
+}
