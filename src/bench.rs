@@ -30,7 +30,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 20)]
         status_runs: usize,
         /// Client connections held open for the memory figure.
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 1000)]
         connections: usize,
         /// Directory for the local files (tmpfs, so local disk is not measured).
         #[arg(long, default_value = "/dev/shm")]

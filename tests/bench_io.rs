@@ -21,8 +21,13 @@ fn quick_run_writes_json_lines_of_the_schema() {
     let require_redis = std::env::var("TERN_TEST_REQUIRE_REDIS").is_ok_and(|v| v == "1");
     let with_redis = redis_on_path();
     assert!(with_redis || !require_redis, "TERN_TEST_REQUIRE_REDIS=1 but redis-server is not on PATH");
-    let systems = if with_redis { "tern-tcp,redis,file" } else { "tern-tcp,file" };
-    let dir = tempfile::tempdir().unwrap();
+    let systems = if with_redis {
+        "tern-tcp,tern-quic,tern-nvme,redis,file,file-direct"
+    } else {
+        "tern-tcp,tern-quic,tern-nvme,file,file-direct"
+    };
+    // O_DIRECT (tern-nvme, file-direct) needs a disk filesystem: the target dir is on one.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let json = dir.path().join("io.jsonl");
     let plot = dir.path().join("io.svg");
     let out = Command::new(TERN)

@@ -1394,7 +1394,11 @@ mod tests {
         for system in System::ALL {
             assert_eq!(system.name().parse::<System>().unwrap(), system);
         }
-        assert!("memcached".parse::<System>().unwrap_err().to_string().contains("tern-tcp, redis, file"));
+        assert!("memcached"
+            .parse::<System>()
+            .unwrap_err()
+            .to_string()
+            .contains("tern-tcp, tern-quic, tern-nvme, redis, file, file-direct"));
         assert!(System::TernTcp.is_tern() && !System::Redis.is_tern());
     }
 
