@@ -130,9 +130,11 @@ pub async fn serve_block_listeners(
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
                 let Stream { reader, writer, peer } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
-                tasks.spawn(write_replies(writer, rx, guard.clone(), peer));
+                let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer)));
+                tasks.spawn(write_replies(out.clone(), rx, guard.clone(), peer));
                 let nvme_ops = Arc::new(Semaphore::new(limits.max_in_flight_per_connection));
-                tasks.spawn(read_requests(reader, tx, store.clone(), metrics.clone(), guard, peer, nvme_ops));
+                let replies = Replies { tx, out };
+                tasks.spawn(read_requests(reader, replies, store.clone(), metrics.clone(), guard, peer, nvme_ops));
             }
             Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
                 if let Err(e) = joined {
@@ -173,22 +175,62 @@ async fn refuse_connection(stream: Stream, limit: usize, metrics: &Metrics) {
     tracing::debug!("block service: refused {peer}: {message} (told: {})", matches!(sent, Ok(Ok(()))));
 }
 
+/// A connection's socket writer, shared by its writer task and (for small replies) its reader.
+type ReplyWriter = Arc<tokio::sync::Mutex<BufWriter<BoxWrite>>>;
+
+/// How a connection's replies leave: queued for the writer task, or, when nothing is queued and
+/// the reply is small, written by the reader itself, which saves a task hop on the latency path
+/// of small reads.
+struct Replies {
+    tx: mpsc::Sender<Frame>,
+    out: ReplyWriter,
+}
+
+impl Replies {
+    /// Sends `reply`; false when the connection is gone.
+    async fn send(&self, reply: Frame) -> bool {
+        let idle = self.tx.capacity() == self.tx.max_capacity();
+        if idle && reply.payload.len() <= DIRECT_REPLY_BYTES {
+            if let Ok(mut out) = self.out.try_lock() {
+                let written = match frame::write_frame(&mut *out, &reply).await {
+                    Ok(()) => out.flush().await,
+                    Err(e) => Err(e),
+                };
+                return written.is_ok();
+            }
+        }
+        self.tx.send(reply).await.is_ok()
+    }
+}
+
+/// Replies up to this size may be written by the connection's reader (see [`Replies`]); larger
+/// ones always go through the writer task, so the reader parses the next request meanwhile.
+const DIRECT_REPLY_BYTES: usize = WRITE_BUFFER_BYTES;
+
 /// Writes queued replies, batching them while more are queued.
-async fn write_replies(wr: BoxWrite, mut rx: mpsc::Receiver<Frame>, _guard: Arc<ConnectionGuard>, peer: SocketAddr) {
-    let mut out = BufWriter::with_capacity(WRITE_BUFFER_BYTES, wr);
+async fn write_replies(
+    out: ReplyWriter,
+    mut rx: mpsc::Receiver<Frame>,
+    _guard: Arc<ConnectionGuard>,
+    peer: SocketAddr,
+) {
     while let Some(reply) = rx.recv().await {
-        let written = match frame::write_frame(&mut out, &reply).await {
-            Ok(()) if rx.is_empty() => out.flush().await,
-            other => other,
-        };
-        if let Err(e) = written {
+        let mut out = out.lock().await;
+        let mut written = frame::write_frame(&mut *out, &reply).await;
+        while written.is_ok() {
+            match rx.try_recv() {
+                Ok(reply) => written = frame::write_frame(&mut *out, &reply).await,
+                Err(_) => break,
+            }
+        }
+        if let Err(e) = written.and(out.flush().await) {
             // Dropping `rx` stops the reader at its next reply.
             tracing::debug!("block service: writing to {peer}: {e}");
             return;
         }
     }
     // The reader is done: flush what is left and send FIN.
-    if let Err(e) = out.shutdown().await {
+    if let Err(e) = out.lock().await.shutdown().await {
         tracing::debug!("block service: closing {peer}: {e}");
     }
 }
@@ -196,7 +238,7 @@ async fn write_replies(wr: BoxWrite, mut rx: mpsc::Receiver<Frame>, _guard: Arc<
 /// Reads and handles requests in order, queueing one reply per request.
 async fn read_requests(
     mut rd: BoxRead,
-    tx: mpsc::Sender<Frame>,
+    replies: Replies,
     store: Arc<BlockStore>,
     metrics: Arc<Metrics>,
     _guard: Arc<ConnectionGuard>,
@@ -217,7 +259,7 @@ async fn read_requests(
             Ok(None) => return,
             Ok(Some(header)) if is_nvme_op(&header) => {
                 let started = Instant::now();
-                let nvme = NvmeOp { store: &store, tx: &tx, metrics: &metrics, permits: &nvme_ops, started };
+                let nvme = NvmeOp { store: &store, tx: &replies.tx, metrics: &metrics, permits: &nvme_ops, started };
                 match serve_nvme(&mut rd, nvme, header).await {
                     // Spawned: it queues its own reply.
                     Ok(None) => continue,
@@ -256,21 +298,21 @@ async fn read_requests(
                 (reply, fatal)
             }
         };
-        if fatal {
-            tracing::debug!(
-                "block service: closing {peer} after a frame error: {}",
-                String::from_utf8_lossy(&reply.payload)
-            );
+        if !fatal {
+            if !replies.send(reply).await {
+                return;
+            }
+            continue;
         }
-        if tx.send(reply).await.is_err() {
-            return;
-        }
-        if fatal {
-            // The writer sends the error reply, then FIN, once `tx` is gone.
-            drop(tx);
-            linger(&mut rd).await;
-            return;
-        }
+        tracing::debug!(
+            "block service: closing {peer} after a frame error: {}",
+            String::from_utf8_lossy(&reply.payload)
+        );
+        // The writer sends the error reply, then FIN, once `tx` is gone.
+        let _ = replies.tx.send(reply).await;
+        drop(replies);
+        linger(&mut rd).await;
+        return;
     }
 }
 
