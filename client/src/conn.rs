@@ -3,7 +3,8 @@
 //! A connection is one byte stream of the client's transport (`tern_transport`): a TCP socket, or
 //! a QUIC stream (several of them share a QUIC connection).
 //!
-//! A connection carries many requests at once: a writer task sends frames as they are queued, a
+//! A connection carries many requests at once: a writer task sends frames as they are queued (a
+//! caller with a small request and nothing queued writes it itself, one task hop fewer), a
 //! reader task matches replies to waiting callers by request id. A semaphore bounds the requests
 //! in flight, so a fast producer waits instead of queueing without limit.
 

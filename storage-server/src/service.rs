@@ -4,7 +4,8 @@
 //! Each connection has a reader task and a writer task joined by a bounded queue of replies. The
 //! reader handles DRAM requests in order (they are memcpy-fast) and queues each reply; when the
 //! queue is full it stops reading, which pushes back on a client that pipelines faster than it
-//! reads replies. NVMe reads and writes (block ids with `NVME_BLOCK_BIT`) wait on the disk, so
+//! reads replies. A small reply with nothing queued ahead of it is written by the reader itself
+//! (see `Replies`), which takes a task hop off the latency of small reads. NVMe reads and writes (block ids with `NVME_BLOCK_BIT`) wait on the disk, so
 //! they do not hold the connection up: the reader reads a write's payload into an aligned buffer,
 //! then spawns the op, which queues its own reply; a per-connection semaphore of
 //! `max_in_flight_per_connection` permits bounds the ops under way. Their replies may overtake
