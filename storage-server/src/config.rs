@@ -52,8 +52,8 @@ pub struct Config {
     /// Address of the QUIC (UDP) block service, used when `tls_dir` is set. Default: none,
     /// meaning the block service's host and port number (the bound one when `listen` has port 0).
     pub quic_listen: Option<SocketAddr>,
-    /// Allow the plain-TCP block service on a non-loopback address. Default `false`: beyond
-    /// loopback, remote clients should use QUIC.
+    /// Allow the plain-TCP block service on a non-loopback address, TLS material or not (TCP
+    /// frames are never encrypted). Default `false`: beyond loopback, remote clients use QUIC.
     pub trusted_network: bool,
 }
 
@@ -110,6 +110,16 @@ impl Config {
         }
         if self.quic_listen.is_some() && self.tls_dir.is_none() {
             bail!("quic_listen is set but tls_dir is not: QUIC needs TLS material (`tern cert init --dir DIR`, then `--tls-dir DIR`)");
+        }
+        // The TCP block service is never encrypted, TLS material or not: beyond loopback only on
+        // a network the operator declares trusted. Remote clients otherwise come over QUIC.
+        if self.tls_dir.is_some() && !self.listen.ip().is_loopback() && !self.trusted_network {
+            bail!(
+                "refusing to serve the block service over plain TCP on {}: TCP frames are not encrypted, so \
+                 beyond loopback they need `--trusted-network`. Otherwise keep `listen` on loopback and let \
+                 remote clients use QUIC (`--quic-listen 0.0.0.0:PORT`, with `--tls-dir`)",
+                self.listen
+            );
         }
         tern_transport::check_listen(
             "the block service over plain TCP",
@@ -200,12 +210,17 @@ mod tests {
     }
 
     #[test]
-    fn plain_tcp_beyond_loopback_needs_tls_or_a_trusted_network() {
+    fn plain_tcp_beyond_loopback_needs_a_trusted_network() {
         let wide = Config { listen: "0.0.0.0:9070".parse().unwrap(), ..Config::default() };
         let err = wide.validate().unwrap_err().to_string();
         assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
         assert!(Config { trusted_network: true, ..wide.clone() }.validate().is_ok());
-        assert!(Config { tls_dir: Some("/etc/tern/tls".into()), ..wide }.validate().is_ok());
+        let tls = Config { tls_dir: Some("/etc/tern/tls".into()), ..wide };
+        let err = tls.validate().unwrap_err().to_string();
+        assert!(err.contains("--trusted-network") && err.contains("--quic-listen"), "{err}");
+        assert!(Config { trusted_network: true, ..tls.clone() }.validate().is_ok());
+        let quic_only_remote = Config { quic_listen: Some("0.0.0.0:9070".parse().unwrap()), ..Config::default() };
+        assert!(Config { tls_dir: tls.tls_dir, ..quic_only_remote }.validate().is_ok());
     }
 
     #[test]
