@@ -290,17 +290,27 @@ impl Drop for PendingWrite<'_> {
             self.slot.writing.store(false, Ordering::Release);
             return;
         }
-        // A first write that failed: withdraw the empty block, atomically with releasing the writer
-        // flag so that no other writer can have put bytes in it meanwhile.
-        let withdrawn = {
-            let mut blocks = self.store.blocks.lock();
-            let ours = blocks.get(&self.block_id).is_some_and(|slot| Arc::ptr_eq(slot, &self.slot));
-            let withdrawn = if ours { blocks.remove(&self.block_id) } else { None };
-            self.slot.writing.store(false, Ordering::Release);
-            withdrawn
-        };
-        drop(withdrawn);
+        withdraw_failed_first_write(&self.store.blocks, self.block_id, &self.slot, &self.slot.writing);
     }
+}
+
+/// A block's first write failed: withdraws the empty block from `blocks` (if it is still `ours`),
+/// atomically with releasing its writer flag so that no other writer can have put bytes in it
+/// meanwhile. Shared by the DRAM and NVMe tiers. The block is dropped outside the map lock.
+pub(crate) fn withdraw_failed_first_write<T>(
+    blocks: &Mutex<HashMap<u64, Arc<T>>>,
+    block_id: u64,
+    ours: &Arc<T>,
+    writing: &AtomicBool,
+) {
+    let withdrawn = {
+        let mut blocks = blocks.lock();
+        let is_ours = blocks.get(&block_id).is_some_and(|held| Arc::ptr_eq(held, ours));
+        let withdrawn = if is_ours { blocks.remove(&block_id) } else { None };
+        writing.store(false, Ordering::Release);
+        withdrawn
+    };
+    drop(withdrawn);
 }
 
 /// The DRAM tier: blocks of one fixed size in one arena, and the shuffle segments stored in the

@@ -45,15 +45,7 @@ impl TcpListener {
 
 impl Listener for TcpListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
-        async move {
-            let (stream, peer) = self.inner.accept().await?;
-            if let Err(e) = stream.set_nodelay(true) {
-                tracing::debug!("TCP_NODELAY on {peer}: {e}");
-            }
-            let (reader, writer) = stream.into_split();
-            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer })
-        }
-        .boxed()
+        accept(&self.inner).boxed()
     }
 
     fn local_addr(&self) -> SocketAddr {
@@ -65,18 +57,20 @@ impl Listener for TcpListener {
     }
 }
 
+/// The next connection on `listener`, with TCP_NODELAY set, as a [`Stream`].
+async fn accept(listener: &tokio::net::TcpListener) -> io::Result<Stream> {
+    let (stream, peer) = listener.accept().await?;
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!("TCP_NODELAY on {peer}: {e}");
+    }
+    let (reader, writer) = stream.into_split();
+    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer })
+}
+
 /// A bare tokio listener serves as is (TCP_NODELAY set on each accepted socket).
 impl Listener for tokio::net::TcpListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
-        async move {
-            let (stream, peer) = tokio::net::TcpListener::accept(self).await?;
-            if let Err(e) = stream.set_nodelay(true) {
-                tracing::debug!("TCP_NODELAY on {peer}: {e}");
-            }
-            let (reader, writer) = stream.into_split();
-            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer })
-        }
-        .boxed()
+        accept(self).boxed()
     }
 
     fn local_addr(&self) -> SocketAddr {

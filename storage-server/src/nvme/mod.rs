@@ -293,14 +293,7 @@ impl Drop for NvmePendingWrite {
             self.block.writing.store(false, Ordering::Release);
             return;
         }
-        let withdrawn = {
-            let mut blocks = self.store.blocks.lock();
-            let ours = blocks.get(&self.block_id).is_some_and(|b| Arc::ptr_eq(b, &self.block));
-            let withdrawn = if ours { blocks.remove(&self.block_id) } else { None };
-            self.block.writing.store(false, Ordering::Release);
-            withdrawn
-        };
-        drop(withdrawn);
+        crate::store::withdraw_failed_first_write(&self.store.blocks, self.block_id, &self.block, &self.block.writing);
     }
 }
 
