@@ -104,8 +104,6 @@ impl GpuSorter {
 
 #[cfg(test)]
 mod tests {
-    use rand::{Rng, SeedableRng};
-
     use super::*;
     use crate::{detect, KEY_LEN};
 
@@ -131,58 +129,66 @@ mod tests {
         assert!(matches!(e, GpuError::NoGpu(_)), "{e}");
     }
 
-    /// Random records whose keys collide often: a few share whole keys, many share the first 8
-    /// bytes, so the last two key bytes and the tie order (input order) are exercised too.
-    fn tricky_records(n: usize, seed: u64) -> Vec<u8> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut out = vec![0u8; n * RECORD_LEN];
-        for (i, rec) in out.chunks_exact_mut(RECORD_LEN).enumerate() {
-            rng.fill(&mut rec[..]);
-            match i % 4 {
-                0 => rec[..KEY_LEN].copy_from_slice(&[7; KEY_LEN]),
-                1 => rec[..8].copy_from_slice(&[0xAB; 8]),
-                _ => {}
-            }
-            // Payload bytes name the input position, so a wrong tie order changes the output.
-            rec[KEY_LEN..KEY_LEN + 8].copy_from_slice(&(i as u64).to_le_bytes());
-        }
-        out
-    }
+    /// Needs a GPU, so only with the `cuda` feature (without it no sorter can exist).
+    #[cfg(feature = "cuda")]
+    mod gpu_present {
+        use rand::{Rng, SeedableRng};
 
-    /// The one test that needs a GPU: skipped, saying so, when [`detect`] finds none.
-    #[test]
-    fn gpu_sort_matches_cpu_sort_when_a_gpu_is_present() {
-        let inv = detect();
-        let Some(dev) = inv.devices.first() else {
-            println!("skipped: no GPU ({})", inv.note.as_deref().unwrap_or("detect() found none"));
-            return;
-        };
-        let mut sorter = GpuSorter::open(&dev.address).expect("detect() found this GPU");
-        let err = sorter.sort(&[0u8; 150]).unwrap_err();
-        assert!(matches!(err, GpuError::Input(_)) && err.to_string().contains("50 bytes"), "{err}");
-        // Sizes around the tile (2048) and several tiles; the pinned buffer grows and is reused.
-        for (seed, n) in [0usize, 1, 2, 2047, 2048, 2049, 100_000, 1_000_003, 5000].into_iter().enumerate() {
-            let input = if seed % 2 == 0 {
-                tricky_records(n, seed as u64)
-            } else {
-                let mut v = vec![0u8; n * RECORD_LEN];
-                tern_bench::terasort::generate(seed as u64 * 1_000_000, n as u64, &mut v);
-                v
+        use super::*;
+
+        /// Random records whose keys collide often: a few share whole keys, many share the first 8
+        /// bytes, so the last two key bytes and the tie order (input order) are exercised too.
+        fn tricky_records(n: usize, seed: u64) -> Vec<u8> {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut out = vec![0u8; n * RECORD_LEN];
+            for (i, rec) in out.chunks_exact_mut(RECORD_LEN).enumerate() {
+                rng.fill(&mut rec[..]);
+                match i % 4 {
+                    0 => rec[..KEY_LEN].copy_from_slice(&[7; KEY_LEN]),
+                    1 => rec[..8].copy_from_slice(&[0xAB; 8]),
+                    _ => {}
+                }
+                // Payload bytes name the input position, so a wrong tie order changes the output.
+                rec[KEY_LEN..KEY_LEN + 8].copy_from_slice(&(i as u64).to_le_bytes());
+            }
+            out
+        }
+
+        /// The one test that needs a GPU: skipped, saying so, when [`detect`] finds none.
+        #[test]
+        fn gpu_sort_matches_cpu_sort_when_a_gpu_is_present() {
+            let inv = detect();
+            let Some(dev) = inv.devices.first() else {
+                println!("skipped: no GPU ({})", inv.note.as_deref().unwrap_or("detect() found none"));
+                return;
             };
-            let mut cpu = Vec::new();
-            tern_bench::terasort::sort_records(&input, &mut cpu);
-            let (gpu, stats) = sorter.sort(&input).unwrap();
-            assert!(gpu == cpu, "GPU and CPU sorts differ for {n} records");
-            assert_eq!((stats.records, stats.bytes), (n as u64, input.len() as u64));
-            assert!(stats.device.contains(&dev.address));
-            if n >= 100_000 {
-                println!(
-                    "{n} records on {}: h2d {:.1} ms, sort {:.1} ms, d2h {:.1} ms",
-                    stats.device,
-                    stats.h2d_seconds * 1e3,
-                    stats.sort_seconds * 1e3,
-                    stats.d2h_seconds * 1e3
-                );
+            let mut sorter = GpuSorter::open(&dev.address).expect("detect() found this GPU");
+            let err = sorter.sort(&[0u8; 150]).unwrap_err();
+            assert!(matches!(err, GpuError::Input(_)) && err.to_string().contains("50 bytes"), "{err}");
+            // Sizes around the tile (2048) and several tiles; the pinned buffer grows and is reused.
+            for (seed, n) in [0usize, 1, 2, 2047, 2048, 2049, 100_000, 1_000_003, 5000].into_iter().enumerate() {
+                let input = if seed % 2 == 0 {
+                    tricky_records(n, seed as u64)
+                } else {
+                    let mut v = vec![0u8; n * RECORD_LEN];
+                    tern_bench::terasort::generate(seed as u64 * 1_000_000, n as u64, &mut v);
+                    v
+                };
+                let mut cpu = Vec::new();
+                tern_bench::terasort::sort_records(&input, &mut cpu);
+                let (gpu, stats) = sorter.sort(&input).unwrap();
+                assert!(gpu == cpu, "GPU and CPU sorts differ for {n} records");
+                assert_eq!((stats.records, stats.bytes), (n as u64, input.len() as u64));
+                assert!(stats.device.contains(&dev.address));
+                if n >= 100_000 {
+                    println!(
+                        "{n} records on {}: h2d {:.1} ms, sort {:.1} ms, d2h {:.1} ms",
+                        stats.device,
+                        stats.h2d_seconds * 1e3,
+                        stats.sort_seconds * 1e3,
+                        stats.d2h_seconds * 1e3
+                    );
+                }
             }
         }
     }
