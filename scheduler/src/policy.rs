@@ -307,6 +307,8 @@ pub struct Policy {
     backlog: u64,
     backoff_count: u64,
     events: Vec<Event>,
+    /// Executors a gang placed tasks on since the last [`Policy::take_gang_wakes`].
+    gang_wakes: Vec<usize>,
 }
 
 impl Policy {
@@ -330,7 +332,18 @@ impl Policy {
             backlog: 0,
             backoff_count: 0,
             events: Vec::new(),
+            gang_wakes: Vec::new(),
         }
+    }
+
+    /// Executors that have gang tasks waiting for them in their outboxes, since the last call.
+    pub fn take_gang_wakes(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.gang_wakes)
+    }
+
+    /// Tasks ready to run and not placed.
+    pub fn backlog(&self) -> u64 {
+        self.backlog
     }
 
     /// Events since the last call.
@@ -835,6 +848,9 @@ impl Policy {
                 out.push(a);
             } else {
                 self.executors[e].as_mut().expect("live").outbox.push(a);
+                if !self.gang_wakes.contains(&e) {
+                    self.gang_wakes.push(e);
+                }
             }
         }
         true
