@@ -518,7 +518,7 @@ impl Policy {
         job.state = pb::JobState::Running;
         let stage = &mut job.stages[s];
         stage.state = pb::StageState::Running;
-        stage.started_ms = now_ms;
+        stage.started_ms = now_ms.max(1);
         let n = stage.tasks.len() as u32;
         for t in 0..n {
             stage.tasks[t as usize].state = TaskState::Queued;
@@ -579,7 +579,7 @@ impl Policy {
         for stage in &mut job.stages {
             if matches!(stage.state, pb::StageState::Waiting | pb::StageState::Running) {
                 stage.state = pb::StageState::Cancelled;
-                stage.finished_ms = now_ms;
+                stage.finished_ms = now_ms.max(1);
             }
             cancel_unfinished(stage, &mut running, &mut self.backlog, &mut self.backoff_count);
             stage.ready.clear();
@@ -1031,7 +1031,7 @@ impl Policy {
             return;
         }
         stage.state = if succeeded { pb::StageState::Succeeded } else { pb::StageState::Failed };
-        stage.finished_ms = now_ms;
+        stage.finished_ms = now_ms.max(1);
         // min_success met: the rest are cancelled.
         let mut running = Vec::new();
         cancel_unfinished(stage, &mut running, &mut self.backlog, &mut self.backoff_count);
@@ -1225,6 +1225,7 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         errors: stage.errors.iter().cloned().collect(),
         input_shuffle_id: stage.info.input_shuffle_id,
         output_shuffle_id: stage.info.output_shuffle_id,
+        // Relative to the policy's clock; the server adds its start time.
         started_unix_ms: stage.started_ms,
         finished_unix_ms: stage.finished_ms,
     }

@@ -165,6 +165,8 @@ struct Shared {
     /// Fires when placeable work appears.
     work: Notify,
     started: Instant,
+    /// The wall clock at `started`: stage times are kept relative to it.
+    started_unix_ms: u64,
     tern: OnceCell<tern_client::Client>,
 }
 
@@ -200,6 +202,7 @@ impl Shared {
             }),
             work: Notify::new(),
             started: Instant::now(),
+            started_unix_ms: unix_ms(),
             tern: OnceCell::new(),
         }
     }
@@ -226,7 +229,10 @@ impl Shared {
         for event in state.policy.take_events() {
             match event {
                 Event::JobFinished { job_id, state: job_state } => {
-                    info!("job {job_id} {}", job_state.as_str_name());
+                    info!(
+                        "job {job_id} {}",
+                        job_state.as_str_name().trim_start_matches("JOB_STATE_").to_ascii_lowercase()
+                    );
                     if let Some(tasks) = state.job_tasks.remove(&job_id) {
                         state.active_tasks -= tasks;
                     }
@@ -478,10 +484,19 @@ impl Scheduler for Service {
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {
         let job_id = request.into_inner().job_id;
         let state = self.shared.state.lock();
-        let job = state
+        let mut job = state
             .policy
             .job_status(&job_id, true)
             .ok_or_else(|| ErrorKind::NotFound.status(format!("no job {job_id:?} (unknown, or finished long ago)")))?;
+        drop(state);
+        let base = self.shared.started_unix_ms;
+        for stage in &mut job.stages {
+            for at in [&mut stage.started_unix_ms, &mut stage.finished_unix_ms] {
+                if *at != 0 {
+                    *at += base;
+                }
+            }
+        }
         Ok(Response::new(pb::GetJobResponse { job: Some(job) }))
     }
 
