@@ -6,6 +6,8 @@ mod cert;
 mod cli;
 mod daemons;
 mod fs;
+mod job;
+mod sched;
 mod show;
 mod spark_bench;
 mod status;
