@@ -257,7 +257,11 @@ public class TernShuffleManager implements ShuffleManager {
         }
         stopped = true;
         if (isDriver && endpoint != null && SparkEnv.get() != null) {
-            SparkEnv.get().rpcEnv().stop(endpoint);
+            try {
+                SparkEnv.get().rpcEnv().stop(endpoint);
+            } catch (RuntimeException e) {
+                LOG.debug("stopping the {} endpoint: {}", TernDriverEndpoint.NAME, e.toString());
+            }
         }
         endpoint = null;
         for (Long handle : shuffles.values()) {
