@@ -105,7 +105,9 @@ enum BenchCommand {
         no_progress: bool,
     },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
-    /// plugin jar's TeraSort driver), same input and executors; both outputs validated.
+    /// plugin jar's TeraSort driver), same input and executors; both outputs validated. Also
+    /// the executor processes' CPU over the map stage per GiB shuffled, for both (the write
+    /// path's CPU cost).
     SparkTerasort {
         /// Bytes to sort (100-byte gensort records).
         #[arg(long, default_value = "2GiB")]

@@ -1,7 +1,10 @@
 //! Tern's Spark shuffle plugin on real Spark: spark-shuffle/tests/spark_suite.py runs RDD, JVM
 //! and SQL shuffles (AQE coalescing and skew splitting forced) on Spark's built-in shuffle and on
-//! Tern and fails on any difference; then a TeraSort validated as `tern teravalidate` does, and a
-//! storage server killed between a shuffle's map and reduce stages.
+//! Tern and fails on any difference; then a TeraSort validated as `tern teravalidate` does; Spark's
+//! shuffle cleanup and the application's end leaving no bytes in Tern; a storage server killed
+//! between a shuffle's map and reduce stages, recovered by one map-stage retry that reruns exactly
+//! the lost maps; and a second driver with dynamic allocation (executors released between two
+//! reads of one shuffle) that is SIGKILLed, its data freed when its job lease lapses.
 //!
 //! Needs python3 and a JDK (javac, jar); installs pyspark==3.5.3 with pip if it is missing.
 

@@ -1,8 +1,13 @@
 """Tern's Spark shuffle plugin on real Spark (pyspark 3.5.3, local-cluster[2,1,1024]).
 
 Runs every case once on Spark's built-in shuffle and once on Tern (one SparkContext each) and
-fails if any result differs, if AQE did not split the skewed join, if a job cannot survive a
-killed storage server, or if the TeraSort output does not validate with the input's checksum.
+fails if any result differs, if AQE did not split the skewed join, or if the TeraSort output does
+not validate with the input's checksum. Then, on Tern: unregistered shuffles and a stopped
+application leave no blocks in Tern; a killed storage server costs exactly one resubmission of
+the map stage, which reruns exactly the maps Tern lost; and a second driver (this script with
+--child) runs with dynamic allocation and no external shuffle service (its executors are
+released between two jobs reading one shuffle) and is then killed with SIGKILL: its data must be
+freed when its job lease lapses.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
 binary), TERN_KILL_PID (a storage server of that cluster this suite may SIGKILL), TERN_WORK (a
@@ -11,6 +16,7 @@ scratch directory).
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -29,7 +35,7 @@ WORK = os.environ["TERN_WORK"]
 TERASORT_BYTES = int(os.environ.get("TERN_TERASORT_BYTES", str(24 << 20)))
 
 
-def spark(tern):
+def spark(tern, extra=()):
     conf = (
         SparkConf()
         .setMaster("local-cluster[2,1,1024]")
@@ -46,7 +52,6 @@ def spark(tern):
         .set("spark.sql.adaptive.skewJoin.skewedPartitionThresholdInBytes", "1k")
         .set("spark.sql.adaptive.skewJoin.skewedPartitionFactor", "1")
         .set("spark.sql.adaptive.advisoryPartitionSizeInBytes", "1k")
-        .set("spark.stage.maxConsecutiveAttempts", "8")
     )
     if tern:
         conf = (
@@ -54,6 +59,8 @@ def spark(tern):
             .set("spark.shuffle.sort.io.plugin.class", "io.tern.spark.TernShuffleDataIO")
             .set("spark.tern.metadata", METADATA)
         )
+    for key, value in extra:
+        conf = conf.set(key, value)
     sc = SparkContext(conf=conf)
     manager = sc._jsc.sc().env().shuffleManager().getClass().getName()
     expected = "io.tern.spark.TernShuffleManager" if tern else "org.apache.spark.shuffle.sort.SortShuffleManager"
@@ -135,16 +142,149 @@ def terasort(sc, data, name):
     return report, json.loads(valid)
 
 
+def tern_status():
+    return json.loads(subprocess.run([TERN, "status", "--json"], check=True, capture_output=True, text=True).stdout)
+
+
+def held_bytes():
+    """Bytes the live storage servers hold, as they last reported to the metadata server."""
+    return sum(t["used_bytes"] for s in tern_status()["servers"] if s["alive"] for t in s["tiers"])
+
+
+def wait_for(what, check, timeout):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def stage_log(sc):
+    log = sc._jvm.io.tern.spark.tools.StageLog()
+    sc._jsc.sc().addSparkListener(log)
+    return log
+
+
+def events(sc, log):
+    sc._jsc.sc().listenerBus().waitUntilEmpty()
+    return json.loads(log.json())
+
+
+def frees_unregistered_shuffles(sc):
+    """Spark's shuffle cleanup (unregisterShuffle on the driver) frees every block in Tern."""
+    manager = sc._jsc.sc().env().shuffleManager()
+    shuffles = list(manager.registeredShuffles())
+    assert shuffles, "no Tern shuffles registered after the cases ran"
+    assert held_bytes() > 0, "Tern holds no bytes while the shuffles are registered"
+    cleaner = sc._jsc.sc().cleaner().get()
+    for shuffle in shuffles:
+        cleaner.doCleanupShuffle(shuffle, True)
+    assert list(manager.registeredShuffles()) == [], "the driver still holds shuffles after cleanup"
+    wait_for("Tern to free the unregistered shuffles' blocks", lambda: held_bytes() == 0, 15)
+    return len(shuffles)
+
+
 def survive_lost_server(sc):
-    """Runs a shuffle, kills a storage server, reads the shuffle again: the lost maps rerun."""
-    rdd = sc.parallelize(range(40000), 6).map(lambda x: (x % 31, x)).reduceByKey(add, 6)
-    expected = sorted((k, sum(x for x in range(40000) if x % 31 == k)) for k in range(31))
+    """Kills a storage server between a shuffle's map and reduce stages: the job still returns the
+    right result, with one resubmission of the map stage that reruns exactly the lost maps."""
+    n, maps = 60000, 6
+    # Map i's keys are all = i (mod 6), so all its records go to reduce partition i (PySpark hashes
+    # an int to itself): a killed server loses only the maps whose partition it held.
+    rdd = (
+        sc.parallelize(range(n), maps)
+        .mapPartitionsWithIndex(lambda i, it: ((i + maps * (x % 7), x) for x in it))
+        .reduceByKey(add, maps)
+    )
+    log = stage_log(sc)
     first = sorted(rdd.collect())
-    assert first == expected, "shuffle before the kill is wrong"
+    assert len(first) == maps * 7 and sum(v for _, v in first) == sum(range(n)), "shuffle before the kill is wrong"
+    shuffles = {s[2] for s in events(sc, log)["stages"] if s[2] >= 0}
+    assert len(shuffles) == 1, f"expected one shuffle, saw {shuffles}"
+    shuffle = shuffles.pop()
+    manager = sc._jsc.sc().env().shuffleManager()
     os.kill(KILL_PID, signal.SIGKILL)
-    time.sleep(4)  # the metadata server declares it dead after its server timeout
+    # The metadata server declares the server dead after its server timeout.
+    lost = sorted(wait_for("Tern to report lost maps", lambda: list(manager.lostMaps(shuffle)), 20))
+    log.clear()
     second = sorted(rdd.collect())
-    assert second == expected, "shuffle after losing a storage server is wrong"
+    assert second == first, "shuffle after losing a storage server is wrong"
+    seen = events(sc, log)
+    map_attempts = [s for s in seen["stages"] if s[2] == shuffle]
+    assert len(map_attempts) == 1, f"the map stage ran {len(map_attempts)} more times, wanted 1: {seen}"
+    map_stage, attempt = map_attempts[0][0], map_attempts[0][1]
+    rerun = sorted(t[2] for t in seen["tasks"] if t[0] == map_stage and t[1] == attempt and t[3] == 1)
+    assert rerun == lost, f"reran maps {rerun}, Tern lost maps {lost}"
+    result_attempts = {(s[0], s[1]) for s in seen["stages"] if s[2] < 0}
+    assert len(result_attempts) == 2, f"the reduce stage ran {len(result_attempts)} times, wanted 2: {seen}"
+    return lost
+
+
+CHILD_LEASE_S = 4
+
+
+def child():
+    """A second driver: dynamic allocation without an external shuffle service, then it waits to
+    be killed (the parent kills its JVM with SIGKILL, so no shutdown hook ends its Tern job)."""
+    sc, _ = spark(True, [
+        ("spark.dynamicAllocation.enabled", "true"),
+        ("spark.dynamicAllocation.shuffleTracking.enabled", "false"),
+        ("spark.shuffle.service.enabled", "false"),
+        ("spark.dynamicAllocation.executorIdleTimeout", "1s"),
+        ("spark.dynamicAllocation.schedulerBacklogTimeout", "1s"),
+        ("spark.dynamicAllocation.minExecutors", "0"),
+        ("spark.dynamicAllocation.initialExecutors", "2"),
+        ("spark.dynamicAllocation.maxExecutors", "2"),
+        ("spark.tern.jobLease", f"{CHILD_LEASE_S}s"),
+    ])
+    jsc = sc._jsc.sc()
+    executors = lambda: len(jsc.statusTracker().getExecutorInfos()) - 1  # less the driver
+    rdd = sc.parallelize(range(40000), 4).map(lambda x: (x % 53, x)).reduceByKey(add, 4)
+    expected = sorted((k, sum(range(k, 40000, 53))) for k in range(53))
+    log = stage_log(sc)
+    assert sorted(rdd.collect()) == expected, "dynamic allocation: first job is wrong"
+    first = sorted({t[4] for t in events(sc, log)["tasks"]})
+    wait_for("dynamic allocation to release every executor", lambda: executors() == 0, 60)
+    log.clear()
+    assert sorted(rdd.collect()) == expected, "dynamic allocation: reading the shuffle on new executors is wrong"
+    seen = events(sc, log)
+    second = sorted({t[4] for t in seen["tasks"]})
+    assert not set(first) & set(second), f"the second job ran on the first job's executors: {first}, {second}"
+    assert all(s[2] < 0 for s in seen["stages"]), f"map outputs were recomputed after executors left: {seen}"
+    pid = sc._jvm.java.lang.ProcessHandle.current().pid()
+    job = jsc.env().shuffleManager().ternJobId()
+    print(json.dumps({"pid": pid, "job": job, "first_executors": first, "second_executors": second}), flush=True)
+    time.sleep(600)
+
+
+def dynamic_allocation_and_crashed_driver():
+    log_path = os.path.join(WORK, "child-driver.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child"],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        ready_in_time, _, _ = select.select([proc.stdout], [], [], 240)
+        line = proc.stdout.readline() if ready_in_time else ""
+        if not line:
+            proc.kill()
+            with open(log_path) as log:
+                raise AssertionError("the child driver failed or hung:\n" + log.read()[-6000:])
+        ready = json.loads(line)
+        jobs = {j["job_id"]: j for j in tern_status()["jobs"]}
+        assert ready["job"] in jobs and held_bytes() > 0, f"the child's job {ready['job']} holds no data: {jobs}"
+        os.kill(ready["pid"], signal.SIGKILL)
+        killed = time.time()
+        jobs = {j["job_id"] for j in tern_status()["jobs"]}
+        assert ready["job"] in jobs, "the crashed driver's job ended before its lease lapsed"
+        wait_for("the crashed driver's job to lapse",
+                 lambda: ready["job"] not in {j["job_id"] for j in tern_status()["jobs"]}, CHILD_LEASE_S + 15)
+        wait_for("the crashed driver's bytes to be freed", lambda: held_bytes() == 0, 15)
+        return ready, time.time() - killed
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def run(tern):
@@ -188,10 +328,24 @@ def main():
             failures.append(f"Tern terasort output invalid: {valid} (input checksum {input_checksum})")
         else:
             print("  ok  terasort output validates (checksum %s)" % input_checksum, flush=True)
-        survive_lost_server(sc)
-        print("  ok  a killed storage server: lost maps recomputed, result right", flush=True)
+        freed = frees_unregistered_shuffles(sc)
+        print(f"  ok  unregistering {freed} shuffles freed all their blocks in Tern", flush=True)
+        lost = survive_lost_server(sc)
+        print(f"  ok  a killed storage server: lost maps {lost} rerun in one map-stage attempt, result right",
+              flush=True)
+        job = sc._jsc.sc().env().shuffleManager().ternJobId()
     finally:
         sc.stop()
+    wait_for("the stopped application's bytes to be freed", lambda: held_bytes() == 0, 15)
+    assert job not in {j["job_id"] for j in tern_status()["jobs"]}, f"Tern job {job} outlived sc.stop()"
+    print(f"  ok  application end ended Tern job {job} and freed its blocks", flush=True)
+
+    t = time.time()
+    ready, lapsed = dynamic_allocation_and_crashed_driver()
+    print(f"  ok  dynamic allocation: executors {ready['first_executors']} released, the shuffle read on "
+          f"{ready['second_executors']} without recomputation", flush=True)
+    print(f"  ok  a SIGKILLed driver's job {ready['job']} freed {lapsed:.1f}s after the kill "
+          f"(lease {CHILD_LEASE_S}s); child run {time.time() - t:.1f}s", flush=True)
 
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures), flush=True)
@@ -200,4 +354,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    child() if sys.argv[1:] == ["--child"] else main()

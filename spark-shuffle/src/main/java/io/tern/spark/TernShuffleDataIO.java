@@ -4,6 +4,7 @@ import java.util.Collections;
 import java.util.Map;
 
 import org.apache.spark.SparkConf;
+import org.apache.spark.SparkEnv;
 import org.apache.spark.shuffle.api.ShuffleDataIO;
 import org.apache.spark.shuffle.api.ShuffleDriverComponents;
 import org.apache.spark.shuffle.api.ShuffleExecutorComponents;
@@ -12,7 +13,8 @@ import org.apache.spark.shuffle.sort.io.LocalDiskShuffleExecutorComponents;
 /**
  * Set as {@code spark.shuffle.sort.io.plugin.class}: its driver components declare reliable
  * storage, since map outputs live in Tern, not on executors. Spark then keeps map outputs when an
- * executor is lost and lets dynamic allocation run without an external shuffle service. The
+ * executor is lost and lets dynamic allocation run without an external shuffle service; its
+ * removeShuffle carries Spark's shuffle cleanup to every TernShuffleManager. The
  * executor components are Spark's local-disk ones, which TernShuffleManager never calls.
  */
 public class TernShuffleDataIO implements ShuffleDataIO {
@@ -41,6 +43,20 @@ public class TernShuffleDataIO implements ShuffleDataIO {
             @Override
             public boolean supportsReliableStorage() {
                 return true;
+            }
+
+            /**
+             * Spark's ContextCleaner frees a shuffle only through this call (the default does
+             * nothing): send RemoveShuffle to every block manager, as the local-disk components
+             * do, so each process's TernShuffleManager.unregisterShuffle runs; the driver's frees
+             * the shuffle's data in Tern.
+             */
+            @Override
+            public void removeShuffle(int shuffleId, boolean blocking) {
+                SparkEnv env = SparkEnv.get();
+                if (env != null) {
+                    env.blockManager().master().removeShuffle(shuffleId, blocking);
+                }
             }
         };
     }

@@ -4,10 +4,15 @@ import java.util.Map;
 import java.util.concurrent.ConcurrentHashMap;
 
 import org.apache.spark.ShuffleDependency;
+import org.apache.spark.MapOutputTrackerMaster;
+import org.apache.spark.ShuffleStatus;
 import org.apache.spark.SparkConf;
+import org.apache.spark.SparkEnv;
 import org.apache.spark.TaskContext;
 import org.apache.spark.network.buffer.ManagedBuffer;
 import org.apache.spark.network.shuffle.MergedBlockMeta;
+import org.apache.spark.rpc.RpcEndpointRef;
+import org.apache.spark.scheduler.MapStatus;
 import org.apache.spark.shuffle.ShuffleBlockResolver;
 import org.apache.spark.shuffle.ShuffleHandle;
 import org.apache.spark.shuffle.ShuffleManager;
@@ -17,11 +22,13 @@ import org.apache.spark.shuffle.ShuffleWriteMetricsReporter;
 import org.apache.spark.shuffle.ShuffleWriter;
 import org.apache.spark.storage.BlockId;
 import org.apache.spark.storage.ShuffleMergedBlockId;
+import org.apache.spark.util.RpcUtils;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
 import scala.Option;
 import scala.collection.Seq;
+import scala.reflect.ClassTag$;
 
 /**
  * Spark's shuffle on Tern ({@code spark.shuffle.manager=io.tern.spark.TernShuffleManager}).
@@ -30,6 +37,10 @@ import scala.collection.Seq;
  * background) and registers one Tern shuffle per Spark shuffle under it; unregisterShuffle frees
  * the shuffle's data and stop() ends the job, freeing everything; a driver that dies stops renewing
  * and Tern frees the job when the lease lapses. Executors open shuffles by Tern id from the handle.
+ *
+ * <p>Lost data: the driver also serves {@link TernDriverEndpoint}, through which a reader that hit
+ * lost data has every lost map output of the shuffle unregistered at once (see
+ * {@link #unregisterLostMaps}), so one map-stage resubmission recomputes them all.
  */
 public class TernShuffleManager implements ShuffleManager {
     private static final Logger LOG = LoggerFactory.getLogger(TernShuffleManager.class);
@@ -46,6 +57,8 @@ public class TernShuffleManager implements ShuffleManager {
     private long job;
     private String jobId;
     private boolean stopped;
+    /** The driver's endpoint: served here on the driver, looked up on executors. */
+    private RpcEndpointRef endpoint;
 
     public TernShuffleManager(SparkConf conf, boolean isDriver) {
         this.sparkConf = conf;
@@ -88,6 +101,7 @@ public class TernShuffleManager implements ShuffleManager {
     public <K, V, C> ShuffleHandle registerShuffle(int shuffleId, ShuffleDependency<K, V, C> dependency) {
         int partitions = Math.max(1, dependency.partitioner().numPartitions());
         int maps = dependency.rdd().getNumPartitions();
+        serveEndpoint();
         long handle = TernNative.registerShuffle(
                 client(), jobId(), partitions, maps, conf.storageClass, conf.splitSizeBytes);
         long ternId = TernNative.shuffleId(handle);
@@ -95,6 +109,83 @@ public class TernShuffleManager implements ShuffleManager {
         ternIds.put(shuffleId, ternId);
         LOG.info("Spark shuffle {} is Tern shuffle {} ({} maps x {} partitions)", shuffleId, ternId, maps, partitions);
         return new TernShuffleHandle<>(shuffleId, dependency, ternId, partitions);
+    }
+
+    /** On the driver, starts {@link TernDriverEndpoint} once (SparkEnv exists by the first shuffle). */
+    private synchronized void serveEndpoint() {
+        if (isDriver && endpoint == null && SparkEnv.get() != null) {
+            endpoint = SparkEnv.get().rpcEnv().setupEndpoint(
+                    TernDriverEndpoint.NAME, new TernDriverEndpoint(SparkEnv.get().rpcEnv(), this));
+        }
+    }
+
+    /**
+     * Called by a reader that found data of Spark shuffle {@code shuffleId} lost: has the driver
+     * unregister every lost map output of the shuffle (all partitions, all maps) and returns their
+     * map indexes. On the driver (local mode) it runs here; on an executor it asks the driver.
+     */
+    int[] reportLostMaps(int shuffleId) {
+        if (isDriver) {
+            return unregisterLostMaps(shuffleId);
+        }
+        RpcEndpointRef driver;
+        synchronized (this) {
+            if (endpoint == null) {
+                SparkEnv env = SparkEnv.get();
+                endpoint = RpcUtils.makeDriverRef(TernDriverEndpoint.NAME, env.conf(), env.rpcEnv());
+            }
+            driver = endpoint;
+        }
+        return driver.askSync(new TernDriverEndpoint.UnregisterLostMaps(shuffleId), ClassTag$.MODULE$.apply(int[].class));
+    }
+
+    /**
+     * Driver side: asks Tern which maps of the shuffle have committed bytes on a lost server and
+     * unregisters each one's output from the MapOutputTracker (only the output Spark holds now, by
+     * its location), so the next map-stage attempt recomputes exactly those maps. Idempotent:
+     * concurrent reports of the same loss unregister nothing twice.
+     */
+    int[] unregisterLostMaps(int shuffleId) {
+        int[] lost = lostMaps(shuffleId);
+        if (lost.length == 0) {
+            return lost;
+        }
+        MapOutputTrackerMaster tracker = (MapOutputTrackerMaster) SparkEnv.get().mapOutputTracker();
+        Option<ShuffleStatus> status = tracker.shuffleStatuses().get(shuffleId);
+        int unregistered = 0;
+        if (status.isDefined()) {
+            MapStatus[] outputs = status.get().mapStatuses();
+            for (int map : lost) {
+                MapStatus output = map < outputs.length ? outputs[map] : null;
+                if (output != null) {
+                    tracker.unregisterMapOutput(shuffleId, map, output.location());
+                    unregistered++;
+                }
+            }
+        }
+        LOG.warn("Tern lost the output of {} maps of Spark shuffle {} ({} still registered, now unregistered): {}",
+                lost.length, shuffleId, unregistered, java.util.Arrays.toString(lost));
+        return lost;
+    }
+
+    /** Driver side: the map indexes of Spark shuffle {@code shuffleId} whose committed output Tern lost. */
+    public int[] lostMaps(int shuffleId) {
+        Long ternId = ternIds.get(shuffleId);
+        Long handle = ternId == null ? null : shuffles.get(ternId);
+        if (handle == null) {
+            return new int[0];
+        }
+        return TernNative.lostMaps(handle, 0, Integer.MAX_VALUE, 0, Integer.MAX_VALUE);
+    }
+
+    /** The Spark shuffle ids this process holds open (on the driver: those not yet unregistered). */
+    public int[] registeredShuffles() {
+        return ternIds.keySet().stream().mapToInt(Integer::intValue).sorted().toArray();
+    }
+
+    /** The id of the driver's Tern job ("" before the first shuffle). */
+    public synchronized String ternJobId() {
+        return jobId == null ? "" : jobId;
     }
 
     @Override
@@ -165,6 +256,14 @@ public class TernShuffleManager implements ShuffleManager {
             return;
         }
         stopped = true;
+        if (isDriver && endpoint != null && SparkEnv.get() != null) {
+            try {
+                SparkEnv.get().rpcEnv().stop(endpoint);
+            } catch (RuntimeException e) {
+                LOG.debug("stopping the {} endpoint: {}", TernDriverEndpoint.NAME, e.toString());
+            }
+        }
+        endpoint = null;
         for (Long handle : shuffles.values()) {
             TernNative.closeShuffle(handle);
         }

@@ -13,6 +13,7 @@ import org.apache.spark.TaskContext;
 import org.apache.spark.serializer.SerializerInstance;
 import org.apache.spark.serializer.SerializerManager;
 import org.apache.spark.shuffle.FetchFailedException;
+import org.apache.spark.shuffle.MetadataFetchFailedException;
 import org.apache.spark.shuffle.ShuffleReadMetricsReporter;
 import org.apache.spark.shuffle.ShuffleReader;
 import org.apache.spark.storage.BlockId;
@@ -31,8 +32,10 @@ import scala.collection.Seq;
 /**
  * Reads partitions [startPartition, endPartition) of maps [startMapIndex, endMapIndex) from Tern:
  * only the map outputs the MapOutputTracker lists, and only if Tern's committed attempt of each is
- * the one the tracker names. Lost or mismatched output becomes a FetchFailedException naming that
- * map's own location, so Spark reruns exactly that map. Then, as Spark's own reader does:
+ * the one the tracker names. Lost output has the driver unregister every lost map of the shuffle
+ * (TernShuffleManager#reportLostMaps) and becomes a FetchFailedException naming one of them, so
+ * Spark's one map-stage resubmission reruns exactly the lost maps; a mismatched attempt becomes a
+ * FetchFailedException naming that map's own location. Then, as Spark's own reader does:
  * aggregation (ExternalAppendOnlyMap) and key ordering (ExternalSorter), both of which spill.
  */
 final class TernShuffleReader<K, C> implements ShuffleReader<K, C> {
@@ -289,25 +292,36 @@ final class TernShuffleReader<K, C> implements ShuffleReader<K, C> {
             return ((long) partition << 32) | (map & 0xffffffffL);
         }
 
-        /** A data-lost error as a fetch failure of one lost map Spark listed; others rethrown. */
+        /**
+         * A data-lost error as a fetch failure. First the driver unregisters every lost map output
+         * of the shuffle (not only this reader's), so the stage's one resubmission recomputes all
+         * of them; then the failure names one lost map this reader was given (its own location),
+         * or, if none, is a metadata fetch failure, which only makes Spark resubmit. Other errors
+         * are rethrown as they are.
+         */
         private RuntimeException fetchFailed(TernException e) {
-            if (!e.isDataLost() || shuffle == 0) {
+            if (!e.isDataLost()) {
                 return e;
             }
-            int[] lost = TernNative.lostMaps(shuffle, startPartition, endPartition, startMapIndex, endMapIndex);
-            java.util.List<Integer> candidates = new java.util.ArrayList<>();
-            for (int m : lost) {
-                if (listed.containsKey(m)) {
-                    candidates.add(m);
+            int[] lost;
+            try {
+                lost = manager.reportLostMaps(handle.shuffleId());
+            } catch (RuntimeException report) {
+                e.addSuppressed(report);
+                return e;
+            }
+            if (lost.length == 0) {
+                return e;
+            }
+            String message = "Tern lost the output of maps " + java.util.Arrays.toString(lost) + " of shuffle "
+                    + handle.shuffleId() + " (unregistered for recomputation): " + e.getMessage();
+            for (int map : lost) {
+                if (listed.containsKey(map)) {
+                    return sneaky(failure(map, listed.get(map), message, e));
                 }
             }
-            if (candidates.isEmpty()) {
-                return e;
-            }
-            // Readers of different partitions blame different maps, so one round of failures
-            // unregisters as many lost outputs as there are failing reducers.
-            int map = candidates.get(Math.floorMod(startPartition, candidates.size()));
-            return sneaky(failure(map, listed.get(map), "Tern lost maps " + candidates + ": " + e.getMessage(), e));
+            close();
+            return sneaky(new MetadataFetchFailedException(handle.shuffleId(), startPartition, message));
         }
 
         private FetchFailedException failure(int mapIndex, Listed output, String message, Throwable cause) {

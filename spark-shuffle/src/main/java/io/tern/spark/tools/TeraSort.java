@@ -18,6 +18,7 @@ import org.apache.spark.api.java.JavaSparkContext;
 import org.apache.spark.scheduler.SparkListener;
 import org.apache.spark.scheduler.SparkListenerTaskEnd;
 import org.apache.spark.executor.TaskMetrics;
+import org.apache.spark.util.CollectionAccumulator;
 
 import scala.Tuple2;
 
@@ -29,6 +30,11 @@ import scala.Tuple2;
  *
  * <p>{@code spark-submit --class io.tern.spark.tools.TeraSort JAR IN OUT PARTITIONS} prints one
  * line {@code TERASORT {json}} with the time and the map tasks' CPU and shuffle bytes.
+ *
+ * <p>{@code map_process_cpu_ns} is the CPU time of the executor processes (every thread: the task
+ * thread, GC, JIT and native threads such as Tern's pushes) over the map stage, from each
+ * executor's process CPU clock at its first map task's start and its last map task's end (see
+ * {@link ProcessCpu}); {@code map_cpu_ns} is Spark's executorCpuTime, the task threads only.
  */
 public final class TeraSort {
     private TeraSort() {}
@@ -51,7 +57,9 @@ public final class TeraSort {
         Metrics metrics = new Metrics();
         jsc.sc().addSparkListener(metrics);
         long start = System.nanoTime();
+        CollectionAccumulator<String> mapCpu = jsc.sc().collectionAccumulator("tern-terasort-map-process-cpu");
         long records = jsc.binaryRecords(in, 100)
+                .mapPartitions(it -> ProcessCpu.measured(mapCpu, it), true)
                 .mapToPair(r -> new Tuple2<>(Arrays.copyOfRange(r, 0, 10), Arrays.copyOfRange(r, 10, 100)))
                 .repartitionAndSortWithinPartitions(new PrefixPartitioner(partitions), new KeyOrder())
                 .mapPartitionsWithIndex((index, it) -> Collections.singletonList(writePart(out, index, it)).iterator(), true)
@@ -63,9 +71,9 @@ public final class TeraSort {
         jsc.sc().listenerBus().waitUntilEmpty();
         jsc.sc().removeSparkListener(metrics);
         return String.format(
-                "{\"seconds\":%.3f,\"records\":%d,\"map_cpu_ns\":%d,\"map_run_ns\":%d,\"shuffle_bytes_written\":%d,"
+                "{\"seconds\":%.3f,\"records\":%d,\"map_process_cpu_ns\":%d,\"map_cpu_ns\":%d,\"map_run_ns\":%d,\"shuffle_bytes_written\":%d,"
                         + "\"shuffle_records_written\":%d,\"reduce_cpu_ns\":%d,\"shuffle_bytes_read\":%d}",
-                seconds, records, metrics.mapCpu.get(), metrics.mapRun.get(), metrics.bytesWritten.get(),
+                seconds, records, ProcessCpu.total(mapCpu.value()), metrics.mapCpu.get(), metrics.mapRun.get(), metrics.bytesWritten.get(),
                 metrics.recordsWritten.get(), metrics.reduceCpu.get(), metrics.bytesRead.get());
     }
 
