@@ -157,6 +157,10 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         store = store.with_nvme(tier);
     }
     let store = Arc::new(store);
+    // Nothing is placed here until the inventory is in: report it before serving anyone.
+    heartbeat::report_inventory(&mut client, registered.server_id, &store)
+        .await
+        .map_err(|status| anyhow::anyhow!("reporting the inventory to {}: {}", config.metadata, status.message()))?;
     metrics.observe_store(&store);
     let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =

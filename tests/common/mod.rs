@@ -34,6 +34,8 @@ pub struct Cluster {
     pub tls_dir: Option<PathBuf>,
     pub tls: Tls,
     metadata: Child,
+    /// How the metadata server was started, to start it again on the same --dir and port.
+    metadata_args: Vec<String>,
     storage: Vec<Option<Child>>,
 }
 
@@ -99,29 +101,38 @@ impl Cluster {
             Tls::Quic => format!("http://{metadata_addr}"),
             Tls::Full => format!("https://{metadata_addr}"),
         };
-        let metadata = spawn_logged(
-            dir.path(),
-            "metadata",
+        let metadata_args: Vec<String> = [
             &[
-                &[
-                    "metadata-server",
-                    "--listen",
-                    &metadata_addr,
-                    "--dir",
-                    &dir.path().join("metadata").to_string_lossy(),
-                    "--admin",
-                    "127.0.0.1:0",
-                    "--heartbeat-interval-ms",
-                    &HEARTBEAT_MS.to_string(),
-                    "--server-timeout-ms",
-                    &SERVER_TIMEOUT_MS.to_string(),
-                ][..],
-                &metadata_tls,
-            ]
-            .concat(),
-        );
-        let mut cluster =
-            Cluster { dir, metadata_addr, storage_addrs: Vec::new(), tls_dir, tls, metadata, storage: Vec::new() };
+                "metadata-server",
+                "--listen",
+                &metadata_addr,
+                "--dir",
+                &dir.path().join("metadata").to_string_lossy(),
+                "--admin",
+                "127.0.0.1:0",
+                "--heartbeat-interval-ms",
+                &HEARTBEAT_MS.to_string(),
+                "--server-timeout-ms",
+                &SERVER_TIMEOUT_MS.to_string(),
+            ][..],
+            &metadata_tls,
+        ]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect();
+        let args: Vec<&str> = metadata_args.iter().map(String::as_str).collect();
+        let metadata = spawn_logged(dir.path(), "metadata", &args);
+        let mut cluster = Cluster {
+            dir,
+            metadata_addr,
+            storage_addrs: Vec::new(),
+            tls_dir,
+            tls,
+            metadata,
+            metadata_args,
+            storage: Vec::new(),
+        };
         for i in 0..servers {
             let addr = format!("127.0.0.1:{}", free_port());
             let nvme_path = cluster.dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
@@ -203,6 +214,15 @@ impl Cluster {
     }
 
     /// The process id of storage server `i` (for a test that kills it from another process).
+    /// Kills the metadata server with SIGKILL and starts it again on the same --dir and port;
+    /// `n` names its log file (`metadata-<n>.log`).
+    pub fn restart_metadata(&mut self, n: usize) {
+        let _ = self.metadata.kill();
+        let _ = self.metadata.wait();
+        let args: Vec<&str> = self.metadata_args.iter().map(String::as_str).collect();
+        self.metadata = spawn_logged(self.dir.path(), &format!("metadata-{n}"), &args);
+    }
+
     pub fn storage_pid(&self, i: usize) -> u32 {
         self.storage[i].as_ref().expect("storage server already killed").id()
     }

@@ -214,6 +214,11 @@ impl NvmeStore {
     }
 
     /// Drops every block; returns how many were held.
+    /// The ids of the blocks it holds.
+    pub fn block_ids(&self) -> Vec<u64> {
+        self.blocks.lock().keys().copied().collect()
+    }
+
     pub fn clear(&self) -> usize {
         let removed = std::mem::take(&mut *self.blocks.lock());
         removed.len()
