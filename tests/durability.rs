@@ -215,3 +215,55 @@ async fn sigkill_of_the_metadata_server_loses_no_acknowledged_operation() {
     );
     drop(job);
 }
+
+/// A storage server killed with SIGKILL and started again on the same NVMe path: its NVMe blocks
+/// come back byte for byte (the tier's durable index), its DRAM blocks are reported lost, naming
+/// the file, and never served stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_storage_server_keeps_its_nvme_blocks_and_reports_dram_lost() {
+    use tern_client::StorageClass;
+    let nvme = common::Nvme { size: "64MiB", engine: "auto" };
+    let mut cluster = Cluster::start_with_nvme(1, "32MiB", nvme).await;
+    let client = cluster.client().await;
+    let mut files = Vec::new();
+    for (i, len) in [1usize, 4096, 1 << 20, (3 << 20) + 17].into_iter().enumerate() {
+        for (class, name) in [(StorageClass::Nvme, "nvme"), (StorageClass::Dram, "dram")] {
+            let path = format!("/{name}-{i}");
+            let data = common::random_bytes(len);
+            client.put_with_class(&path, Bytes::from(data.clone()), class).await.unwrap();
+            files.push((path, class, data));
+        }
+    }
+    // One NVMe file deleted before the kill stays deleted, and its space comes back.
+    client.put_with_class("/nvme-gone", Bytes::from(vec![7u8; 5000]), StorageClass::Nvme).await.unwrap();
+    client.delete("/nvme-gone", false).await.unwrap();
+
+    cluster.restart_storage(0);
+    let address = cluster.storage_addrs[0].clone();
+    cluster
+        .wait_for("the storage server to register again", Duration::from_secs(20), || async {
+            let status = client.status().await.ok()?;
+            let server = status.servers.iter().find(|s| s.address == address)?;
+            // Registered again and reconciled: new blocks can go there.
+            (server.alive && client.put("/probe", Bytes::from_static(b"x")).await.is_ok()).then_some(())
+        })
+        .await;
+    for (path, class, data) in &files {
+        let read = match client.open(path).await {
+            Ok(reader) => reader.read_to_end().await,
+            Err(e) => Err(e),
+        };
+        match class {
+            StorageClass::Nvme => assert!(read.unwrap() == *data, "{path} reads back byte for byte"),
+            _ => {
+                let err = read.unwrap_err();
+                assert_eq!(err.kind(), tern_client::ErrorKind::DataLost, "{path}: {err}");
+                assert!(err.message().contains(path.as_str()), "the error names the file: {err}");
+            }
+        }
+    }
+    assert_eq!(client.stat("/nvme-gone").await.unwrap_err().kind(), tern_client::ErrorKind::NotFound);
+    // Writing goes on, on both tiers.
+    client.put_with_class("/after", Bytes::from(vec![1u8; 100_000]), StorageClass::Nvme).await.unwrap();
+    assert_eq!(client.open("/after").await.unwrap().read_to_end().await.unwrap(), vec![1u8; 100_000]);
+}

@@ -325,7 +325,13 @@ impl Servers {
 
     /// Takes one page of a server's inventory; `Ok(true)` when the server awaits its
     /// reconciliation (the caller runs it on the last page).
-    pub fn inventory_page(&mut self, server_id: u64, blocks: &[u64], shuffles: &[u64]) -> Result<(), Refusal> {
+    pub fn inventory_page(
+        &mut self,
+        server_id: u64,
+        blocks: &[u64],
+        shuffles: &[u64],
+        block_size: u32,
+    ) -> Result<(), Refusal> {
         let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
             return Err(Refusal::new(
                 ErrorKind::NotFound,
@@ -342,8 +348,10 @@ impl Servers {
                 tern_proto::MAX_INVENTORY_PAGE
             )));
         }
-        // No server holds more blocks than its tiers have room for.
-        let capacity: u64 = server.tiers.iter().map(|t| t.capacity_blocks).sum();
+        // No server holds more blocks than its tiers have room for (a registration at start-up
+        // names bytes only: its block counts come with the first heartbeat).
+        let capacity: u64 =
+            server.tiers.iter().map(|t| t.capacity_blocks.max(t.capacity_bytes / u64::from(block_size.max(1)))).sum();
         if (inventory.blocks.len() + blocks.len()) as u64 > capacity {
             return Err(invalid(format!(
                 "the inventory reports {} blocks, more than the {capacity} the server's tiers hold",
@@ -788,7 +796,7 @@ mod tests {
     /// Registers a server (as instance 1) and reconciles its empty inventory: ready for placement.
     fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> u64 {
         let (id, _) = servers.register(address, tiers, 1, now).unwrap();
-        servers.inventory_page(id, &[], &[]).unwrap();
+        servers.inventory_page(id, &[], &[], 4096).unwrap();
         servers.reconcile(id, &HashMap::new(), false, |_| false);
         id
     }
@@ -1063,7 +1071,7 @@ mod tests {
         assert_eq!((id, previous), (1, Some(1)));
         assert!(servers.allocate(1, "", StorageClass::Any).is_err());
         let page = [blocks[0].block_id, blocks[1].block_id, 99];
-        servers.inventory_page(1, &page, &[7]).unwrap();
+        servers.inventory_page(1, &page, &[7], 4096).unwrap();
         // Blocks 1 and 2 belong to sealed files, block 3 to a file still being written.
         let referenced =
             HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
@@ -1078,7 +1086,7 @@ mod tests {
         let (id, previous) = servers.register("10.0.0.1:1", dram(10), 2, now).unwrap();
         assert_eq!((id, previous), (1, Some(1)));
         assert!(servers.restarted_since_log(1));
-        servers.inventory_page(1, &[blocks[1].block_id], &[]).unwrap();
+        servers.inventory_page(1, &[blocks[1].block_id], &[], 4096).unwrap();
         let done = servers.reconcile(1, &referenced, true, |_| false);
         assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0 });
         let lost = servers.lost(&blocks[0]).unwrap();
@@ -1088,7 +1096,7 @@ mod tests {
         servers.free(&[blocks[0]]);
         assert!(servers.heartbeat(1, Vec::new(), 0, now).free_block_ids.is_empty());
         // An inventory is taken once per registration, and bounded.
-        assert!(servers.inventory_page(1, &[1], &[]).is_err());
+        assert!(servers.inventory_page(1, &[1], &[], 4096).is_err());
         assert!(servers.heartbeat(99, Vec::new(), 0, now).reregister);
     }
 

@@ -395,7 +395,9 @@ impl State {
         _now: Instant,
     ) -> Result<ReportInventoryResponse, Status> {
         let context = format!("inventory of storage server {}", req.server_id);
-        self.servers.inventory_page(req.server_id, &req.block_ids, &req.shuffle_ids).context(&context)?;
+        self.servers
+            .inventory_page(req.server_id, &req.block_ids, &req.shuffle_ids, self.block_size)
+            .context(&context)?;
         if !req.last {
             return Ok(ReportInventoryResponse::default());
         }

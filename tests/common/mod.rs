@@ -37,6 +37,8 @@ pub struct Cluster {
     /// How the metadata server was started, to start it again on the same --dir and port.
     metadata_args: Vec<String>,
     storage: Vec<Option<Child>>,
+    /// How each storage server was started, to start it again.
+    storage_args: Vec<Vec<String>>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -132,6 +134,7 @@ impl Cluster {
             metadata,
             metadata_args,
             storage: Vec::new(),
+            storage_args: Vec::new(),
         };
         for i in 0..servers {
             let addr = format!("127.0.0.1:{}", free_port());
@@ -153,6 +156,7 @@ impl Cluster {
             }
             let child = spawn_logged(cluster.dir.path(), &format!("storage-{i}"), &args);
             cluster.storage.push(Some(child));
+            cluster.storage_args.push(args.iter().map(|a| a.to_string()).collect());
             cluster.storage_addrs.push(addr);
         }
         let client = cluster.client().await;
@@ -213,7 +217,6 @@ impl Cluster {
         String::from_utf8(out.stdout).unwrap()
     }
 
-    /// The process id of storage server `i` (for a test that kills it from another process).
     /// Kills the metadata server with SIGKILL and starts it again on the same --dir and port;
     /// `n` names its log file (`metadata-<n>.log`).
     pub fn restart_metadata(&mut self, n: usize) {
@@ -223,6 +226,18 @@ impl Cluster {
         self.metadata = spawn_logged(self.dir.path(), &format!("metadata-{n}"), &args);
     }
 
+    /// Kills storage server `i` with SIGKILL (unless it is dead already) and starts it again with
+    /// the same flags (same address, same NVMe path); its log is `storage-<i>-again.log`.
+    pub fn restart_storage(&mut self, i: usize) {
+        if let Some(mut child) = self.storage[i].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let args: Vec<&str> = self.storage_args[i].iter().map(String::as_str).collect();
+        self.storage[i] = Some(spawn_logged(self.dir.path(), &format!("storage-{i}-again"), &args));
+    }
+
+    /// The process id of storage server `i` (for a test that kills it from another process).
     pub fn storage_pid(&self, i: usize) -> u32 {
         self.storage[i].as_ref().expect("storage server already killed").id()
     }
