@@ -38,6 +38,15 @@ pub struct MetadataArgs {
     /// Allow plain gRPC beyond loopback without TLS [default: false].
     #[arg(long)]
     trusted_network: bool,
+    /// Snapshot the state (and cut the log) this often when the log grew [default: 60000].
+    #[arg(long)]
+    snapshot_interval_ms: Option<u64>,
+    /// Snapshot as soon as the log grew by this much [default: 64MiB].
+    #[arg(long)]
+    snapshot_log_size: Option<ByteSize>,
+    /// Acknowledge changes without syncing the log: a machine crash may lose them [default: sync].
+    #[arg(long)]
+    no_fsync: bool,
 }
 
 pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
@@ -53,6 +62,9 @@ pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
         config.tls_dir = args.tls_dir;
     }
     config.trusted_network |= args.trusted_network;
+    override_with(&mut config.snapshot_interval_ms, args.snapshot_interval_ms);
+    override_with(&mut config.snapshot_log_size, args.snapshot_log_size);
+    config.fsync &= !args.no_fsync;
     tern_metadata::run(config).await
 }
 

@@ -36,6 +36,9 @@ pub struct ShuffleBenchReport {
     pub partitions: u32,
     pub register_seconds: f64,
     pub commit_seconds: f64,
+    /// The same commits to a second shuffle from COMMITTERS tasks at once, as concurrent map tasks
+    /// commit: what the metadata log's group commit amortises (one fsync for many commits).
+    pub concurrent_commit_seconds: f64,
     pub locate_seconds: f64,
     /// Register + commits + locates.
     pub metadata_seconds: f64,
@@ -48,6 +51,50 @@ pub struct ShuffleBenchReport {
     pub file_read_gb_s: f64,
     pub partition_read_gb_s: f64,
     pub partition_read_ratio_to_file: f64,
+}
+
+/// Tasks committing at once in the concurrent commit measurement.
+const COMMITTERS: u32 = 32;
+
+/// Registers another shuffle like the first and commits all its maps from [`COMMITTERS`] tasks.
+async fn concurrent_commits(
+    metadata: &MetadataClient<tonic::transport::Channel>,
+    job: &str,
+    options: &ShuffleBenchOptions,
+) -> anyhow::Result<f64> {
+    let ask = RegisterShuffleRequest {
+        job_id: job.to_string(),
+        partitions: options.partitions,
+        maps: options.maps,
+        ..Default::default()
+    };
+    let shuffle_id = metadata.clone().register_shuffle(ask).await?.into_inner().shuffle_id;
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for first in 0..COMMITTERS.min(options.maps) {
+        let mut metadata = metadata.clone();
+        let (maps, partitions) = (options.maps, options.partitions);
+        tasks.spawn(async move {
+            for map in (first..maps).step_by(COMMITTERS as usize) {
+                let lengths = (0..partitions).map(|p| 1 + u64::from(map ^ p)).collect();
+                let commit = CommitMapRequest {
+                    shuffle_id,
+                    map_index: map,
+                    attempt: 0,
+                    partition_bytes: lengths,
+                    ..Default::default()
+                };
+                metadata.commit_map(commit).await?;
+            }
+            Ok::<(), tonic::Status>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.context("a committing task failed")??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    metadata.clone().unregister_shuffle(tern_proto::v1::UnregisterShuffleRequest { shuffle_id }).await?;
+    Ok(seconds)
 }
 
 pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchReport> {
@@ -86,6 +133,7 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
             .await?;
     }
     let commit_seconds = started.elapsed().as_secs_f64();
+    let concurrent_commit_seconds = concurrent_commits(&metadata, job.id(), options).await?;
     let started = Instant::now();
     for partition in 0..options.partitions {
         let located = metadata
@@ -154,6 +202,7 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
         partitions: options.partitions,
         register_seconds,
         commit_seconds,
+        concurrent_commit_seconds,
         locate_seconds,
         metadata_seconds,
         stat_peer_seconds,
@@ -170,6 +219,7 @@ pub fn print_table(r: &ShuffleBenchReport) {
     println!("shuffle metadata, {} maps x {} partitions (real gRPC, one client):", r.maps, r.partitions);
     println!("  register                 {:>8.3} s", r.register_seconds);
     println!("  {} commits              {:>8.3} s", r.maps, r.commit_seconds);
+    println!("  {} commits, {COMMITTERS} at once   {:>8.3} s", r.maps, r.concurrent_commit_seconds);
     println!("  {} locates              {:>8.3} s", r.partitions, r.locate_seconds);
     let verdict = if r.metadata_seconds < 1.0 { "met" } else { "MISSED" };
     println!("  total                    {:>8.3} s   target < 1 s: {verdict}", r.metadata_seconds);

@@ -39,6 +39,14 @@ pub struct Config {
     pub tls_dir: Option<PathBuf>,
     /// Allow plain gRPC on a non-loopback address without TLS. Default `false`.
     pub trusted_network: bool,
+    /// Sync the write-ahead log before acknowledging a change. Turning it off keeps the log but
+    /// lets a crash of the machine (not just of the process) lose acknowledged changes; for
+    /// throwaway clusters only. Default `true`.
+    pub fsync: bool,
+    /// Snapshot the state (and cut the log) this often when the log has grown. Default `60000`.
+    pub snapshot_interval_ms: u64,
+    /// Snapshot as soon as the log has grown by this much. Default `64MiB`.
+    pub snapshot_log_size: ByteSize,
 }
 
 impl Default for Config {
@@ -57,6 +65,9 @@ impl Default for Config {
             max_entries: 10_000_000,
             tls_dir: None,
             trusted_network: false,
+            fsync: true,
+            snapshot_interval_ms: 60_000,
+            snapshot_log_size: ByteSize(64 << 20),
         }
     }
 }
@@ -93,6 +104,9 @@ impl Config {
                 bail!("{key} must be at least 1");
             }
         }
+        if self.snapshot_interval_ms == 0 || self.snapshot_log_size.bytes() == 0 {
+            bail!("snapshot_interval_ms and snapshot_log_size must be above 0");
+        }
         tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
         Ok(())
     }
@@ -108,6 +122,10 @@ impl Config {
 
     pub fn server_timeout(&self) -> Duration {
         Duration::from_millis(self.server_timeout_ms)
+    }
+
+    pub fn snapshot_interval(&self) -> Duration {
+        Duration::from_millis(self.snapshot_interval_ms)
     }
 }
 

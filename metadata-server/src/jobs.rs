@@ -109,6 +109,12 @@ impl Jobs {
         }
     }
 
+    /// Every job's name and lease as asked (for snapshots; 0 never appears: the lease granted is
+    /// kept, and it is already clamped).
+    pub fn leases(&self) -> Vec<(String, u64)> {
+        self.jobs.iter().map(|(name, job)| (name.clone(), job.lease.as_millis() as u64)).collect()
+    }
+
     pub fn len(&self) -> usize {
         self.jobs.len()
     }

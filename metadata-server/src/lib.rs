@@ -4,13 +4,14 @@
 //! Clients call the `Metadata` gRPC service; storage servers register and heartbeat on the
 //! `Registry` service, and learn on each heartbeat which blocks and shuffles to free. All state is
 //! in memory, behind one mutex (see `state` for the rules, and the modules it draws on for the
-//! details).
+//! details); every change is logged and synced before it is acknowledged (see `wal`).
 //!
 //! Modules: `config` (the typed configuration), `path` (path normalisation and the `/jobs` tree),
 //! `namespace` (the directory tree), `placement` (storage servers, placement, frees), `jobs` (jobs
 //! and leases), `shuffles` (shuffles, their segments and map commits), `state` (one method per RPC
 //! over all of them), `service` (the gRPC services), `metrics`, `server` (start, run, shutdown),
-//! `dirlock` (one server per directory), `error` (refusals and their context).
+//! `dirlock` (one server per directory), `error` (refusals and their context), `wal` (the
+//! write-ahead log and snapshots in `--dir` that make the state survive restarts).
 
 mod config;
 mod dirlock;
@@ -24,6 +25,7 @@ mod server;
 mod service;
 mod shuffles;
 mod state;
+mod wal;
 
 pub use config::Config;
 pub use server::{run, start, MetadataServer};

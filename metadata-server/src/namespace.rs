@@ -135,6 +135,68 @@ impl Namespace {
         Ok(file_id)
     }
 
+    /// Creates a file as [`Namespace::create_file`] does, under a given id (replaying the log).
+    pub fn create_file_as(
+        &mut self,
+        file_id: u64,
+        path: &str,
+        parents: bool,
+        storage_class: StorageClass,
+        now_unix_ms: u64,
+    ) -> Result<(), Refusal> {
+        let next = self.next_file_id;
+        self.next_file_id = file_id;
+        let created = self.create_file(path, parents, storage_class, now_unix_ms);
+        self.next_file_id = next.max(file_id + 1);
+        created.map(|_| ())
+    }
+
+    /// The next file id to hand out.
+    pub fn next_file_id(&self) -> u64 {
+        self.next_file_id
+    }
+
+    /// Raises the next file id to at least `next` (ids are never reused, across restarts too).
+    pub fn raise_next_file_id(&mut self, next: u64) {
+        self.next_file_id = self.next_file_id.max(next);
+    }
+
+    /// Every file's blocks.
+    pub fn blocks(&self) -> impl Iterator<Item = (&FileMeta, &BlockRef)> {
+        self.nodes
+            .values()
+            .filter_map(|node| match &node.body {
+                Body::File(meta) => Some(meta),
+                Body::Dir(_) => None,
+            })
+            .flat_map(|meta| meta.blocks.iter().map(move |block| (meta, block)))
+    }
+
+    /// Every entry below the root, parents before children: (path, creation time, file metadata
+    /// for files). What a snapshot records.
+    pub fn walk(&self) -> Vec<(String, u64, Option<&FileMeta>)> {
+        let mut out = Vec::new();
+        let mut pending = vec![(ROOT, String::from("/"))];
+        while let Some((id, path)) = pending.pop() {
+            let Body::Dir(children) = &self.node(id).body else {
+                continue;
+            };
+            // Reversed onto the stack, so entries come out in name order.
+            for (name, &child) in children.iter().rev() {
+                let child_path = path::join(&path, name);
+                let node = self.node(child);
+                match &node.body {
+                    Body::Dir(_) => {
+                        out.push((child_path.clone(), node.created_unix_ms, None));
+                        pending.push((child, child_path));
+                    }
+                    Body::File(meta) => out.push((child_path, node.created_unix_ms, Some(meta))),
+                }
+            }
+        }
+        out
+    }
+
     /// The entry at `path` (normalised), and its file metadata when it is a file.
     pub fn stat(&self, path: &str) -> Result<(FileInfo, Option<&FileMeta>), Refusal> {
         let id = self.lookup(path).ok_or_else(|| not_found("no such file or directory"))?;

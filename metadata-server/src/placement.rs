@@ -21,7 +21,7 @@
 //! grows as maps push, so it is known only through those reports (see `Server::used_blocks`).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -59,6 +59,20 @@ struct Server {
     /// The address's host, compared with clients' hosts for locality.
     host: String,
     alive: bool,
+    /// Restored from the log after the metadata server restarted, and not registered again yet:
+    /// its blocks are read (the server is likely still up), nothing new is placed there, and it
+    /// is declared dead if it stays silent for the server timeout.
+    restored: bool,
+    /// Its inventory was reconciled since it registered: only now is anything placed there.
+    reconciled: bool,
+    /// The process instance it registered with (see RegisterServerRequest.instance_id).
+    instance_id: u64,
+    /// Its last registration came from a new process (its DRAM is gone).
+    restarted: bool,
+    /// Inventory pages received since it registered.
+    inventory: Option<Inventory>,
+    /// Blocks referenced here that its last inventory did not report, and why they are lost.
+    lost_blocks: HashMap<u64, String>,
     /// Why the server was declared dead (empty while alive).
     death: String,
     tiers: Vec<TierUsage>,
@@ -80,7 +94,32 @@ struct Server {
     next_free_seq: u64,
 }
 
+/// What a storage server reported holding, gathered over its inventory pages.
+#[derive(Debug, Default)]
+struct Inventory {
+    blocks: HashSet<u64>,
+    shuffles: HashSet<u64>,
+}
+
+/// What reconciling an inventory did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reconciled {
+    pub unreferenced: u64,
+    pub lost: u64,
+    pub unknown_shuffles: u64,
+}
+
 impl Server {
+    /// Blocks and segments may be read from it.
+    fn readable(&self) -> bool {
+        self.alive || self.restored
+    }
+
+    /// New blocks and segments may go there.
+    fn placeable(&self) -> bool {
+        self.alive && self.reconciled
+    }
+
     fn tier(&self, tier: &str) -> Option<&TierUsage> {
         self.tiers.iter().find(|t| t.tier == tier)
     }
@@ -159,6 +198,32 @@ impl Server {
         }
     }
 
+    fn new(address: &str, host: String, instance_id: u64, now: Instant) -> Server {
+        Server {
+            address: address.to_string(),
+            quic_address: String::new(),
+            host,
+            alive: false,
+            restored: false,
+            reconciled: false,
+            instance_id,
+            restarted: true,
+            inventory: None,
+            lost_blocks: HashMap::new(),
+            death: String::new(),
+            tiers: Vec::new(),
+            last_seen: now,
+            allocated: 0,
+            nvme_allocated: 0,
+            unplaced_used: 0,
+            segments: 0,
+            frees: VecDeque::new(),
+            shuffle_frees: 0,
+            nvme_frees: 0,
+            next_free_seq: 1,
+        }
+    }
+
     fn describe(&self, server_id: u64) -> String {
         format!("storage server {server_id} ({})", self.address)
     }
@@ -179,42 +244,181 @@ impl Default for Servers {
 }
 
 impl Servers {
-    /// Registers a server instance; returns its new id and the id of the instance it replaces
-    /// (an earlier registration from the same address, which must have restarted).
+    /// Registers a server instance. A server registering from the address of a known one (alive,
+    /// dead, or restored from the log) is that server again and keeps its id, so the blocks the
+    /// namespace places there stay its own; returns the id and the instance id it had before
+    /// (`None` for a new server). Nothing is placed there until its inventory is reconciled.
     pub fn register(
         &mut self,
         address: &str,
         tiers: Vec<TierUsage>,
+        instance_id: u64,
         now: Instant,
     ) -> Result<(u64, Option<u64>), Refusal> {
         let host = host_of_address(address)?;
+        if let Some((&server_id, server)) = self.servers.iter_mut().find(|(_, s)| s.address == address) {
+            let previous = server.instance_id;
+            server.alive = true;
+            server.restored = false;
+            server.reconciled = false;
+            server.restarted = previous != instance_id;
+            server.instance_id = instance_id;
+            server.inventory = Some(Inventory::default());
+            server.death.clear();
+            server.last_seen = now;
+            server.take_report(tiers);
+            return Ok((server_id, Some(previous)));
+        }
         let server_id = self.next_server_id;
         self.next_server_id += 1;
-        let replaced = self.servers.iter().find(|(_, s)| s.alive && s.address == address).map(|(&id, _)| id);
-        if let Some(old) = replaced {
-            let reason = format!("the server restarted and registered again as storage server {server_id}");
-            self.mark_dead(old, reason);
-        }
-        let mut server = Server {
-            address: address.to_string(),
-            quic_address: String::new(),
-            host,
-            alive: true,
-            death: String::new(),
-            tiers: Vec::new(),
-            last_seen: now,
-            allocated: 0,
-            nvme_allocated: 0,
-            unplaced_used: 0,
-            segments: 0,
-            frees: VecDeque::new(),
-            shuffle_frees: 0,
-            nvme_frees: 0,
-            next_free_seq: 1,
-        };
+        let mut server = Server::new(address, host, instance_id, now);
+        server.alive = true;
+        server.inventory = Some(Inventory::default());
         server.take_report(tiers);
         self.servers.insert(server_id, server);
-        Ok((server_id, replaced))
+        Ok((server_id, None))
+    }
+
+    /// A server known from the log (after a restart): readable, but nothing is placed there until
+    /// it registers again; declared dead if it does not within the server timeout.
+    pub fn restore(&mut self, server_id: u64, address: &str, quic_address: &str, instance_id: u64, now: Instant) {
+        let host = host_of_address(address).unwrap_or_default();
+        let mut server = Server::new(address, host, instance_id, now);
+        server.quic_address = quic_address.to_string();
+        server.restored = true;
+        // Another server known at this address is an older record of the same one.
+        self.servers.retain(|_, s| s.address != address);
+        self.servers.insert(server_id, server);
+        self.next_server_id = self.next_server_id.max(server_id + 1);
+    }
+
+    /// Counts blocks placed before a restart (replaying the log).
+    pub fn restore_blocks(&mut self, blocks: &[BlockRef]) {
+        for block in blocks {
+            self.next_block_id = self.next_block_id.max((block.block_id & !NVME_BLOCK_BIT) + 1);
+            if let Some(server) = self.servers.get_mut(&block.server_id) {
+                *server.allocated_mut(Tier::of_block(block.block_id)) += 1;
+            }
+        }
+    }
+
+    /// The id counters (next server id, next block id), for snapshots.
+    pub fn counters(&self) -> (u64, u64) {
+        (self.next_server_id, self.next_block_id)
+    }
+
+    /// Raises the id counters to at least the given values.
+    pub fn raise_counters(&mut self, next_server_id: u64, next_block_id: u64) {
+        self.next_server_id = self.next_server_id.max(next_server_id);
+        self.next_block_id = self.next_block_id.max(next_block_id);
+    }
+
+    /// Every known server's identity: (id, address, QUIC address, instance id).
+    pub fn identities(&self) -> Vec<(u64, String, String, u64)> {
+        self.servers.iter().map(|(&id, s)| (id, s.address.clone(), s.quic_address.clone(), s.instance_id)).collect()
+    }
+
+    /// Whether the server's last registration came from a new process.
+    pub fn restarted_since_log(&self, server_id: u64) -> bool {
+        self.servers.get(&server_id).is_none_or(|s| s.restarted)
+    }
+
+    /// Takes one page of a server's inventory; `Ok(true)` when the server awaits its
+    /// reconciliation (the caller runs it on the last page).
+    pub fn inventory_page(
+        &mut self,
+        server_id: u64,
+        blocks: &[u64],
+        shuffles: &[u64],
+        block_size: u32,
+    ) -> Result<(), Refusal> {
+        let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
+            return Err(Refusal::new(
+                ErrorKind::NotFound,
+                format!("storage server {server_id} is not registered; register again"),
+            ));
+        };
+        let Some(inventory) = server.inventory.as_mut() else {
+            return Err(invalid(format!("storage server {server_id} already reported its inventory; register again")));
+        };
+        if blocks.len() + shuffles.len() > tern_proto::MAX_INVENTORY_PAGE {
+            return Err(invalid(format!(
+                "an inventory page of {} ids; at most {} per page",
+                blocks.len() + shuffles.len(),
+                tern_proto::MAX_INVENTORY_PAGE
+            )));
+        }
+        // No server holds more blocks than its tiers have room for (a registration at start-up
+        // names bytes only: its block counts come with the first heartbeat).
+        let capacity: u64 =
+            server.tiers.iter().map(|t| t.capacity_blocks.max(t.capacity_bytes / u64::from(block_size.max(1)))).sum();
+        if (inventory.blocks.len() + blocks.len()) as u64 > capacity {
+            return Err(invalid(format!(
+                "the inventory reports {} blocks, more than the {capacity} the server's tiers hold",
+                inventory.blocks.len() + blocks.len()
+            )));
+        }
+        if inventory.shuffles.len() + shuffles.len() > crate::shuffles::MAX_SHUFFLES {
+            return Err(invalid(format!("the inventory reports more than {} shuffles", crate::shuffles::MAX_SHUFFLES)));
+        }
+        inventory.blocks.extend(blocks);
+        inventory.shuffles.extend(shuffles);
+        Ok(())
+    }
+
+    /// Settles a server's complete inventory against what the namespace and the shuffle registry
+    /// reference there: `referenced` (block id → its file is sealed) and `shuffles` (registered
+    /// shuffles with segments there). Blocks held but unreferenced, and unknown shuffles, are
+    /// queued for freeing; referenced blocks it did not report are lost (those of unsealed files
+    /// only when the server restarted: otherwise they may simply not be written yet). From now
+    /// on, blocks and segments may be placed there.
+    pub fn reconcile(
+        &mut self,
+        server_id: u64,
+        referenced: &HashMap<u64, bool>,
+        restarted: bool,
+        registered_shuffle: impl Fn(u64) -> bool,
+    ) -> Reconciled {
+        let Some(server) = self.servers.get_mut(&server_id) else {
+            return Reconciled::default();
+        };
+        let inventory = server.inventory.take().unwrap_or_default();
+        let mut done = Reconciled::default();
+        server.frees = VecDeque::new();
+        server.shuffle_frees = 0;
+        server.nvme_frees = 0;
+        server.allocated = 0;
+        server.nvme_allocated = 0;
+        server.lost_blocks.clear();
+        let describe = server.describe(server_id);
+        for (&block_id, &sealed) in referenced {
+            if inventory.blocks.contains(&block_id) {
+                *server.allocated_mut(Tier::of_block(block_id)) += 1;
+            } else if sealed || restarted {
+                let why = format!("block {block_id} on {describe} is lost: the server registered again without it");
+                server.lost_blocks.insert(block_id, why);
+                done.lost += 1;
+            } else {
+                // Placed for a file still being written, and not written yet.
+                *server.allocated_mut(Tier::of_block(block_id)) += 1;
+            }
+        }
+        let mut unreferenced: Vec<u64> =
+            inventory.blocks.iter().copied().filter(|id| !referenced.contains_key(id)).collect();
+        unreferenced.sort_unstable();
+        for block_id in unreferenced {
+            *server.allocated_mut(Tier::of_block(block_id)) += 1;
+            server.queue_free(Free::Block(block_id));
+            done.unreferenced += 1;
+        }
+        let mut unknown: Vec<u64> = inventory.shuffles.iter().copied().filter(|&id| !registered_shuffle(id)).collect();
+        unknown.sort_unstable();
+        for shuffle_id in unknown {
+            server.queue_free(Free::Shuffle(shuffle_id));
+            done.unknown_shuffles += 1;
+        }
+        server.reconciled = true;
+        done
     }
 
     /// Records a heartbeat, drops the frees it acknowledges, and answers with the frees still due.
@@ -268,14 +472,21 @@ impl Servers {
         let silent: Vec<(u64, Duration)> = self
             .servers
             .iter()
-            .filter(|(_, s)| s.alive)
+            .filter(|(_, s)| s.alive || s.restored)
             .map(|(&id, s)| (id, now.saturating_duration_since(s.last_seen)))
             .filter(|&(_, silence)| silence > timeout)
             .collect();
         silent
             .into_iter()
             .map(|(id, silence)| {
-                let reason = format!("server missed heartbeats for {:.1}s", silence.as_secs_f64());
+                let reason = if self.servers[&id].restored {
+                    format!(
+                        "server did not register again within {:.1}s of the metadata server's restart",
+                        silence.as_secs_f64()
+                    )
+                } else {
+                    format!("server missed heartbeats for {:.1}s", silence.as_secs_f64())
+                };
                 (id, self.mark_dead(id, reason))
             })
             .collect()
@@ -296,7 +507,7 @@ impl Servers {
         let mut being_freed: u64 = 0;
         for &tier in tiers {
             let mut tier_free = 0;
-            for server in self.servers.values().filter(|s| s.alive) {
+            for server in self.servers.values().filter(|s| s.placeable()) {
                 tier_free += server.tier_capacity(tier).saturating_sub(server.tier_used(tier));
                 being_freed += server.tier_being_freed(tier);
             }
@@ -335,7 +546,7 @@ impl Servers {
                 continue;
             }
             let mut candidates = BinaryHeap::new();
-            for (&id, server) in self.servers.iter().filter(|(_, s)| s.alive) {
+            for (&id, server) in self.servers.iter().filter(|(_, s)| s.placeable()) {
                 let (capacity, used) = (server.tier_capacity(tier), server.tier_used(tier));
                 if used < capacity {
                     let remote = client_host.is_empty() || server.host != client_host;
@@ -376,6 +587,10 @@ impl Servers {
             let Some(server) = self.servers.get_mut(&block.server_id) else {
                 continue;
             };
+            if server.lost_blocks.remove(&block.block_id).is_some() {
+                // Not there to free, and not counted.
+                continue;
+            }
             if server.alive {
                 server.queue_free(Free::Block(block.block_id));
             } else {
@@ -392,7 +607,7 @@ impl Servers {
     /// it is the only tier storage servers have today, whatever a shuffle's storage class.
     pub fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
         let mut live: Vec<((bool, u64), u64)> =
-            self.servers.iter().filter(|(_, s)| s.alive).map(|(&id, s)| (s.segment_load(), id)).collect();
+            self.servers.iter().filter(|(_, s)| s.placeable()).map(|(&id, s)| (s.segment_load(), id)).collect();
         if live.len() > 1 {
             live.retain(|&(_, id)| Some(id) != avoid);
         }
@@ -430,7 +645,7 @@ impl Servers {
     /// Why `block` cannot be read, or `None` when its server is alive.
     pub fn lost(&self, block: &BlockRef) -> Option<String> {
         match self.servers.get(&block.server_id) {
-            Some(server) if server.alive => None,
+            Some(server) if server.readable() => server.lost_blocks.get(&block.block_id).cloned(),
             Some(server) => Some(format!(
                 "block {} on {} is lost: {}",
                 block.block_id,
@@ -444,8 +659,15 @@ impl Servers {
         }
     }
 
+    /// Whether blocks and segments there can be read: the server is alive, or restored from the
+    /// log and not yet declared dead.
     pub fn is_alive(&self, server_id: u64) -> bool {
-        self.servers.get(&server_id).is_some_and(|s| s.alive)
+        self.servers.get(&server_id).is_some_and(|s| s.readable())
+    }
+
+    /// Whether the block can be read (its server readable, the block not reported missing).
+    pub fn block_readable(&self, block: &BlockRef) -> bool {
+        self.servers.get(&block.server_id).is_some_and(|s| s.readable() && !s.lost_blocks.contains_key(&block.block_id))
     }
 
     /// A server's block-service address; empty for a server no longer known.
@@ -491,12 +713,13 @@ impl Servers {
             .collect()
     }
 
+    /// Servers that take new blocks and segments.
     pub fn live_count(&self) -> u64 {
-        self.servers.values().filter(|s| s.alive).count() as u64
+        self.servers.values().filter(|s| s.placeable()).count() as u64
     }
 
     pub fn dead_count(&self) -> u64 {
-        self.servers.values().filter(|s| !s.alive).count() as u64
+        self.servers.values().filter(|s| !s.readable()).count() as u64
     }
 
     /// Blocks placed on live servers (all tiers) and not yet acknowledged as freed.
@@ -511,6 +734,9 @@ impl Servers {
         if let Some(server) = self.servers.get_mut(&server_id) {
             description = format!("{}: {reason}", server.describe(server_id));
             server.alive = false;
+            server.restored = false;
+            server.reconciled = false;
+            server.inventory = None;
             server.death = reason;
             // Its pending frees will never be carried out, and need not be: the data is gone.
             let dram_frees = server.frees.len() as u64 - server.shuffle_frees - server.nvme_frees;
@@ -520,7 +746,7 @@ impl Servers {
             server.shuffle_frees = 0;
             server.nvme_frees = 0;
         }
-        let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.alive).map(|(&id, _)| id).collect();
+        let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.readable()).map(|(&id, _)| id).collect();
         for id in dead.iter().take(dead.len().saturating_sub(MAX_DEAD_SERVERS)) {
             self.servers.remove(id);
         }
@@ -567,11 +793,19 @@ mod tests {
         vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }]
     }
 
+    /// Registers a server (as instance 1) and reconciles its empty inventory: ready for placement.
+    fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> u64 {
+        let (id, _) = servers.register(address, tiers, 1, now).unwrap();
+        servers.inventory_page(id, &[], &[], 4096).unwrap();
+        servers.reconcile(id, &HashMap::new(), false, |_| false);
+        id
+    }
+
     fn servers(addresses: &[&str], capacity_blocks: u64) -> (Servers, Instant) {
         let now = Instant::now();
         let mut servers = Servers::default();
         for address in addresses {
-            servers.register(address, dram(capacity_blocks), now).unwrap();
+            join(&mut servers, address, dram(capacity_blocks), now);
         }
         (servers, now)
     }
@@ -624,7 +858,7 @@ mod tests {
     #[test]
     fn skips_dead_and_full_servers() {
         let (mut servers, start) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 2);
-        servers.register("10.0.0.3:1", dram(0), start).unwrap();
+        join(&mut servers, "10.0.0.3:1", dram(0), start);
         servers.allocate(2, "", StorageClass::Any).unwrap();
         // Server 2 keeps heartbeating; server 1 (and 3) go silent.
         let later = start + Duration::from_secs(10);
@@ -748,8 +982,8 @@ mod tests {
     fn any_fills_dram_cluster_wide_before_nvme() {
         let now = Instant::now();
         let mut servers = Servers::default();
-        servers.register("10.0.0.1:1", tiers(2, 4), now).unwrap();
-        servers.register("10.0.0.2:1", dram(1), now).unwrap();
+        join(&mut servers, "10.0.0.1:1", tiers(2, 4), now);
+        join(&mut servers, "10.0.0.2:1", dram(1), now);
         // Three DRAM blocks in the cluster: all go to DRAM, on both servers, before any NVMe.
         let blocks = servers.allocate(3, "10.0.0.1", StorageClass::Any).unwrap();
         assert_eq!(tiers_of(&blocks), [Tier::Dram; 3]);
@@ -777,10 +1011,10 @@ mod tests {
     fn nvme_class_skips_servers_without_nvme() {
         let now = Instant::now();
         let mut servers = Servers::default();
-        servers.register("10.0.0.1:1", dram(10), now).unwrap();
+        join(&mut servers, "10.0.0.1:1", dram(10), now);
         let refusal = servers.allocate(1, "", StorageClass::Nvme).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
-        servers.register("10.0.0.2:1", tiers(10, 3), now).unwrap();
+        join(&mut servers, "10.0.0.2:1", tiers(10, 3), now);
         let blocks = servers.allocate(3, "10.0.0.1", StorageClass::Nvme).unwrap();
         assert_eq!(per_server(&blocks), BTreeMap::from([(2, 3)]));
         assert_eq!(tiers_of(&blocks), [Tier::Nvme; 3]);
@@ -792,7 +1026,7 @@ mod tests {
     fn nvme_frees_count_per_tier() {
         let now = Instant::now();
         let mut servers = Servers::default();
-        servers.register("10.0.0.1:1", tiers(1, 2), now).unwrap();
+        join(&mut servers, "10.0.0.1:1", tiers(1, 2), now);
         let dram_block = servers.allocate(1, "", StorageClass::Dram).unwrap();
         let nvme_blocks = servers.allocate(2, "", StorageClass::Nvme).unwrap();
         servers.free(&nvme_blocks);
@@ -828,34 +1062,69 @@ mod tests {
     }
 
     #[test]
-    fn reregistration_replaces_the_old_instance() {
+    fn a_server_registering_again_keeps_its_id_and_its_reported_blocks() {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
-        let block = servers.allocate(1, "", StorageClass::Any).unwrap()[0];
-        let (new_id, replaced) = servers.register("10.0.0.1:1", dram(10), now).unwrap();
-        assert_eq!((new_id, replaced), (2, Some(1)));
-        assert!(!servers.is_alive(1));
-        let lost = servers.lost(&block).unwrap();
-        assert!(lost.contains("block 1 on storage server 1 (10.0.0.1:1) is lost: the server restarted"), "{lost}");
-        assert!(servers.heartbeat(1, Vec::new(), 0, now).reregister);
+        let blocks = servers.allocate(3, "", StorageClass::Any).unwrap();
+        // The same process again (the metadata server lost track of it): nothing placed there
+        // until its inventory is in.
+        let (id, previous) = servers.register("10.0.0.1:1", dram(10), 1, now).unwrap();
+        assert_eq!((id, previous), (1, Some(1)));
+        assert!(servers.allocate(1, "", StorageClass::Any).is_err());
+        let page = [blocks[0].block_id, blocks[1].block_id, 99];
+        servers.inventory_page(1, &page, &[7], 4096).unwrap();
+        // Blocks 1 and 2 belong to sealed files, block 3 to a file still being written.
+        let referenced =
+            HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
+        let done = servers.reconcile(1, &referenced, servers.restarted_since_log(1), |_| false);
+        assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1 });
+        assert!(blocks.iter().all(|b| servers.lost(b).is_none()));
+        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        assert_eq!((reply.free_block_ids, reply.free_shuffle_ids), (vec![99], vec![7]));
+        assert_eq!(servers.allocate(1, "", StorageClass::Any).unwrap()[0].server_id, 1);
+
+        // A new process (it restarted): what it does not report is lost, even unsealed.
+        let (id, previous) = servers.register("10.0.0.1:1", dram(10), 2, now).unwrap();
+        assert_eq!((id, previous), (1, Some(1)));
+        assert!(servers.restarted_since_log(1));
+        servers.inventory_page(1, &[blocks[1].block_id], &[], 4096).unwrap();
+        let done = servers.reconcile(1, &referenced, true, |_| false);
+        assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0 });
+        let lost = servers.lost(&blocks[0]).unwrap();
+        assert!(lost.contains("registered again without it"), "{lost}");
+        assert!(servers.lost(&blocks[1]).is_none() && servers.lost(&blocks[2]).is_some());
+        // Freeing a lost block queues nothing: the server does not have it.
+        servers.free(&[blocks[0]]);
+        assert!(servers.heartbeat(1, Vec::new(), 0, now).free_block_ids.is_empty());
+        // An inventory is taken once per registration, and bounded.
+        assert!(servers.inventory_page(1, &[1], &[], 4096).is_err());
         assert!(servers.heartbeat(99, Vec::new(), 0, now).reregister);
-        assert!(!servers.heartbeat(2, Vec::new(), 0, now).reregister);
-        // Frees of blocks on the dead instance are not queued anywhere.
-        servers.free(&[block]);
-        assert!(servers.heartbeat(2, Vec::new(), 0, now).free_block_ids.is_empty());
-        let status = servers.status(now);
-        assert_eq!(
-            status.iter().map(|s| (s.server_id, s.alive, s.allocated_blocks)).collect::<Vec<_>>(),
-            [(1, false, 0), (2, true, 0)]
-        );
+    }
+
+    #[test]
+    fn restored_servers_are_readable_until_the_timeout_then_dead() {
+        let now = Instant::now();
+        let mut servers = Servers::default();
+        servers.restore(4, "10.0.0.1:1", "", 9, now);
+        let block = BlockRef { block_id: 1, server_id: 4 };
+        servers.restore_blocks(&[block]);
+        assert!(servers.lost(&block).is_none() && servers.is_alive(4));
+        assert_eq!(servers.live_count(), 0, "nothing is placed on a server before it registers again");
+        assert!(servers.heartbeat(4, Vec::new(), 0, now).reregister);
+        let dead = servers.expire(now + Duration::from_secs(10), Duration::from_secs(5));
+        assert!(dead[0].1.contains("did not register again"), "{dead:?}");
+        assert!(servers.lost(&block).is_some());
+        // Ids continue past the restored ones.
+        assert_eq!(servers.counters(), (5, 2));
     }
 
     #[test]
     fn forgets_the_oldest_dead_servers() {
         let (mut servers, now) = servers(&[], 1);
-        for _ in 0..MAX_DEAD_SERVERS + 2 {
-            servers.register("10.0.0.1:1", dram(1), now).unwrap();
+        for i in 0..MAX_DEAD_SERVERS + 2 {
+            join(&mut servers, &format!("10.0.{}.{}:1", i / 200, i % 200 + 1), dram(1), now);
         }
-        assert_eq!((servers.live_count(), servers.dead_count()), (1, MAX_DEAD_SERVERS as u64));
+        servers.expire(now + Duration::from_secs(10), Duration::from_secs(1));
+        assert_eq!((servers.live_count(), servers.dead_count()), (0, MAX_DEAD_SERVERS as u64));
         let lost = servers.lost(&BlockRef { block_id: 5, server_id: 1 }).unwrap();
         assert!(lost.contains("no longer known"), "{lost}");
     }

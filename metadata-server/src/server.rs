@@ -18,6 +18,7 @@ use crate::dirlock::DirLock;
 use crate::metrics::Metrics;
 use crate::service::Service;
 use crate::state::State;
+use crate::wal::{self, Wal};
 
 /// The reaper runs at least this often, so lapsed leases end promptly.
 const MAX_REAP_PERIOD: Duration = Duration::from_millis(500);
@@ -43,7 +44,9 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
     }
     let lock = DirLock::acquire(&config.dir)?;
-    let state = Arc::new(Mutex::new(State::new(&config)));
+    let (state, wal) = recover(&config)?;
+    let state = Arc::new(Mutex::new(state));
+    let wal = Arc::new(wal);
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry, state.clone());
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -52,11 +55,17 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let addr = listener.local_addr()?;
     let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
     let (stop, stopped) = watch::channel(false);
-    let service = Arc::new(Service::new(state.clone(), metrics));
+    let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
+    let snapshots = Snapshots {
+        dir: config.dir.clone(),
+        interval: config.snapshot_interval(),
+        log_bytes: config.snapshot_log_size.bytes(),
+    };
     let tasks = vec![
         tokio::spawn(serve(grpc, listener, service, stopped.clone())),
-        tokio::spawn(reap(state, reap_period, stopped)),
+        tokio::spawn(reap(state.clone(), wal.clone(), reap_period, stopped.clone())),
+        tokio::spawn(snapshot_loop(state, wal, snapshots, stopped)),
     ];
     Ok(MetadataServer { addr, admin_addr, stop, tasks, _lock: lock })
 }
@@ -130,14 +139,89 @@ async fn serve(
     }
 }
 
+/// Rebuilds the state from `config.dir` (snapshot, then log), writes a fresh snapshot of it (so
+/// the log files read are no longer needed), and starts a new log file.
+fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
+    let started = Instant::now();
+    let recovered = wal::recover(&config.dir)
+        .with_context(|| format!("recovering the metadata state in {}", config.dir.display()))?;
+    let mut state = State::new(config);
+    state.restore(&recovered.records, Instant::now())?;
+    let snapshot = state.snapshot();
+    let bytes = wal::write_snapshot(&config.dir, recovered.next_seq, &snapshot)?;
+    if !recovered.records.is_empty() {
+        info!(
+            "metadata state recovered from {}: {} snapshot records and {} log records from {} log files in {:.0?}; \
+             new snapshot of {bytes} bytes",
+            config.dir.display(),
+            recovered.snapshot_records,
+            recovered.records.len() - recovered.snapshot_records,
+            recovered.wal_files,
+            started.elapsed()
+        );
+    }
+    if !config.fsync {
+        warn!("fsync = false: a machine crash may lose acknowledged metadata changes");
+    }
+    let wal = Wal::open(&config.dir, recovered.next_seq, config.fsync)?;
+    Ok((state, wal))
+}
+
 /// Ends lapsed jobs and declares silent servers dead, every `period`.
-async fn reap(state: Arc<Mutex<State>>, period: Duration, mut stopped: watch::Receiver<bool>) {
+async fn reap(state: Arc<Mutex<State>>, wal: Arc<Wal>, period: Duration, mut stopped: watch::Receiver<bool>) {
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = ticks.tick() => state.lock().reap(Instant::now()),
+            _ = ticks.tick() => {
+                let mut state = state.lock();
+                state.reap(Instant::now());
+                wal.append(&state.take_journal());
+            }
             _ = stopped.wait_for(|&stop| stop) => return,
+        }
+    }
+}
+
+struct Snapshots {
+    dir: std::path::PathBuf,
+    interval: Duration,
+    log_bytes: u64,
+}
+
+/// Snapshots the state when the log has grown past `log_bytes`, or every `interval` when it grew
+/// at all. The state is copied out as records under the lock (and the log moves on to a new file
+/// at that point); the file is written outside it.
+async fn snapshot_loop(
+    state: Arc<Mutex<State>>,
+    wal: Arc<Wal>,
+    snapshots: Snapshots,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut ticks = tokio::time::interval(snapshots.interval.min(Duration::from_secs(1)));
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = Instant::now();
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stopped.wait_for(|&stop| stop) => return,
+        }
+        let grown = wal.file_bytes();
+        if grown == 0 || (grown < snapshots.log_bytes && last.elapsed() < snapshots.interval) {
+            continue;
+        }
+        last = Instant::now();
+        let (records, seq) = {
+            let mut state = state.lock();
+            wal.append(&state.take_journal());
+            (state.snapshot(), wal.rotate())
+        };
+        let dir = snapshots.dir.clone();
+        let started = Instant::now();
+        match tokio::task::spawn_blocking(move || wal::write_snapshot(&dir, seq, &records)).await {
+            Ok(Ok(bytes)) => info!("metadata snapshot of {bytes} bytes written in {:.0?}; log cut", started.elapsed()),
+            Ok(Err(e)) => error!("metadata snapshot failed (the log keeps growing until one succeeds): {e:#}"),
+            Err(e) => error!("metadata snapshot task failed: {e}"),
         }
     }
 }
@@ -182,8 +266,12 @@ mod tests {
         let channel = tls::grpc_endpoint(&addr, Some(&material)).unwrap().connect().await.unwrap();
         let mut registry = RegistryClient::new(channel.clone());
         let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 8, ..TierUsage::default() }];
-        let request =
-            RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, quic_address: "127.0.0.1:7001".into() };
+        let request = RegisterServerRequest {
+            address: "127.0.0.1:7000".into(),
+            tiers,
+            quic_address: "127.0.0.1:7001".into(),
+            instance_id: 1,
+        };
         registry.register_server(request).await.unwrap();
         let status = MetadataClient::new(channel).status(StatusRequest {}).await.unwrap().into_inner();
         assert_eq!(status.servers[0].quic_address, "127.0.0.1:7001");
@@ -223,7 +311,7 @@ mod tests {
             ..Config::default()
         };
         let server = start(config.clone()).await.unwrap();
-        let err = format!("{:#}", start(config).await.unwrap_err());
+        let err = format!("{:#}", start(config.clone()).await.unwrap_err());
         assert!(err.contains("in use by another metadata server"), "{err}");
 
         let endpoint = format!("http://{}", server.addr());
@@ -235,6 +323,8 @@ mod tests {
             .unwrap()
             .into_inner();
         assert_eq!((registered.server_id, registered.block_size), (1, tern_proto::DEFAULT_BLOCK_SIZE));
+        let inventory = ReportInventoryRequest { server_id: 1, last: true, ..Default::default() };
+        registry.report_inventory(inventory).await.unwrap();
         assert_eq!(registered.heartbeat_interval_ms, 1000);
 
         let mut client = MetadataClient::connect(endpoint).await.unwrap();
@@ -309,5 +399,22 @@ mod tests {
         let addr = server.addr();
         server.shutdown().await;
         assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+
+        // Started again on the same directory, it has everything acknowledged before.
+        let server = start(config.clone()).await.unwrap();
+        let mut client = MetadataClient::connect(format!("http://{}", server.addr())).await.unwrap();
+        let info = client.stat(StatRequest { path: format!("{}/out", job.root), with_blocks: true }).await.unwrap();
+        let stat = info.into_inner();
+        assert_eq!((stat.info.unwrap().length, stat.blocks.len()), (10, 1));
+        assert_eq!(stat.blocks[0].address, "127.0.0.1:7000");
+        let status = client.status(StatusRequest {}).await.unwrap().into_inner();
+        assert_eq!((status.jobs.len(), status.servers.len(), status.servers[0].alive), (1, 1, false));
+        server.shutdown().await;
+        let names: Vec<String> = std::fs::read_dir(&config.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name.starts_with("wal-") || name == "snapshot")
+            .collect();
+        assert_eq!(names.len(), 2, "one snapshot and the log file started after it: {names:?}");
     }
 }

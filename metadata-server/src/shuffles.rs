@@ -20,10 +20,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use prost::Message;
+use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{
     AdvanceSegmentRequest, AdvanceSegmentResponse, CommitMapRequest, CommitMapResponse, InvalidateMapsRequest,
-    InvalidateMapsResponse, LocateShuffleRequest, LocateShuffleResponse, MapOutput, RegisterShuffleRequest,
-    RegisterShuffleResponse, Segment,
+    InvalidateMapsResponse, LocateShuffleRequest, LocateShuffleResponse, LogLostSegments, LogSegment, LogShuffle,
+    MapOutput, RegisterShuffleRequest, RegisterShuffleResponse, Segment,
 };
 use tern_proto::ErrorKind;
 use tracing::debug;
@@ -103,6 +104,9 @@ struct Shuffle {
     /// Segments per server, so an unregistration reaches exactly the servers holding some.
     holders: BTreeMap<u64, u64>,
     commits: BTreeMap<u32, MapCommit>,
+    /// (partition, index) of segments whose data is gone although their server lives on: the
+    /// server restarted and lost its DRAM. Few, so kept aside from the partitions.
+    lost: BTreeSet<(u32, u32)>,
 }
 
 impl Shuffle {
@@ -175,7 +179,7 @@ impl Shuffles {
         let segments: Vec<Segment> = plan
             .iter()
             .enumerate()
-            .map(|(partition, &server_id)| segment(servers, partition as u32, 0, server_id))
+            .map(|(partition, &server_id)| segment(servers, partition as u32, 0, server_id, false))
             .collect();
         let shuffle_id = self.next_shuffle_id;
         let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes };
@@ -189,7 +193,36 @@ impl Shuffles {
                 tern_proto::MAX_GRPC_MESSAGE_BYTES
             )));
         }
-        self.next_shuffle_id += 1;
+        self.insert(shuffle_id, req, storage_class, split_size_bytes, plan, servers);
+        Ok(response)
+    }
+
+    /// Registers a shuffle as logged (replaying the log): no checks, the first segments given.
+    pub fn restore(&mut self, log: &LogShuffle, servers: &mut Servers) -> Result<(), Refusal> {
+        let req = log.request.clone().unwrap_or_default();
+        let storage_class = parse_storage_class(&req.storage_class)?;
+        if log.first_servers.len() != req.partitions as usize {
+            return Err(invalid(format!(
+                "logged shuffle {} has {} first segments for {} partitions",
+                log.shuffle_id,
+                log.first_servers.len(),
+                req.partitions
+            )));
+        }
+        self.insert(log.shuffle_id, &req, storage_class, log.split_size_bytes, log.first_servers.clone(), servers);
+        Ok(())
+    }
+
+    fn insert(
+        &mut self,
+        shuffle_id: u64,
+        req: &RegisterShuffleRequest,
+        storage_class: StorageClass,
+        split_size_bytes: u64,
+        plan: Vec<u64>,
+        servers: &mut Servers,
+    ) {
+        self.next_shuffle_id = self.next_shuffle_id.max(shuffle_id + 1);
         servers.add_segments(&plan);
         let mut holders = BTreeMap::new();
         for &server_id in &plan {
@@ -204,21 +237,125 @@ impl Shuffles {
             partitions,
             holders,
             commits: BTreeMap::new(),
+            lost: BTreeSet::new(),
         };
         self.segments += u64::from(req.partitions);
         self.shuffles.insert(shuffle_id, shuffle);
         self.by_job.entry(req.job_id.clone()).or_default().insert(shuffle_id);
-        Ok(response)
+    }
+
+    /// Adds a segment to the end of a partition (AdvanceSegment, a server's death, or the log).
+    pub fn push_segment(
+        &mut self,
+        shuffle_id: u64,
+        partition: u32,
+        server_id: u64,
+        servers: &mut Servers,
+    ) -> Result<(), Refusal> {
+        let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
+        let partitions = shuffle.partitions.len();
+        let p = shuffle.partitions.get_mut(partition as usize).ok_or_else(|| no_partition(partition, partitions))?;
+        servers.add_segments(&[server_id]);
+        p.later.push(server_id);
+        *shuffle.holders.entry(server_id).or_default() += 1;
+        self.segments += 1;
+        Ok(())
+    }
+
+    /// Marks every segment on `server_id` lost (the server restarted and lost its DRAM); returns
+    /// the log records saying so.
+    pub fn lose_segments_on(&mut self, server_id: u64) -> Vec<LogLostSegments> {
+        let mut records = Vec::new();
+        for (&shuffle_id, shuffle) in &mut self.shuffles {
+            if !shuffle.holders.contains_key(&server_id) {
+                continue;
+            }
+            let mut record = LogLostSegments { shuffle_id, ..LogLostSegments::default() };
+            for (p, partition) in (0..).zip(&shuffle.partitions) {
+                for (index, server) in (0..).zip(partition.servers()) {
+                    if server == server_id && shuffle.lost.insert((p, index)) {
+                        record.partitions.push(p);
+                        record.indexes.push(index);
+                    }
+                }
+            }
+            if !record.partitions.is_empty() {
+                records.push(record);
+            }
+        }
+        records
+    }
+
+    /// Marks segments lost as logged.
+    pub fn restore_lost(&mut self, log: &LogLostSegments) {
+        if let Some(shuffle) = self.shuffles.get_mut(&log.shuffle_id) {
+            shuffle.lost.extend(log.partitions.iter().copied().zip(log.indexes.iter().copied()));
+        }
+    }
+
+    /// Whether `shuffle_id` is registered.
+    pub fn is_registered(&self, shuffle_id: u64) -> bool {
+        self.shuffles.contains_key(&shuffle_id)
+    }
+
+    pub fn next_shuffle_id(&self) -> u64 {
+        self.next_shuffle_id
+    }
+
+    pub fn raise_next_shuffle_id(&mut self, next: u64) {
+        self.next_shuffle_id = self.next_shuffle_id.max(next);
+    }
+
+    /// The records that rebuild the registry (for a snapshot).
+    pub fn snapshot(&self, out: &mut Vec<Change>) {
+        for (&shuffle_id, shuffle) in &self.shuffles {
+            let request = RegisterShuffleRequest {
+                job_id: shuffle.job.clone(),
+                partitions: shuffle.partitions.len() as u32,
+                maps: shuffle.maps,
+                storage_class: shuffle.storage_class.to_string(),
+                split_size_bytes: shuffle.split_size_bytes,
+            };
+            out.push(Change::RegisterShuffle(LogShuffle {
+                request: Some(request),
+                shuffle_id,
+                first_servers: shuffle.partitions.iter().map(|p| p.first).collect(),
+                split_size_bytes: shuffle.split_size_bytes,
+            }));
+            for (partition, p) in (0..).zip(&shuffle.partitions) {
+                for &server_id in &p.later {
+                    out.push(Change::AddSegment(LogSegment { shuffle_id, partition, server_id }));
+                }
+            }
+            if !shuffle.lost.is_empty() {
+                out.push(Change::LostSegments(LogLostSegments {
+                    shuffle_id,
+                    partitions: shuffle.lost.iter().map(|&(p, _)| p).collect(),
+                    indexes: shuffle.lost.iter().map(|&(_, i)| i).collect(),
+                }));
+            }
+            for (&map_index, commit) in &shuffle.commits {
+                out.push(Change::CommitMap(CommitMapRequest {
+                    shuffle_id,
+                    map_index,
+                    attempt: commit.attempt,
+                    partition_bytes: commit.partition_bytes.clone(),
+                    first_segment: commit.first_segment.clone(),
+                    last_segment: commit.last_segment.clone(),
+                }));
+            }
+        }
     }
 
     /// The segment after `req.full_segment`: the partition's last segment when it is already
     /// later (many writers report the same full segment at once, and all get the one successor),
     /// else a new one, on another live server when there is one.
+    /// Also returns the new segment's server when one was placed (for the log).
     pub fn advance(
         &mut self,
         req: &AdvanceSegmentRequest,
         servers: &mut Servers,
-    ) -> Result<AdvanceSegmentResponse, Refusal> {
+    ) -> Result<(AdvanceSegmentResponse, Option<u64>), Refusal> {
         let room = self.check_room_for_segments(1);
         let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
         let partitions = shuffle.partitions.len();
@@ -228,7 +365,10 @@ impl Shuffles {
             .ok_or_else(|| no_partition(req.partition, partitions))?;
         let (last, last_server) = partition.last();
         if last > req.full_segment {
-            return Ok(AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last, last_server)) });
+            let lost = shuffle.lost.contains(&(req.partition, last));
+            let reply =
+                AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last, last_server, lost)) };
+            return Ok((reply, None));
         }
         if last < req.full_segment {
             return Err(invalid(format!(
@@ -249,11 +389,10 @@ impl Shuffles {
         room?;
         // The last segment is the full one: its successor goes elsewhere.
         let server_id = servers.plan_segments(1, Some(last_server))?[0];
-        servers.add_segments(&[server_id]);
-        partition.later.push(server_id);
-        *shuffle.holders.entry(server_id).or_default() += 1;
-        self.segments += 1;
-        Ok(AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last + 1, server_id)) })
+        self.push_segment(req.shuffle_id, req.partition, server_id, servers)?;
+        let reply =
+            AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last + 1, server_id, false)) };
+        Ok((reply, Some(server_id)))
     }
 
     /// Records a map attempt's output.
@@ -366,7 +505,13 @@ impl Shuffles {
         let mut segments = Vec::with_capacity(segment_count as usize);
         for (partition, p) in (start_partition..).zip(in_range) {
             for (index, server_id) in (0..).zip(p.servers()) {
-                segments.push(segment(servers, partition, index, server_id));
+                segments.push(segment(
+                    servers,
+                    partition,
+                    index,
+                    server_id,
+                    shuffle.lost.contains(&(partition, index)),
+                ));
             }
         }
         let width = part_range.len();
@@ -443,9 +588,9 @@ impl Shuffles {
     /// After storage server `dead` died: gives every partition whose last segment was there a new
     /// last segment on a live server, so map attempts can push again. Returns how many were placed
     /// (none when no server is live, or a bound is reached).
-    pub fn server_died(&mut self, dead: u64, servers: &mut Servers) -> usize {
-        let mut placed = 0;
-        for shuffle in self.shuffles.values_mut() {
+    pub fn server_died(&mut self, dead: u64, servers: &mut Servers) -> Vec<LogSegment> {
+        let mut placed = Vec::new();
+        for (&shuffle_id, shuffle) in self.shuffles.iter_mut() {
             let tails: Vec<usize> = (0..shuffle.partitions.len())
                 .filter(|&p| {
                     let partition = &shuffle.partitions[p];
@@ -463,9 +608,9 @@ impl Shuffles {
             for (&p, &server_id) in tails.iter().zip(&plan) {
                 shuffle.partitions[p].later.push(server_id);
                 *shuffle.holders.entry(server_id).or_default() += 1;
+                placed.push(LogSegment { shuffle_id, partition: p as u32, server_id });
             }
             self.segments += plan.len() as u64;
-            placed += plan.len();
         }
         placed
     }
@@ -501,14 +646,14 @@ impl Shuffles {
 }
 
 /// A segment as clients see it: lost when its server is dead or no longer known.
-fn segment(servers: &Servers, partition: u32, index: u32, server_id: u64) -> Segment {
+fn segment(servers: &Servers, partition: u32, index: u32, server_id: u64, lost: bool) -> Segment {
     Segment {
         partition,
         index,
         server_id,
         address: servers.address(server_id),
         quic_address: servers.quic_address(server_id),
-        lost: !servers.is_alive(server_id),
+        lost: lost || !servers.is_alive(server_id),
     }
 }
 

@@ -10,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use tern_common::unix_ms;
+use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
 use tern_proto::ErrorKind;
 use tonic::Status;
@@ -34,6 +35,8 @@ pub struct State {
     servers: Servers,
     jobs: Jobs,
     shuffles: Shuffles,
+    /// Changes made since the caller last took them, for the write-ahead log (see `durable`).
+    journal: Vec<LogRecord>,
 }
 
 impl State {
@@ -55,7 +58,18 @@ impl State {
             // (a stale client's shuffle id cannot name a new shuffle) unless a run registered more
             // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
             shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
+            journal: Vec::new(),
         }
+    }
+
+    /// Records a change for the log.
+    fn log(&mut self, change: Change) {
+        self.journal.push(LogRecord { unix_ms: unix_ms(), change: Some(change) });
+    }
+
+    /// The changes made since the last call, in order.
+    pub fn take_journal(&mut self) -> Vec<LogRecord> {
+        std::mem::take(&mut self.journal)
     }
 
     pub fn mkdir(&mut self, req: MkdirRequest, now: Instant) -> Result<MkdirResponse, Status> {
@@ -63,6 +77,7 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, true, req.parents, now).context(&context)?;
         self.namespace.mkdir(&path, req.parents, unix_ms()).context(&context)?;
+        self.log(Change::Mkdir(MkdirRequest { path, parents: req.parents }));
         Ok(MkdirResponse {})
     }
 
@@ -78,6 +93,8 @@ impl State {
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, 1, 0);
         }
+        let request = CreateRequest { path, storage_class: storage_class.to_string(), ..req };
+        self.log(Change::Create(LogCreate { request: Some(request), file_id }));
         Ok(CreateResponse { file_id, block_size: self.block_size })
     }
 
@@ -98,7 +115,12 @@ impl State {
         }
         let blocks = self.servers.allocate(req.count, &req.client_host, file.storage_class).context(&context)?;
         let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
-        file.blocks.extend(blocks);
+        file.blocks.extend(blocks.iter().copied());
+        self.log(Change::Allocate(LogAllocate {
+            file_id: req.file_id,
+            block_ids: blocks.iter().map(|b| b.block_id).collect(),
+            server_ids: blocks.iter().map(|b| b.server_id).collect(),
+        }));
         Ok(AllocateBlocksResponse { blocks: locations })
     }
 
@@ -127,6 +149,7 @@ impl State {
             self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
         }
         let info = self.namespace.file_info(req.file_id).context(&context)?;
+        self.log(Change::Seal(req));
         Ok(SealResponse { info: Some(info) })
     }
 
@@ -154,7 +177,7 @@ impl State {
         let mut response = StatResponse { info: Some(info), ..StatResponse::default() };
         if let Some(file) = meta.filter(|_| req.with_blocks) {
             response.blocks = self.locations(file);
-            response.blocks_alive = file.blocks.iter().map(|block| self.servers.is_alive(block.server_id)).collect();
+            response.blocks_alive = file.blocks.iter().map(|block| self.servers.block_readable(block)).collect();
         }
         Ok(response)
     }
@@ -183,6 +206,7 @@ impl State {
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
         }
+        self.log(Change::Delete(DeleteRequest { path, recursive: req.recursive }));
         Ok(self.release(removed))
     }
 
@@ -203,6 +227,7 @@ impl State {
             return Err(invalid(why).status(context));
         }
         self.namespace.rename(&from, &to).context(&context)?;
+        self.log(Change::Rename(RenameRequest { from, to }));
         Ok(RenameResponse {})
     }
 
@@ -223,6 +248,7 @@ impl State {
             let _ = self.jobs.remove(&name);
             return Err(refusal.status(context));
         }
+        self.log(Change::RegisterJob(RegisterJobRequest { name: name.clone(), lease_ms: req.lease_ms }));
         Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root })
     }
 
@@ -257,7 +283,14 @@ impl State {
     ) -> Result<RegisterShuffleResponse, Status> {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
-        self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)
+        let response = self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)?;
+        self.log(Change::RegisterShuffle(LogShuffle {
+            request: Some(req),
+            shuffle_id: response.shuffle_id,
+            first_servers: response.segments.iter().map(|s| s.server_id).collect(),
+            split_size_bytes: response.split_size_bytes,
+        }));
+        Ok(response)
     }
 
     pub fn advance_segment(
@@ -269,12 +302,22 @@ impl State {
             "advance past segment {} of partition {} of shuffle {}",
             req.full_segment, req.partition, req.shuffle_id
         );
-        self.shuffles.advance(&req, &mut self.servers).context(context)
+        let (response, placed) = self.shuffles.advance(&req, &mut self.servers).context(context)?;
+        if let Some(server_id) = placed {
+            let (shuffle_id, partition) = (req.shuffle_id, req.partition);
+            self.log(Change::AddSegment(LogSegment { shuffle_id, partition, server_id }));
+        }
+        Ok(response)
     }
 
     pub fn commit_map(&mut self, req: CommitMapRequest, _now: Instant) -> Result<CommitMapResponse, Status> {
         let context = format!("commit map {} attempt {} of shuffle {}", req.map_index, req.attempt, req.shuffle_id);
-        self.shuffles.commit(req).context(context)
+        let response = self.shuffles.commit(req.clone()).context(context)?;
+        if response.committed {
+            // A winner's retry changes nothing, and replays as a no-op just the same.
+            self.log(Change::CommitMap(req));
+        }
+        Ok(response)
     }
 
     pub fn locate_shuffle(
@@ -292,7 +335,11 @@ impl State {
         _now: Instant,
     ) -> Result<InvalidateMapsResponse, Status> {
         let context = format!("invalidate {} maps of shuffle {}", req.map_indexes.len(), req.shuffle_id);
-        self.shuffles.invalidate(&req).context(context)
+        let response = self.shuffles.invalidate(&req).context(context)?;
+        if response.invalidated > 0 {
+            self.log(Change::InvalidateMaps(req));
+        }
+        Ok(response)
     }
 
     pub fn unregister_shuffle(
@@ -302,6 +349,7 @@ impl State {
     ) -> Result<UnregisterShuffleResponse, Status> {
         let context = format!("unregister shuffle {}", req.shuffle_id);
         self.shuffles.unregister(req.shuffle_id, &mut self.servers).context(context)?;
+        self.log(Change::UnregisterShuffle(req));
         Ok(UnregisterShuffleResponse {})
     }
 
@@ -311,25 +359,66 @@ impl State {
         now: Instant,
     ) -> Result<RegisterServerResponse, Status> {
         let context = format!("register storage server {}", req.address);
-        let (server_id, replaced) = self.servers.register(&req.address, req.tiers, now).context(&context)?;
+        let (server_id, previous) =
+            self.servers.register(&req.address, req.tiers, req.instance_id, now).context(&context)?;
         self.servers.set_quic_address(server_id, &req.quic_address).context(&context)?;
-        if let Some(old) = replaced {
-            warn!(
-                "storage server {old} ({}) restarted as storage server {server_id}; its blocks are lost",
-                req.address
-            );
-            self.lose_server(old);
-        }
-        if req.quic_address.is_empty() {
-            info!("storage server {server_id} registered from {}", req.address);
-        } else {
-            info!("storage server {server_id} registered from {} (QUIC {})", req.address, req.quic_address);
+        self.log(Change::Server(LogServer {
+            server_id,
+            address: req.address.clone(),
+            quic_address: req.quic_address.clone(),
+            instance_id: req.instance_id,
+        }));
+        match previous {
+            Some(old) if old != req.instance_id => {
+                warn!(
+                    "storage server {server_id} ({}) restarted; its DRAM blocks and shuffle segments are lost",
+                    req.address
+                );
+                self.lose_server(server_id);
+            }
+            Some(_) => info!("storage server {server_id} registered again from {}", req.address),
+            None if req.quic_address.is_empty() => info!("storage server {server_id} registered from {}", req.address),
+            None => info!("storage server {server_id} registered from {} (QUIC {})", req.address, req.quic_address),
         }
         Ok(RegisterServerResponse {
             server_id,
             block_size: self.block_size,
             heartbeat_interval_ms: self.heartbeat_interval.as_millis() as u64,
         })
+    }
+
+    /// Takes a page of a registered server's inventory; the last page reconciles it with what
+    /// the namespace and the shuffles reference there.
+    pub fn report_inventory(
+        &mut self,
+        req: ReportInventoryRequest,
+        _now: Instant,
+    ) -> Result<ReportInventoryResponse, Status> {
+        let context = format!("inventory of storage server {}", req.server_id);
+        self.servers
+            .inventory_page(req.server_id, &req.block_ids, &req.shuffle_ids, self.block_size)
+            .context(&context)?;
+        if !req.last {
+            return Ok(ReportInventoryResponse::default());
+        }
+        let server_id = req.server_id;
+        let mut referenced = std::collections::HashMap::new();
+        for (file, block) in self.namespace.blocks() {
+            if block.server_id == server_id {
+                referenced.insert(block.block_id, file.sealed);
+            }
+        }
+        let restarted = self.servers.restarted_since_log(server_id);
+        let shuffles = &self.shuffles;
+        let done = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        if done.lost > 0 || done.unreferenced > 0 || done.unknown_shuffles > 0 {
+            warn!(
+                "storage server {server_id} reconciled: {} referenced blocks lost, {} unreferenced blocks and {} \
+                 unknown shuffles to free",
+                done.lost, done.unreferenced, done.unknown_shuffles
+            );
+        }
+        Ok(ReportInventoryResponse { blocks_unreferenced: done.unreferenced, blocks_lost: done.lost })
     }
 
     pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Instant) -> Result<HeartbeatResponse, Status> {
@@ -362,14 +451,24 @@ impl State {
     /// After a storage server died: shuffle partitions whose last segment was there get a new one
     /// on a live server, so map attempts can push again (readers see the lost segments as lost).
     fn lose_server(&mut self, server_id: u64) {
-        let moved = self.shuffles.server_died(server_id, &mut self.servers);
-        if moved > 0 {
-            info!("placed {moved} shuffle segments anew after storage server {server_id} was lost");
+        if self.servers.is_alive(server_id) {
+            // Alive, but restarted: what it held in DRAM is gone, though the server is not.
+            for lost in self.shuffles.lose_segments_on(server_id) {
+                self.log(Change::LostSegments(lost));
+            }
+        }
+        let placed = self.shuffles.server_died(server_id, &mut self.servers);
+        if !placed.is_empty() {
+            info!("placed {} shuffle segments anew after storage server {server_id} was lost", placed.len());
+        }
+        for segment in placed {
+            self.log(Change::AddSegment(segment));
         }
     }
 
     /// Ends a registered job: forgets it, deletes its directory, frees its blocks and shuffles.
     fn end(&mut self, job: &str, why: &str) -> DeleteResponse {
+        self.log(Change::EndJob(EndJobRequest { job_id: job.to_string() }));
         let _ = self.jobs.remove(job);
         // The directory exists while the job is registered; tolerate its absence all the same.
         let removed = self.namespace.remove(&path::job_root(job), true).unwrap_or_default();
@@ -420,6 +519,8 @@ impl State {
             .collect()
     }
 }
+
+mod durable;
 
 #[cfg(test)]
 mod shuffle_tests;

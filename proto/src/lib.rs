@@ -34,3 +34,5 @@ pub const MIN_BLOCK_SIZE: u32 = 4 << 10;
 pub const MAX_ALLOCATE_BLOCKS: u32 = 1024;
 /// Largest gRPC message either side accepts.
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 16 << 20;
+/// Most ids (blocks and shuffles together) one ReportInventory page carries: 512 KiB of ids.
+pub const MAX_INVENTORY_PAGE: usize = 65536;

@@ -4,16 +4,24 @@
 //! Frees are acknowledged by sequence number: a heartbeat reply lists block ids and shuffle ids to
 //! free and the sequence number of the last free; once they are freed the next heartbeat echoes it
 //! as `freed_through_seq`, and the metadata server stops resending them. A reply that says
-//! `reregister` means the cluster no longer counts this server's data: every block and shuffle
-//! segment is dropped (stale data must never be served) and the server registers again under a
-//! new id.
+//! `reregister` means the metadata server does not know this server right now (it restarted, or
+//! declared this server dead): the server registers again from the same address, keeps its id,
+//! and reports its inventory (every block and shuffle it holds, in pages). The metadata server
+//! frees what nothing references and marks referenced blocks that are missing as lost, so stale
+//! data is never served and nothing is dropped that a file still needs.
+//!
+//! Every registration carries this process's random instance id: a new one tells the metadata
+//! server that the DRAM tier of the previous process is gone.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tern_proto::v1::registry_client::RegistryClient;
-use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, TierUsage};
+use tern_proto::v1::{
+    HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
+    TierUsage,
+};
 use tern_proto::ErrorKind;
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
@@ -49,6 +57,46 @@ pub(crate) fn connect(
     Ok(RegistryClient::new(endpoint.connect_lazy())
         .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES))
+}
+
+/// This process's instance id: random, fixed for its life.
+pub(crate) fn instance_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static ID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ID.get_or_init(|| {
+        let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+        hasher.write_u32(std::process::id());
+        hasher.write_u64(tern_common::unix_ms());
+        hasher.finish().max(1)
+    })
+}
+
+/// Reports everything `store` holds to the metadata server, in pages of at most
+/// [`tern_proto::MAX_INVENTORY_PAGE`] ids; the last page settles it.
+pub(crate) async fn report_inventory(
+    client: &mut RegistryClient<Channel>,
+    server_id: u64,
+    store: &BlockStore,
+) -> Result<(u64, u64), tonic::Status> {
+    let (blocks, shuffles) = store.inventory();
+    let page = tern_proto::MAX_INVENTORY_PAGE;
+    let mut block_pages = blocks.chunks(page).peekable();
+    let mut shuffle_pages = shuffles.chunks(page).peekable();
+    loop {
+        let block_ids = block_pages.next().map(<[u64]>::to_vec).unwrap_or_default();
+        // Shuffles ride along only once the blocks are done, so a page stays within the bound.
+        let shuffle_ids = if block_ids.is_empty() {
+            shuffle_pages.next().map(<[u64]>::to_vec).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let last = block_pages.peek().is_none() && shuffle_pages.peek().is_none();
+        let request = ReportInventoryRequest { server_id, block_ids, shuffle_ids, last };
+        let reply = client.report_inventory(request).await?.into_inner();
+        if last {
+            return Ok((reply.blocks_unreferenced, reply.blocks_lost));
+        }
+    }
 }
 
 fn tier_usage(tier: &str, usage: &Usage, engine: &str) -> TierUsage {
@@ -92,7 +140,12 @@ pub(crate) async fn register_at_start(
     if let Some((nvme_bytes, engine)) = nvme {
         tiers.push(capacity(NVME_TIER, nvme_bytes, engine));
     }
-    let request = RegisterServerRequest { address: address.to_string(), tiers, quic_address: quic_address.to_string() };
+    let request = RegisterServerRequest {
+        address: address.to_string(),
+        tiers,
+        quic_address: quic_address.to_string(),
+        instance_id: instance_id(),
+    };
     let deadline = Instant::now() + REGISTER_DEADLINE;
     let mut backoff = Backoff::new();
     loop {
@@ -149,8 +202,8 @@ enum Outcome {
     /// This many of the listed blocks, and segments of the listed shuffles, were held and are now
     /// freed.
     Freed { blocks: usize, segments: usize },
-    /// The metadata server no longer knows this server; this many blocks and segments were dropped.
-    Reregister { blocks: usize, segments: usize },
+    /// The metadata server does not know this server right now: register again.
+    Reregister,
 }
 
 /// The free-acknowledgement state of one registration.
@@ -173,8 +226,7 @@ impl Session {
     /// Carries out a heartbeat reply: frees first, and only then records them as done.
     fn apply(&mut self, reply: &HeartbeatResponse, store: &BlockStore) -> Outcome {
         if reply.reregister {
-            let (blocks, segments) = store.clear();
-            return Outcome::Reregister { blocks, segments };
+            return Outcome::Reregister;
         }
         let blocks = store.free(&reply.free_block_ids);
         let segments = store.free_shuffles(&reply.free_shuffle_ids);
@@ -307,10 +359,10 @@ impl Heartbeater {
                 "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
                 reply.free_seq
             ),
-            Outcome::Reregister { blocks, segments } => {
+            Outcome::Reregister => {
                 tracing::warn!(
-                    "metadata server at {} no longer knows storage server {}: dropped all {blocks} blocks and \
-                     {segments} shuffle segments, registering again",
+                    "metadata server at {} does not know storage server {} (it restarted, or declared this server \
+                     dead): registering again and reporting the inventory",
                     self.metadata,
                     self.session.server_id
                 );
@@ -321,7 +373,7 @@ impl Heartbeater {
         Ok(())
     }
 
-    /// Registers again (the store already emptied), retrying until the metadata server answers.
+    /// Registers again and reports the inventory, retrying until the metadata server takes both.
     async fn reregister(&mut self) -> anyhow::Result<()> {
         let mut backoff = Backoff::new();
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
@@ -330,9 +382,17 @@ impl Heartbeater {
                 address: self.address.clone(),
                 tiers: tiers(&self.store),
                 quic_address: self.quic_address.clone(),
+                instance_id: instance_id(),
             };
-            match self.client.register_server(request).await {
-                Ok(reply) => break reply.into_inner(),
+            let attempt = match self.client.register_server(request).await {
+                Ok(reply) => {
+                    let registered = reply.into_inner();
+                    report_inventory(&mut self.client, registered.server_id, &self.store).await.map(|_| registered)
+                }
+                Err(status) => Err(status),
+            };
+            match attempt {
+                Ok(reply) => break reply,
                 Err(status) => {
                     if let Some(held_back) = failures.allow(Instant::now()) {
                         tracing::warn!(
@@ -442,18 +502,18 @@ mod tests {
     }
 
     #[test]
-    fn reregister_drops_every_block_and_segment() {
+    fn reregister_keeps_the_data_and_reports_it_as_the_inventory() {
         let store = store_with(&[1, 2, 3]);
         push(&store, 4, 0);
         let mut session = Session::new(7);
         session.apply(&reply(&[1], 5), &store);
         let outcome = session.apply(&HeartbeatResponse { reregister: true, ..reply(&[], 0) }, &store);
-        assert_eq!(outcome, Outcome::Reregister { blocks: 2, segments: 1 });
-        assert_eq!(store.usage().used_blocks, 0);
-        assert_eq!(store.shuffle_segments(), 0);
-        assert!(store.read(2, 0, 1).is_err());
-        // A new registration starts acknowledging from zero.
-        assert_eq!(Session::new(8), Session { server_id: 8, freed_through_seq: 0 });
+        assert_eq!(outcome, Outcome::Reregister);
+        // The metadata server decides what goes, from the inventory.
+        let (mut blocks, shuffles) = store.inventory();
+        blocks.sort_unstable();
+        assert_eq!((blocks, shuffles), (vec![2, 3], vec![4]));
+        assert!(store.read(2, 0, 1).is_ok());
     }
 
     #[test]

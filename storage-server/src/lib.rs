@@ -152,11 +152,18 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let mut store = BlockStore::with_arena(arena, registered.block_size)
         .with_context(|| format!("cutting the DRAM tier into the cluster's {}-byte blocks", registered.block_size))?;
     if let Some((engine, size, align)) = device {
+        let nvme_path = config.nvme.as_deref().expect("a device was opened from the nvme path");
+        let index = nvme::index::BlockIndex::path_for(nvme_path);
         let tier = nvme::NvmeStore::new(engine, size, align, registered.block_size)
-            .context("cutting the NVMe tier into the cluster's blocks")?;
+            .context("cutting the NVMe tier into the cluster's blocks")?
+            .with_index(&index)?;
         store = store.with_nvme(tier);
     }
     let store = Arc::new(store);
+    // Nothing is placed here until the inventory is in: report it before serving anyone.
+    heartbeat::report_inventory(&mut client, registered.server_id, &store)
+        .await
+        .map_err(|status| anyhow::anyhow!("reporting the inventory to {}: {}", config.metadata, status.message()))?;
     metrics.observe_store(&store);
     let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
     let mut heartbeater =

@@ -293,6 +293,11 @@ impl Shuffles {
         removed.segments
     }
 
+    /// The shuffles it holds segments of (its inventory).
+    pub(crate) fn ids(&self) -> Vec<u64> {
+        self.map.lock().shuffles.keys().copied().collect()
+    }
+
     pub(crate) fn segments(&self) -> usize {
         self.map.lock().segments
     }

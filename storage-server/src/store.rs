@@ -474,6 +474,15 @@ impl BlockStore {
         removed.len()
     }
 
+    /// What this server holds, for its inventory: block ids of both tiers, and shuffle ids.
+    pub fn inventory(&self) -> (Vec<u64>, Vec<u64>) {
+        let mut blocks: Vec<u64> = self.blocks.lock().keys().copied().collect();
+        if let Some(nvme) = &self.nvme {
+            blocks.extend(nvme.block_ids());
+        }
+        (blocks, self.shuffles.ids())
+    }
+
     /// Drops every block and shuffle segment: the cluster no longer counts them, so they must
     /// never be served again. Returns how many blocks and how many segments were held.
     pub fn clear(&self) -> (usize, usize) {

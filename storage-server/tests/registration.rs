@@ -12,7 +12,10 @@ use tern_common::ByteSize;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
 use tern_proto::v1::registry_server::{Registry, RegistryServer};
-use tern_proto::v1::{HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse};
+use tern_proto::v1::{
+    HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
+    ReportInventoryResponse,
+};
 use tern_proto::ErrorKind;
 use tern_storage::{start, Config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -24,6 +27,7 @@ const BS: u32 = 64 << 10;
 struct State {
     registrations: Vec<RegisterServerRequest>,
     heartbeats: Vec<HeartbeatRequest>,
+    inventories: Vec<ReportInventoryRequest>,
     /// Frees resent on every heartbeat until acknowledged.
     to_free: Vec<u64>,
     to_free_shuffles: Vec<u64>,
@@ -44,6 +48,14 @@ impl Registry for FakeRegistry {
         state.registrations.push(request.into_inner());
         let server_id = state.registrations.len() as u64;
         Ok(tonic::Response::new(RegisterServerResponse { server_id, block_size: BS, heartbeat_interval_ms: 20 }))
+    }
+
+    async fn report_inventory(
+        &self,
+        request: tonic::Request<ReportInventoryRequest>,
+    ) -> Result<tonic::Response<ReportInventoryResponse>, tonic::Status> {
+        self.0.lock().inventories.push(request.into_inner());
+        Ok(tonic::Response::new(ReportInventoryResponse::default()))
     }
 
     async fn heartbeat(
@@ -186,25 +198,31 @@ async fn registers_heartbeats_frees_and_reregisters() {
     })
     .await;
 
-    // The metadata server forgets this server: every block goes, and it registers anew.
+    // The metadata server does not know this server (it restarted): the server registers again,
+    // from the same process, and reports what it holds; nothing is dropped before the metadata
+    // server says so.
     registry.0.lock().reregister_next = true;
     eventually("the server registers again", || server.server_id() == 2).await;
-    let (kind, message) = call(&mut s, &Frame::read(12, 3, 0, 1)).await.unwrap_err();
-    assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 3 is not held by storage server 2"));
-    let (kind, message) = call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap_err();
-    assert_eq!(
-        (kind, message.as_str()),
-        (ErrorKind::NotFound, "shuffle 21 partition 0 segment 0 is not held by storage server 2")
-    );
+    assert_eq!(&call(&mut s, &Frame::read(12, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
+    call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap();
     eventually("heartbeats come from the new id", || {
-        registry.0.lock().heartbeats.last().is_some_and(|h| h.server_id == 2 && h.tiers[0].used_blocks == 0)
+        registry.0.lock().heartbeats.last().is_some_and(|h| h.server_id == 2 && h.tiers[0].used_blocks == 2)
     })
     .await;
     {
         let state = registry.0.lock();
         assert_eq!(state.registrations.len(), 2);
+        let (first, again) = (&state.registrations[0], &state.registrations[1]);
+        assert!(first.instance_id != 0 && again.instance_id == first.instance_id, "one process, one instance id");
         let after: Vec<_> = state.heartbeats.iter().filter(|h| h.server_id == 2).collect();
         assert_eq!(after[0].freed_through_seq, 0, "a new registration acknowledges from zero");
+        // At start an empty inventory; after registering again, the blocks, then the shuffles.
+        let inventories: Vec<(u64, Vec<u64>, Vec<u64>, bool)> = state
+            .inventories
+            .iter()
+            .map(|i| (i.server_id, i.block_ids.clone(), i.shuffle_ids.clone(), i.last))
+            .collect();
+        assert_eq!(inventories, [(1, vec![], vec![], true), (2, vec![3], vec![], false), (2, vec![], vec![21], true)]);
     }
 
     let metrics = http_get(server.admin_addr(), "/metrics").await;
@@ -212,9 +230,9 @@ async fn registers_heartbeats_frees_and_reregisters() {
         "tern_storage_tier_capacity_bytes{tier=\"dram\"} 1048576",
         "tern_storage_requests_total{op=\"write\"} 3",
         "tern_storage_requests_total{op=\"push\"} 3",
-        "tern_storage_errors_total{op=\"fetch\",kind=\"not-found\"} 2",
-        "tern_storage_shuffle_segments 0",
-        "tern_storage_errors_total{op=\"read\",kind=\"not-found\"} 2",
+        "tern_storage_errors_total{op=\"fetch\",kind=\"not-found\"} 1",
+        "tern_storage_shuffle_segments 1",
+        "tern_storage_errors_total{op=\"read\",kind=\"not-found\"} 1",
         "tern_storage_connections 1",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");

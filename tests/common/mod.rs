@@ -34,7 +34,11 @@ pub struct Cluster {
     pub tls_dir: Option<PathBuf>,
     pub tls: Tls,
     metadata: Child,
+    /// How the metadata server was started, to start it again on the same --dir and port.
+    metadata_args: Vec<String>,
     storage: Vec<Option<Child>>,
+    /// How each storage server was started, to start it again.
+    storage_args: Vec<Vec<String>>,
 }
 
 /// A loopback port that was free a moment ago.
@@ -99,29 +103,39 @@ impl Cluster {
             Tls::Quic => format!("http://{metadata_addr}"),
             Tls::Full => format!("https://{metadata_addr}"),
         };
-        let metadata = spawn_logged(
-            dir.path(),
-            "metadata",
+        let metadata_args: Vec<String> = [
             &[
-                &[
-                    "metadata-server",
-                    "--listen",
-                    &metadata_addr,
-                    "--dir",
-                    &dir.path().join("metadata").to_string_lossy(),
-                    "--admin",
-                    "127.0.0.1:0",
-                    "--heartbeat-interval-ms",
-                    &HEARTBEAT_MS.to_string(),
-                    "--server-timeout-ms",
-                    &SERVER_TIMEOUT_MS.to_string(),
-                ][..],
-                &metadata_tls,
-            ]
-            .concat(),
-        );
-        let mut cluster =
-            Cluster { dir, metadata_addr, storage_addrs: Vec::new(), tls_dir, tls, metadata, storage: Vec::new() };
+                "metadata-server",
+                "--listen",
+                &metadata_addr,
+                "--dir",
+                &dir.path().join("metadata").to_string_lossy(),
+                "--admin",
+                "127.0.0.1:0",
+                "--heartbeat-interval-ms",
+                &HEARTBEAT_MS.to_string(),
+                "--server-timeout-ms",
+                &SERVER_TIMEOUT_MS.to_string(),
+            ][..],
+            &metadata_tls,
+        ]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect();
+        let args: Vec<&str> = metadata_args.iter().map(String::as_str).collect();
+        let metadata = spawn_logged(dir.path(), "metadata", &args);
+        let mut cluster = Cluster {
+            dir,
+            metadata_addr,
+            storage_addrs: Vec::new(),
+            tls_dir,
+            tls,
+            metadata,
+            metadata_args,
+            storage: Vec::new(),
+            storage_args: Vec::new(),
+        };
         for i in 0..servers {
             let addr = format!("127.0.0.1:{}", free_port());
             let nvme_path = cluster.dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
@@ -142,6 +156,7 @@ impl Cluster {
             }
             let child = spawn_logged(cluster.dir.path(), &format!("storage-{i}"), &args);
             cluster.storage.push(Some(child));
+            cluster.storage_args.push(args.iter().map(|a| a.to_string()).collect());
             cluster.storage_addrs.push(addr);
         }
         let client = cluster.client().await;
@@ -200,6 +215,26 @@ impl Cluster {
         let out = self.tern(args);
         assert!(out.status.success(), "tern {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Kills the metadata server with SIGKILL and starts it again on the same --dir and port;
+    /// `n` names its log file (`metadata-<n>.log`).
+    pub fn restart_metadata(&mut self, n: usize) {
+        let _ = self.metadata.kill();
+        let _ = self.metadata.wait();
+        let args: Vec<&str> = self.metadata_args.iter().map(String::as_str).collect();
+        self.metadata = spawn_logged(self.dir.path(), &format!("metadata-{n}"), &args);
+    }
+
+    /// Kills storage server `i` with SIGKILL (unless it is dead already) and starts it again with
+    /// the same flags (same address, same NVMe path); its log is `storage-<i>-again.log`.
+    pub fn restart_storage(&mut self, i: usize) {
+        if let Some(mut child) = self.storage[i].take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let args: Vec<&str> = self.storage_args[i].iter().map(String::as_str).collect();
+        self.storage[i] = Some(spawn_logged(self.dir.path(), &format!("storage-{i}-again"), &args));
     }
 
     /// The process id of storage server `i` (for a test that kills it from another process).

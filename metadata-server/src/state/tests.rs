@@ -9,7 +9,7 @@ use crate::placement::DRAM_TIER;
 
 pub(super) const BLOCK: u64 = 4096;
 
-fn config() -> Config {
+pub(super) fn config() -> Config {
     Config { block_size: ByteSize(BLOCK), max_list_entries: 3, ..Config::default() }
 }
 
@@ -23,12 +23,17 @@ pub(super) fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String
     (ErrorKind::of_status(&status), status.message().to_string())
 }
 
+/// Registers a storage server process (each call a new one: registering an address again is a
+/// restart) with an empty inventory.
 pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
+    static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let instance_id = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }];
-    let reply = state
-        .register_server(RegisterServerRequest { address: address.into(), tiers, ..Default::default() }, now)
-        .unwrap();
+    let request = RegisterServerRequest { address: address.into(), tiers, instance_id, ..Default::default() };
+    let reply = state.register_server(request, now).unwrap();
     assert_eq!(reply.block_size as u64, BLOCK);
+    let inventory = ReportInventoryRequest { server_id: reply.server_id, last: true, ..Default::default() };
+    state.report_inventory(inventory, now).unwrap();
     reply.server_id
 }
 
@@ -292,15 +297,26 @@ fn a_dead_server_loses_its_blocks_but_not_the_files() {
 }
 
 #[test]
-fn a_restarted_server_loses_its_blocks() {
+fn a_restarted_server_keeps_its_id_and_loses_the_blocks_it_does_not_report() {
     let (mut state, now) = state();
     add_server(&mut state, "10.0.0.1:7000", 100, now);
     write(&mut state, "/f", 1, now);
-    let new_id = add_server(&mut state, "10.0.0.1:7000", 100, now);
-    assert_eq!(new_id, 2);
+    write(&mut state, "/kept", 1, now);
+    let kept = open(&mut state, "/kept", now).unwrap().blocks[0].block_id;
+    // The new process reports /kept's block (NVMe survives a restart), not /f's.
+    let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 100, ..TierUsage::default() }];
+    let request =
+        RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers, instance_id: 999, ..Default::default() };
+    assert_eq!(state.register_server(request, now).unwrap().server_id, 1);
+    let inventory =
+        ReportInventoryRequest { server_id: 1, block_ids: vec![kept, 777], last: true, ..Default::default() };
+    let done = state.report_inventory(inventory, now).unwrap();
+    assert_eq!((done.blocks_lost, done.blocks_unreferenced), (1, 1));
     let (kind, message) = refused(open(&mut state, "/f", now));
     assert_eq!(kind, ErrorKind::DataLost);
-    assert!(message.contains("storage server 1 (10.0.0.1:7000) is lost: the server restarted"), "{message}");
+    assert!(message.contains("open /f") && message.contains("storage server 1 (10.0.0.1:7000) is lost"), "{message}");
+    assert!(open(&mut state, "/kept", now).is_ok());
+    assert_eq!(frees(&mut state, 1, now), [777]);
     let (kind, _) =
         refused(state.register_server(RegisterServerRequest { address: "nope".into(), ..Default::default() }, now));
     assert_eq!(kind, ErrorKind::Invalid);
@@ -454,6 +470,7 @@ fn storage_classes_steer_placement() {
     state
         .register_server(RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers, ..Default::default() }, now)
         .unwrap();
+    state.report_inventory(ReportInventoryRequest { server_id: 1, last: true, ..Default::default() }, now).unwrap();
     let create_class = |state: &mut State, path: &str, class: &str| {
         let request =
             CreateRequest { path: path.into(), parents: true, storage_class: class.into(), ..Default::default() };

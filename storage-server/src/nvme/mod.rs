@@ -11,10 +11,15 @@
 //! with zeros) and the payload follows it in the same aligned buffer. So no per-block state lives
 //! in memory between writes, and a read fetches the aligned range covering what it asks for and
 //! returns the asked bytes as a `Bytes` view of the buffer, without a copy.
+//!
+//! With an [`index::BlockIndex`], every published length and every free is also recorded (and
+//! synced) in a side file before it is acknowledged, so the tier's blocks come back when the
+//! storage server restarts on the same path.
 
 pub mod aligned;
 pub mod device;
 pub mod engine;
+pub mod index;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -61,6 +66,8 @@ pub struct NvmeStore {
     slot_count: usize,
     slots: Arc<Slots>,
     blocks: Mutex<HashMap<u64, Arc<NvmeBlock>>>,
+    /// The durable index of blocks, when the tier keeps its blocks across restarts.
+    index: Option<Arc<index::BlockIndex>>,
 }
 
 impl NvmeStore {
@@ -92,7 +99,36 @@ impl NvmeStore {
             slot_count,
             slots: Arc::new(Slots { free: Mutex::new(free), used_bytes: AtomicU64::new(0) }),
             blocks: Mutex::new(HashMap::with_capacity(slot_count)),
+            index: None,
         })
+    }
+
+    /// Keeps a durable index at `path` (see [`index`]) and takes back the blocks it lists.
+    pub fn with_index(mut self, path: &std::path::Path) -> anyhow::Result<NvmeStore> {
+        let (index, entries) = index::BlockIndex::open(path, self.block_size, self.slot_count)?;
+        {
+            let mut blocks = self.blocks.lock();
+            let mut free = self.slots.free.lock();
+            let taken: std::collections::HashSet<usize> = entries.iter().map(|e| e.slot).collect();
+            free.retain(|slot| !taken.contains(slot));
+            for entry in &entries {
+                let block = Arc::new(NvmeBlock {
+                    slots: self.slots.clone(),
+                    index: entry.slot,
+                    len: AtomicU32::new(entry.len),
+                    writing: AtomicBool::new(false),
+                });
+                self.slots.used_bytes.fetch_add(u64::from(entry.len), Ordering::Relaxed);
+                if blocks.insert(entry.block_id, block).is_some() {
+                    anyhow::bail!("{} lists block {} twice", index.path().display(), entry.block_id);
+                }
+            }
+        }
+        if !entries.is_empty() {
+            tracing::info!("NVMe tier: {} blocks taken back from {}", entries.len(), index.path().display());
+        }
+        self.index = Some(Arc::new(index));
+        Ok(self)
     }
 
     /// The io engine in use: "uring" or "psync".
@@ -210,7 +246,22 @@ impl NvmeStore {
             let mut blocks = self.blocks.lock();
             block_ids.iter().filter_map(|id| blocks.remove(id)).collect()
         };
+        // The index forgets them while `removed` still holds their slots, so a slot is never
+        // reused while the index names its old block.
+        if let Some(index) = &self.index {
+            let slots: Vec<usize> = removed.iter().map(|b| b.index).collect();
+            if let Err(e) = index.clear(&slots) {
+                // Harmless for data (a block listed but not referenced is freed at the next
+                // registration), but worth knowing.
+                tracing::error!("NVMe block index {}: clearing freed slots failed: {e}", index.path().display());
+            }
+        }
         removed.len()
+    }
+
+    /// The ids of the blocks it holds.
+    pub fn block_ids(&self) -> Vec<u64> {
+        self.blocks.lock().keys().copied().collect()
     }
 
     /// Drops every block; returns how many were held.
@@ -279,6 +330,14 @@ impl NvmePendingWrite {
         let keep: engine::KeepAlive = Some(self.block.clone());
         self.store.engine.write_at(buf, slot + self.start, keep).await.map_err(|e| io_error("write", e))?;
         let new_len = self.offset + self.len;
+        if let Some(index) = self.store.index.clone() {
+            // Durable in the index before it is published and acknowledged.
+            let (slot, block_id) = (self.block.index, self.block_id);
+            tokio::task::spawn_blocking(move || index.record(slot, block_id, new_len))
+                .await
+                .map_err(|e| io_error("index", std::io::Error::other(e)))?
+                .map_err(|e| io_error("index", e))?;
+        }
         self.store.slots.used_bytes.fetch_add(u64::from(self.len), Ordering::Relaxed);
         // Release: the bytes are on disk before any reader's Acquire load sees the new length.
         self.block.len.store(new_len, Ordering::Release);
