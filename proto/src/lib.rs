@@ -1,5 +1,6 @@
 //! Tern's wire formats, one definition for servers and clients:
 //! - [`v1`]: the gRPC control plane (namespace, jobs, storage-server registry), from `proto/tern.proto`;
+//! - [`sched`]: the task scheduler's service (jobs of stages, executors), from `proto/scheduler.proto`;
 //! - [`frame`]: the binary block-frame codec of the data plane;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
@@ -13,6 +14,11 @@ pub mod tier;
 /// Generated gRPC messages and services (package `tern.v1`).
 pub mod v1 {
     tonic::include_proto!("tern.v1");
+}
+
+/// Generated scheduler messages and service (package `tern.sched.v1`).
+pub mod sched {
+    tonic::include_proto!("tern.sched.v1");
 }
 
 pub use error::ErrorKind;

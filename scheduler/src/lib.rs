@@ -2,3 +2,16 @@
 //!
 //! Jobs are DAGs of stages; stages pass data only through Tern shuffles and files, so executors
 //! hold no state a later stage needs and may join or leave at any moment.
+//! - [`spec`]: job files (TOML or JSON) and their validation;
+//! - [`policy`]: placement decisions, pure and deterministic (fair share, gangs, GPUs, retries);
+//! - [`server`]: the `tern scheduler` gRPC service around the policy;
+//! - [`client`]: a typed client for jobs and executors;
+//! - [`config`]: the scheduler's configuration.
+
+pub mod client;
+pub mod config;
+pub mod server;
+pub mod spec;
+
+pub use client::SchedulerClient;
+pub use config::Config;
