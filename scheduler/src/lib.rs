@@ -10,6 +10,7 @@
 
 pub mod client;
 pub mod config;
+pub mod policy;
 pub mod server;
 pub mod spec;
 
