@@ -301,8 +301,7 @@ impl Target {
         match &mut self.kind {
             TargetKind::Tern(t) => t.finish_reads().await.map(|_| None),
             TargetKind::Redis(_) => Ok(None),
-            TargetKind::File(f) if f.direct => f.finish_reads(size).map(|_| None),
-            TargetKind::File(f) => f.finish_reads(size).map(Some),
+            TargetKind::File(f) => f.finish_reads(size),
         }
     }
 
@@ -1027,19 +1026,22 @@ impl FileTarget {
         Ok(())
     }
 
-    /// Deletes the read set and says how much of it sat in the page cache after the reads.
-    fn finish_reads(&mut self, size: u64) -> anyhow::Result<String> {
+    /// Deletes the read set; for buffered reads, says how much of it sat in the page cache after
+    /// the reads (O_DIRECT reads bypass the cache: nothing to say).
+    fn finish_reads(&mut self, size: u64) -> anyhow::Result<Option<String>> {
         let (path, _, items) = self.reads.take().context("no file read set prepared")?;
-        let resident = resident_fraction(&path).unwrap_or(f64::NAN);
+        let resident = (!self.direct).then(|| resident_fraction(&path).unwrap_or(f64::NAN));
         std::fs::remove_file(&path)?;
-        Ok(format!(
-            "file: {} reads cycled over a {} file, {:.0}% of it in the page cache after reading: \
-             reads {} the page cache",
-            human_size(size),
-            human_size(size * items),
-            resident * 100.0,
-            if resident >= 0.99 { "hit" } else { "partly missed" }
-        ))
+        Ok(resident.map(|resident| {
+            format!(
+                "file: {} reads cycled over a {} file, {:.0}% of it in the page cache after reading: \
+                 reads {} the page cache",
+                human_size(size),
+                human_size(size * items),
+                resident * 100.0,
+                if resident >= 0.99 { "hit" } else { "partly missed" }
+            )
+        }))
     }
 
     async fn measure(&mut self, cell: Cell, budget: Budget) -> anyhow::Result<Samples> {
