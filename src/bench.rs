@@ -104,6 +104,23 @@ enum BenchCommand {
         #[arg(long)]
         no_progress: bool,
     },
+    /// Task scheduler: dispatch throughput of noop tasks to N executors (`tern up --executors N`,
+    /// real processes) and executor cold start (process start to first task running, p50/p99).
+    Scheduler {
+        /// Noop tasks in the measured job.
+        #[arg(long, default_value_t = 50_000)]
+        tasks: u32,
+        /// Executors the tasks are dispatched to.
+        #[arg(long, default_value_t = 4)]
+        executors: u32,
+        /// Executor starts timed for the cold-start figures.
+        #[arg(long, default_value_t = 20)]
+        cold_starts: u32,
+        /// Print one JSON object (tasks_per_s, executors, cold_start_ms_p50, cold_start_ms_p99, ...)
+        /// instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
     /// plugin jar's TeraSort driver), same input and executors; both outputs validated.
     SparkTerasort {
@@ -151,6 +168,22 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::core::print_table(&report);
+            }
+            Ok(())
+        }
+        BenchCommand::Scheduler { tasks, executors, cold_starts, json } => {
+            let options = tern_scheduler::bench::SchedulerBenchOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                tasks,
+                executors,
+                cold_starts,
+                progress: !json,
+            };
+            let report = tern_scheduler::bench::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_scheduler::bench::print_table(&report);
             }
             Ok(())
         }
