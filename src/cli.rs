@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tern_client::{ClientOptions, TransportKind};
 
-use crate::{bench, cert, daemons, executor, fs, status, terasort, up};
+use crate::{bench, cert, daemons, executor, fs, job, sched, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -23,6 +23,10 @@ pub enum Command {
     MetadataServer(daemons::MetadataArgs),
     /// Run a storage server (DRAM tier, block service).
     StorageServer(daemons::StorageArgs),
+    /// Run the task scheduler (jobs of stages; executors pull tasks from it).
+    Scheduler(sched::SchedulerArgs),
+    /// Jobs on the scheduler: submit FILE, terasort, status, list, cancel.
+    Job(job::JobArgs),
     /// Files: put, get, cat, ls, stat, rm, mkdir, mv.
     Fs(fs::FsArgs),
     /// Storage servers with each tier's capacity and use, and jobs.
@@ -44,7 +48,14 @@ pub enum Command {
 impl Command {
     /// Daemons log at info by default; client commands only warn, so their output stays clean.
     pub fn is_daemon(&self) -> bool {
-        matches!(self, Command::Up(_) | Command::MetadataServer(_) | Command::StorageServer(_) | Command::Executor(_))
+        matches!(
+            self,
+            Command::Up(_)
+                | Command::MetadataServer(_)
+                | Command::StorageServer(_)
+                | Command::Scheduler(_)
+                | Command::Executor(_)
+        )
     }
 }
 
@@ -79,6 +90,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => up::run(args).await,
         Command::MetadataServer(args) => daemons::run_metadata(args).await,
         Command::StorageServer(args) => daemons::run_storage(args).await,
+        Command::Scheduler(args) => sched::run(args).await,
+        Command::Job(args) => job::run(args).await,
         Command::Fs(args) => fs::run(args).await,
         Command::Status(args) => status::run(args).await,
         Command::Bench(args) => bench::run(args).await,

@@ -7,6 +7,8 @@ mod cli;
 mod daemons;
 mod executor;
 mod fs;
+mod job;
+mod sched;
 mod show;
 mod spark_bench;
 mod status;

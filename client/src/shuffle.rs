@@ -179,6 +179,12 @@ impl Shuffle {
         self.partitions
     }
 
+    /// The block-service address (host:port) of each partition's current segment, in partition
+    /// order: where a reader of the partition will fetch from (a scheduler's locality hint).
+    pub fn segment_addresses(&self) -> Vec<String> {
+        self.current.lock().iter().map(|s| s.address.clone()).collect()
+    }
+
     /// A writer for attempt `attempt` of map `map`.
     pub fn writer(&self, map: u32, attempt: u32) -> MapWriter {
         self.writer_with(map, attempt, MapWriterOptions::default())

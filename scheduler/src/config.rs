@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// Address of the gRPC service (jobs and executors). Default `127.0.0.1:9070`.
+    /// Address of the gRPC service (jobs and executors). Default `127.0.0.1:9062` (`tern up`: its port + 2).
     pub listen: SocketAddr,
-    /// Address of the admin endpoint (`/metrics`, `/health`). Default `127.0.0.1:9071`.
+    /// Address of the admin endpoint (`/metrics`, `/health`). Default `127.0.0.1:9063`.
     pub admin_listen: SocketAddr,
     /// The metadata server the scheduler's jobs use (told to executors). Default `127.0.0.1:9060`.
     pub metadata: String,
@@ -64,8 +64,8 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            listen: SocketAddr::from(([127, 0, 0, 1], 9070)),
-            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9071)),
+            listen: SocketAddr::from(([127, 0, 0, 1], 9062)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9063)),
             metadata: "127.0.0.1:9060".into(),
             tls_dir: None,
             trusted_network: false,

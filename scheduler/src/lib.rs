@@ -16,6 +16,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod executor;
+pub mod metrics;
 pub mod operators;
 pub mod policy;
 pub mod pool;

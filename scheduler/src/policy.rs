@@ -307,6 +307,8 @@ pub struct Policy {
     backlog: u64,
     backoff_count: u64,
     events: Vec<Event>,
+    /// Executors a gang placed tasks on since the last [`Policy::take_gang_wakes`].
+    gang_wakes: Vec<usize>,
 }
 
 impl Policy {
@@ -330,7 +332,18 @@ impl Policy {
             backlog: 0,
             backoff_count: 0,
             events: Vec::new(),
+            gang_wakes: Vec::new(),
         }
+    }
+
+    /// Executors that have gang tasks waiting for them in their outboxes, since the last call.
+    pub fn take_gang_wakes(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.gang_wakes)
+    }
+
+    /// Tasks ready to run and not placed.
+    pub fn backlog(&self) -> u64 {
+        self.backlog
     }
 
     /// Events since the last call.
@@ -505,7 +518,7 @@ impl Policy {
         job.state = pb::JobState::Running;
         let stage = &mut job.stages[s];
         stage.state = pb::StageState::Running;
-        stage.started_ms = now_ms;
+        stage.started_ms = now_ms.max(1);
         let n = stage.tasks.len() as u32;
         for t in 0..n {
             stage.tasks[t as usize].state = TaskState::Queued;
@@ -566,7 +579,7 @@ impl Policy {
         for stage in &mut job.stages {
             if matches!(stage.state, pb::StageState::Waiting | pb::StageState::Running) {
                 stage.state = pb::StageState::Cancelled;
-                stage.finished_ms = now_ms;
+                stage.finished_ms = now_ms.max(1);
             }
             cancel_unfinished(stage, &mut running, &mut self.backlog, &mut self.backoff_count);
             stage.ready.clear();
@@ -835,6 +848,9 @@ impl Policy {
                 out.push(a);
             } else {
                 self.executors[e].as_mut().expect("live").outbox.push(a);
+                if !self.gang_wakes.contains(&e) {
+                    self.gang_wakes.push(e);
+                }
             }
         }
         true
@@ -1015,7 +1031,7 @@ impl Policy {
             return;
         }
         stage.state = if succeeded { pb::StageState::Succeeded } else { pb::StageState::Failed };
-        stage.finished_ms = now_ms;
+        stage.finished_ms = now_ms.max(1);
         // min_success met: the rest are cancelled.
         let mut running = Vec::new();
         cancel_unfinished(stage, &mut running, &mut self.backlog, &mut self.backoff_count);
@@ -1209,6 +1225,7 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         errors: stage.errors.iter().cloned().collect(),
         input_shuffle_id: stage.info.input_shuffle_id,
         output_shuffle_id: stage.info.output_shuffle_id,
+        // Relative to the policy's clock; the server adds its start time.
         started_unix_ms: stage.started_ms,
         finished_unix_ms: stage.finished_ms,
     }

@@ -503,6 +503,99 @@ fn reachability(after: &[Vec<usize>], order: &[usize]) -> Vec<HashSet<usize>> {
     reach
 }
 
+/// What `tern job terasort` builds.
+#[derive(Debug, Clone)]
+pub struct TerasortJob {
+    /// Bytes to generate and sort (100-byte gensort records).
+    pub size_bytes: u64,
+    /// Tasks per stage (maps, partitions, reduces).
+    pub tasks: u32,
+    /// Reduce on the GPU (`terasort-reduce-gpu`, a quarter GPU per task, CPU path if none).
+    pub gpu: bool,
+    /// Store directory: teragen writes `<out>/input/part-*`, reduces write `<out>/output/part-*`.
+    pub out: String,
+    /// A last stage runs `validate` (argv; e.g. `tern teravalidate <out>/output`) as a command.
+    pub validate: Option<Vec<String>>,
+}
+
+/// teragen → terasort-map → terasort-reduce (→ validate): the job `tern terasort` runs in one
+/// process, as scheduler stages. Teragen task i writes records [i*N/T, (i+1)*N/T) to
+/// `<out>/input/part-<i>`; map task i reads that part and writes the "data" shuffle (T
+/// partitions, uniform key ranges); reduce task i sorts partition i into `<out>/output/part-<i>`.
+pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
+    const RECORD: u64 = 100;
+    if job.size_bytes < RECORD {
+        bail!("size {} is less than one 100-byte record", ByteSize(job.size_bytes));
+    }
+    if job.tasks == 0 {
+        bail!("tasks must be at least 1");
+    }
+    let records = job.size_bytes / RECORD;
+    let out = job.out.trim_end_matches('/');
+    if !out.starts_with('/') {
+        bail!("out {out:?} must be an absolute store path");
+    }
+    let part_bytes = job.size_bytes / u64::from(job.tasks) + 1;
+    // A map holds a part's batches; a reduce sorts its partition in memory (data + index).
+    let memory = |factor: u64| ByteSize(part_bytes.saturating_mul(factor) + (64 << 20));
+    let stage = |name: &str, operator: &str, factor: u64| StageFile {
+        name: name.into(),
+        operator: Some(operator.into()),
+        params: BTreeMap::new(),
+        command: Vec::new(),
+        env: BTreeMap::new(),
+        tasks: job.tasks,
+        needs: NeedsFile { cpus: 1.0, memory: memory(factor), gpus: 0.0 },
+        after: Vec::new(),
+        gang: false,
+        min_available: 0,
+        min_success: 0,
+        max_attempts: 0,
+        backoff_ms: 0,
+        max_memory: Some(memory(factor * 4)),
+        input: None,
+        output: None,
+        gpu_optional: false,
+        locality: Vec::new(),
+    };
+    let mut teragen = stage("teragen", "teragen", 1);
+    teragen.params.insert("records".into(), ParamValue::Int(records as i64));
+    teragen.output = Some(format!("{out}/input"));
+    let mut map = stage("map", "terasort-map", 1);
+    map.after = vec!["teragen".into()];
+    map.input = Some(format!("{out}/input"));
+    map.output = Some("data".into());
+    let mut reduce = stage("reduce", if job.gpu { "terasort-reduce-gpu" } else { "terasort-reduce" }, 3);
+    reduce.after = vec!["map".into()];
+    reduce.input = Some("data".into());
+    reduce.output = Some(format!("{out}/output"));
+    if job.gpu {
+        reduce.needs.gpus = 0.25;
+        reduce.gpu_optional = true;
+    }
+    let mut stages = vec![teragen, map, reduce];
+    if let Some(argv) = &job.validate {
+        let mut validate = stage("validate", "command", 1);
+        validate.tasks = 1;
+        validate.command = argv.clone();
+        validate.after = vec!["reduce".into()];
+        validate.input = Some(format!("{out}/output"));
+        validate.needs.memory = ByteSize::mib(256);
+        validate.max_memory = None;
+        stages.push(validate);
+    }
+    let file = JobFile {
+        name: "terasort".into(),
+        queue: String::new(),
+        priority: 0,
+        shuffles: vec![ShuffleFile { name: "data".into(), partitions: job.tasks }],
+        stages,
+    };
+    let spec = file.to_proto()?;
+    validate(&spec, &SpecLimits::default())?;
+    Ok(spec)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,6 +688,27 @@ after = ["a"]
         let gang =
             "name = \"g\"\n[[stages]]\nname = \"a\"\noperator = \"noop\"\ntasks = 2\nmin_available = 3\ngang = true\n";
         assert!(err(gang).contains("min_available = 3"));
+    }
+
+    #[test]
+    fn terasort_job_chains_its_stages() {
+        let job = TerasortJob {
+            size_bytes: 1 << 30,
+            tasks: 4,
+            gpu: true,
+            out: "/ts/".into(),
+            validate: Some(vec!["tern".into(), "teravalidate".into(), "/ts/output".into()]),
+        };
+        let spec = terasort_job(&job).unwrap();
+        let names: Vec<&str> = spec.stages.iter().map(|s| s.operator.as_ref().unwrap().name.as_str()).collect();
+        assert_eq!(names, ["teragen", "terasort-map", "terasort-reduce-gpu", "command"]);
+        assert_eq!(spec.stages[0].operator.as_ref().unwrap().params["records"], ((1u64 << 30) / 100).to_string());
+        assert_eq!(spec.stages[2].needs.unwrap().gpu_milli, 250);
+        assert!(spec.stages[2].gpu_optional);
+        assert_eq!(spec.shuffles[0].partitions, 4);
+        let dag = validate(&spec, &SpecLimits::default()).unwrap();
+        assert_eq!(dag.order, vec![0, 1, 2, 3]);
+        assert!(terasort_job(&TerasortJob { out: "rel".into(), ..job.clone() }).is_err());
     }
 
     #[test]
