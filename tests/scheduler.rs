@@ -275,9 +275,9 @@ async fn a_command_killed_for_memory_is_retried_with_twice_the_memory() {
     let client = scheduler.client(&cluster).await;
     let out = cluster.dir.path().join("attempts");
     std::fs::create_dir(&out).unwrap();
-    // Records each attempt's memory, then holds about 48 MiB for a moment.
+    // Records each attempt's memory, then holds a 48 MiB buffer (dd's block) for a while.
     let script = format!(
-        "echo $TERN_MEMORY_BYTES > {}/attempt-$TERN_ATTEMPT; x=$(head -c 50331648 /dev/zero | tr '\\0' a); sleep 0.2",
+        "echo $TERN_MEMORY_BYTES > {}/attempt-$TERN_ATTEMPT; dd if=/dev/zero of=/dev/null bs=48M count=40 2>/dev/null",
         out.display()
     );
     let job = format!(
