@@ -249,6 +249,170 @@ async fn time_executor_start(tern: &std::path::Path, scheduler: &str) -> anyhow:
     Ok(elapsed_ms)
 }
 
+/// How to run `tern bench job-terasort`.
+#[derive(Debug, Clone)]
+pub struct JobTerasortOptions {
+    pub tern: PathBuf,
+    pub size_bytes: u64,
+    /// Tasks per stage, for both sorts.
+    pub tasks: u32,
+    /// Executors (one CPU each), and the concurrency `tern terasort` gets alike.
+    pub executors: u32,
+    /// Runs of each sort (alternating); medians are reported.
+    pub runs: u32,
+    pub progress: bool,
+}
+
+/// `tern job terasort` beside `tern terasort` of the same size on the same cluster.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobTerasortReport {
+    pub bytes: u64,
+    pub tasks: u32,
+    pub executors: u32,
+    /// Submission to success of the scheduler job (teragen, map, reduce stages), median.
+    pub job_seconds: f64,
+    /// `tern terasort`'s teragen + map + reduce phases (its validation is left out, as the job
+    /// has none), median.
+    pub terasort_seconds: f64,
+    /// job / terasort: at most 1.2 is the target.
+    pub ratio: f64,
+    /// Runs of each; the seconds are medians.
+    pub runs: u32,
+    /// Seconds of each of the job's stages in the last run (first task started to last finished).
+    pub job_stage_seconds: std::collections::BTreeMap<String, f64>,
+    /// `tern terasort`'s phases in the last run.
+    pub terasort_phases: tern_bench::terasort_run::Phases,
+    pub job_valid: bool,
+    pub terasort_valid: bool,
+}
+
+/// Runs the TeraSort job through the scheduler and `tern terasort`'s in-process sort on one
+/// cluster (`tern up --executors E`, two storage servers), the same size and task count;
+/// validates both outputs.
+pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTerasortReport> {
+    use tern_bench::terasort_run;
+    if options.runs == 0 || options.tasks == 0 || options.executors == 0 {
+        bail!("--runs, --tasks and --executors must each be at least 1");
+    }
+    let say = |text: String| {
+        if options.progress {
+            eprintln!("{text}");
+        }
+    };
+    // Room for the job's input, shuffle and output at once (it keeps its input to the end).
+    let dram_per_server = format!("{}MiB", (options.size_bytes * 2).max(256 << 20).div_ceil(1 << 20));
+    let executor_memory = format!("{}MiB", (options.size_bytes * 2).max(1 << 30).div_ceil(1 << 20));
+    let extra = [
+        "--executors".to_string(),
+        options.executors.to_string(),
+        "--executor-cpus".into(),
+        "1".into(),
+        "--executor-memory".into(),
+        executor_memory,
+        "--executor-gpus".into(),
+        "0".into(),
+    ];
+    say(format!("starting a cluster with {} executors...", options.executors));
+    let cluster = EmbeddedCluster::start_with_args(
+        &options.tern,
+        2,
+        &dram_per_server,
+        "1MiB",
+        None,
+        &std::env::temp_dir(),
+        &extra,
+    )
+    .await?;
+    let scheduler = connect(&cluster).await?;
+    wait_for_executors(&scheduler, options.executors).await?;
+
+    let client = tern_client::Client::connect(&cluster.metadata_addr).await?;
+    let (mut job_runs, mut terasort_runs) = (Vec::new(), Vec::new());
+    let (mut job_valid, mut terasort_valid) = (true, true);
+    let mut stage_seconds = std::collections::BTreeMap::new();
+    let mut phases = None;
+    for run in 1..=options.runs {
+        say(format!("run {run}: tern terasort..."));
+        let report = terasort_run::terasort(&terasort_run::TerasortOptions {
+            size_bytes: options.size_bytes,
+            metadata: Some(cluster.metadata_addr.clone()),
+            maps: options.tasks as usize,
+            reduces: options.tasks as usize,
+            tern: options.tern.clone(),
+            progress: false,
+        })
+        .await?;
+        let seconds = report.phases.teragen + report.phases.map + report.phases.reduce;
+        say(format!("  {seconds:.2} s (valid: {}); {:?}", report.valid(), report.phases));
+        terasort_valid &= report.valid();
+        terasort_runs.push(seconds);
+        phases = Some(report.phases.clone());
+
+        say(format!("run {run}: tern job terasort..."));
+        let out = format!("/bench-job-terasort-{}-{run}", std::process::id());
+        let spec = crate::spec::terasort_job(&crate::spec::TerasortJob {
+            size_bytes: options.size_bytes,
+            tasks: options.tasks,
+            gpu: false,
+            out: out.clone(),
+            validate: None,
+        })?;
+        let started = Instant::now();
+        let job_id = scheduler.submit(spec).await?;
+        let status = scheduler.wait(&job_id, Duration::from_millis(10), |_| {}).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        if status.state() != pb::JobState::Succeeded {
+            bail!("the terasort job ended {:?}: {}", status.state(), status.error);
+        }
+        stage_seconds = status
+            .stages
+            .iter()
+            .map(|s| (s.name.clone(), s.finished_unix_ms.saturating_sub(s.started_unix_ms) as f64 / 1e3))
+            .collect();
+        say(format!("  {seconds:.2} s; stages: {stage_seconds:?}"));
+        job_runs.push(seconds);
+        let hidden = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
+        let output = terasort_run::Location::Store(format!("{out}/output"));
+        let summary = terasort_run::teravalidate(Some(&client), &output, &hidden).await?;
+        job_valid &= summary.sorted()
+            && summary.records == options.size_bytes / 100
+            && format!("{:x}", summary.checksum) == report.input_checksum;
+        let _ = client.delete(&out, true).await;
+    }
+    job_runs.sort_by(f64::total_cmp);
+    terasort_runs.sort_by(f64::total_cmp);
+    let (job_seconds, terasort_seconds) = (percentile(&job_runs, 50.0), percentile(&terasort_runs, 50.0));
+    drop(cluster);
+    Ok(JobTerasortReport {
+        bytes: options.size_bytes,
+        tasks: options.tasks,
+        executors: options.executors,
+        job_seconds,
+        terasort_seconds,
+        ratio: job_seconds / terasort_seconds,
+        job_stage_seconds: stage_seconds,
+        terasort_phases: phases.context("no runs")?,
+        runs: options.runs,
+        job_valid,
+        terasort_valid,
+    })
+}
+
+pub fn print_job_terasort(report: &JobTerasortReport) {
+    println!(
+        "terasort of {} MB, {} tasks per stage, {} executors of one CPU",
+        report.bytes / 1_000_000,
+        report.tasks,
+        report.executors
+    );
+    println!(
+        "  tern terasort (teragen+map+reduce) {:>8.2} s   valid: {}",
+        report.terasort_seconds, report.terasort_valid
+    );
+    println!("  tern job terasort                  {:>8.2} s   valid: {}", report.job_seconds, report.job_valid);
+    println!("  ratio job / terasort               {:>8.2}     (target <= 1.2)", report.ratio);
+}
+
 /// The `p`th percentile (nearest rank) of sorted `values`.
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
