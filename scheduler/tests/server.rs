@@ -272,3 +272,24 @@ async fn http_get(url: &str) -> String {
     stream.read_to_string(&mut text).await.unwrap();
     text
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gang_placed_during_one_poll_wakes_the_other_executors_poll() {
+    let c = cluster(|_| {}).await;
+    let a = executor(&c.client, "a", 2).await;
+    let b = executor(&c.client, "b", 2).await;
+    let waiting = {
+        let client = c.client.clone();
+        let a = a.clone();
+        tokio::spawn(async move { client.poll(&a, vec![], 16, Duration::from_secs(5)).await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let job = "name = \"g\"\n[[stages]]\nname = \"s\"\noperator = \"noop\"\ntasks = 4\ngang = true\n";
+    c.client.submit(spec::parse(job, false).unwrap()).await.unwrap();
+    // Whichever poll places the gang, both executors get two tasks each, promptly.
+    let mine = c.client.poll(&b, vec![], 16, Duration::from_secs(2)).await.unwrap();
+    let theirs = tokio::time::timeout(Duration::from_secs(3), waiting).await.unwrap().unwrap();
+    assert_eq!((mine.assignments.len(), theirs.assignments.len()), (2, 2));
+    let pool = c.client.pool_status().await.unwrap();
+    assert_eq!((pool.running_tasks, pool.backlog_tasks, pool.idle_executors), (4, 0, 0));
+}

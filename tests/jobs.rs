@@ -1,0 +1,117 @@
+//! `tern scheduler` and the `tern job` commands as processes, with no executor: submit, status,
+//! list, cancel, refusals. Running jobs on real executors is tested with `tern executor`.
+
+mod common;
+
+use std::process::Child;
+use std::time::Duration;
+
+use serde_json::Value;
+
+struct Scheduler(Child);
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn json(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+const JOB: &str = r#"
+name = "demo"
+queue = "batch"
+[[shuffles]]
+name = "data"
+partitions = 2
+[[stages]]
+name = "map"
+command = ["sh", "-c", "true"]
+tasks = 3
+output = "data"
+[[stages]]
+name = "reduce"
+operator = "terasort-reduce-gpu"
+tasks = 2
+after = ["map"]
+input = "data"
+output = "/out"
+needs = { cpus = 0.5, memory = "64MiB", gpus = 0.25 }
+gpu_optional = true
+"#;
+
+#[tokio::test]
+async fn job_commands_submit_show_list_and_cancel() {
+    let cluster = common::Cluster::start(1, "64MiB").await;
+    let (port, admin) = (common::free_port(), common::free_port());
+    let addr = format!("127.0.0.1:{port}");
+    let _scheduler = Scheduler(common::spawn_logged(
+        cluster.dir.path(),
+        "scheduler",
+        &[
+            "scheduler",
+            "--listen",
+            &addr,
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--metadata",
+            &cluster.metadata_addr,
+            "--queue",
+            "batch=2",
+        ],
+    ));
+    let tern = |args: &[&str]| {
+        let mut all = vec!["job", "--scheduler", &addr];
+        all.extend_from_slice(args);
+        cluster.tern(&all)
+    };
+    cluster
+        .wait_for("the scheduler to answer", Duration::from_secs(30), || async {
+            tern(&["list"]).status.success().then_some(())
+        })
+        .await;
+
+    let file = cluster.dir.path().join("job.toml");
+    std::fs::write(&file, JOB).unwrap();
+    let out = tern(&["submit", file.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let job_id = json(&String::from_utf8_lossy(&out.stdout))["job_id"].as_str().unwrap().to_string();
+
+    let status = json(&cluster.tern_ok(&["job", "--scheduler", &addr, "status", &job_id, "--json"]));
+    assert_eq!(status["state"], "running");
+    assert_eq!(status["queue"], "batch");
+    assert!(status["tern_job_id"].as_str().is_some_and(|t| !t.is_empty()));
+    let stages = status["stages"].as_array().unwrap();
+    assert_eq!((stages[0]["name"].as_str(), stages[0]["queued"].as_u64()), (Some("map"), Some(3)));
+    assert_eq!((stages[1]["state"].as_str(), stages[1]["waiting"].as_u64()), (Some("waiting"), Some(2)));
+    assert!(stages[0]["output_shuffle_id"].as_u64().unwrap() > 0);
+    let text = cluster.tern_ok(&["job", "--scheduler", &addr, "status", &job_id]);
+    assert!(text.contains("reduce") && text.contains("waiting"), "{text}");
+
+    // A bad file is refused before it reaches the scheduler, naming the stage and field.
+    let bad = cluster.dir.path().join("bad.toml");
+    std::fs::write(&bad, JOB.replace("after = [\"map\"]", "after = [\"mapp\"]")).unwrap();
+    let out = tern(&["submit", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("stage \"reduce\"") && err.contains("\"mapp\""), "{err}");
+
+    let listed = json(&cluster.tern_ok(&["job", "--scheduler", &addr, "list", "--active", "--json"]));
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    let cancelled = json(&cluster.tern_ok(&["job", "--scheduler", &addr, "cancel", &job_id, "--json"]));
+    assert_eq!(cancelled["state"], "cancelled");
+    let listed = json(&cluster.tern_ok(&["job", "--scheduler", &addr, "list", "--active", "--json"]));
+    assert!(listed.as_array().unwrap().is_empty());
+    let out = tern(&["status", "no-such-job"]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("not-found"));
+
+    // The terasort job is built and accepted.
+    let id =
+        cluster.tern_ok(&["job", "--scheduler", &addr, "terasort", "--size", "1MiB", "--tasks", "2", "--out", "/ts"]);
+    let status = json(&cluster.tern_ok(&["job", "--scheduler", &addr, "status", id.trim(), "--json"]));
+    let names: Vec<&str> = status["stages"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["teragen", "map", "reduce", "validate"]);
+}
