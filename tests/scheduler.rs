@@ -47,11 +47,16 @@ impl Scheduler {
 
     /// Starts an executor offering `cpus` and `memory`; returns its index.
     fn executor(&mut self, cluster: &Cluster, cpus: &str, memory: &str) -> usize {
+        self.executor_with_gpus(cluster, cpus, memory, "0")
+    }
+
+    /// An executor declaring `gpus` GPUs (`--gpus`, whether or not the machine has them).
+    fn executor_with_gpus(&mut self, cluster: &Cluster, cpus: &str, memory: &str, gpus: &str) -> usize {
         let i = self.executors.len();
         let child = spawn_logged(
             cluster.dir.path(),
             &format!("executor-{i}"),
-            &["executor", "--scheduler", &self.addr, "--cpus", cpus, "--memory", memory, "--gpus", "0"],
+            &["executor", "--scheduler", &self.addr, "--cpus", cpus, "--memory", memory, "--gpus", gpus],
         );
         self.executors.push(Some(child));
         i
@@ -128,6 +133,11 @@ fn stage<'a>(status: &'a pb::JobStatus, name: &str) -> &'a pb::StageStatus {
 
 /// A TeraSort job of `bytes` with `tasks` tasks per stage, sorted into `output`.
 fn terasort_job(name: &str, bytes: u64, tasks: u32, output: &str) -> String {
+    terasort_job_reducing(name, bytes, tasks, output, "operator = \"terasort-reduce\"")
+}
+
+/// [`terasort_job`] whose reduce stage says `reduce` (its operator and any GPU needs).
+fn terasort_job_reducing(name: &str, bytes: u64, tasks: u32, output: &str, reduce: &str) -> String {
     format!(
         r#"
 name = "{name}"
@@ -155,13 +165,14 @@ needs = {{ cpus = 1, memory = "128MiB" }}
 
 [[stages]]
 name = "reduce"
-operator = "terasort-reduce"
+{reduce}
 tasks = {tasks}
 after = ["map"]
 input = "sorting"
 output = "{output}"
-needs = {{ cpus = 1, memory = "256MiB" }}
-"#
+needs = {{ cpus = 1, memory = "256MiB", gpus = {gpus} }}
+"#,
+        gpus = if reduce.contains("gpu") { "0.5" } else { "0" }
     )
 }
 
@@ -204,6 +215,31 @@ async fn terasort_job_on_two_executors_validates() {
     // The job's own data (its input, the shuffle) went with it; the output outside stays.
     let listing = cluster.tern_ok(&["fs", "ls", "/jobs"]);
     assert!(!listing.contains(&status.tern_job_id) || status.tern_job_id.is_empty(), "{listing}");
+}
+
+/// The GPU reduce on an executor that declares a GPU it cannot open (no driver here; on a GPU
+/// machine the declared "0" is real and the path says so): a gpu_optional stage still sorts, and
+/// the results say which path ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gpu_reduce_says_which_path_ran_and_falls_back_to_the_cpu() {
+    let cluster = Cluster::start(2, "256MiB").await;
+    let mut scheduler = Scheduler::start(&cluster);
+    scheduler.executor_with_gpus(&cluster, "2", "1GiB", "1");
+    let client = scheduler.client(&cluster).await;
+    let bytes = 10_000_000;
+    let reduce = "operator = \"terasort-reduce-gpu\"\ngpu_optional = true";
+    let job = terasort_job_reducing("gpu", bytes, 2, "/sorted/gpu", reduce);
+    let job_id = submit(&cluster, &scheduler, "gpu", &job);
+    let status = finish(&cluster, &client, &job_id, Duration::from_secs(120)).await;
+    assert_eq!(status.state(), pb::JobState::Succeeded, "{status:?}\n{}", cluster.logs());
+    let paths = &stage(&status, "reduce").paths;
+    assert_eq!(paths.values().sum::<u32>(), 2, "{status:?}");
+    let gpu_here = tern_gpu::detect().devices.iter().any(|d| d.address == "0");
+    let expected = if gpu_here { "gpu:0" } else { "cpu" };
+    assert_eq!(paths.get(expected), Some(&2), "{status:?}");
+    let summary = validate(&cluster, "/sorted/gpu");
+    assert_eq!(summary["sorted"], true, "{summary}");
+    assert_eq!(summary["checksum"], expected_checksum(&cluster, bytes).as_str());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
