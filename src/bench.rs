@@ -104,6 +104,42 @@ enum BenchCommand {
         #[arg(long)]
         no_progress: bool,
     },
+    /// Task scheduler: dispatch throughput of noop tasks to N executors (`tern up --executors N`,
+    /// real processes) and executor cold start (process start to first task running, p50/p99).
+    Scheduler {
+        /// Noop tasks in the measured job.
+        #[arg(long, default_value_t = 50_000)]
+        tasks: u32,
+        /// Executors the tasks are dispatched to.
+        #[arg(long, default_value_t = 4)]
+        executors: u32,
+        /// Executor starts timed for the cold-start figures.
+        #[arg(long, default_value_t = 20)]
+        cold_starts: u32,
+        /// Print one JSON object (tasks_per_s, executors, cold_start_ms_p50, cold_start_ms_p99, ...)
+        /// instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// TeraSort as a scheduler job (`tern job terasort`: teragen, map and reduce stages on
+    /// executors) beside `tern terasort` (the same tasks in one process), same size, same cluster.
+    JobTerasort {
+        /// Bytes to sort (100-byte gensort records).
+        #[arg(long, default_value = "1GiB")]
+        size: ByteSize,
+        /// Tasks per stage [default: one per 256 MiB, at least 2].
+        #[arg(long)]
+        tasks: Option<u32>,
+        /// Executors of one CPU each [default: this machine's cores].
+        #[arg(long)]
+        executors: Option<u32>,
+        /// Runs of each sort, alternating; medians are reported.
+        #[arg(long, default_value_t = 3)]
+        runs: u32,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
     /// plugin jar's TeraSort driver), same input and executors; both outputs validated. Also
     /// the executor processes' CPU over the map stage per GiB shuffled, for both (the write
@@ -154,6 +190,41 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             } else {
                 tern_bench::core::print_table(&report);
             }
+            Ok(())
+        }
+        BenchCommand::Scheduler { tasks, executors, cold_starts, json } => {
+            let options = tern_scheduler::bench::SchedulerBenchOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                tasks,
+                executors,
+                cold_starts,
+                progress: !json,
+            };
+            let report = tern_scheduler::bench::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_scheduler::bench::print_table(&report);
+            }
+            Ok(())
+        }
+        BenchCommand::JobTerasort { size, tasks, executors, runs, json } => {
+            let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
+            let options = tern_scheduler::bench::JobTerasortOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                size_bytes: size.bytes(),
+                tasks: tasks.unwrap_or_else(|| tern_bench::terasort_run::default_tasks(size.bytes()) as u32),
+                executors: executors.unwrap_or(cores),
+                runs,
+                progress: !json,
+            };
+            let report = tern_scheduler::bench::job_terasort(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_scheduler::bench::print_job_terasort(&report);
+            }
+            anyhow::ensure!(report.job_valid && report.terasort_valid, "an output did not validate");
             Ok(())
         }
         BenchCommand::Shuffle { maps, partitions, read_size, read_maps, runs, json } => {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tern_client::{ClientOptions, TransportKind};
 
-use crate::{bench, cert, daemons, fs, job, sched, status, terasort, up};
+use crate::{bench, cert, daemons, executor, fs, job, sched, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -41,12 +41,21 @@ pub enum Command {
     Teravalidate(terasort::TeravalidateArgs),
     /// TLS material: `cert init` makes a cluster CA and a node certificate.
     Cert(cert::CertArgs),
+    /// Run an executor: offers CPUs, memory and GPUs to the scheduler and runs the tasks it hands out.
+    Executor(executor::ExecutorArgs),
 }
 
 impl Command {
     /// Daemons log at info by default; client commands only warn, so their output stays clean.
     pub fn is_daemon(&self) -> bool {
-        matches!(self, Command::Up(_) | Command::MetadataServer(_) | Command::StorageServer(_) | Command::Scheduler(_))
+        matches!(
+            self,
+            Command::Up(_)
+                | Command::MetadataServer(_)
+                | Command::StorageServer(_)
+                | Command::Scheduler(_)
+                | Command::Executor(_)
+        )
     }
 }
 
@@ -90,5 +99,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Teragen(args) => terasort::teragen(args).await,
         Command::Teravalidate(args) => terasort::teravalidate(args).await,
         Command::Cert(args) => cert::run(args),
+        Command::Executor(args) => executor::run(args).await,
     }
 }

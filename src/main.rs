@@ -5,6 +5,7 @@ mod bench;
 mod cert;
 mod cli;
 mod daemons;
+mod executor;
 mod fs;
 mod job;
 mod sched;

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use tern_common::ByteSize;
+use tern_scheduler::pool::{Pool, PoolConfig};
 use tokio::process::{Child, Command};
 
 #[derive(Args)]
@@ -17,8 +18,9 @@ pub struct UpArgs {
     /// Directory for metadata state and logs.
     #[arg(long, default_value = "tern-data")]
     dir: PathBuf,
-    /// Metadata server port on 127.0.0.1; the metrics endpoint is PORT+1, storage server i
-    /// listens on PORT+10+2i with metrics on PORT+11+2i.
+    /// Metadata server port on 127.0.0.1; the metrics endpoint is PORT+1, the task scheduler
+    /// (with --executors) PORT+2 with metrics on PORT+3, storage server i listens on PORT+10+2i
+    /// with metrics on PORT+11+2i.
     #[arg(long, default_value_t = 9060)]
     port: u16,
     /// Number of storage servers.
@@ -41,10 +43,80 @@ pub struct UpArgs {
     /// io engine of the NVMe tiers: uring, psync or auto.
     #[arg(long, default_value = "auto")]
     io_engine: String,
+    #[command(flatten)]
+    pool: PoolArgs,
+}
+
+/// The task scheduler and its executor pool: started when any of these is given.
+#[derive(Args)]
+struct PoolArgs {
+    /// Start the task scheduler (on PORT+2, metrics on PORT+3) and keep N executors running
+    /// (the pool's min and max, unless --min-executors/--max-executors say otherwise).
+    #[arg(long)]
+    executors: Option<u32>,
+    /// Executors kept running whatever the load; 0 lets the pool scale to zero
+    /// [default: --executors, else 0].
+    #[arg(long)]
+    min_executors: Option<u32>,
+    /// Most executors the pool starts as the backlog grows [default: --executors, else the min].
+    #[arg(long)]
+    max_executors: Option<u32>,
+    /// An executor above the min leaves after this long with nothing to run, e.g. 30s or 500ms.
+    #[arg(long, default_value = "30s", value_parser = tern_scheduler::executor::parse_duration)]
+    executor_idle_timeout: Duration,
+    /// CPUs each executor offers [default: this machine's cores over --max-executors, at least 1].
+    #[arg(long)]
+    executor_cpus: Option<f64>,
+    /// Memory each executor offers [default: this machine's memory over --max-executors].
+    #[arg(long)]
+    executor_memory: Option<ByteSize>,
+    /// GPUs each executor declares (`tern executor --gpus`) [default: each detects its own].
+    #[arg(long)]
+    executor_gpus: Option<u32>,
+}
+
+impl PoolArgs {
+    fn wanted(&self) -> bool {
+        self.executors.is_some() || self.min_executors.is_some() || self.max_executors.is_some()
+    }
+
+    /// The pool's config, beside a scheduler at `scheduler`.
+    fn config(&self, scheduler: &str, tls_dir: Option<&Path>, logs: &Path) -> anyhow::Result<PoolConfig> {
+        let min = self.min_executors.or(self.executors).unwrap_or(0);
+        let max = self.max_executors.or(self.executors).unwrap_or(min);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let share = f64::from(max.max(1));
+        let cpus = self.executor_cpus.unwrap_or_else(|| (cores / share).floor().max(1.0));
+        if !(cpus.is_finite() && cpus > 0.0) {
+            bail!("--executor-cpus {cpus} must be above 0");
+        }
+        let memory = match self.executor_memory {
+            Some(memory) => memory.bytes(),
+            None => tern_scheduler::executor::machine_memory_bytes()? / u64::from(max.max(1)),
+        };
+        let config = PoolConfig {
+            min,
+            max,
+            idle_timeout: self.executor_idle_timeout,
+            tick: POOL_TICK,
+            scheduler: scheduler.to_string(),
+            metadata: None,
+            tls_dir: tls_dir.map(Path::to_path_buf),
+            executor_cpu_milli: (cpus * 1000.0).round() as u64,
+            executor_memory_bytes: memory,
+            executor_gpus: self.executor_gpus,
+            tern: std::env::current_exe().context("locating the tern binary")?,
+            logs: logs.to_path_buf(),
+        };
+        config.validate()?;
+        Ok(config)
+    }
 }
 
 /// How long the cluster may take to come up before `tern up` gives up.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the executor pool looks at the scheduler's backlog.
+const POOL_TICK: Duration = Duration::from_millis(200);
 /// How long a daemon gets to exit after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -69,6 +141,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let metadata_url = format!("{}://{metadata_addr}", if args.tls { "https" } else { "http" });
     let port = |offset: u32| -> anyhow::Result<u16> {
         u16::try_from(args.port as u32 + offset).context("--port is too high for the ports the cluster needs")
+    };
+    // The pool's settings are checked before anything starts.
+    let scheduler_addr = format!("127.0.0.1:{}", port(2)?);
+    let scheduler_tls = args.tls.then_some(tls_dir.as_path());
+    let pool_config = match args.pool.wanted() {
+        true => Some(args.pool.config(&scheduler_addr, scheduler_tls, &logs)?),
+        false => None,
     };
     let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
     let (admin, block_size) = (format!("127.0.0.1:{}", port(1)?), args.block_size.to_string());
@@ -121,20 +200,95 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         ready = wait_until_ready(&metadata_url, &tls_dir, args.storage_servers as usize, &mut daemons) => Some(ready),
         _ = &mut shutdown => None,
     };
+    // The scheduler and its pool come up once the storage is there, so the first jobs find it.
+    let (pool_stop, pool_stopped) = tokio::sync::watch::channel(false);
+    let mut pool = None;
+    let ready = match (ready, pool_config) {
+        (Some(Ok(())), Some(pool_config)) => {
+            let scheduler_admin = format!("127.0.0.1:{}", port(3)?);
+            let mut scheduler_args = vec![
+                "scheduler",
+                "--listen",
+                &scheduler_addr,
+                "--admin",
+                &scheduler_admin,
+                "--metadata",
+                &metadata_url,
+            ];
+            if args.tls {
+                scheduler_args.extend(["--tls-dir", &tls_dir_arg]);
+            }
+            daemons.push(spawn("scheduler", &logs, &scheduler_args)?);
+            let up = tokio::select! {
+                up = wait_for_scheduler(&scheduler_addr, scheduler_tls, &mut daemons) => Some(up),
+                _ = &mut shutdown => None,
+            };
+            if let Some(Ok(())) = up {
+                let mut stopped = pool_stopped.clone();
+                let pool_run = Pool::new(pool_config)?.run(async move {
+                    let _ = stopped.wait_for(|&stop| stop).await;
+                });
+                pool = Some(tokio::spawn(pool_run));
+            }
+            up
+        }
+        (ready, _) => ready,
+    };
     let outcome = match ready {
         Some(Ok(())) => {
             print_banner(&args, &metadata_addr, &tls_dir, &logs);
             tokio::select! {
                 _ = &mut shutdown => Ok(()),
                 died = first_exit(&mut daemons) => Err(died),
+                ended = wait_pool(&mut pool) => Err(ended),
             }
         }
         Some(Err(e)) => Err(e),
         None => Ok(()),
     };
     eprintln!("stopping the cluster...");
+    // Executors first, while the scheduler can still hear them leave.
+    let _ = pool_stop.send(true);
+    if let Some(pool) = pool.take() {
+        let _ = pool.await;
+    }
     stop_all(&mut daemons).await;
     outcome
+}
+
+/// Waits until the scheduler answers.
+async fn wait_for_scheduler(addr: &str, tls_dir: Option<&Path>, daemons: &mut [Daemon]) -> anyhow::Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Some(died) = exited(daemons) {
+            return Err(died);
+        }
+        if let Ok(client) = tern_scheduler::SchedulerClient::connect(addr, tls_dir).await {
+            if client.pool_status().await.is_ok() {
+                return Ok(());
+            }
+        }
+        if started.elapsed() > STARTUP_TIMEOUT {
+            bail!("the scheduler did not come up within {STARTUP_TIMEOUT:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Resolves when the pool's task ends (only on an error: it runs until told to stop).
+async fn wait_pool(pool: &mut Option<tokio::task::JoinHandle<anyhow::Result<()>>>) -> anyhow::Error {
+    match pool {
+        Some(handle) => {
+            let ended = handle.await;
+            *pool = None;
+            match ended {
+                Ok(Ok(())) => anyhow::anyhow!("the executor pool stopped"),
+                Ok(Err(e)) => e.context("the executor pool failed"),
+                Err(e) => anyhow::anyhow!("the executor pool panicked: {e}"),
+            }
+        }
+        None => std::future::pending().await,
+    }
 }
 
 fn spawn(name: &str, logs: &Path, args: &[&str]) -> anyhow::Result<Daemon> {
@@ -267,6 +421,17 @@ fn print_banner(args: &UpArgs, metadata_addr: &str, tls_dir: &Path, logs: &Path)
         "Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i",
         args.port as u32 + 11
     );
+    if args.pool.wanted() {
+        let min = args.pool.min_executors.or(args.pool.executors).unwrap_or(0);
+        let max = args.pool.max_executors.or(args.pool.executors).unwrap_or(min);
+        println!(
+            "Scheduler: 127.0.0.1:{} (metrics on {}), executors: {min} to {max}, idle ones leave after {:?}",
+            args.port as u32 + 2,
+            args.port as u32 + 3,
+            args.pool.executor_idle_timeout
+        );
+        println!("  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", args.port as u32 + 2);
+    }
     println!("Logs:    {}", logs.display());
     println!("Ctrl-C stops the cluster.");
 }

@@ -31,6 +31,20 @@ impl EmbeddedCluster {
         nvme: Option<&str>,
         parent: &Path,
     ) -> anyhow::Result<EmbeddedCluster> {
+        EmbeddedCluster::start_with_args(tern, servers, dram, block_size, nvme, parent, &[]).await
+    }
+
+    /// As [`EmbeddedCluster::start_with`], with more `tern up` flags (e.g. `--executors 4`: then
+    /// the task scheduler is at [`EmbeddedCluster::scheduler_addr`]).
+    pub async fn start_with_args(
+        tern: &Path,
+        servers: u16,
+        dram: &str,
+        block_size: &str,
+        nvme: Option<&str>,
+        parent: &Path,
+        extra: &[String],
+    ) -> anyhow::Result<EmbeddedCluster> {
         let dir = tempfile::Builder::new()
             .prefix("tern-up-")
             .tempdir_in(parent)
@@ -41,6 +55,7 @@ impl EmbeddedCluster {
             .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &port.to_string()])
             .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
             .args(nvme.map(|size| ["--nvme-size", size]).into_iter().flatten())
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -74,6 +89,11 @@ impl EmbeddedCluster {
     /// The cluster's own TLS material (`tern up` makes it): what QUIC clients need.
     pub fn tls_dir(&self) -> PathBuf {
         self.dir.path().join("tls")
+    }
+
+    /// The task scheduler's address, when `tern up` was given executor flags.
+    pub fn scheduler_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port + 2)
     }
 
     pub fn storage_addr(&self, i: u16) -> String {

@@ -14,13 +14,13 @@ use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tern_client::{Client, MapWriterOptions, Shuffle, ShuffleOptions};
+use tern_client::{Client, CommitOutcome, MapWriterOptions, Shuffle, ShuffleOptions};
 use tokio::sync::Semaphore;
 
 use crate::cluster::EmbeddedCluster;
 use crate::terasort::gensort::{self, RECORD_LEN};
 use crate::terasort::partition::RangePartitioner;
-use crate::terasort::sort::sort_records;
+use crate::terasort::sort::try_sort_records;
 use crate::terasort::validate::{Summary, Validator};
 
 /// Records generated per call into the generator (about 8 MB).
@@ -77,7 +77,7 @@ fn part_name(i: usize) -> String {
 }
 
 /// Part `i` of a dataset in the store directory `dir`.
-fn store_part(dir: &str, i: usize) -> String {
+pub fn store_part(dir: &str, i: usize) -> String {
     format!("{}/{}", dir.trim_end_matches('/'), part_name(i))
 }
 
@@ -112,28 +112,35 @@ pub async fn teragen(
         Location::Store(dir) => client.context("teragen into the store needs a cluster")?.mkdir(dir, true).await?,
         Location::Local(dir) => std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?,
     }
-    let tasks = split_records(records, parts)
-        .into_iter()
-        .enumerate()
-        .map(|(i, (first, count))| generate_part(client.cloned(), first, count, out.part(i), bar.clone()));
+    let tasks = split_records(records, parts).into_iter().enumerate().map(|(i, (first, count))| {
+        let (client, target, bar) = (client.cloned(), out.part(i), bar.clone());
+        async move { generate_part(client.as_ref(), first, count, &target, 0, &bar).await }
+    });
     let summary = run_all("teragen", tasks).await?.iter().fold(Summary::default(), |all, part| all.merge(part));
     bar.finish();
     Ok(summary)
 }
 
-/// Generates one part chunk by chunk (bounded memory), writing it as it goes.
-async fn generate_part(
-    client: Option<Client>,
+/// Generates records `first..first + count` as one part at `target`, chunk by chunk (bounded
+/// memory), and returns their summary. One definition for `tern teragen`, `tern terasort` and
+/// the executor's teragen operator.
+///
+/// The part is written under an attempt's own name and renamed into place when whole, so a
+/// retry never meets a half-written part of a dead attempt, and the first whole attempt wins.
+pub async fn generate_part(
+    client: Option<&Client>,
     first: u64,
     count: u64,
-    target: Location,
-    bar: ProgressBar,
+    target: &Location,
+    attempt: u32,
+    bar: &ProgressBar,
 ) -> anyhow::Result<Summary> {
     enum Sink {
         Store(tern_client::FileWriter),
         Local(std::io::BufWriter<std::fs::File>),
     }
-    let mut sink = match &target {
+    let scratch = attempt_location(target, attempt);
+    let mut sink = match &scratch {
         Location::Store(path) => Sink::Store(client.context("store output needs a client")?.create(path, true).await?),
         Location::Local(path) => Sink::Local(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
@@ -165,7 +172,61 @@ async fn generate_part(
         }
         Sink::Local(mut file) => std::io::Write::flush(&mut file)?,
     }
+    publish(client, &scratch, target, attempt).await?;
     Ok(summary)
+}
+
+/// Where attempt `attempt` writes the part that belongs at `target`: a hidden name beside it
+/// (not `part-*`, so validation never reads it).
+fn attempt_location(target: &Location, attempt: u32) -> Location {
+    match target {
+        Location::Store(path) => Location::Store(attempt_store_path(path, attempt)),
+        Location::Local(path) => {
+            let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            Location::Local(path.with_file_name(format!(".{name}.attempt-{attempt}")))
+        }
+    }
+}
+
+fn attempt_store_path(path: &str, attempt: u32) -> String {
+    let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
+    format!("{dir}/.{name}.attempt-{attempt}")
+}
+
+/// Most earlier attempts whose leftovers a retry removes.
+const CLEANUP_ATTEMPTS: u32 = 16;
+
+/// Renames an attempt's whole part to `target`. In the store the rename refuses an existing
+/// target, so when another attempt got there first this attempt's copy (the same records: parts
+/// are deterministic) is dropped and that is success. Then leftovers of earlier, dead attempts
+/// are removed (best effort).
+async fn publish(client: Option<&Client>, scratch: &Location, target: &Location, attempt: u32) -> anyhow::Result<()> {
+    match (scratch, target) {
+        (Location::Store(from), Location::Store(to)) => {
+            let client = client.context("store output needs a client")?;
+            if let Err(e) = client.rename(from, to).await {
+                if e.kind() != tern_client::ErrorKind::AlreadyExists {
+                    return Err(e).with_context(|| format!("renaming {from} to {to}"));
+                }
+                client.delete(from, false).await?;
+            }
+            for earlier in attempt.saturating_sub(CLEANUP_ATTEMPTS)..attempt {
+                if let Location::Store(stale) = attempt_location(target, earlier) {
+                    let _ = client.delete(&stale, false).await;
+                }
+            }
+        }
+        (Location::Local(from), Location::Local(to)) => {
+            std::fs::rename(from, to).with_context(|| format!("renaming {} to {}", from.display(), to.display()))?;
+            for earlier in attempt.saturating_sub(CLEANUP_ATTEMPTS)..attempt {
+                if let Location::Local(stale) = attempt_location(target, earlier) {
+                    let _ = std::fs::remove_file(stale);
+                }
+            }
+        }
+        _ => bail!("an attempt's part and its target are in different places"),
+    }
+    Ok(())
 }
 
 /// valsort over the parts of `dir` in name order: order across all parts, count, checksum,
@@ -187,7 +248,8 @@ pub async fn teravalidate(
     summary.context("no parts")
 }
 
-async fn list_parts(client: Option<&Client>, dir: &Location) -> anyhow::Result<Vec<(Location, u64)>> {
+/// The `part-*` files of `dir` with their lengths, in name order.
+pub async fn list_parts(client: Option<&Client>, dir: &Location) -> anyhow::Result<Vec<(Location, u64)>> {
     let mut parts = Vec::new();
     match dir {
         Location::Store(path) => {
@@ -385,53 +447,67 @@ async fn run_maps(
     let Location::Store(dir) = input else { bail!("map input must be in the store") };
     let tasks = (0..maps).map(|map| {
         let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, map));
-        async move { map_task(&client, &shuffle, map as u32, &path, &bar).await }
+        async move {
+            let outcome = map_part(&client, &shuffle, map as u32, 0, &[path], &bar).await?;
+            if !outcome.committed {
+                bail!("map {map}: attempt 0 lost its commit to attempt {}", outcome.winning_attempt);
+            }
+            Ok(())
+        }
     });
     run_all("map", tasks).await?;
     bar.finish();
     Ok(())
 }
 
-/// One map: read the input part, bucket records by reduce partition, push, commit.
-async fn map_task(client: &Client, shuffle: &Shuffle, map: u32, path: &str, bar: &ProgressBar) -> anyhow::Result<()> {
+/// One map attempt: read the input parts at `paths`, bucket records by reduce partition, push,
+/// commit. One definition for `tern terasort` and the executor's terasort-map operator. The
+/// outcome says whether this attempt's output is the map's output (another attempt may have
+/// committed first; that is not an error).
+pub async fn map_part(
+    client: &Client,
+    shuffle: &Shuffle,
+    map: u32,
+    attempt: u32,
+    paths: &[String],
+    bar: &ProgressBar,
+) -> anyhow::Result<CommitOutcome> {
     let partitioner = Arc::new(RangePartitioner::new(shuffle.partitions()));
-    let mut writer = shuffle.writer_with(map, 0, MapWriterOptions::default());
+    let mut writer = shuffle.writer_with(map, attempt, MapWriterOptions::default());
     // Whole records per write, so records stay whole in every batch; and small writes, so the
     // writer fills each batch (and so each storage block) nearly to the brim.
     let max_write = WRITE_RECORDS * RECORD_LEN;
-    let mut reader = client.open(path).await?;
-    let mut carry = BytesMut::new();
-    let mut done = false;
-    while !done {
-        // Gather a few blocks, whole records only; the tail waits for the next round.
-        while carry.len() < MAP_CHUNK_BYTES {
-            match reader.next_chunk().await? {
-                Some(chunk) => carry.extend_from_slice(&chunk),
-                None => {
-                    done = true;
-                    break;
+    for path in paths {
+        let mut reader = client.open(path).await?;
+        let mut carry = BytesMut::new();
+        let mut done = false;
+        while !done {
+            // Gather a few blocks, whole records only; the tail waits for the next round.
+            while carry.len() < MAP_CHUNK_BYTES {
+                match reader.next_chunk().await? {
+                    Some(chunk) => carry.extend_from_slice(&chunk),
+                    None => {
+                        done = true;
+                        break;
+                    }
+                }
+            }
+            let whole = carry.len() / RECORD_LEN * RECORD_LEN;
+            if done && whole != carry.len() {
+                bail!("{path}: {} trailing bytes are not a whole record", carry.len() - whole);
+            }
+            let records = carry.split_to(whole).freeze();
+            bar.inc(records.len() as u64);
+            let partitioner = partitioner.clone();
+            let buckets = tokio::task::spawn_blocking(move || bucket(&records, &partitioner)).await?;
+            for (partition, bucket) in buckets.iter().enumerate() {
+                for piece in bucket.chunks(max_write) {
+                    writer.write(partition as u32, piece).await?;
                 }
             }
         }
-        let whole = carry.len() / RECORD_LEN * RECORD_LEN;
-        if done && whole != carry.len() {
-            bail!("{path}: {} trailing bytes are not a whole record", carry.len() - whole);
-        }
-        let records = carry.split_to(whole).freeze();
-        bar.inc(records.len() as u64);
-        let partitioner = partitioner.clone();
-        let buckets = tokio::task::spawn_blocking(move || bucket(&records, &partitioner)).await?;
-        for (partition, bucket) in buckets.iter().enumerate() {
-            for piece in bucket.chunks(max_write) {
-                writer.write(partition as u32, piece).await?;
-            }
-        }
     }
-    let outcome = writer.commit().await?;
-    if !outcome.committed {
-        bail!("map {map}: attempt 0 lost its commit to attempt {}", outcome.winning_attempt);
-    }
-    Ok(())
+    Ok(writer.commit().await?)
 }
 
 /// Records grouped by reduce partition, each group in input order.
@@ -461,41 +537,81 @@ async fn run_reduces(
     let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
     let tasks = (0..reduces).map(|reduce| {
         let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, reduce));
-        async move { reduce_task(&client, &shuffle, reduce as u32, &path, &bar).await }
+        async move {
+            let records = read_partition(&shuffle, reduce as u32, None).await?;
+            let sorted = sort_partition(records).await?;
+            bar.inc(sorted.len() as u64);
+            write_part(&client, &path, 0, sorted).await
+        }
     });
     run_all("reduce", tasks).await?;
     bar.finish();
     Ok(())
 }
 
-/// One reduce: read the partition's committed records, sort them, write the output part.
-async fn reduce_task(
-    client: &Client,
-    shuffle: &Shuffle,
-    partition: u32,
-    path: &str,
-    bar: &ProgressBar,
-) -> anyhow::Result<()> {
+/// A partition too large for the memory a task may use, or an allocation the system refused:
+/// the task should be retried with more memory.
+#[derive(Debug)]
+pub struct OutOfMemory(pub String);
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "out of memory: {}", self.0)
+    }
+}
+
+impl std::error::Error for OutOfMemory {}
+
+/// Reads the committed records of reduce partition `partition` (every map's winning attempt)
+/// into one buffer. With `memory_limit`, a partition whose records and sorted copy would not fit
+/// fails with [`OutOfMemory`] before anything is read; so does a refused allocation.
+pub async fn read_partition(shuffle: &Shuffle, partition: u32, memory_limit: Option<u64>) -> anyhow::Result<Vec<u8>> {
     let mut reader = shuffle.reader(partition..partition + 1, 0..u32::MAX).await?;
     let expected: u64 = reader.outputs().iter().map(|o| o.partition_bytes.first().copied().unwrap_or(0)).sum();
-    let mut records = Vec::with_capacity(expected as usize);
+    if let Some(limit) = memory_limit {
+        // The records and their sorted copy are both held at the peak.
+        if expected.saturating_mul(2) > limit {
+            return Err(OutOfMemory(format!(
+                "partition {partition} holds {expected} bytes; sorting it needs {} bytes, the task may use {limit}",
+                expected.saturating_mul(2)
+            ))
+            .into());
+        }
+    }
+    let mut records = Vec::new();
+    records
+        .try_reserve_exact(expected as usize)
+        .map_err(|e| OutOfMemory(format!("partition {partition}: allocating {expected} bytes for its records: {e}")))?;
     while let Some(batch) = reader.next_batch().await? {
         records.extend_from_slice(&batch.data);
     }
     if records.len() % RECORD_LEN != 0 {
         bail!("reduce {partition}: {} bytes is not a whole number of records", records.len());
     }
-    let sorted = tokio::task::spawn_blocking(move || {
-        let mut out = Vec::with_capacity(records.len());
-        sort_records(&records, &mut out);
-        out
+    Ok(records)
+}
+
+/// Sorts whole records by key on the CPU (off the async threads).
+pub async fn sort_partition(records: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+    tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        out.try_reserve_exact(records.len())
+            .map_err(|e| OutOfMemory(format!("allocating {} bytes for the sorted records: {e}", records.len())))?;
+        try_sort_records(&records, &mut out).map_err(anyhow::Error::msg)?;
+        Ok(out)
     })
-    .await?;
-    bar.inc(sorted.len() as u64);
-    let mut writer = client.create(path, true).await?;
-    writer.write_bytes(Bytes::from(sorted)).await?;
+    .await?
+}
+
+/// Writes one output part (sorted records) at `path` in the store, under the attempt's own name
+/// first and then renamed into place, so the first whole attempt wins and a retry never meets a
+/// dead attempt's half-written part.
+pub async fn write_part(client: &Client, path: &str, attempt: u32, data: Vec<u8>) -> anyhow::Result<()> {
+    let scratch = attempt_store_path(path, attempt);
+    let mut writer = client.create(&scratch, true).await?;
+    writer.write_bytes(Bytes::from(data)).await?;
     writer.close().await?;
-    Ok(())
+    publish(Some(client), &Location::Store(scratch), &Location::Store(path.to_string()), attempt).await
 }
 
 /// The default number of map and of reduce tasks for `size_bytes`: parts of about 256 MiB, at

@@ -6,12 +6,20 @@
 //! - [`policy`]: placement decisions, pure and deterministic (fair share, gangs, GPUs, retries);
 //! - [`server`]: the `tern scheduler` gRPC service around the policy;
 //! - [`client`]: a typed client for jobs and executors;
-//! - [`config`]: the scheduler's configuration.
+//! - [`config`]: the scheduler's configuration;
+//! - [`operators`]: what a task runs (noop, TeraSort built-ins on CPU and GPU, any command);
+//! - [`executor`]: `tern executor`, which pulls batches of tasks and runs them;
+//! - [`pool`]: the local autoscaler `tern up` runs, starting and stopping executors;
+//! - [`bench`]: `tern bench scheduler` (dispatch throughput, executor cold start).
 
+pub mod bench;
 pub mod client;
 pub mod config;
+pub mod executor;
 pub mod metrics;
+pub mod operators;
 pub mod policy;
+pub mod pool;
 pub mod server;
 pub mod spec;
 

@@ -1,0 +1,251 @@
+//! Operators: what one task of a stage runs on an executor.
+//!
+//! Built-ins: `noop` (nothing; for dispatch benchmarks and tests), `teragen`, `terasort-map`,
+//! `terasort-reduce` (CPU) and `terasort-reduce-gpu` (tern-gpu, with a CPU path when no GPU is
+//! usable and the stage is `gpu_optional`); and `command`, any executable. The TeraSort built-ins
+//! call the very per-task functions `tern terasort` runs (`tern_bench::terasort_run`), so the two
+//! sorts are one definition.
+//!
+//! Operators keep no state a later stage needs: they read their input from Tern (a shuffle or
+//! files) and write their output there.
+
+mod command;
+mod noop;
+mod terasort;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tern_bench::terasort_run::OutOfMemory;
+use tern_client::{Client, ClientOptions};
+use tern_gpu::{GpuError, GpuSorter};
+use tern_proto::sched as pb;
+
+pub use command::{process_tree_rss_bytes, MEMORY_CHECK_INTERVAL};
+
+/// Operators an executor runs, by the name a stage gives: every one a job may name.
+pub use crate::spec::OPERATORS;
+
+/// How a task ended, as the executor reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub outcome: pb::TaskOutcome,
+    /// Why it failed, or a note on success (which path ran and why, counts).
+    pub message: String,
+    /// Which path ran: "cpu", or "gpu:<address>".
+    pub path: String,
+}
+
+impl Report {
+    fn succeeded(message: impl Into<String>) -> Report {
+        Report { outcome: pb::TaskOutcome::Succeeded, message: message.into(), path: "cpu".into() }
+    }
+
+    fn failed(message: impl Into<String>) -> Report {
+        Report { outcome: pb::TaskOutcome::Failed, message: message.into(), path: "cpu".into() }
+    }
+
+    fn oom(message: impl Into<String>) -> Report {
+        Report { outcome: pb::TaskOutcome::Oom, message: message.into(), path: "cpu".into() }
+    }
+
+    /// An operator's error: [`OutOfMemory`] (and a GPU out of memory) become OOM, so the
+    /// scheduler retries with more memory; anything else is a failure.
+    fn from_error(e: anyhow::Error) -> Report {
+        let oom = e.chain().any(|cause| {
+            cause.downcast_ref::<OutOfMemory>().is_some()
+                || matches!(cause.downcast_ref::<GpuError>(), Some(GpuError::OutOfMemory(_)))
+        });
+        if oom {
+            Report::oom(format!("{e:#}"))
+        } else {
+            Report::failed(format!("{e:#}"))
+        }
+    }
+}
+
+/// What the operators of one executor share: the Tern client (connected on first use, so
+/// an executor running only `noop` or `command` never connects) and one sorter per GPU (its
+/// kernels are compiled once, not per task).
+pub struct Services {
+    metadata: String,
+    options: ClientOptions,
+    client: tokio::sync::OnceCell<Client>,
+    sorters: parking_lot::Mutex<HashMap<String, Arc<parking_lot::Mutex<GpuSorter>>>>,
+}
+
+impl Services {
+    pub fn new(metadata: String, options: ClientOptions) -> Services {
+        Services { metadata, options, client: tokio::sync::OnceCell::new(), sorters: Default::default() }
+    }
+
+    /// The metadata server's address, as tasks see it (`TERN_METADATA`).
+    pub fn metadata(&self) -> &str {
+        &self.metadata
+    }
+
+    /// The Tern client, connecting on first use.
+    pub async fn client(&self) -> anyhow::Result<Client> {
+        let client = self
+            .client
+            .get_or_try_init(|| Client::connect_with(&self.metadata, self.options.clone()))
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to the metadata server {}: {e}", self.metadata))?;
+        Ok(client.clone())
+    }
+
+    /// The sorter of the GPU at `address`, opened on first use. Tasks sharing a GPU (fractions
+    /// of it) take turns sorting on it.
+    fn sorter(&self, address: &str) -> Result<Arc<parking_lot::Mutex<GpuSorter>>, GpuError> {
+        if let Some(sorter) = self.sorters.lock().get(address) {
+            return Ok(sorter.clone());
+        }
+        // Opened outside the lock: compiling the kernels takes a while.
+        let sorter = Arc::new(parking_lot::Mutex::new(GpuSorter::open(address)?));
+        Ok(self.sorters.lock().entry(address.to_string()).or_insert(sorter).clone())
+    }
+}
+
+/// Runs one task to its end. Never panics on bad input: a malformed task fails with a message
+/// naming what is wrong.
+pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
+    let operator = task.operator.as_ref().map(|o| o.name.as_str()).unwrap_or_default();
+    let result = match operator {
+        "noop" => noop::run(task).await,
+        "teragen" => terasort::teragen(task, services).await,
+        "terasort-map" => terasort::map(task, services).await,
+        "terasort-reduce" => terasort::reduce(task, services, false).await,
+        "terasort-reduce-gpu" => terasort::reduce(task, services, true).await,
+        "command" => return command::run(task, services).await,
+        other => Err(anyhow::anyhow!("unknown operator {other:?}; this executor runs {}", OPERATORS.join(", "))),
+    };
+    result.unwrap_or_else(Report::from_error)
+}
+
+/// The environment of a task: the contract every `command` task sees (and built-ins log).
+///
+/// TERN_JOB_ID, TERN_STAGE, TERN_TASK_INDEX, TERN_TASK_COUNT, TERN_ATTEMPT, TERN_METADATA,
+/// TERN_INPUT and TERN_OUTPUT (a shuffle id when a shuffle, else the path), TERN_INPUT_SHUFFLE
+/// and TERN_OUTPUT_SHUFFLE (only when shuffles), TERN_INPUT_PARTITIONS/TERN_OUTPUT_PARTITIONS
+/// (with the shuffles), TERN_INPUT_MAPS (maps of the input shuffle), TERN_GPU_ADDRESSES
+/// (comma-separated, "" when none), TERN_GPU_MILLI (the fraction of each, comma-separated),
+/// TERN_JOB_ROOT and TERN_TERN_JOB (the Tern job owning the job's data), TERN_MEMORY_BYTES and
+/// TERN_CPU_MILLI (what the task was granted).
+pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, String)> {
+    let granted = task.granted.unwrap_or_default();
+    let mut env = vec![
+        ("TERN_JOB_ID", task.job_id.clone()),
+        ("TERN_STAGE", task.stage.clone()),
+        ("TERN_TASK_INDEX", task.task_index.to_string()),
+        ("TERN_TASK_COUNT", task.task_count.to_string()),
+        ("TERN_ATTEMPT", task.attempt.to_string()),
+        ("TERN_METADATA", metadata.to_string()),
+        ("TERN_INPUT", data_ref(task.input_shuffle_id, &task.input_path)),
+        ("TERN_OUTPUT", data_ref(task.output_shuffle_id, &task.output_path)),
+        ("TERN_GPU_ADDRESSES", task.gpus.iter().map(|g| g.address.as_str()).collect::<Vec<_>>().join(",")),
+        ("TERN_GPU_MILLI", task.gpus.iter().map(|g| g.gpu_milli.to_string()).collect::<Vec<_>>().join(",")),
+        ("TERN_JOB_ROOT", task.tern_job_root.clone()),
+        ("TERN_TERN_JOB", task.tern_job_id.clone()),
+        ("TERN_MEMORY_BYTES", granted.memory_bytes.to_string()),
+        ("TERN_CPU_MILLI", granted.cpu_milli.to_string()),
+    ];
+    if task.input_shuffle_id != 0 {
+        env.push(("TERN_INPUT_SHUFFLE", task.input_shuffle_id.to_string()));
+        env.push(("TERN_INPUT_PARTITIONS", task.input_partitions.to_string()));
+        env.push(("TERN_INPUT_MAPS", task.input_maps.to_string()));
+    }
+    if task.output_shuffle_id != 0 {
+        env.push(("TERN_OUTPUT_SHUFFLE", task.output_shuffle_id.to_string()));
+        env.push(("TERN_OUTPUT_PARTITIONS", task.output_partitions.to_string()));
+    }
+    env
+}
+
+fn data_ref(shuffle: u64, path: &str) -> String {
+    if shuffle != 0 {
+        shuffle.to_string()
+    } else {
+        path.to_string()
+    }
+}
+
+/// A parameter of the task's operator, parsed, or `None` when absent.
+fn param<T: std::str::FromStr>(task: &pb::Assignment, name: &str) -> anyhow::Result<Option<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    let Some(value) = task.operator.as_ref().and_then(|o| o.params.get(name)) else {
+        return Ok(None);
+    };
+    value.trim().parse().map(Some).map_err(|e| {
+        anyhow::anyhow!(
+            "operator {} parameter {name} = {value:?}: {e}",
+            task.operator.as_ref().map(|o| o.name.as_str()).unwrap_or_default()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(operator: &str, params: &[(&str, &str)]) -> pb::Assignment {
+        pb::Assignment {
+            job_id: "j1".into(),
+            stage: "s".into(),
+            task_index: 3,
+            task_count: 8,
+            attempt: 1,
+            operator: Some(pb::Operator {
+                name: operator.into(),
+                params: params.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                ..Default::default()
+            }),
+            input_shuffle_id: 42,
+            input_partitions: 4,
+            output_path: "/out".into(),
+            gpus: vec![pb::GpuGrant { address: "1".into(), gpu_milli: 250 }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn env_names_the_task_its_data_and_gpus() {
+        let env: HashMap<_, _> = task_env(&task("command", &[]), "127.0.0.1:9060").into_iter().collect();
+        assert_eq!(env["TERN_JOB_ID"], "j1");
+        assert_eq!(env["TERN_TASK_INDEX"], "3");
+        assert_eq!(env["TERN_TASK_COUNT"], "8");
+        assert_eq!(env["TERN_ATTEMPT"], "1");
+        assert_eq!(env["TERN_METADATA"], "127.0.0.1:9060");
+        assert_eq!(env["TERN_INPUT"], "42");
+        assert_eq!(env["TERN_INPUT_SHUFFLE"], "42");
+        assert_eq!(env["TERN_OUTPUT"], "/out");
+        assert!(!env.contains_key("TERN_OUTPUT_SHUFFLE"));
+        assert_eq!(env["TERN_GPU_ADDRESSES"], "1");
+        assert_eq!(env["TERN_GPU_MILLI"], "250");
+    }
+
+    #[tokio::test]
+    async fn unknown_operators_and_bad_params_fail_with_a_reason() {
+        let services = Services::new("127.0.0.1:1".into(), ClientOptions::default());
+        let report = run(&task("sort-everything", &[]), &services).await;
+        assert_eq!(report.outcome, pb::TaskOutcome::Failed);
+        assert!(report.message.contains("unknown operator \"sort-everything\""), "{}", report.message);
+
+        let report = run(&task("noop", &[("sleep_ms", "soon")]), &services).await;
+        assert_eq!(report.outcome, pb::TaskOutcome::Failed);
+        assert!(report.message.contains("sleep_ms"), "{}", report.message);
+
+        let report = run(&task("noop", &[]), &services).await;
+        assert_eq!(report.outcome, pb::TaskOutcome::Succeeded);
+    }
+
+    #[test]
+    fn out_of_memory_errors_become_oom_reports() {
+        let e = anyhow::Error::new(OutOfMemory("partition 3 is too big".into())).context("reduce 3");
+        assert_eq!(Report::from_error(e).outcome, pb::TaskOutcome::Oom);
+        let e = anyhow::Error::new(GpuError::OutOfMemory("16 GiB".into()));
+        assert_eq!(Report::from_error(e).outcome, pb::TaskOutcome::Oom);
+        assert_eq!(Report::from_error(anyhow::anyhow!("disk on fire")).outcome, pb::TaskOutcome::Failed);
+    }
+}

@@ -1,0 +1,160 @@
+//! The TeraSort built-ins: `teragen`, `terasort-map`, `terasort-reduce` and
+//! `terasort-reduce-gpu`. Each is a thin wrapper around the per-task function `tern terasort`
+//! itself runs (`tern_bench::terasort_run`), with the task's index, attempt and data from its
+//! assignment.
+//!
+//! Tasks and parts: teragen task i of N writes part i; map task i of N reads the input parts
+//! i, i+N, ... (so any number of parts works with any number of maps); reduce task i of N
+//! sorts partitions i, i+N, ... each into output part p (so the parts in name order are the
+//! sorted data).
+
+use anyhow::{bail, Context};
+use indicatif::ProgressBar;
+use tern_bench::terasort::gensort::RECORD_LEN;
+use tern_bench::terasort_run::{self, Location};
+use tern_common::ByteSize;
+use tern_gpu::GpuError;
+use tern_proto::sched as pb;
+
+use super::{param, Report, Services};
+
+/// `teragen`: task i of N generates its share of `records` (or of `size` bytes, e.g. `1GiB`)
+/// gensort records into `<output>/part-<i>`.
+pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Result<Report> {
+    let records = match (param::<u64>(task, "records")?, param::<ByteSize>(task, "size")?) {
+        (Some(records), None) => records,
+        (None, Some(size)) => size.bytes() / RECORD_LEN as u64,
+        _ => bail!("teragen needs exactly one of the parameters records and size"),
+    };
+    let dir = output_dir(task)?;
+    let (first, count) = terasort_run::split_records(records, task.task_count.max(1) as usize)
+        .get(task.task_index as usize)
+        .copied()
+        .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
+    let client = services.client().await?;
+    let target = Location::Store(terasort_run::store_part(&dir, task.task_index as usize));
+    let summary =
+        terasort_run::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
+    Ok(Report::succeeded(format!("{} records, checksum {:x}", summary.records, summary.checksum)))
+}
+
+/// `terasort-map`: map task i reads its input parts and pushes their records, range-partitioned,
+/// into the output shuffle, then commits as attempt `attempt` (a commit lost to an earlier
+/// attempt of the same map is success: that attempt's output is the map's).
+pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<Report> {
+    let input = input_dir(task)?;
+    if task.output_shuffle_id == 0 {
+        bail!("terasort-map writes a shuffle, but the stage's output is {:?}", task.output_path);
+    }
+    let client = services.client().await?;
+    let parts = terasort_run::list_parts(Some(&client), &Location::Store(input.clone())).await?;
+    if parts.is_empty() {
+        bail!("terasort-map: no part-* files in {input}");
+    }
+    let count = task.task_count.max(1) as usize;
+    let mine: Vec<String> = parts
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % count == task.task_index as usize)
+        .filter_map(|(_, (part, _))| match part {
+            Location::Store(path) => Some(path),
+            Location::Local(_) => None,
+        })
+        .collect();
+    let shuffle = client.open_shuffle(task.output_shuffle_id).await?;
+    let outcome =
+        terasort_run::map_part(&client, &shuffle, task.task_index, task.attempt, &mine, &ProgressBar::hidden()).await?;
+    Ok(Report::succeeded(if outcome.committed {
+        format!("{} parts mapped", mine.len())
+    } else {
+        format!("attempt {} had committed this map first; its output stands", outcome.winning_attempt)
+    }))
+}
+
+/// `terasort-reduce` and `terasort-reduce-gpu`: reduce task i sorts its partitions, each into
+/// output part p. The GPU operator sorts on its granted GPU (tern-gpu: the records are staged
+/// through pinned host memory and sorted by an NVRTC-compiled kernel); with no GPU granted or
+/// none usable, a `gpu_optional` stage takes the CPU path and says so.
+pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> anyhow::Result<Report> {
+    if task.input_shuffle_id == 0 {
+        bail!("a terasort reduce reads a shuffle, but the stage's input is {:?}", task.input_path);
+    }
+    let dir = output_dir(task)?;
+    let (mut sorter, mut note) = (None, String::new());
+    if gpu {
+        match task.gpus.first() {
+            Some(grant) => match services.sorter(&grant.address) {
+                Ok(opened) => sorter = Some((grant.address.clone(), opened)),
+                Err(GpuError::NoGpu(why)) if task.gpu_optional => {
+                    note = format!("GPU {} is unusable ({why}); ran on the CPU", grant.address)
+                }
+                Err(e) => bail!("GPU {}: {e}", grant.address),
+            },
+            None if task.gpu_optional => note = "no GPU granted; ran on the CPU".into(),
+            None => bail!("terasort-reduce-gpu needs a GPU and the task was granted none"),
+        }
+        if !note.is_empty() {
+            tracing::info!(job = %task.job_id, stage = %task.stage, task = task.task_index, "{note}");
+        }
+    }
+    let client = services.client().await?;
+    let shuffle = client.open_shuffle(task.input_shuffle_id).await?;
+    let limit = task.granted.as_ref().map(|g| g.memory_bytes).filter(|&bytes| bytes > 0);
+    let count = task.task_count.max(1);
+    let (mut bytes, mut partitions) = (0u64, 0u32);
+    let mut sort_seconds = 0.0;
+    for partition in (task.task_index..shuffle.partitions()).step_by(count as usize) {
+        let records = terasort_run::read_partition(&shuffle, partition, limit).await?;
+        bytes += records.len() as u64;
+        let sorted = match &sorter {
+            Some((address, sorter)) => {
+                let sorter = sorter.clone();
+                let (sorted, stats) = tokio::task::spawn_blocking(move || sorter.lock().sort(&records)).await??;
+                tracing::info!(
+                    job = %task.job_id, task = task.task_index, partition, gpu = %address, device = %stats.device,
+                    records = stats.records, h2d_s = stats.h2d_seconds, sort_s = stats.sort_seconds,
+                    d2h_s = stats.d2h_seconds, "sorted a partition on the GPU"
+                );
+                sort_seconds += stats.sort_seconds;
+                sorted
+            }
+            None => terasort_run::sort_partition(records).await?,
+        };
+        let path = terasort_run::store_part(&dir, partition as usize);
+        terasort_run::write_part(&client, &path, task.attempt, sorted).await?;
+        partitions += 1;
+    }
+    let path = match &sorter {
+        Some((address, _)) => format!("gpu:{address}"),
+        None => "cpu".to_string(),
+    };
+    let mut message = format!("{partitions} partitions, {bytes} bytes sorted on {path}");
+    if sorter.is_some() && sort_seconds > 0.0 {
+        message.push_str(&format!(" ({:.0} MB/s on the device)", bytes as f64 / sort_seconds / 1e6));
+    }
+    if !note.is_empty() {
+        message = format!("{message}; {note}");
+    }
+    Ok(Report { path, ..Report::succeeded(message) })
+}
+
+/// A stage's path in the store: absolute as given, relative to the job's root otherwise
+/// (`./out` is `<job root>/out`, freed with the job).
+fn store_path(task: &pb::Assignment, path: &str, what: &str) -> anyhow::Result<String> {
+    if path.is_empty() {
+        bail!("operator {} needs an {what} path", task.operator.as_ref().map(|o| o.name.as_str()).unwrap_or_default());
+    }
+    Ok(if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{}/{}", task.tern_job_root.trim_end_matches('/'), path.trim_start_matches("./"))
+    })
+}
+
+fn input_dir(task: &pb::Assignment) -> anyhow::Result<String> {
+    store_path(task, &task.input_path, "input")
+}
+
+fn output_dir(task: &pb::Assignment) -> anyhow::Result<String> {
+    store_path(task, &task.output_path, "output")
+}
