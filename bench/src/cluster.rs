@@ -17,26 +17,15 @@ impl EmbeddedCluster {
     /// Starts `tern up` with `servers` storage servers of `dram` each on a free port range, and
     /// waits until all have registered.
     pub async fn start(tern: &Path, servers: u16, dram: &str) -> anyhow::Result<EmbeddedCluster> {
-        EmbeddedCluster::start_with(tern, servers, dram, "1MiB", None, &std::env::temp_dir()).await
+        EmbeddedCluster::start_with(tern, servers, dram, "1MiB", None, &std::env::temp_dir(), &[]).await
     }
 
     /// As [`EmbeddedCluster::start`], with the cluster block size `block_size` (e.g. "4MiB"), an
-    /// NVMe tier of `nvme` per storage server if given, and the cluster's directory in `parent`
-    /// (where the NVMe files go: it must be on a disk that takes O_DIRECT).
+    /// NVMe tier of `nvme` per storage server if given, the cluster's directory in `parent`
+    /// (where the NVMe files go: it must be on a disk that takes O_DIRECT), and more `tern up`
+    /// flags `extra` (e.g. `--executors 4`: then the task scheduler is at
+    /// [`EmbeddedCluster::scheduler_addr`]).
     pub async fn start_with(
-        tern: &Path,
-        servers: u16,
-        dram: &str,
-        block_size: &str,
-        nvme: Option<&str>,
-        parent: &Path,
-    ) -> anyhow::Result<EmbeddedCluster> {
-        EmbeddedCluster::start_with_args(tern, servers, dram, block_size, nvme, parent, &[]).await
-    }
-
-    /// As [`EmbeddedCluster::start_with`], with more `tern up` flags (e.g. `--executors 4`: then
-    /// the task scheduler is at [`EmbeddedCluster::scheduler_addr`]).
-    pub async fn start_with_args(
         tern: &Path,
         servers: u16,
         dram: &str,

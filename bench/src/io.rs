@@ -591,7 +591,8 @@ impl TernTarget {
         let dram = format!("{}MiB", io.dram_bytes.div_ceil(1 << 20));
         let block_size = format!("{}MiB", TERN_BLOCK_SIZE >> 20);
         let nvme = (system == System::TernNvme).then(|| dram.clone());
-        let cluster = EmbeddedCluster::start_with(&io.tern, 1, &dram, &block_size, nvme.as_deref(), &io.dir).await?;
+        let cluster =
+            EmbeddedCluster::start_with(&io.tern, 1, &dram, &block_size, nvme.as_deref(), &io.dir, &[]).await?;
         let mut options = ClientOptions::default();
         let mut class = tern_client::StorageClass::Dram;
         match system {

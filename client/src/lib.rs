@@ -23,13 +23,14 @@ mod shuffle;
 mod writer;
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
-use tonic::transport::Channel;
+use tern_transport::tls::TlsMaterial;
+use tonic::transport::{Channel, Endpoint};
 
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
@@ -105,14 +106,9 @@ impl Client {
     }
 
     pub async fn connect_with(addr: &str, options: ClientOptions) -> Result<Client> {
-        let tls = match &options.tls_dir {
-            Some(dir) => {
-                Some(tern_transport::tls::TlsMaterial::load(dir).map_err(|e| Error::invalid(format!("{e:#}")))?)
-            }
-            None => None,
-        };
-        let endpoint = tern_transport::tls::grpc_endpoint(addr, tls.as_ref())
-            .map_err(|e| Error::invalid(format!("metadata address: {e:#}")))?;
+        let tls = load_tls(options.tls_dir.as_deref())?;
+        // The scheme (if any) decides TLS; the bare host:port is what the client reports.
+        let given = addr;
         let addr =
             addr.trim().trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string();
         let socket_addr = addr
@@ -120,15 +116,14 @@ impl Client {
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| Error::invalid(format!("metadata address {addr:?} is not host:port")))?;
-        let endpoint = endpoint
-            .connect_timeout(options.connect_timeout)
-            .timeout(options.request_timeout)
-            .tcp_nodelay(true)
-            .initial_connection_window_size(Some(64 << 20))
-            .initial_stream_window_size(Some(16 << 20));
-        let channel = endpoint.connect().await.map_err(|e| {
-            Error::unavailable(format!("cannot reach the metadata server at {addr}: {}", source_chain(&e)))
-        })?;
+        let channel = grpc_channel(given, tls.as_ref(), "the metadata server", |endpoint| {
+            endpoint
+                .connect_timeout(options.connect_timeout)
+                .timeout(options.request_timeout)
+                .initial_connection_window_size(Some(64 << 20))
+                .initial_stream_window_size(Some(16 << 20))
+        })
+        .await?;
         let connector: Arc<dyn tern_transport::Connector> =
             match (options.transport, &tls) {
                 (TransportKind::Tcp, _) => Arc::new(tern_transport::tcp::TcpConnector),
@@ -331,6 +326,28 @@ fn local_host_towards(server: SocketAddr) -> String {
         .and_then(|s| s.connect(server).and_then(|_| s.local_addr()))
         .map(|a| a.ip().to_string())
         .unwrap_or_default()
+}
+
+/// TLS material from `dir` (`tern cert init`), if one is given.
+pub fn load_tls(dir: Option<&Path>) -> Result<Option<TlsMaterial>> {
+    dir.map(|dir| TlsMaterial::load(dir).map_err(|e| Error::invalid(format!("{e:#}")))).transpose()
+}
+
+/// A gRPC channel to `peer` (named in errors, e.g. "the scheduler") at `addr` (`host:port`,
+/// `http://` or `https://`; mutual TLS with `tls`), TCP_NODELAY on, with `tune` applied to the
+/// endpoint before connecting. Every Tern gRPC client connects through this.
+pub async fn grpc_channel(
+    addr: &str,
+    tls: Option<&TlsMaterial>,
+    peer: &str,
+    tune: impl FnOnce(Endpoint) -> Endpoint,
+) -> Result<Channel> {
+    let endpoint = tern_transport::tls::grpc_endpoint(addr, tls)
+        .map_err(|e| Error::invalid(format!("address of {peer}: {e:#}")))?;
+    tune(endpoint.tcp_nodelay(true))
+        .connect()
+        .await
+        .map_err(|e| Error::unavailable(format!("cannot reach {peer} at {addr}: {}", source_chain(&e))))
 }
 
 /// "a: b: c" from an error and its sources, since tonic's transport errors hide the cause.

@@ -136,7 +136,7 @@ pub fn print_table(report: &SchedulerBenchReport) {
 }
 
 async fn start_cluster(tern: &std::path::Path, extra: &[String]) -> anyhow::Result<EmbeddedCluster> {
-    EmbeddedCluster::start_with_args(tern, 1, "256MiB", "1MiB", None, &std::env::temp_dir(), extra).await
+    EmbeddedCluster::start_with(tern, 1, "256MiB", "1MiB", None, &std::env::temp_dir(), extra).await
 }
 
 /// The cluster's scheduler, once it answers.
@@ -313,16 +313,9 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
         "0".into(),
     ];
     say(format!("starting a cluster with {} executors...", options.executors));
-    let cluster = EmbeddedCluster::start_with_args(
-        &options.tern,
-        2,
-        &dram_per_server,
-        "1MiB",
-        None,
-        &std::env::temp_dir(),
-        &extra,
-    )
-    .await?;
+    let cluster =
+        EmbeddedCluster::start_with(&options.tern, 2, &dram_per_server, "1MiB", None, &std::env::temp_dir(), &extra)
+            .await?;
     let scheduler = connect(&cluster).await?;
     wait_for_executors(&scheduler, options.executors).await?;
 

@@ -23,20 +23,11 @@ pub struct SchedulerClient {
 impl SchedulerClient {
     /// Connects to `addr` (`host:port`, `http://` or `https://`); with `tls_dir`, mutual TLS.
     pub async fn connect(addr: &str, tls_dir: Option<&Path>) -> Result<SchedulerClient> {
-        let tls = match tls_dir {
-            Some(dir) => Some(
-                tern_transport::tls::TlsMaterial::load(dir)
-                    .map_err(|e| Error::new(ErrorKind::Invalid, format!("{e:#}")))?,
-            ),
-            None => None,
-        };
-        let endpoint = tern_transport::tls::grpc_endpoint(addr, tls.as_ref())
-            .map_err(|e| Error::new(ErrorKind::Invalid, format!("scheduler address: {e:#}")))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true);
-        let channel = endpoint.connect().await.map_err(|e| {
-            Error::new(ErrorKind::Unavailable, format!("cannot reach the scheduler at {addr}: {}", source_chain(&e)))
-        })?;
+        let tls = tern_client::load_tls(tls_dir)?;
+        let channel = tern_client::grpc_channel(addr, tls.as_ref(), "the scheduler", |endpoint| {
+            endpoint.connect_timeout(Duration::from_secs(5))
+        })
+        .await?;
         let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
         let grpc = Grpc::new(channel).max_decoding_message_size(limit).max_encoding_message_size(limit);
         Ok(SchedulerClient { grpc, addr: addr.to_string() })
@@ -145,15 +136,4 @@ impl SchedulerClient {
 /// Succeeded, failed or cancelled.
 pub fn is_finished(state: pb::JobState) -> bool {
     matches!(state, pb::JobState::Succeeded | pb::JobState::Failed | pb::JobState::Cancelled)
-}
-
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
