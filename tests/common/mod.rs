@@ -43,7 +43,16 @@ pub struct Cluster {
 
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    // A port is only probed here, not held, so until its daemon binds it the kernel may offer
+    // it again: never hand out the same port twice in one test process.
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if GIVEN.lock().unwrap().insert(port) {
+            return port;
+        }
+    }
 }
 
 pub fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Child {
