@@ -188,7 +188,14 @@ fn progress_line(status: &pb::JobStatus) -> String {
     let stages: Vec<String> = status
         .stages
         .iter()
-        .map(|s| format!("{} {}/{} done, {} running", s.name, s.succeeded, s.tasks, s.running))
+        .map(|s| {
+            let line = format!("{} {}/{} done, {} running", s.name, s.succeeded, s.tasks, s.running);
+            if s.blocked.is_empty() {
+                line
+            } else {
+                format!("{line} (waiting: {})", s.blocked)
+            }
+        })
         .collect();
     format!("{}: {}", state_name(status.state()), stages.join("; "))
 }
@@ -242,6 +249,7 @@ fn job_json(job: &pb::JobStatus) -> Value {
             "lost": s.lost,
             "paths": s.paths,
             "errors": s.errors,
+            "blocked": s.blocked,
             "input_shuffle_id": s.input_shuffle_id,
             "output_shuffle_id": s.output_shuffle_id,
         })).collect::<Vec<_>>(),
@@ -281,6 +289,9 @@ fn print_status(job: &pb::JobStatus) {
             s.attempts,
             paths.join(" ")
         );
+        if !s.blocked.is_empty() {
+            println!("    waiting: {}", s.blocked);
+        }
         for error in &s.errors {
             println!("    {error}");
         }

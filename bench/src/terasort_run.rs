@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tern_client::{Client, CommitOutcome, MapWriterOptions, Shuffle, ShuffleOptions};
+use tern_client::{Client, CommitOutcome, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
 use tokio::sync::Semaphore;
 
 use crate::cluster::EmbeddedCluster;
@@ -541,7 +541,7 @@ async fn run_reduces(
             let records = read_partition(&shuffle, reduce as u32, None).await?;
             let sorted = sort_partition(records).await?;
             bar.inc(sorted.len() as u64);
-            write_part(&client, &path, 0, sorted).await
+            write_part(&client, &path, 0, Bytes::from(sorted)).await
         }
     });
     run_all("reduce", tasks).await?;
@@ -562,32 +562,86 @@ impl std::fmt::Display for OutOfMemory {
 
 impl std::error::Error for OutOfMemory {}
 
-/// Reads the committed records of reduce partition `partition` (every map's winning attempt)
-/// into one buffer. With `memory_limit`, a partition whose records and sorted copy would not fit
-/// fails with [`OutOfMemory`] before anything is read; so does a refused allocation.
-pub async fn read_partition(shuffle: &Shuffle, partition: u32, memory_limit: Option<u64>) -> anyhow::Result<Vec<u8>> {
-    let mut reader = shuffle.reader(partition..partition + 1, 0..u32::MAX).await?;
-    let expected: u64 = reader.outputs().iter().map(|o| o.partition_bytes.first().copied().unwrap_or(0)).sum();
-    if let Some(limit) = memory_limit {
-        // The records and their sorted copy are both held at the peak.
-        if expected.saturating_mul(2) > limit {
-            return Err(OutOfMemory(format!(
-                "partition {partition} holds {expected} bytes; sorting it needs {} bytes, the task may use {limit}",
-                expected.saturating_mul(2)
+/// The committed records of one reduce partition (every map's winning attempt), located and
+/// ready to read: [`PartitionInput::bytes`] says how many there are before any is read, so the
+/// caller can check its memory and place them where it wants ([`PartitionInput::read_into`]).
+pub struct PartitionInput {
+    partition: u32,
+    reader: ShuffleReader,
+    bytes: u64,
+}
+
+impl PartitionInput {
+    pub async fn open(shuffle: &Shuffle, partition: u32) -> anyhow::Result<PartitionInput> {
+        let reader = shuffle.reader(partition..partition + 1, 0..u32::MAX).await?;
+        let bytes = reader.outputs().iter().map(|o| o.partition_bytes.first().copied().unwrap_or(0)).sum();
+        if bytes % RECORD_LEN as u64 != 0 {
+            bail!("reduce {partition}: {bytes} bytes is not a whole number of records");
+        }
+        Ok(PartitionInput { partition, reader, bytes })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Fails with [`OutOfMemory`] when `copies` copies of the records would exceed
+    /// `memory_limit` bytes (a task's memory; `None`: no limit).
+    pub fn check_memory(&self, copies: u64, memory_limit: Option<u64>) -> anyhow::Result<()> {
+        let need = self.bytes.saturating_mul(copies);
+        match memory_limit {
+            Some(limit) if need > limit => Err(OutOfMemory(format!(
+                "partition {} holds {} bytes; sorting it needs {need} bytes, the task may use {limit}",
+                self.partition, self.bytes
             ))
-            .into());
+            .into()),
+            _ => Ok(()),
         }
     }
+
+    /// Reads the records into `dst`, which must be exactly [`PartitionInput::bytes`] long.
+    pub async fn read_into(self, dst: &mut [u8]) -> anyhow::Result<()> {
+        if dst.len() as u64 != self.bytes {
+            bail!("reduce {}: a buffer of {} bytes for {} bytes of records", self.partition, dst.len(), self.bytes);
+        }
+        let mut filled = 0;
+        self.read_batches(|data| {
+            dst[filled..filled + data.len()].copy_from_slice(data);
+            filled += data.len();
+        })
+        .await
+    }
+
+    /// Hands every batch to `take`, in order, after checking it stays within the commits' total
+    /// (so `take` may index by it), and checks the total at the end.
+    async fn read_batches(mut self, mut take: impl FnMut(&[u8])) -> anyhow::Result<()> {
+        let mut read = 0u64;
+        while let Some(batch) = self.reader.next_batch().await? {
+            read += batch.data.len() as u64;
+            if read > self.bytes {
+                bail!("reduce {}: the shuffle yielded more than its commits' {} bytes", self.partition, self.bytes);
+            }
+            take(&batch.data);
+        }
+        if read != self.bytes {
+            bail!("reduce {}: read {read} bytes of the commits' {}", self.partition, self.bytes);
+        }
+        Ok(())
+    }
+}
+
+/// Reads the committed records of reduce partition `partition` into one buffer. With
+/// `memory_limit`, a partition whose records and sorted copy would not fit fails with
+/// [`OutOfMemory`] before anything is read; so does a refused allocation.
+pub async fn read_partition(shuffle: &Shuffle, partition: u32, memory_limit: Option<u64>) -> anyhow::Result<Vec<u8>> {
+    let input = PartitionInput::open(shuffle, partition).await?;
+    // The records and their sorted copy are both held at the peak.
+    input.check_memory(2, memory_limit)?;
     let mut records = Vec::new();
-    records
-        .try_reserve_exact(expected as usize)
-        .map_err(|e| OutOfMemory(format!("partition {partition}: allocating {expected} bytes for its records: {e}")))?;
-    while let Some(batch) = reader.next_batch().await? {
-        records.extend_from_slice(&batch.data);
-    }
-    if records.len() % RECORD_LEN != 0 {
-        bail!("reduce {partition}: {} bytes is not a whole number of records", records.len());
-    }
+    records.try_reserve_exact(input.bytes() as usize).map_err(|e| {
+        OutOfMemory(format!("partition {partition}: allocating {} bytes for its records: {e}", input.bytes()))
+    })?;
+    input.read_batches(|data| records.extend_from_slice(data)).await?;
     Ok(records)
 }
 
@@ -606,10 +660,10 @@ pub async fn sort_partition(records: Vec<u8>) -> anyhow::Result<Vec<u8>> {
 /// Writes one output part (sorted records) at `path` in the store, under the attempt's own name
 /// first and then renamed into place, so the first whole attempt wins and a retry never meets a
 /// dead attempt's half-written part.
-pub async fn write_part(client: &Client, path: &str, attempt: u32, data: Vec<u8>) -> anyhow::Result<()> {
+pub async fn write_part(client: &Client, path: &str, attempt: u32, data: Bytes) -> anyhow::Result<()> {
     let scratch = attempt_store_path(path, attempt);
     let mut writer = client.create(&scratch, true).await?;
-    writer.write_bytes(Bytes::from(data)).await?;
+    writer.write_bytes(data).await?;
     writer.close().await?;
     publish(Some(client), &Location::Store(scratch), &Location::Store(path.to_string()), attempt).await
 }

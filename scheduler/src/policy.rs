@@ -1072,11 +1072,69 @@ impl Policy {
             priority: job.info.priority,
             state: job.state as i32,
             error: job.error.clone(),
-            stages: if with_stages { job.stages.iter().map(stage_status).collect() } else { Vec::new() },
+            stages: if with_stages {
+                job.stages
+                    .iter()
+                    .map(|stage| pb::StageStatus { blocked: self.why_blocked(stage), ..stage_status(stage) })
+                    .collect()
+            } else {
+                Vec::new()
+            },
             tern_job_id: job.info.tern_job_id.clone(),
             submitted_unix_ms: job.info.submitted_unix_ms,
             finished_unix_ms: job.finished_unix_ms,
         })
+    }
+
+    /// Why a stage's queued tasks cannot start on any live executor even when it is idle (too
+    /// few CPUs, too little memory, no such GPUs, not running the operator), or "" when one
+    /// could run. Such tasks wait for an executor that fits (the pool may start one), so users
+    /// are told rather than left to wonder.
+    fn why_blocked(&self, stage: &Stage) -> String {
+        let Some(memory_bytes) = stage
+            .tasks
+            .iter()
+            .filter(|t| matches!(t.state, TaskState::Queued | TaskState::Backoff))
+            .map(|t| t.memory_bytes)
+            .min()
+        else {
+            return String::new();
+        };
+        let op = stage.info.spec.operator.as_ref().map_or("", |o| o.name.as_str());
+        let need = Res { memory_bytes, ..stage.needs };
+        let fits_idle = |e: &Executor| {
+            let idle = Executor {
+                free_cpu: e.capacity.cpu_milli,
+                free_memory: e.capacity.memory_bytes,
+                gpus: e.gpus.iter().map(|g| Gpu { address: g.address.clone(), free_milli: MILLI as u32 }).collect(),
+                outbox: Vec::new(),
+                operators: e.operators.clone(),
+                host: String::new(),
+                ..*e
+            };
+            idle.runs(op) && fit_on(&idle, need, stage.info.spec.gpu_optional).is_some()
+        };
+        let live: Vec<&Executor> = self.executors.iter().flatten().collect();
+        if live.iter().any(|e| fits_idle(e)) {
+            return String::new();
+        }
+        let wants = format!(
+            "a task needs {} CPUs, {} bytes of memory and {} GPUs{}",
+            need.cpu_milli as f64 / MILLI as f64,
+            need.memory_bytes,
+            need.gpu_milli as f64 / MILLI as f64,
+            if op.is_empty() { String::new() } else { format!(" and runs operator {op}") }
+        );
+        match live.iter().max_by_key(|e| (e.capacity.cpu_milli, e.capacity.memory_bytes)) {
+            None => format!("no live executor; {wants}"),
+            Some(e) => format!(
+                "no live executor can run one: {wants}; the largest of {} offers {} CPUs, {} bytes and {} GPUs",
+                live.len(),
+                e.capacity.cpu_milli as f64 / MILLI as f64,
+                e.capacity.memory_bytes,
+                e.gpus.len()
+            ),
+        }
     }
 
     /// Jobs in submission order.
@@ -1228,6 +1286,7 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         // Relative to the policy's clock; the server adds its start time.
         started_unix_ms: stage.started_ms,
         finished_unix_ms: stage.finished_ms,
+        blocked: String::new(),
     }
 }
 
@@ -1557,5 +1616,26 @@ mod tests {
         add(&mut p, "optional", "q", 0, vec![s]);
         let a = p.assign(e, 1, 0).pop().unwrap();
         assert_eq!((a.job_id.as_str(), a.gpus.len(), a.granted.unwrap().gpu_milli), ("optional", 0, 0));
+    }
+
+    #[test]
+    fn status_says_why_tasks_no_executor_can_run_wait() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let blocked = |p: &Policy, job: &str| p.job_status(job, true).unwrap().stages[0].blocked.clone();
+        add(&mut p, "gpu", "q", 0, vec![stage("s", 2, MILLI, 500)]);
+        let why = blocked(&p, "gpu");
+        assert!(why.starts_with("no live executor;") && why.contains("0.5 GPUs"), "{why}");
+        let e = executor(&mut p, "h", 4, 0);
+        let why = blocked(&p, "gpu");
+        assert!(why.contains("the largest of 1 offers 4 CPUs") && why.contains("and 0 GPUs"), "{why}");
+        add(&mut p, "wide", "q", 0, vec![stage("s", 1, 8 * MILLI, 0)]);
+        assert!(blocked(&p, "wide").contains("needs 8 CPUs"), "{}", blocked(&p, "wide"));
+        // A busy executor that could run the task when idle is not "blocked": the task just waits.
+        add(&mut p, "fits", "q", 0, vec![stage("s", 8, MILLI, 0)]);
+        assert_eq!(p.assign(e, 100, 0).len(), 4);
+        assert_eq!(blocked(&p, "fits"), "");
+        // A GPU executor joins: the GPU job can now run.
+        executor(&mut p, "g", 4, 1);
+        assert_eq!(blocked(&p, "gpu"), "");
     }
 }

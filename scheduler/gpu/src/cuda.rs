@@ -7,7 +7,7 @@
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::{
@@ -120,7 +120,57 @@ pub(crate) fn compile_kernels() -> Result<nvrtc::Ptx, GpuError> {
     }
 }
 
-/// The sort kernels loaded on one device, and the pinned staging buffer, reused across sorts.
+/// Pinned buffers a device keeps for reuse once dropped: pinning pages costs more than copying
+/// them, so a partition should not pay for it again; two covers the tasks that share a GPU.
+const PINNED_POOL: usize = 2;
+
+/// Page-locked host memory of one device's context, `len` bytes of it in use; see
+/// [`crate::PinnedBuffer`].
+pub(crate) struct PinnedBuffer {
+    /// Always `Some` until dropped, when it goes back to `pool`.
+    slice: Option<PinnedHostSlice<u8>>,
+    /// The slice's memory, taken once (asking the slice for it waits on its event every time).
+    ptr: *mut u8,
+    len: usize,
+    pool: Arc<Mutex<Vec<PinnedHostSlice<u8>>>>,
+}
+
+// SAFETY: `ptr` is the memory `slice` owns, reached only through `&self` / `&mut self`, so the
+// buffer can move between threads as the slice itself can (cudarc declares it Send and Sync).
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` holds at least `len` initialised bytes (zeroed when pinned), alive as long
+        // as `self`; no copy to or from the device is in flight outside `Engine::sort_pinned`,
+        // which holds `&mut self` until its stream is synchronized.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as for `bytes`, and `&mut self` makes this the only view.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let Some(slice) = self.slice.take() else { return };
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(slice);
+        if pool.len() > PINNED_POOL {
+            // Keep the largest; the smallest is unpinned here, in its own context.
+            pool.sort_by_key(|s| std::cmp::Reverse(s.len()));
+            let smallest = pool.pop().expect("more than PINNED_POOL");
+            drop(pool);
+            let _ = smallest.context().bind_to_thread();
+            drop(smallest);
+        }
+    }
+}
+
+/// The sort kernels loaded on one device, and its pool of pinned buffers.
 pub(crate) struct Engine {
     device: String,
     ctx: Arc<CudaContext>,
@@ -130,8 +180,7 @@ pub(crate) struct Engine {
     exclusive_scan: CudaFunction,
     radix_scatter: CudaFunction,
     gather_records: CudaFunction,
-    /// Grown to the largest input seen; its first `bytes` carry each sort's input and output.
-    pinned: Option<PinnedHostSlice<u8>>,
+    pinned_pool: Arc<Mutex<Vec<PinnedHostSlice<u8>>>>,
 }
 
 impl Engine {
@@ -169,7 +218,7 @@ impl Engine {
             radix_scatter: f("radix_scatter")?,
             gather_records: f("gather_records")?,
             ctx,
-            pinned: None,
+            pinned_pool: Arc::default(),
         })
     }
 
@@ -177,21 +226,51 @@ impl Engine {
         &self.device
     }
 
-    /// Sorts whole records (the caller checked the length); see `sort.cu` for the algorithm.
-    pub(crate) fn sort(&mut self, records: &[u8]) -> Result<(Vec<u8>, SortStats), GpuError> {
-        match catch_unwind(AssertUnwindSafe(|| self.sort_inner(records))) {
+    /// A pinned buffer of `len` bytes: the smallest pooled one that is large enough, or a new one.
+    pub(crate) fn pinned_buffer(&self, len: usize) -> Result<PinnedBuffer, GpuError> {
+        let pooled = {
+            let mut pool = self.pinned_pool.lock().unwrap_or_else(|e| e.into_inner());
+            let fits = pool.iter().enumerate().filter(|(_, s)| s.len() >= len).min_by_key(|(_, s)| s.len());
+            fits.map(|(i, _)| i).map(|i| pool.swap_remove(i))
+        };
+        let mut slice = match pooled {
+            Some(slice) => slice,
+            None => {
+                let pinned = catch_unwind(AssertUnwindSafe(|| {
+                    // SAFETY: zeroed below before anything reads it. Plain pinned memory, not
+                    // write-combined: the host reads the sorted records back from it.
+                    unsafe { self.ctx.alloc_pinned_with_flags::<u8>(len.max(1), 0) }
+                }));
+                let mut slice = match pinned {
+                    Ok(r) => r.map_err(driver_err("pinning host memory"))?,
+                    Err(p) => return Err(GpuError::Cuda(format!("pinning host memory: {}", panic_message(p)))),
+                };
+                let ptr = slice.as_mut_ptr().map_err(driver_err("pinning host memory"))?;
+                // SAFETY: the slice owns `slice.len()` bytes at `ptr`; nothing else uses them yet.
+                unsafe { std::ptr::write_bytes(ptr, 0, slice.len()) };
+                slice
+            }
+        };
+        let ptr = slice.as_mut_ptr().map_err(driver_err("waiting for a pinned buffer"))?;
+        Ok(PinnedBuffer { slice: Some(slice), ptr, len, pool: self.pinned_pool.clone() })
+    }
+
+    /// Sorts the whole records in `buf` in place (the caller checked the length); see `sort.cu`
+    /// for the algorithm.
+    pub(crate) fn sort_pinned(&mut self, buf: &mut PinnedBuffer) -> Result<SortStats, GpuError> {
+        match catch_unwind(AssertUnwindSafe(|| self.sort_inner(buf))) {
             Ok(r) => r,
             Err(p) => Err(GpuError::Cuda(format!("the GPU sort failed: {}", panic_message(p)))),
         }
     }
 
-    fn sort_inner(&mut self, records: &[u8]) -> Result<(Vec<u8>, SortStats), GpuError> {
-        let bytes = records.len();
+    fn sort_inner(&mut self, buf: &mut PinnedBuffer) -> Result<SortStats, GpuError> {
+        let bytes = buf.len;
         let n = bytes / RECORD_LEN;
         let mut stats =
             SortStats { records: n as u64, bytes: bytes as u64, device: self.device.clone(), ..SortStats::default() };
         if n == 0 {
-            return Ok((Vec::new(), stats));
+            return Ok(stats);
         }
         let n32 = u32::try_from(n)
             .map_err(|_| GpuError::Input(format!("{n} records is more than one GPU sort can index (2^32 - 1)")))?;
@@ -208,22 +287,11 @@ impl Engine {
         }
         let s = self.stream.clone();
         let err = driver_err;
+        // The records go to the device straight from the pinned buffer and come back into it; the
+        // host touches it only after each copy's stream is synchronized.
+        let staging = buf.bytes_mut();
 
-        // Stage the input through pinned memory, then copy it to the device.
         let t = Instant::now();
-        if self.pinned.as_ref().is_none_or(|p| p.len() < bytes) {
-            self.pinned = None; // free the old buffer before pinning a larger one
-                                // SAFETY: the contents are written before they are read (the copy below). Plain pinned
-                                // memory, not write-combined: the host reads the sorted output back from it.
-            self.pinned =
-                Some(unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes, 0) }.map_err(err("pinning host memory"))?);
-        }
-        let pinned = self.pinned.as_mut().expect("allocated above");
-        let staging = pinned.as_mut_ptr().map_err(err("waiting for the staging buffer"))?;
-        // SAFETY: the buffer holds at least `bytes` bytes, and no copy into or out of it is in
-        // flight: every use below synchronizes the stream before the host touches it again.
-        let staging = unsafe { std::slice::from_raw_parts_mut(staging, bytes) };
-        staging.copy_from_slice(records);
         // SAFETY: device memory is written by the copy before any kernel reads it.
         let mut d_in: CudaSlice<u8> = unsafe { s.alloc(bytes) }.map_err(err("allocating GPU memory"))?;
         {
@@ -326,7 +394,7 @@ impl Engine {
         s.synchronize().map_err(err("sorting on the GPU"))?;
         stats.sort_seconds = t.elapsed().as_secs_f64();
 
-        // Copy the sorted records back through the pinned buffer.
+        // Copy the sorted records back into the pinned buffer.
         let t = Instant::now();
         {
             let (src, _record) = cudarc::driver::DevicePtr::device_ptr(&d_out, &s);
@@ -336,9 +404,8 @@ impl Engine {
                 .map_err(err("copying records from the GPU"))?;
         }
         s.synchronize().map_err(err("copying records from the GPU"))?;
-        let out = staging.to_vec();
         stats.d2h_seconds = t.elapsed().as_secs_f64();
-        Ok((out, stats))
+        Ok(stats)
     }
 }
 

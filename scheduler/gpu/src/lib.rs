@@ -3,9 +3,9 @@
 //! * [`discovery`]: an executor's GPU [`Inventory`], from `--gpus N` ([`declared`]), from a discovery
 //!   script printing Spark's `{"name":"gpu","addresses":[...]}` ([`from_discovery_script`]), or
 //!   from the CUDA driver ([`detect`]); [`resolve`] applies that order of precedence.
-//! * [`sort`]: [`GpuSorter`] sorts 100-byte records by their 10-byte keys on one GPU, staging them
-//!   through pinned host memory, with a radix-sort kernel compiled at run time by NVRTC
-//!   (`src/sort.cu`). Its output is byte-identical to the CPU sort's.
+//! * [`sort`]: [`GpuSorter`] sorts 100-byte records by their 10-byte keys on one GPU, in place in a
+//!   [`PinnedBuffer`] (page-locked host memory the caller fills), with a radix-sort kernel compiled
+//!   at run time by NVRTC (`src/sort.cu`). Its output is byte-identical to the CPU sort's.
 //!
 //! The CUDA path is the `cuda` cargo feature (on by default). cudarc loads the driver and NVRTC
 //! libraries at run time, so the crate builds with no CUDA toolkit installed; with no driver, no
@@ -19,7 +19,7 @@ pub mod sort;
 mod cuda;
 
 pub use discovery::{declared, detect, from_discovery_script, from_discovery_script_with_timeout, resolve};
-pub use sort::{GpuError, GpuSorter, SortStats};
+pub use sort::{GpuError, GpuSorter, PinnedBuffer, SortStats};
 
 use std::path::PathBuf;
 

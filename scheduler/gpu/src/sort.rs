@@ -2,10 +2,10 @@
 //!
 //! [`GpuSorter::sort`] orders 100-byte records by the `memcmp` order of their 10-byte keys, records
 //! with equal keys in input order: byte for byte what the CPU sort (`tern_bench::terasort::
-//! sort_records`) produces. The input is copied into pinned host memory (kept for the next sort),
-//! copied to the device, sorted there by an LSD radix sort over the key bytes (`src/sort.cu`,
-//! compiled at run time by NVRTC), permuted on the device, and copied back through the same pinned
-//! buffer.
+//! sort_records`) produces. The records sit in a [`PinnedBuffer`] (page-locked host memory that a
+//! reduce fills straight from its shuffle reader), are copied to the device, sorted there by an
+//! LSD radix sort over the key bytes (`src/sort.cu`, compiled at run time by NVRTC), permuted on the
+//! device, and copied back into the same pinned buffer, from which the output is written.
 
 use serde::Serialize;
 
@@ -34,18 +34,56 @@ pub enum GpuError {
 pub struct SortStats {
     pub records: u64,
     pub bytes: u64,
-    /// Copying the input into pinned memory and from there to the device.
+    /// Copying the records from pinned memory to the device.
     pub h2d_seconds: f64,
     /// Sorting the keys and permuting the records on the device.
     pub sort_seconds: f64,
-    /// Copying the sorted records to pinned memory and from there into the returned buffer.
+    /// Copying the sorted records back into pinned memory.
     pub d2h_seconds: f64,
     /// The device's name and address, e.g. "NVIDIA H100 80GB HBM3 (GPU 0)".
     pub device: String,
 }
 
-/// One GPU, ready to sort: the kernels compiled and loaded, a stream, and a pinned staging buffer
-/// reused across sorts. Open one per task (or keep one per executor thread); it is `Send`.
+/// Page-locked ("pinned") host memory of one GPU, as long as asked for: the device copies to and
+/// from it at full speed, with no staging copy. A reduce reads its partition into it, sorts it in
+/// place ([`GpuSorter::sort_pinned`]) and writes its output from it (it is `AsRef<[u8]>`, so
+/// `Bytes::from_owner` sends it without a copy). Dropped, it goes back to its sorter's pool for
+/// the next partition, since pinning pages costs more than copying them.
+pub struct PinnedBuffer {
+    #[cfg(feature = "cuda")]
+    inner: crate::cuda::PinnedBuffer,
+    #[cfg(not(feature = "cuda"))]
+    never: std::convert::Infallible,
+}
+
+impl AsRef<[u8]> for PinnedBuffer {
+    fn as_ref(&self) -> &[u8] {
+        #[cfg(feature = "cuda")]
+        {
+            self.inner.bytes()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            match self.never {}
+        }
+    }
+}
+
+impl AsMut<[u8]> for PinnedBuffer {
+    fn as_mut(&mut self) -> &mut [u8] {
+        #[cfg(feature = "cuda")]
+        {
+            self.inner.bytes_mut()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            match self.never {}
+        }
+    }
+}
+
+/// One GPU, ready to sort: the kernels compiled and loaded, a stream, and a pool of pinned
+/// buffers reused across sorts. Open one per task (or keep one per executor thread); it is `Send`.
 pub struct GpuSorter {
     #[cfg(feature = "cuda")]
     engine: crate::cuda::Engine,
@@ -81,24 +119,56 @@ impl GpuSorter {
         }
     }
 
-    /// Returns `records` sorted by key (equal keys in input order), and what the sort took.
-    /// `records` must be whole 100-byte records, fewer than 2^32 of them.
-    pub fn sort(&mut self, records: &[u8]) -> Result<(Vec<u8>, SortStats), GpuError> {
-        if !records.len().is_multiple_of(RECORD_LEN) {
-            return Err(GpuError::Input(format!(
-                "input is not whole records: {} bytes after {} records",
-                records.len() % RECORD_LEN,
-                records.len() / RECORD_LEN
-            )));
-        }
+    /// A pinned buffer of `len` bytes of this GPU (zeroed when first pinned; a reused one holds
+    /// what it held before). Fails with [`GpuError::OutOfMemory`] when the host cannot pin that
+    /// much.
+    pub fn pinned_buffer(&self, len: usize) -> Result<PinnedBuffer, GpuError> {
         #[cfg(feature = "cuda")]
         {
-            self.engine.sort(records)
+            Ok(PinnedBuffer { inner: self.engine.pinned_buffer(len)? })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = len;
+            match self.never {}
+        }
+    }
+
+    /// Sorts the records in `buf` by key in place (equal keys in input order) and says what the
+    /// sort took. `buf` must hold whole 100-byte records, fewer than 2^32 of them, and come from
+    /// this sorter's [`GpuSorter::pinned_buffer`].
+    pub fn sort_pinned(&mut self, buf: &mut PinnedBuffer) -> Result<SortStats, GpuError> {
+        check_records(buf.as_ref())?;
+        #[cfg(feature = "cuda")]
+        {
+            self.engine.sort_pinned(&mut buf.inner)
         }
         #[cfg(not(feature = "cuda"))]
         {
             match self.never {}
         }
+    }
+
+    /// Returns `records` sorted by key (equal keys in input order), and what the sort took: a
+    /// copy into a pinned buffer, [`GpuSorter::sort_pinned`], and a copy out.
+    pub fn sort(&mut self, records: &[u8]) -> Result<(Vec<u8>, SortStats), GpuError> {
+        check_records(records)?;
+        let mut buf = self.pinned_buffer(records.len())?;
+        buf.as_mut().copy_from_slice(records);
+        let stats = self.sort_pinned(&mut buf)?;
+        Ok((buf.as_ref().to_vec(), stats))
+    }
+}
+
+fn check_records(records: &[u8]) -> Result<(), GpuError> {
+    if records.len().is_multiple_of(RECORD_LEN) {
+        Ok(())
+    } else {
+        Err(GpuError::Input(format!(
+            "input is not whole records: {} bytes after {} records",
+            records.len() % RECORD_LEN,
+            records.len() / RECORD_LEN
+        )))
     }
 }
 
@@ -180,6 +250,14 @@ mod tests {
                 assert!(gpu == cpu, "GPU and CPU sorts differ for {n} records");
                 assert_eq!((stats.records, stats.bytes), (n as u64, input.len() as u64));
                 assert!(stats.device.contains(&dev.address));
+                // In place in a pinned buffer (pooled: later sizes reuse earlier buffers), as the
+                // GPU reduce does.
+                let mut pinned = sorter.pinned_buffer(input.len()).unwrap();
+                pinned.as_mut().copy_from_slice(&input);
+                let in_place = sorter.sort_pinned(&mut pinned).unwrap();
+                assert!(pinned.as_ref() == cpu.as_slice(), "the in-place sort differs for {n} records");
+                assert_eq!(in_place.records, n as u64);
+                drop(pinned);
                 if n >= 100_000 {
                     println!(
                         "{n} records on {}: h2d {:.1} ms, sort {:.1} ms, d2h {:.1} ms",
