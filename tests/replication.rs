@@ -20,7 +20,7 @@ async fn two_copies_read_back_after_a_server_is_killed_and_one_copy_is_lost() {
     let mut replicated = Vec::new();
     for i in 0..4 {
         let path = format!("/two/f{i}");
-        let data = random_bytes((3 << 20) + 1000 * i);
+        let data = random_bytes((3 << 20) + 1000 * (i + 1));
         client.put_with_options(&path, Bytes::from(data.clone()), TWO).await.unwrap();
         let (info, blocks) = client.stat_with_blocks(&path, true).await.unwrap();
         assert_eq!((info.replicas, info.block_count, blocks.len()), (2, 4, 8), "{path}");

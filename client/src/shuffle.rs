@@ -423,10 +423,12 @@ fn copies(segment: &Segment) -> Vec<(u64, String, String)> {
 /// not have stored the batch and only a new attempt keeps the output exactly-once.
 async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result<u32> {
     let mut segment = shuffle.current_segment(partition);
+    let mut why_moved = String::new();
     for _ in 0..=PUSH_ADVANCES {
         // A lost segment takes no pushes; nor does one that lost a copy: its successor has all
         // its copies on live servers, so new output stays replicated.
         if segment.lost || segment.replica_lost {
+            why_moved = format!("segment {} lost a copy", segment.index);
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
@@ -448,6 +450,7 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         }
         if let Some(e) = unreachable {
             tracing::debug!("{e}; moving on to a new segment");
+            why_moved = e.to_string();
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
@@ -459,6 +462,7 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
             tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
+            why_moved = format!("segment {index} is full");
             segment = shuffle.advance(partition, index).await?;
             continue;
         }
@@ -471,7 +475,9 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         }
         return Ok(index);
     }
-    Err(Error::new(ErrorKind::OutOfSpace, format!("no segment took the batch after {PUSH_ADVANCES} moves")))
+    // The last reason decides the kind: full servers are OutOfSpace, unreachable ones Unavailable.
+    let kind = if why_moved.ends_with("is full") { ErrorKind::OutOfSpace } else { ErrorKind::Unavailable };
+    Err(Error::new(kind, format!("no segment took the batch after {PUSH_ADVANCES} moves (last: {why_moved})")))
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.
