@@ -34,7 +34,7 @@ impl FileReader {
         block_size: u32,
     ) -> Result<FileReader> {
         let replicas = info.replicas.max(1) as usize;
-        if blocks.len() % replicas != 0 {
+        if !blocks.len().is_multiple_of(replicas) {
             return Err(Error::new(
                 ErrorKind::Internal,
                 format!("open {}: {} block locations for {replicas} copies of each block", info.path, blocks.len()),

@@ -149,7 +149,7 @@ impl FileWriter {
     async fn next_copies(&mut self) -> Result<Vec<BlockLocation>> {
         if self.spare.is_empty() {
             let reply = self.allocate().await?;
-            if reply.blocks.len() % self.replicas != 0 {
+            if !reply.blocks.len().is_multiple_of(self.replicas) {
                 return Err(Error::new(
                     ErrorKind::Internal,
                     format!(

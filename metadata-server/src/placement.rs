@@ -43,6 +43,10 @@ pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
     name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
 }
 
+/// A server placement may choose for a block: (not on the client's host, blocks of the tier in
+/// use, server id, the tier's capacity); the smallest is the best.
+type Candidate = (bool, u64, u64, u64);
+
 /// One entry of a server's free queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Free {
@@ -568,7 +572,7 @@ impl Servers {
         }
         // Plan first, then apply: a refusal leaves no trace. One heap of candidates per tier,
         // ordered by (remote, used); a block's later copies skip the servers its earlier copies took.
-        let mut heaps: Vec<(Tier, BinaryHeap<Reverse<(bool, u64, u64, u64)>>)> = free
+        let mut heaps: Vec<(Tier, BinaryHeap<Reverse<Candidate>>)> = free
             .iter()
             .map(|&(tier, _)| {
                 let mut candidates = BinaryHeap::new();
