@@ -417,7 +417,9 @@ impl Shuffles {
         req: &AdvanceSegmentRequest,
         servers: &mut Servers,
     ) -> Result<(AdvanceSegmentResponse, Option<Copies>), Refusal> {
-        let room = self.check_room_for_segments(1);
+        // Every copy of the new segment counts against the bound.
+        let replicas = self.shuffles.get(&req.shuffle_id).map_or(1, |s| s.replicas);
+        let room = self.check_room_for_segments(u64::from(replicas));
         let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
         let partitions = shuffle.partitions.len();
         let partition = shuffle
