@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tern_client::{Client, EntryKind, ErrorKind, StorageClass, Tier};
+use tern_client::{Client, CreateOptions, EntryKind, ErrorKind, StorageClass, Tier};
 
 use crate::cli::MetadataAddr;
 use crate::show;
@@ -31,6 +31,10 @@ enum FsCommand {
         /// Storage class: dram, nvme, or any (DRAM first, NVMe when no server has DRAM room).
         #[arg(long, default_value = "any")]
         class: StorageClass,
+        /// Copies of each block, each on a different storage server (1 or 2). With 2, reads fail
+        /// over to the other copy, and the upload needs 2 live servers.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=tern_proto::MAX_REPLICAS as i64))]
+        replicas: u32,
         /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
         #[arg(long)]
         json: bool,
@@ -88,7 +92,9 @@ const LOCAL_WRITERS: usize = 2;
 pub async fn run(args: FsArgs) -> anyhow::Result<()> {
     let client = args.metadata.connect().await?;
     match args.command {
-        FsCommand::Put { local, remote, class, json } => put(&client, &local, &remote, class, json).await,
+        FsCommand::Put { local, remote, class, replicas, json } => {
+            put(&client, &local, &remote, CreateOptions { class, replicas }, json).await
+        }
         FsCommand::Get { remote, local, json } => get(&client, &remote, &local, json).await,
         FsCommand::Cat { remote } => get(&client, &remote, Path::new("-"), false).await,
         FsCommand::Ls { path, long, json } => ls(&client, &path, long, json).await,
@@ -102,7 +108,7 @@ pub async fn run(args: FsArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn put(client: &Client, local: &Path, remote: &str, class: StorageClass, json: bool) -> anyhow::Result<()> {
+async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions, json: bool) -> anyhow::Result<()> {
     let name = local.file_name().and_then(|n| n.to_str()).filter(|_| local != Path::new("-"));
     let remote = match name {
         Some(name) if remote_is_dir(client, remote).await? => format!("{}/{name}", remote.trim_end_matches('/')),
@@ -114,7 +120,7 @@ async fn put(client: &Client, local: &Path, remote: &str, class: StorageClass, j
         report("put", &remote, 0, started, json);
         return Ok(());
     }
-    let mut writer = client.create_with_class(&remote, true, class).await?;
+    let mut writer = client.create_with_options(&remote, true, options).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
     if let Some(whole) = map_local(local)? {
         // A regular file goes out straight from the page cache: the writer slices blocks off
@@ -337,7 +343,18 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
     let (info, blocks) = client.stat_with_blocks(path, true).await?;
     if json {
         let mut value = show::file_json(&info);
-        value["blocks"] = blocks.iter().map(|(b, alive)| show::block_json(b, *alive)).collect();
+        let replicas = info.replicas.max(1) as usize;
+        // Grouped by block: `index` is the block's place in the file, `copy` which of its copies.
+        value["blocks"] = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, (b, alive))| {
+                let mut block = show::block_json(b, *alive);
+                block["index"] = json!(i / replicas);
+                block["copy"] = json!(i % replicas);
+                block
+            })
+            .collect();
         println!("{value}");
         return Ok(());
     }
@@ -348,17 +365,24 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
         println!("file id:  {}", info.file_id);
         println!("blocks:   {}", info.block_count);
         println!("class:    {}", info.storage_class);
+        println!("replicas: {}", info.replicas.max(1));
     }
     println!("created:  {} UTC", show::utc_time(info.created_unix_ms));
     if !info.job.is_empty() {
         println!("job:      {}", info.job);
     }
     if !blocks.is_empty() {
-        println!("{:>20} {:<5} {:>7} {:<22} {:>10} STATE", "BLOCK", "TIER", "SERVER", "ADDRESS", "LENGTH");
-        for (block, alive) in &blocks {
+        let replicas = info.replicas.max(1) as usize;
+        println!(
+            "{:>7} {:>20} {:<5} {:>7} {:<22} {:>10} STATE",
+            "INDEX", "BLOCK", "TIER", "SERVER", "ADDRESS", "LENGTH"
+        );
+        for (i, (block, alive)) in blocks.iter().enumerate() {
             let state = if *alive { "ok" } else { "lost" };
+            // Copies of one block share its index: "3" alone, or "3.0", "3.1" with 2 replicas.
+            let index = if replicas == 1 { format!("{i}") } else { format!("{}.{}", i / replicas, i % replicas) };
             println!(
-                "{:>20} {:<5} {:>7} {:<22} {:>10} {state}",
+                "{index:>7} {:>20} {:<5} {:>7} {:<22} {:>10} {state}",
                 block.block_id,
                 Tier::of_block(block.block_id),
                 block.server_id,

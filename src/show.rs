@@ -28,6 +28,7 @@ pub fn file_json(info: &FileInfo) -> Value {
         "created_unix_ms": info.created_unix_ms,
         "job": info.job,
         "storage_class": info.storage_class,
+        "replicas": info.replicas,
     })
 }
 

@@ -98,7 +98,15 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
     let input = work.path().join("input");
     let records = options.size_bytes / RECORD_LEN as u64;
     let parts = terasort_run::default_tasks(options.size_bytes);
-    let generated = terasort_run::teragen(None, records, parts, &Location::Local(input.clone()), &progress).await?;
+    let generated = terasort_run::teragen(
+        None,
+        records,
+        parts,
+        &Location::Local(input.clone()),
+        tern_client::CreateOptions::default(),
+        &progress,
+    )
+    .await?;
     // Enough DRAM for the shuffle (compressed, well under the input) on two servers.
     let dram = format!("{}MiB", ((options.size_bytes >> 20) + 256).max(512));
     let cluster = EmbeddedCluster::start(&options.tern, 2, &dram).await?;

@@ -54,6 +54,11 @@ pub struct TerasortArgs {
     /// Reduce tasks [default: one per 256 MiB, at least 2].
     #[arg(long)]
     reduces: Option<usize>,
+    /// Copies of the input, the shuffle and the output (1 or 2), each on a different storage
+    /// server: with 2, a storage server lost mid-job costs no recomputation; with 1, the maps
+    /// whose output was lost are recomputed.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=tern_proto::MAX_REPLICAS as i64))]
+    replicas: u32,
     /// Print one JSON object instead of progress and a table.
     #[arg(long)]
     json: bool,
@@ -68,7 +73,15 @@ pub async fn teragen(args: TeragenArgs) -> anyhow::Result<()> {
     let records = args.size.bytes() / RECORD_LEN as u64;
     let parts = args.parts.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes()));
     let out = terasort_run::location(&args.out, args.local);
-    let summary = terasort_run::teragen(client.as_ref(), records, parts, &out, &MultiProgress::new()).await?;
+    let summary = terasort_run::teragen(
+        client.as_ref(),
+        records,
+        parts,
+        &out,
+        tern_client::CreateOptions::default(),
+        &MultiProgress::new(),
+    )
+    .await?;
     println!("Records: {}", summary.records);
     println!("Checksum: {:x}", summary.checksum);
     Ok(())
@@ -113,6 +126,7 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         reduces: args.reduces.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes())),
         tern: std::env::current_exe()?,
         progress: !args.json,
+        replicas: args.replicas,
     };
     let report = terasort_run::terasort(&options).await?;
     if args.json {
@@ -131,6 +145,10 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         println!("  reduce    {:>8.2} s", phases.reduce);
         println!("  validate  {:>8.2} s", phases.validate);
         println!("  total     {:>8.2} s", report.total_seconds);
+        println!(
+            "replicas: {}  maps recomputed: {}  task retries: {}",
+            report.replicas, report.maps_recomputed, report.task_retries
+        );
         println!(
             "sort rate: {:.0} MB/s ({:.2} GB/min), map and reduce phases",
             report.sort_mb_per_s,

@@ -658,6 +658,7 @@ impl TernTarget {
                         parents: true,
                         sealed: false,
                         storage_class: self.class.to_string(),
+                        replicas: 1,
                     })
                     .await?
                     .into_inner()

@@ -6,6 +6,7 @@
 //! write one output part. Output part i holds keys below those of part i+1, so the parts in
 //! order are the sorted data, which validation checks as valsort would.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +15,7 @@ use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tern_client::{Client, CommitOutcome, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
+use tern_client::{Client, CommitOutcome, CreateOptions, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
 use tokio::sync::Semaphore;
 
 use crate::cluster::EmbeddedCluster;
@@ -30,6 +31,12 @@ const MAP_CHUNK_BYTES: usize = 4 << 20;
 /// Records per shuffle write: a batch closes when the next write would not fit, so with 64 KB
 /// writes a 1 MiB batch is at least 94% full.
 const WRITE_RECORDS: usize = 655;
+/// Attempts of one map or reduce task (a failure after a storage server died is retried) before
+/// the job fails; retries back off from 250 ms to 2 s, about 10 s in all: longer than the
+/// metadata server takes to declare a silent server dead (5 s by default).
+const TASK_ATTEMPTS: u32 = 8;
+const RETRY_BACKOFF_START: Duration = Duration::from_millis(250);
+const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Where a dataset lives: a directory in the store, or on local disk.
 #[derive(Debug, Clone)]
@@ -53,6 +60,15 @@ where
     F: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
     T: Send + 'static,
 {
+    run_all_settled(what, tasks).await.into_iter().collect()
+}
+
+/// As [`run_all`], but every task runs to its end whatever the others do: each one's result.
+async fn run_all_settled<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> Vec<anyhow::Result<T>>
+where
+    F: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let limit = Arc::new(Semaphore::new(cores));
     let handles: Vec<_> = tasks
@@ -67,9 +83,9 @@ where
         .collect();
     let mut results = Vec::with_capacity(handles.len());
     for handle in handles {
-        results.push(handle.await.with_context(|| format!("{what} task"))??);
+        results.push(handle.await.with_context(|| format!("{what} task")).and_then(|r| r));
     }
-    Ok(results)
+    results
 }
 
 fn part_name(i: usize) -> String {
@@ -105,6 +121,7 @@ pub async fn teragen(
     records: u64,
     parts: usize,
     out: &Location,
+    create: CreateOptions,
     progress: &MultiProgress,
 ) -> anyhow::Result<Summary> {
     let bar = bar(progress, records * RECORD_LEN as u64, "teragen");
@@ -114,7 +131,7 @@ pub async fn teragen(
     }
     let tasks = split_records(records, parts).into_iter().enumerate().map(|(i, (first, count))| {
         let (client, target, bar) = (client.cloned(), out.part(i), bar.clone());
-        async move { generate_part(client.as_ref(), first, count, &target, 0, &bar).await }
+        async move { generate_part_with(client.as_ref(), first, count, &target, 0, &bar, create).await }
     });
     let summary = run_all("teragen", tasks).await?.iter().fold(Summary::default(), |all, part| all.merge(part));
     bar.finish();
@@ -135,13 +152,28 @@ pub async fn generate_part(
     attempt: u32,
     bar: &ProgressBar,
 ) -> anyhow::Result<Summary> {
+    generate_part_with(client, first, count, target, attempt, bar, CreateOptions::default()).await
+}
+
+/// [`generate_part`], a part in the store stored as `create` says (e.g. 2 replicas).
+pub async fn generate_part_with(
+    client: Option<&Client>,
+    first: u64,
+    count: u64,
+    target: &Location,
+    attempt: u32,
+    bar: &ProgressBar,
+    create: CreateOptions,
+) -> anyhow::Result<Summary> {
     enum Sink {
         Store(tern_client::FileWriter),
         Local(std::io::BufWriter<std::fs::File>),
     }
     let scratch = attempt_location(target, attempt);
     let mut sink = match &scratch {
-        Location::Store(path) => Sink::Store(client.context("store output needs a client")?.create(path, true).await?),
+        Location::Store(path) => {
+            Sink::Store(client.context("store output needs a client")?.create_with_options(path, true, create).await?)
+        }
         Location::Local(path) => Sink::Local(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
         )),
@@ -311,6 +343,9 @@ pub struct TerasortOptions {
     pub tern: PathBuf,
     /// Show progress bars.
     pub progress: bool,
+    /// Copies of the input and output parts' blocks and of the shuffle's segments (1 or 2). With
+    /// 2, a storage server lost mid-job costs no recomputation.
+    pub replicas: u32,
 }
 
 /// Seconds per phase.
@@ -337,6 +372,12 @@ pub struct TerasortReport {
     pub total_seconds: f64,
     /// Bytes sorted per second over the map and reduce phases (teragen and validation excluded).
     pub sort_mb_per_s: f64,
+    /// Copies of the data, as asked.
+    pub replicas: u32,
+    /// Maps run again because their committed output lost every copy (a storage server died).
+    pub maps_recomputed: usize,
+    /// Map and reduce attempts that failed and were retried.
+    pub task_retries: usize,
 }
 
 impl TerasortReport {
@@ -348,7 +389,8 @@ impl TerasortReport {
 
 /// Each storage server's DRAM tier when terasort starts its own cluster: room for the input and
 /// the shuffle, or the shuffle and the output, with a margin for partly filled blocks.
-fn embedded_dram_per_server(size_bytes: u64) -> String {
+fn embedded_dram_per_server(size_bytes: u64, replicas: u32) -> String {
+    let size_bytes = size_bytes * u64::from(replicas.max(1));
     let per_server = (size_bytes + size_bytes / 4).max(256 << 20).div_ceil(1 << 20);
     format!("{per_server}MiB")
 }
@@ -361,7 +403,10 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
     }
     let embedded = match &options.metadata {
         Some(_) => None,
-        None => Some(EmbeddedCluster::start(&options.tern, 2, &embedded_dram_per_server(options.size_bytes)).await?),
+        None => Some(
+            EmbeddedCluster::start(&options.tern, 2, &embedded_dram_per_server(options.size_bytes, options.replicas))
+                .await?,
+        ),
     };
     let metadata = options
         .metadata
@@ -383,8 +428,11 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
     };
 
+    let create = CreateOptions { replicas: options.replicas, ..CreateOptions::default() };
+    let say = |line: String| progress.suspend(|| eprintln!("terasort: {line}"));
+
     let phase = Instant::now();
-    let input_summary = teragen(Some(&client), records, options.maps, &input, &progress).await?;
+    let input_summary = teragen(Some(&client), records, options.maps, &input, create, &progress).await?;
     let teragen_seconds = phase.elapsed().as_secs_f64();
 
     let phase = Instant::now();
@@ -392,20 +440,40 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         .register_shuffle(
             job.id(),
             options.reduces as u32,
-            ShuffleOptions { maps: options.maps as u32, ..Default::default() },
+            ShuffleOptions { maps: options.maps as u32, replicas: options.replicas, ..Default::default() },
         )
         .await?;
-    run_maps(&client, &shuffle, &input, options.maps, records * RECORD_LEN as u64, &progress).await?;
-    // The input is no longer needed: give its memory to the output.
-    if let Location::Store(dir) = &input {
-        client.delete(dir, true).await?;
-    }
+    say(format!("map phase: {} maps, shuffle {} with {} copies", options.maps, shuffle.id(), options.replicas));
+    let Location::Store(input_dir) = &input else { bail!("map input must be in the store") };
+    let maps = Maps {
+        client: client.clone(),
+        shuffle: shuffle.clone(),
+        input: input_dir.clone(),
+        recompute: format!("{}/recompute", job.root()),
+        splits: split_records(records, options.maps),
+        create,
+        next_attempt: Arc::new(std::sync::Mutex::new(vec![0; options.maps])),
+        retries: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        say: {
+            let progress = progress.clone();
+            Arc::new(move |line: String| progress.suspend(|| eprintln!("terasort: {line}")))
+        },
+    };
+    let bytes = records * RECORD_LEN as u64;
+    maps.run(&(0..options.maps as u32).collect::<Vec<_>>(), bar(&progress, bytes, "map")).await?;
+    // The input is no longer needed: give its memory to the output. A map recomputed later
+    // regenerates its part (gensort records are a function of their numbers alone).
+    client.delete(input_dir, true).await?;
     let map_seconds = phase.elapsed().as_secs_f64();
 
     let phase = Instant::now();
-    run_reduces(&client, &shuffle, &output, options.reduces, records * RECORD_LEN as u64, &progress).await?;
+    say(format!("reduce phase: {} reduces", options.reduces));
+    let recomputed = run_reduces(&maps, &output, options.reduces, bytes, &progress).await?;
     shuffle.unregister().await?;
     let reduce_seconds = phase.elapsed().as_secs_f64();
+    if !recomputed.is_empty() {
+        say(format!("recomputed {} maps whose output was lost: {recomputed:?}", recomputed.len()));
+    }
 
     let phase = Instant::now();
     let output_summary = teravalidate(Some(&client), &output, &progress).await?;
@@ -431,33 +499,88 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         },
         total_seconds: started.elapsed().as_secs_f64(),
         sort_mb_per_s: bytes as f64 / (map_seconds + reduce_seconds) / 1e6,
+        replicas: options.replicas,
+        maps_recomputed: recomputed.len(),
+        task_retries: maps.retries.load(std::sync::atomic::Ordering::Relaxed),
     })
 }
 
-/// Runs the map tasks, two at a time (one per core).
-async fn run_maps(
-    client: &Client,
-    shuffle: &Shuffle,
-    input: &Location,
-    maps: usize,
-    bytes: u64,
-    progress: &MultiProgress,
-) -> anyhow::Result<()> {
-    let bar = bar(progress, bytes, "map");
-    let Location::Store(dir) = input else { bail!("map input must be in the store") };
-    let tasks = (0..maps).map(|map| {
-        let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, map));
-        async move {
-            let outcome = map_part(&client, &shuffle, map as u32, 0, &[path], &bar).await?;
-            if !outcome.committed {
-                bail!("map {map}: attempt 0 lost its commit to attempt {}", outcome.winning_attempt);
+/// What map tasks need, to run the first time or again: each map's input is the gensort records
+/// `splits[map]`, in part `map` of `input` or, once that is gone, regenerated under `recompute`.
+#[derive(Clone)]
+struct Maps {
+    client: Client,
+    shuffle: Shuffle,
+    input: String,
+    recompute: String,
+    splits: Vec<(u64, u64)>,
+    create: CreateOptions,
+    /// Per map, the attempt number its next attempt takes (attempts are never reused, so a
+    /// dead attempt's batches are never mistaken for a new one's).
+    next_attempt: Arc<std::sync::Mutex<Vec<u32>>>,
+    retries: Arc<std::sync::atomic::AtomicUsize>,
+    say: Arc<dyn Fn(String) + Send + Sync>,
+}
+
+impl Maps {
+    /// Runs the maps `which`, as many at once as there are cores, each retried (with a new
+    /// attempt) until it commits or runs out of attempts.
+    async fn run(&self, which: &[u32], bar: ProgressBar) -> anyhow::Result<()> {
+        let tasks = which.iter().map(|&map| {
+            let (maps, bar) = (self.clone(), bar.clone());
+            async move { maps.run_one(map, &bar).await }
+        });
+        run_all("map", tasks).await?;
+        bar.finish();
+        Ok(())
+    }
+
+    async fn run_one(&self, map: u32, bar: &ProgressBar) -> anyhow::Result<()> {
+        let mut backoff = RETRY_BACKOFF_START;
+        for tries in 1..=TASK_ATTEMPTS {
+            let attempt = {
+                let mut next = self.next_attempt.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                next[map as usize] += 1;
+                next[map as usize] - 1
+            };
+            match self.attempt(map, attempt, bar).await {
+                // Another attempt's commit won (a retry after a lost reply): the map's output is there.
+                Ok(_) => {
+                    (self.say)(format!("map {map} committed (attempt {attempt})"));
+                    return Ok(());
+                }
+                Err(e) if tries < TASK_ATTEMPTS => {
+                    (self.say)(format!("map {map} attempt {attempt} failed, retrying in {backoff:?}: {e:#}"));
+                    self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+                }
+                Err(e) => return Err(e.context(format!("map {map}: {TASK_ATTEMPTS} attempts failed"))),
             }
-            Ok(())
         }
-    });
-    run_all("map", tasks).await?;
-    bar.finish();
-    Ok(())
+        unreachable!("the last attempt returns")
+    }
+
+    /// One attempt: the first reads the input part; later ones regenerate it first, since it may
+    /// have been lost with a storage server or deleted after the map phase.
+    async fn attempt(&self, map: u32, attempt: u32, bar: &ProgressBar) -> anyhow::Result<CommitOutcome> {
+        let path = if attempt == 0 {
+            store_part(&self.input, map as usize)
+        } else {
+            let (first, count) = self.splits[map as usize];
+            let path = format!("{}/part-{map:05}.attempt-{attempt}", self.recompute);
+            let hidden = ProgressBar::hidden();
+            let target = Location::Store(path.clone());
+            generate_part_with(Some(&self.client), first, count, &target, 0, &hidden, self.create).await?;
+            path
+        };
+        let shown = if attempt == 0 { bar.clone() } else { ProgressBar::hidden() };
+        let outcome = map_part(&self.client, &self.shuffle, map, attempt, std::slice::from_ref(&path), &shown).await;
+        if attempt > 0 {
+            let _ = self.client.delete(&path, false).await;
+        }
+        outcome
+    }
 }
 
 /// One map attempt: read the input parts at `paths`, bucket records by reduce partition, push,
@@ -521,32 +644,66 @@ fn bucket(records: &[u8], partitioner: &RangePartitioner) -> Vec<Vec<u8>> {
     buckets
 }
 
-/// Runs the reduce tasks, two at a time.
+/// Runs the reduce tasks, as many at once as there are cores. A reduce that fails is run again
+/// with a new attempt; when the shuffle has lost maps (every copy of some committed output is
+/// gone with its storage server), exactly those maps are invalidated and recomputed first.
+/// Returns the maps recomputed.
 async fn run_reduces(
-    client: &Client,
-    shuffle: &Shuffle,
+    maps: &Maps,
     output: &Location,
     reduces: usize,
     bytes: u64,
     progress: &MultiProgress,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<BTreeSet<u32>> {
     let bar = bar(progress, bytes, "reduce");
-    if let Location::Store(dir) = output {
-        client.mkdir(dir, true).await?;
-    }
     let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
-    let tasks = (0..reduces).map(|reduce| {
-        let (client, shuffle, bar, path) = (client.clone(), shuffle.clone(), bar.clone(), store_part(dir, reduce));
-        async move {
-            let records = read_partition(&shuffle, reduce as u32, None).await?;
-            let sorted = sort_partition(records).await?;
-            bar.inc(sorted.len() as u64);
-            write_part(&client, &path, 0, Bytes::from(sorted)).await
+    maps.client.mkdir(dir, true).await?;
+    let mut recomputed = BTreeSet::new();
+    let mut todo: Vec<usize> = (0..reduces).collect();
+    let mut backoff = RETRY_BACKOFF_START;
+    for attempt in 0..TASK_ATTEMPTS {
+        let tasks = todo.iter().map(|&reduce| {
+            let (client, shuffle, bar, path) =
+                (maps.client.clone(), maps.shuffle.clone(), bar.clone(), store_part(dir, reduce));
+            let create = maps.create;
+            async move {
+                let records = read_partition(&shuffle, reduce as u32, None).await?;
+                let sorted = sort_partition(records).await?;
+                let len = sorted.len() as u64;
+                write_part_with(&client, &path, attempt, Bytes::from(sorted), create).await?;
+                bar.inc(len);
+                Ok(())
+            }
+        });
+        let results = run_all_settled("reduce", tasks).await;
+        let failed: Vec<(usize, anyhow::Error)> =
+            todo.iter().zip(results).filter_map(|(&reduce, result)| result.err().map(|e| (reduce, e))).collect();
+        let Some((reduce, error)) = failed.first() else {
+            bar.finish();
+            return Ok(recomputed);
+        };
+        if attempt + 1 == TASK_ATTEMPTS {
+            return Err(
+                anyhow::anyhow!("{error:#}").context(format!("reduce {reduce}: {TASK_ATTEMPTS} attempts failed"))
+            );
         }
-    });
-    run_all("reduce", tasks).await?;
-    bar.finish();
-    Ok(())
+        maps.retries.fetch_add(failed.len(), std::sync::atomic::Ordering::Relaxed);
+        (maps.say)(format!("{} reduces failed (reduce {reduce}: {error:#})", failed.len()));
+        let lost = maps.shuffle.lost_maps(0..maps.shuffle.partitions(), 0..u32::MAX).await?;
+        if lost.is_empty() {
+            // Nothing the metadata server knows to be lost: a server may be dying but not yet
+            // declared dead. Wait, then try again.
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+        } else {
+            (maps.say)(format!("maps {lost:?} lost their output; recomputing them"));
+            maps.shuffle.invalidate_maps(&lost).await?;
+            maps.run(&lost, ProgressBar::hidden()).await?;
+            recomputed.extend(lost);
+        }
+        todo = failed.into_iter().map(|(reduce, _)| reduce).collect();
+    }
+    unreachable!("the last round returns")
 }
 
 /// A partition too large for the memory a task may use, or an allocation the system refused:
@@ -661,8 +818,19 @@ pub async fn sort_partition(records: Vec<u8>) -> anyhow::Result<Vec<u8>> {
 /// first and then renamed into place, so the first whole attempt wins and a retry never meets a
 /// dead attempt's half-written part.
 pub async fn write_part(client: &Client, path: &str, attempt: u32, data: Bytes) -> anyhow::Result<()> {
+    write_part_with(client, path, attempt, data, CreateOptions::default()).await
+}
+
+/// [`write_part`] stored as `create` says (e.g. 2 replicas).
+pub async fn write_part_with(
+    client: &Client,
+    path: &str,
+    attempt: u32,
+    data: Bytes,
+    create: CreateOptions,
+) -> anyhow::Result<()> {
     let scratch = attempt_store_path(path, attempt);
-    let mut writer = client.create(&scratch, true).await?;
+    let mut writer = client.create_with_options(&scratch, true, create).await?;
     writer.write_bytes(data).await?;
     writer.close().await?;
     publish(Some(client), &Location::Store(scratch), &Location::Store(path.to_string()), attempt).await

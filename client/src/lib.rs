@@ -80,6 +80,23 @@ impl Default for ClientOptions {
     }
 }
 
+/// How a new file is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CreateOptions {
+    /// Which tiers its blocks may use.
+    pub class: StorageClass,
+    /// Copies of each block, each on a different storage server: 1 or 2. The writer stores every
+    /// copy before a block counts as written; readers fail over between copies, and the file is
+    /// `DataLost` only when every copy of some block is gone.
+    pub replicas: u32,
+}
+
+impl Default for CreateOptions {
+    fn default() -> CreateOptions {
+        CreateOptions { class: StorageClass::Any, replicas: 1 }
+    }
+}
+
 /// A connection to a Tern cluster. Cheap to clone; clones share connections.
 #[derive(Clone)]
 pub struct Client {
@@ -204,10 +221,28 @@ impl Client {
     /// Creates a file whose blocks go to the tiers `class` allows (`Any`: DRAM first, NVMe when
     /// no live server has DRAM room). `OutOfSpace` comes at allocation, when no allowed tier has room.
     pub async fn create_with_class(&self, path: &str, parents: bool, class: StorageClass) -> Result<FileWriter> {
-        let request =
-            pb::CreateRequest { path: path.into(), parents, sealed: false, storage_class: class.name().to_string() };
+        self.create_with_options(path, parents, CreateOptions { class, ..CreateOptions::default() }).await
+    }
+
+    /// Creates a file stored as `options` say (storage class, copies of each block). With 2
+    /// replicas, allocation is refused (`Unavailable`) while fewer than 2 storage servers are live.
+    pub async fn create_with_options(&self, path: &str, parents: bool, options: CreateOptions) -> Result<FileWriter> {
+        if !(1..=tern_proto::MAX_REPLICAS).contains(&options.replicas) {
+            return Err(Error::invalid(format!(
+                "create {path}: replicas must be 1 to {}, not {}",
+                tern_proto::MAX_REPLICAS,
+                options.replicas
+            )));
+        }
+        let request = pb::CreateRequest {
+            path: path.into(),
+            parents,
+            sealed: false,
+            storage_class: options.class.name().to_string(),
+            replicas: options.replicas,
+        };
         let created = self.metadata().create(request).await?.into_inner();
-        Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size))
+        Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size, options.replicas))
     }
 
     /// Creates an empty, sealed file in one round trip (markers, empty outputs). Refused with
@@ -310,10 +345,15 @@ impl Client {
 
     /// [`Client::put`] into storage class `class`.
     pub async fn put_with_class(&self, path: &str, data: bytes::Bytes, class: StorageClass) -> Result<()> {
+        self.put_with_options(path, data, CreateOptions { class, ..CreateOptions::default() }).await
+    }
+
+    /// [`Client::put`] stored as `options` say.
+    pub async fn put_with_options(&self, path: &str, data: bytes::Bytes, options: CreateOptions) -> Result<()> {
         if data.is_empty() {
             return self.create_empty(path, true).await;
         }
-        let mut writer = self.create_with_class(path, true, class).await?;
+        let mut writer = self.create_with_options(path, true, options).await?;
         writer.write_bytes(data).await?;
         writer.close().await.map(|_| ())
     }

@@ -1,6 +1,8 @@
 //! File reader: streams a sealed file's blocks in order with bounded read-ahead, or reads any
-//! range. A block whose server cannot be reached is checked with the metadata server, so a lost
-//! server shows as `DataLost` naming the file rather than as a network error.
+//! range. A block with several copies is read from the first (the metadata server lists copies on
+//! live servers first) and from the next when a copy fails (its server unreachable or restarted,
+//! a crc mismatch). A block none of whose copies can be read is checked with the metadata server,
+//! so a lost server shows as `DataLost` naming the file rather than as a network error.
 
 use std::collections::VecDeque;
 
@@ -16,7 +18,8 @@ use crate::Client;
 pub struct FileReader {
     client: Client,
     info: FileInfo,
-    blocks: Vec<BlockLocation>,
+    /// Each block's copies, in the order to try them.
+    blocks: Vec<Vec<BlockLocation>>,
     block_size: u64,
     /// Index of the next block to hand out by [`FileReader::next_chunk`].
     next: usize,
@@ -30,7 +33,15 @@ impl FileReader {
         blocks: Vec<BlockLocation>,
         block_size: u32,
     ) -> Result<FileReader> {
-        let listed: u64 = blocks.iter().map(|b| b.length as u64).sum();
+        let replicas = info.replicas.max(1) as usize;
+        if !blocks.len().is_multiple_of(replicas) {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!("open {}: {} block locations for {replicas} copies of each block", info.path, blocks.len()),
+            ));
+        }
+        let blocks: Vec<Vec<BlockLocation>> = blocks.chunks(replicas).map(<[BlockLocation]>::to_vec).collect();
+        let listed: u64 = blocks.iter().map(|copies| copies[0].length as u64).sum();
         if listed != info.length || block_size == 0 {
             return Err(Error::new(
                 ErrorKind::Internal,
@@ -90,7 +101,7 @@ impl FileReader {
         let within = offset % self.block_size;
         // A range inside one block (the common small read) is fetched on the caller's task:
         // spawning it would add a task hop, a cross-core wakeup here, to every small read.
-        if let Some(block) = self.blocks.get(first).filter(|b| len > 0 && within + len as u64 <= b.length as u64) {
+        if let Some(block) = self.blocks.get(first).filter(|b| len > 0 && within + len as u64 <= b[0].length as u64) {
             return fetch(self.client.clone(), self.info.path.clone(), block.clone(), within as u32, Some(len as u32))
                 .await;
         }
@@ -101,7 +112,7 @@ impl FileReader {
                 break;
             }
             let within = at % self.block_size;
-            let take = (block.length as u64 - within).min(end - at);
+            let take = (block[0].length as u64 - within).min(end - at);
             parts.push(tokio::spawn(fetch(
                 self.client.clone(),
                 self.info.path.clone(),
@@ -126,47 +137,88 @@ async fn join(task: JoinHandle<Result<Bytes>>, path: &str) -> Result<Bytes> {
     task.await.map_err(|e| Error::new(ErrorKind::Internal, format!("read {path}: {e}")))?
 }
 
-/// Reads `len` bytes (default: the rest of the block) of one block from `offset`.
-async fn fetch(client: Client, path: String, block: BlockLocation, offset: u32, len: Option<u32>) -> Result<Bytes> {
-    let len = len.unwrap_or(block.length - offset);
-    let result = async {
-        let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
-        conn.call(|id| Frame::read(id, block.block_id, offset, len)).await
-    }
-    .await;
-    match result {
-        Ok(reply) if reply.payload.len() == len as usize => Ok(reply.payload),
-        Ok(reply) => Err(Error::new(
-            ErrorKind::Corrupt,
-            format!("read {path}: block {} returned {} bytes, expected {len}", block.block_id, reply.payload.len()),
-        )),
-        Err(e) if matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound) => {
-            Err(diagnose(&client, &path, &block, e).await)
+/// Reads `len` bytes (default: the rest of the block) of one block from `offset`, from its first
+/// copy that answers with good data.
+async fn fetch(
+    client: Client,
+    path: String,
+    copies: Vec<BlockLocation>,
+    offset: u32,
+    len: Option<u32>,
+) -> Result<Bytes> {
+    let mut failures: Vec<(BlockLocation, Error)> = Vec::with_capacity(copies.len());
+    for block in copies {
+        match fetch_copy(&client, &path, &block, offset, len).await {
+            Ok(bytes) => return Ok(bytes),
+            Err(e) => {
+                tracing::debug!("read {path}: block {} on {} failed: {e}", block.block_id, block.address);
+                failures.push((block, e));
+            }
         }
-        Err(e) => Err(e.context(format_args!("read {path}: block {}", block.block_id))),
     }
+    // Unreachable or missing everywhere: ask whether the data is lost. Any other failure (a crc
+    // mismatch, a bad reply) is reported as it is, for the last copy tried.
+    if failures.iter().all(|(_, e)| matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound)) {
+        return Err(diagnose(&client, &path, failures).await);
+    }
+    let (block, e) = failures
+        .into_iter()
+        .rev()
+        .find(|(_, e)| !matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound))
+        .expect("a failure that is not Unavailable or NotFound");
+    Err(e.context(format_args!("read {path}: block {}", block.block_id)))
 }
 
-/// Asks the metadata server whether the block's server is dead: then the data is lost, and the
-/// error says so and names the file. Otherwise the original error stands.
-async fn diagnose(client: &Client, path: &str, block: &BlockLocation, error: Error) -> Error {
-    let lost = match client.stat_with_blocks(path, true).await {
-        Ok((_, blocks)) => blocks.iter().any(|(b, alive)| b.block_id == block.block_id && !alive),
-        Err(e) if e.kind() == ErrorKind::DataLost => true,
-        Err(_) => false,
+/// One copy's read.
+async fn fetch_copy(
+    client: &Client,
+    path: &str,
+    block: &BlockLocation,
+    offset: u32,
+    len: Option<u32>,
+) -> Result<Bytes> {
+    let len = len.unwrap_or(block.length - offset);
+    let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
+    let reply = conn.call(|id| Frame::read(id, block.block_id, offset, len)).await?;
+    if reply.payload.len() != len as usize {
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("read {path}: block {} returned {} bytes, expected {len}", block.block_id, reply.payload.len()),
+        ));
+    }
+    Ok(reply.payload)
+}
+
+/// Asks the metadata server whether the servers of a block's copies are dead: when every copy is
+/// gone the data is lost, and the error says so and names the file. Otherwise the last error
+/// stands.
+async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockLocation, Error)>) -> Error {
+    let dead: Option<Vec<u64>> = match client.stat_with_blocks(path, true).await {
+        Ok((_, blocks)) => Some(blocks.iter().filter(|(_, alive)| !alive).map(|(b, _)| b.block_id).collect()),
+        // Every copy of some block is gone.
+        Err(e) if e.kind() == ErrorKind::DataLost => None,
+        Err(_) => Some(Vec::new()),
     };
     // A server that restarted lost its DRAM blocks: the block is gone even though a server answers.
-    if lost || error.kind() == ErrorKind::NotFound {
-        return Error::new(
-            ErrorKind::DataLost,
-            format!(
-                "read {path}: block {} on storage server {} ({}) is lost: {}",
-                block.block_id,
-                block.server_id,
-                block.address,
-                error.message()
-            ),
-        );
+    let lost = |block: &BlockLocation, error: &Error| {
+        error.kind() == ErrorKind::NotFound || dead.as_ref().is_none_or(|dead| dead.contains(&block.block_id))
+    };
+    if failures.iter().all(|(block, error)| lost(block, error)) {
+        let each: Vec<String> = failures
+            .iter()
+            .map(|(block, error)| {
+                format!(
+                    "block {} on storage server {} ({}) is lost: {}",
+                    block.block_id,
+                    block.server_id,
+                    block.address,
+                    error.message()
+                )
+            })
+            .collect();
+        let what = if each.len() == 1 { each.concat() } else { format!("every copy is lost: {}", each.join("; ")) };
+        return Error::new(ErrorKind::DataLost, format!("read {path}: {what}"));
     }
+    let (block, error) = failures.into_iter().next_back().expect("at least one copy was tried");
     error.context(format_args!("read {path}: block {}", block.block_id))
 }

@@ -14,6 +14,12 @@
 //! - **Checked.** Every batch carries a crc32c taken when it was pushed; each map's bytes per
 //!   partition must add up to what its commit recorded. A lost server or a bad checksum is an
 //!   error naming the shuffle, the partition and exactly the maps to recompute.
+//! - **Replicated** (with `ShuffleOptions::replicas` = 2). Every segment has two copies on
+//!   different servers; a batch is acknowledged only when both stored it. A push that reached one
+//!   copy but not the other fails the map attempt (a new attempt keeps the output exactly-once
+//!   and the copies identical); a push that reached neither moves on to a new segment with two
+//!   live copies. Readers read one copy and continue on the other at the same cursor when it
+//!   fails (the copies hold the same batches of every committed attempt, in the same order).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -42,6 +48,9 @@ pub struct ShuffleOptions {
     /// Bytes after which a partition continues in a new segment on another server (0 = the
     /// cluster default, 256 MiB).
     pub split_size_bytes: u64,
+    /// Copies of each segment, on different storage servers: 1 or 2 (0 = 1). With 2, losing one
+    /// storage server loses no map output.
+    pub replicas: u32,
 }
 
 /// Bounds of one map writer.
@@ -109,6 +118,7 @@ impl Client {
                 maps: options.maps,
                 storage_class: options.storage_class,
                 split_size_bytes: options.split_size_bytes,
+                replicas: options.replicas,
             })
             .await
             .map_err(|s| Error::from(s).context(format_args!("register shuffle under job {job_id}")))?
@@ -397,48 +407,77 @@ impl MapWriter {
     }
 }
 
-/// Pushes one batch to its partition's current segment; returns the segment index it landed in.
-/// A refusal for space, or a server that cannot be reached at all (nothing stored either way),
-/// moves to a new segment and tries again, a bounded number of times; any other failure fails
-/// the push, since the batch may or may not have been stored
-/// and only a new attempt keeps the output exactly-once.
+/// The readable copies of a segment, the first to try first: (server id, address, QUIC address).
+fn copies(segment: &Segment) -> Vec<(u64, String, String)> {
+    let mut copies = vec![(segment.server_id, segment.address.clone(), segment.quic_address.clone())];
+    if segment.replica_server_id != 0 && !segment.replica_lost {
+        copies.push((segment.replica_server_id, segment.replica_address.clone(), segment.replica_quic_address.clone()));
+    }
+    copies
+}
+
+/// Pushes one batch to its partition's current segment (every copy of it); returns the segment
+/// index it landed in. A refusal for space everywhere, or a copy's server that cannot be reached
+/// at all before anything is sent (nothing stored either way), moves to a new segment and tries
+/// again, a bounded number of times; any other failure fails the push, since a copy may or may
+/// not have stored the batch and only a new attempt keeps the output exactly-once.
 async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result<u32> {
     let mut segment = shuffle.current_segment(partition);
+    let mut why_moved = String::new();
     for _ in 0..=PUSH_ADVANCES {
-        if segment.lost {
+        // A lost segment takes no pushes; nor does one that lost a copy: its successor has all
+        // its copies on live servers, so new output stays replicated.
+        if segment.lost || segment.replica_lost {
+            why_moved = format!("segment {} lost a copy", segment.index);
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
-        let conn =
-            match shuffle.client.block_connection(segment.server_id, &segment.address, &segment.quic_address).await {
-                Ok(conn) => conn,
+        // Connect to every copy before sending to any: a copy that cannot be reached means that
+        // nothing was sent, so moving on cannot duplicate the batch. The metadata server hands
+        // out the partition's next segment (re-placed already if a server is dead).
+        let mut conns = Vec::with_capacity(2);
+        let mut unreachable = None;
+        for (server_id, address, quic_address) in copies(&segment) {
+            match shuffle.client.block_connection(server_id, &address, &quic_address).await {
+                Ok(conn) => conns.push(conn),
                 // A server without the transport asked for: no other segment would do better.
                 Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
-                // Nothing was sent, so moving on cannot duplicate the batch: the metadata server
-                // hands out the partition's next segment (re-placed already if the server is dead).
                 Err(e) => {
-                    tracing::debug!("{e}; moving on to a new segment");
-                    segment = shuffle.advance(partition, segment.index).await?;
-                    continue;
+                    unreachable = Some(e);
+                    break;
                 }
-            };
-        let sent = payload.clone();
-        let result = conn.call(|id| Frame::push(id, shuffle.id, partition, segment.index, sent)).await;
-        match result {
-            Ok(reply) => {
-                if u64::from(reply.header.length) >= shuffle.split_size {
-                    shuffle.advance(partition, segment.index).await?;
-                }
-                return Ok(segment.index);
             }
-            Err(e) if e.kind() == ErrorKind::OutOfSpace => {
-                tracing::debug!("{e}; moving on to a new segment");
-                segment = shuffle.advance(partition, segment.index).await?;
-            }
-            Err(e) => return Err(e),
         }
+        if let Some(e) = unreachable {
+            tracing::debug!("{e}; moving on to a new segment");
+            why_moved = e.to_string();
+            segment = shuffle.advance(partition, segment.index).await?;
+            continue;
+        }
+        let index = segment.index;
+        let pushes = conns.iter().map(|conn| {
+            let sent = payload.clone();
+            conn.call(move |id| Frame::push(id, shuffle.id, partition, index, sent))
+        });
+        let results = futures::future::join_all(pushes).await;
+        if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
+            tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
+            why_moved = format!("segment {index} is full");
+            segment = shuffle.advance(partition, index).await?;
+            continue;
+        }
+        let mut size = 0u32;
+        for result in results {
+            size = size.max(result?.header.length);
+        }
+        if u64::from(size) >= shuffle.split_size {
+            shuffle.advance(partition, index).await?;
+        }
+        return Ok(index);
     }
-    Err(Error::new(ErrorKind::OutOfSpace, format!("no segment took the batch after {PUSH_ADVANCES} moves")))
+    // The last reason decides the kind: full servers are OutOfSpace, unreachable ones Unavailable.
+    let kind = if why_moved.ends_with("is full") { ErrorKind::OutOfSpace } else { ErrorKind::Unavailable };
+    Err(Error::new(kind, format!("no segment took the batch after {PUSH_ADVANCES} moves (last: {why_moved})")))
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.
@@ -616,16 +655,38 @@ impl ShuffleReader {
 }
 
 /// Fetches every batch of one stream, page by page, checking crcs and attempts, and sends each
-/// page's batches to the reader (waiting while it is `PAGES_AHEAD` pages behind).
+/// page's batches to the reader (waiting while it is `PAGES_AHEAD` pages behind). A copy that
+/// fails (unreachable, a crc mismatch, or without the segment) hands over to the next copy at
+/// the same cursor.
 async fn fetch_stream(
     client: Client,
     shuffle_id: u64,
     stream: FetchStream,
     pages: mpsc::Sender<Result<Vec<ShuffleBatch>>>,
 ) {
+    let copies = copies(&stream.segment);
+    let mut copy = 0;
     let mut request = FetchRequest { cursor: 0, max_bytes: FETCH_PAGE_BYTES, maps: stream.maps };
     loop {
-        let page = fetch_page(&client, shuffle_id, &stream.segment, &request).await;
+        let mut page = fetch_page(&client, shuffle_id, &stream.segment, &copies[copy], &request).await;
+        match &page {
+            Err(e)
+                if copy + 1 < copies.len()
+                    && matches!(
+                        e.kind(),
+                        ErrorKind::DataLost | ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Unavailable
+                    ) =>
+            {
+                tracing::debug!("{e}; reading the copy on {}", copies[copy + 1].1);
+                copy += 1;
+                continue;
+            }
+            // A live server that never received a push for this segment (e.g. it was full when
+            // the segment was opened): nothing is there. Had committed bytes been there, the
+            // per-map totals checked at the end of the partition would come up short and say so.
+            Err(e) if e.kind() == ErrorKind::NotFound => page = Ok((Vec::new(), None)),
+            _ => {}
+        }
         let next = match &page {
             Ok((_, next)) => *next,
             Err(_) => None,
@@ -640,22 +701,25 @@ async fn fetch_stream(
     }
 }
 
-/// One page of `request`'s batches, and the cursor after it (`None` at the end).
+/// One page of `request`'s batches from one copy of the segment, and the cursor after it
+/// (`None` at the end). A copy without the segment is a `NotFound` error.
 async fn fetch_page(
     client: &Client,
     shuffle_id: u64,
     segment: &Segment,
+    copy: &(u64, String, String),
     request: &FetchRequest,
 ) -> Result<(Vec<ShuffleBatch>, Option<u32>)> {
+    let (server_id, address, quic_address) = copy;
     let place = format!("shuffle {shuffle_id} partition {} segment {}", segment.partition, segment.index);
     let lost = |e: Error| {
         let maps: Vec<u32> = request.maps.iter().map(|(m, _)| *m).collect();
         Error::new(
             ErrorKind::DataLost,
-            format!("{place} on {} is unreadable; recompute maps {maps:?}: {}", segment.address, e.message()),
+            format!("{place} on {address} is unreadable; recompute maps {maps:?}: {}", e.message()),
         )
     };
-    let conn = match client.block_connection(segment.server_id, &segment.address, &segment.quic_address).await {
+    let conn = match client.block_connection(*server_id, address, quic_address).await {
         Ok(conn) => conn,
         Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
         Err(e) => return Err(lost(e)),
@@ -663,10 +727,6 @@ async fn fetch_page(
     let payload = request.encode();
     let reply = match conn.call(|id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload)).await {
         Ok(reply) => reply,
-        // A live server that never received a push for this segment (e.g. it was full when the
-        // segment was opened): nothing is there. Had committed bytes been there, the per-map
-        // totals checked at the end of the partition would come up short and say so.
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok((Vec::new(), None)),
         Err(e) if e.kind() == ErrorKind::Unavailable => return Err(lost(e)),
         Err(e) => return Err(e.context(&place)),
     };

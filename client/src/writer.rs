@@ -1,6 +1,12 @@
 //! Streaming file writer: cuts the byte stream into blocks and pipelines them to the storage
 //! servers, at most `writes_in_flight` at once, asking the metadata server for block locations in
 //! growing batches so a large file costs few RPCs.
+//!
+//! With 2 replicas each block goes to both of its servers at once and counts as written only when
+//! both acknowledged it. A copy that fails fails the write (and the writer, dropped, deletes the
+//! file): the caller learns at once that the file does not have the copies it asked for, rather
+//! than a file that silently holds one. Re-placing the failed copy elsewhere is left to a retry
+//! of the whole write.
 
 use std::collections::VecDeque;
 
@@ -32,7 +38,9 @@ pub struct FileWriter {
     file_id: u64,
     block_size: usize,
     buffer: BytesMut,
-    /// Allocated locations not yet written.
+    /// Copies of each block (1 or 2).
+    replicas: usize,
+    /// Allocated locations not yet written, grouped by block (`replicas` entries each).
     spare: VecDeque<BlockLocation>,
     next_batch: u32,
     in_flight: FuturesUnordered<JoinHandle<Result<()>>>,
@@ -41,12 +49,13 @@ pub struct FileWriter {
 }
 
 impl FileWriter {
-    pub(crate) fn new(client: Client, path: String, file_id: u64, block_size: u32) -> FileWriter {
+    pub(crate) fn new(client: Client, path: String, file_id: u64, block_size: u32, replicas: u32) -> FileWriter {
         FileWriter {
             client,
             path,
             file_id,
             block_size: block_size as usize,
+            replicas: replicas.max(1) as usize,
             buffer: BytesMut::new(),
             spare: VecDeque::new(),
             next_batch: FIRST_ALLOCATE_BATCH,
@@ -106,15 +115,25 @@ impl FileWriter {
         while self.in_flight.len() >= self.client.options().writes_in_flight.max(1) {
             self.finish_one().await?;
         }
-        let location = self.next_location().await?;
+        let copies = self.next_copies().await?;
         let client = self.client.clone();
         let path = self.path.clone();
         self.in_flight.push(tokio::spawn(async move {
-            let conn = client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
-            conn.call(|id| Frame::write(id, location.block_id, 0, data))
-                .await
-                .map(|_| ())
-                .map_err(|e| e.context(format_args!("write {path}: block {}", location.block_id)))
+            // Every copy at once; the payload is shared, not copied.
+            let writes = copies.into_iter().map(|location| {
+                let (client, path, data) = (client.clone(), path.clone(), data.clone());
+                async move {
+                    let conn =
+                        client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
+                    conn.call(|id| Frame::write(id, location.block_id, 0, data)).await.map(|_| ()).map_err(|e| {
+                        e.context(format_args!(
+                            "write {path}: block {} on storage server {} ({})",
+                            location.block_id, location.server_id, location.address
+                        ))
+                    })
+                }
+            });
+            futures::future::try_join_all(writes).await.map(|_| ())
         }));
         Ok(())
     }
@@ -126,16 +145,29 @@ impl FileWriter {
         }
     }
 
-    async fn next_location(&mut self) -> Result<BlockLocation> {
+    /// Where the next block's copies go.
+    async fn next_copies(&mut self) -> Result<Vec<BlockLocation>> {
         if self.spare.is_empty() {
             let reply = self.allocate().await?;
+            if !reply.blocks.len().is_multiple_of(self.replicas) {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "write {}: {} block locations allocated, not a whole number of {}-copy blocks",
+                        self.path,
+                        reply.blocks.len(),
+                        self.replicas
+                    ),
+                ));
+            }
             self.spare.extend(reply.blocks);
             let max = self.client.options().max_allocate_batch.clamp(1, tern_proto::MAX_ALLOCATE_BLOCKS);
             self.next_batch = (self.next_batch * 2).min(max);
         }
-        self.spare
-            .pop_front()
-            .ok_or_else(|| Error::new(ErrorKind::Internal, format!("write {}: no block allocated", self.path)))
+        if self.spare.is_empty() {
+            return Err(Error::new(ErrorKind::Internal, format!("write {}: no block allocated", self.path)));
+        }
+        Ok(self.spare.drain(..self.replicas).collect())
     }
 
     /// Asks for the next batch of block locations, retrying (a bounded number of times, with

@@ -38,9 +38,25 @@ pub struct FileMeta {
     pub sealed: bool,
     /// Bytes; 0 until sealed.
     pub length: u64,
+    /// Every copy of every block, grouped by block: block i's copies are
+    /// `blocks[i * replicas .. (i + 1) * replicas]`, each on a different server.
     pub blocks: Vec<BlockRef>,
     /// Which tiers its blocks may go to.
     pub storage_class: StorageClass,
+    /// Copies of each block (1 or 2), chosen at create.
+    pub replicas: u32,
+}
+
+impl FileMeta {
+    /// The copies of each block, in block order.
+    pub fn copies(&self) -> std::slice::Chunks<'_, BlockRef> {
+        self.blocks.chunks(self.replicas.max(1) as usize)
+    }
+
+    /// Blocks of the file (not counting copies).
+    pub fn block_count(&self) -> u64 {
+        (self.blocks.len() / self.replicas.max(1) as usize) as u64
+    }
 }
 
 #[derive(Debug)]
@@ -128,7 +144,7 @@ impl Namespace {
         }
         let (parent, name) = self.parent_dir(path, parents, now_unix_ms)?;
         let file_id = self.next_file_id;
-        let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new(), storage_class };
+        let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new(), storage_class, replicas: 1 };
         let node = self.insert(parent, name, Body::File(meta), now_unix_ms)?;
         self.next_file_id += 1;
         self.file_nodes.insert(file_id, node);
@@ -408,8 +424,9 @@ impl Namespace {
                 info.sealed = meta.sealed;
                 info.length = meta.length;
                 info.file_id = meta.file_id;
-                info.block_count = meta.blocks.len() as u64;
+                info.block_count = meta.block_count();
                 info.storage_class = meta.storage_class.name().to_string();
+                info.replicas = meta.replicas;
             }
         }
         info

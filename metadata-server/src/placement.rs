@@ -43,6 +43,10 @@ pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
     name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
 }
 
+/// A server placement may choose for a block: (not on the client's host, blocks of the tier in
+/// use, server id, the tier's capacity); the smallest is the best.
+type Candidate = (bool, u64, u64, u64);
+
 /// One entry of a server's free queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Free {
@@ -496,11 +500,36 @@ impl Servers {
     /// first for `any`, across the whole cluster), on live servers with room in that tier, those on
     /// `client_host` first, then the least used (so a batch spreads across equal servers
     /// round-robin). A batch may span tiers when the first fills up.
+    #[cfg(test)]
     pub fn allocate(&mut self, count: u32, client_host: &str, class: StorageClass) -> Result<Vec<BlockRef>, Refusal> {
+        self.allocate_copies(count, client_host, class, 1)
+    }
+
+    /// [`Servers::allocate`] with `replicas` copies of each block, each copy on a different
+    /// server; the result is grouped by block (block i's copies at `i * replicas ..`). Refused
+    /// (`Unavailable`) with fewer live servers than copies, and `OutOfSpace` when the room left
+    /// is not on enough different servers; nothing is placed then.
+    pub fn allocate_copies(
+        &mut self,
+        count: u32,
+        client_host: &str,
+        class: StorageClass,
+        replicas: u32,
+    ) -> Result<Vec<BlockRef>, Refusal> {
+        let replicas = replicas.max(1);
         let client_host = normalize_host(client_host);
         let live = self.live_count();
         if live == 0 {
             return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        }
+        if live < u64::from(replicas) {
+            return Err(Refusal::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "{replicas} copies of each block need {replicas} live storage servers, and only {live} is live \
+                     and registered"
+                ),
+            ));
         }
         let tiers = class.tiers();
         let mut free = Vec::with_capacity(tiers.len());
@@ -514,7 +543,10 @@ impl Servers {
             free.push((tier, tier_free));
         }
         let free_total: u64 = free.iter().map(|(_, f)| f).sum();
-        let count64 = u64::from(count);
+        // Every copy takes a block of room.
+        let count64 = u64::from(count) * u64::from(replicas);
+        let asked =
+            if replicas == 1 { format!("{count} blocks") } else { format!("{count} blocks x {replicas} copies") };
         let free_list = || free.iter().map(|(tier, f)| format!("{f} {tier}")).collect::<Vec<_>>().join(" and ");
         if free_total < count64 && free_total + being_freed >= count64 {
             // Space that deletes gave back is still held until the servers' next heartbeats
@@ -522,7 +554,7 @@ impl Servers {
             return Err(Refusal::new(
                 ErrorKind::Unavailable,
                 format!(
-                    "{count} blocks of class {class} asked; {} blocks free and {being_freed} being freed on the \
+                    "{asked} of class {class} asked; {} blocks free and {being_freed} being freed on the \
                      {live} live storage servers: retry after their next heartbeat",
                     free_list()
                 ),
@@ -532,34 +564,69 @@ impl Servers {
             return Err(Refusal::new(
                 ErrorKind::OutOfSpace,
                 format!(
-                    "{count} blocks of class {class} asked, but the {live} live storage servers have {} blocks free \
+                    "{asked} of class {class} asked, but the {live} live storage servers have {} blocks free \
                      between them",
                     free_list()
                 ),
             ));
         }
-        // Plan first, then apply: a refusal leaves no trace.
-        let mut plan = Vec::with_capacity(count as usize);
-        for &(tier, tier_free) in &free {
-            let take = tier_free.min(count64 - plan.len() as u64);
-            if take == 0 {
-                continue;
-            }
-            let mut candidates = BinaryHeap::new();
-            for (&id, server) in self.servers.iter().filter(|(_, s)| s.placeable()) {
-                let (capacity, used) = (server.tier_capacity(tier), server.tier_used(tier));
-                if used < capacity {
-                    let remote = client_host.is_empty() || server.host != client_host;
-                    candidates.push(Reverse((remote, used, id, capacity)));
+        // Plan first, then apply: a refusal leaves no trace. One heap of candidates per tier,
+        // ordered by (remote, used); a block's later copies skip the servers its earlier copies took.
+        let mut heaps: Vec<(Tier, BinaryHeap<Reverse<Candidate>>)> = free
+            .iter()
+            .map(|&(tier, _)| {
+                let mut candidates = BinaryHeap::new();
+                for (&id, server) in self.servers.iter().filter(|(_, s)| s.placeable()) {
+                    let (capacity, used) = (server.tier_capacity(tier), server.tier_used(tier));
+                    if used < capacity {
+                        let remote = client_host.is_empty() || server.host != client_host;
+                        candidates.push(Reverse((remote, used, id, capacity)));
+                    }
                 }
-            }
-            for _ in 0..take {
-                let Some(Reverse((remote, used, id, capacity))) = candidates.pop() else {
-                    return Err(Refusal::new(ErrorKind::Internal, "placement ran out of servers despite free space"));
+                (tier, candidates)
+            })
+            .collect();
+        let mut plan = Vec::with_capacity(count64 as usize);
+        for block in 0..count {
+            let mut taken: Vec<u64> = Vec::with_capacity(replicas as usize);
+            for copy in 0..replicas {
+                let mut placed = None;
+                for (tier, candidates) in &mut heaps {
+                    let mut skipped = Vec::new();
+                    while let Some(Reverse(candidate)) = candidates.pop() {
+                        if taken.contains(&candidate.2) {
+                            skipped.push(candidate);
+                        } else {
+                            placed = Some((*tier, candidate));
+                            break;
+                        }
+                    }
+                    candidates.extend(skipped.into_iter().map(Reverse));
+                    if placed.is_some() {
+                        break;
+                    }
+                }
+                let Some((tier, (remote, used, id, capacity))) = placed else {
+                    if replicas == 1 {
+                        return Err(Refusal::new(
+                            ErrorKind::Internal,
+                            "placement ran out of servers despite free space",
+                        ));
+                    }
+                    return Err(Refusal::new(
+                        ErrorKind::OutOfSpace,
+                        format!(
+                            "{asked} of class {class} asked: copy {} of block {block} has no room on a server other \
+                             than storage server(s) {taken:?}, which hold its other copies",
+                            copy + 1
+                        ),
+                    ));
                 };
                 plan.push((tier, id));
+                taken.push(id);
                 if used + 1 < capacity {
-                    candidates.push(Reverse((remote, used + 1, id, capacity)));
+                    let heap = &mut heaps.iter_mut().find(|(t, _)| *t == tier).expect("the tier's heap").1;
+                    heap.push(Reverse((remote, used + 1, id, capacity)));
                 }
             }
         }
@@ -605,22 +672,44 @@ impl Servers {
     /// does not divide evenly. `avoid` (the server of a full segment) is skipped unless it is the
     /// only live server. Nothing changes until [`Servers::add_segments`]. Segments go to DRAM:
     /// it is the only tier storage servers have today, whatever a shuffle's storage class.
+    #[cfg(test)]
     pub fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
+        let avoid: Vec<u64> = avoid.into_iter().collect();
+        Ok(self.plan_segment_copies(count, &avoid, 1)?.into_iter().map(|(first, _)| first).collect())
+    }
+
+    /// As [`Servers::plan_segments`] for segments of `replicas` copies (1 or 2): each segment's
+    /// second copy goes to the next server in the same order, so never beside its first copy, and
+    /// pairs spread as evenly as single copies do. Returns (first copy's server, second copy's
+    /// server or 0). The servers in `avoid` (those of a full or failed segment) are skipped while
+    /// enough others are live. Refused (`Unavailable`) with fewer live servers than copies.
+    pub fn plan_segment_copies(&self, count: usize, avoid: &[u64], replicas: u32) -> Result<Vec<(u64, u64)>, Refusal> {
+        let replicas = replicas.clamp(1, tern_proto::MAX_REPLICAS) as usize;
         let mut live: Vec<((bool, u64), u64)> =
             self.servers.iter().filter(|(_, s)| s.placeable()).map(|(&id, s)| (s.segment_load(), id)).collect();
-        if live.len() > 1 {
-            live.retain(|&(_, id)| Some(id) != avoid);
+        if live.iter().filter(|(_, id)| !avoid.contains(id)).count() >= replicas {
+            live.retain(|(_, id)| !avoid.contains(id));
         }
         if live.is_empty() {
             return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
         }
+        if live.len() < replicas {
+            return Err(Refusal::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "{replicas} copies of each segment need {replicas} live storage servers, and only {} is live",
+                    live.len()
+                ),
+            ));
+        }
         live.sort_unstable();
-        Ok((0..count).map(|i| live[i % live.len()].1).collect())
+        let n = live.len();
+        Ok((0..count).map(|i| (live[i % n].1, if replicas > 1 { live[(i + 1) % n].1 } else { 0 })).collect())
     }
 
-    /// Counts newly placed segments in their servers' load.
+    /// Counts newly placed segments in their servers' load (0 names no server: no second copy).
     pub fn add_segments(&mut self, server_ids: &[u64]) {
-        for id in server_ids {
+        for id in server_ids.iter().filter(|&&id| id != 0) {
             if let Some(server) = self.servers.get_mut(id) {
                 server.segments += 1;
             }
@@ -875,6 +964,43 @@ mod tests {
         servers.expire(later + Duration::from_secs(10), Duration::from_secs(5));
         let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
         assert_eq!((refusal.kind, refusal.reason.as_str()), (ErrorKind::Unavailable, "no live storage servers"));
+    }
+
+    #[test]
+    fn copies_of_a_block_land_on_distinct_servers_or_not_at_all() {
+        let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 4);
+        // Local server first for each block's first copy, the rest spread by load; never two
+        // copies of one block on one server.
+        let blocks = servers.allocate_copies(4, "10.0.0.1", StorageClass::Any, 2).unwrap();
+        assert_eq!(blocks.len(), 8);
+        for copies in blocks.chunks(2) {
+            assert_ne!(copies[0].server_id, copies[1].server_id, "{blocks:?}");
+        }
+        assert_eq!(per_server(&blocks).values().sum::<usize>(), 8);
+        assert_eq!(servers.allocated_blocks(), 8);
+        // 12 blocks of room, 8 taken: 4 left between the servers.
+        let left: Vec<u64> = (1..=3).map(|id| 4 - *per_server(&blocks).get(&id).unwrap_or(&0) as u64).collect();
+        assert_eq!(left.iter().sum::<u64>(), 4, "{left:?}");
+        // More copies than room: refused, nothing placed.
+        assert_eq!(servers.allocate_copies(3, "", StorageClass::Any, 2).unwrap_err().kind, ErrorKind::OutOfSpace);
+        assert_eq!(servers.allocated_blocks(), 8);
+    }
+
+    #[test]
+    fn copies_need_as_many_servers_with_room() {
+        let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 3);
+        // Fill server 2 but for one block: then only one server has room for most blocks.
+        servers.allocate_copies(2, "10.0.0.2", StorageClass::Any, 1).unwrap();
+        let refusal = servers.allocate_copies(2, "", StorageClass::Any, 2).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::OutOfSpace, "{}", refusal.reason);
+        assert!(refusal.reason.contains("copy 2 of block 1"), "{}", refusal.reason);
+        assert_eq!(servers.allocated_blocks(), 2, "a refusal places nothing");
+        assert_eq!(servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap().len(), 2);
+        // One live server cannot hold two copies.
+        servers.mark_dead(1, "test".into());
+        let refusal = servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap_err();
+        assert_eq!(refusal.kind, ErrorKind::Unavailable);
+        assert!(refusal.reason.contains("need 2 live storage servers"), "{}", refusal.reason);
     }
 
     #[test]

@@ -13,6 +13,11 @@
 //! shuffles, segments (per partition and in all), committed lengths in all, and what one reply
 //! carries.
 //!
+//! A shuffle registered with 2 replicas keeps each segment on two servers (the same segment id on
+//! both): writers push every batch to both copies, readers read either, and a segment is lost
+//! only when both copies are. When one copy's server dies, partitions whose last segment had a
+//! copy there move on to a new segment with two live copies, so new pushes stay replicated.
+//!
 //! Storage servers never learn which job a shuffle belongs to: when a shuffle is unregistered, or
 //! its job ends, each live server holding its segments is told to drop the shuffle on its next
 //! heartbeat (through the same free queue as blocks, see `placement`).
@@ -55,12 +60,25 @@ pub const MAX_LOCATE_ENTRIES: u64 = 1 << 20;
 /// Most segments one LocateShuffle reply may carry.
 pub const MAX_LOCATE_SEGMENTS: u64 = 1 << 20;
 
-/// A partition's segments, by index: the server holding each. Most partitions never split, so the
-/// first segment is kept inline and only later ones allocate.
+/// The servers of a segment's copies: the first, and the second's (0 = no second copy).
+type Copies = (u64, u64);
+
+/// Whether one of the copies is on `server_id`.
+fn on(copies: Copies, server_id: u64) -> bool {
+    copies.0 == server_id || (copies.1 != 0 && copies.1 == server_id)
+}
+
+/// The servers of the copies, without the absent second.
+fn copy_servers(copies: Copies) -> impl Iterator<Item = u64> {
+    [copies.0, copies.1].into_iter().filter(|&id| id != 0)
+}
+
+/// A partition's segments, by index: the servers holding each. Most partitions never split, so
+/// the first segment is kept inline and only later ones allocate.
 #[derive(Debug)]
 struct Partition {
-    first: u64,
-    later: Vec<u64>,
+    first: Copies,
+    later: Vec<Copies>,
 }
 
 impl Partition {
@@ -68,13 +86,13 @@ impl Partition {
         1 + self.later.len() as u32
     }
 
-    /// The last segment's index and server.
-    fn last(&self) -> (u32, u64) {
+    /// The last segment's index and servers.
+    fn last(&self) -> (u32, Copies) {
         (self.later.len() as u32, self.later.last().copied().unwrap_or(self.first))
     }
 
     /// The servers of its segments, by index.
-    fn servers(&self) -> impl Iterator<Item = u64> + '_ {
+    fn servers(&self) -> impl Iterator<Item = Copies> + '_ {
         std::iter::once(self.first).chain(self.later.iter().copied())
     }
 }
@@ -100,13 +118,15 @@ struct Shuffle {
     storage_class: StorageClass,
     /// Bytes after which writers move a partition to its next segment.
     split_size_bytes: u64,
+    /// Copies of each segment (1 or 2).
+    replicas: u32,
     partitions: Vec<Partition>,
     /// Segments per server, so an unregistration reaches exactly the servers holding some.
     holders: BTreeMap<u64, u64>,
     commits: BTreeMap<u32, MapCommit>,
-    /// (partition, index) of segments whose data is gone although their server lives on: the
-    /// server restarted and lost its DRAM. Few, so kept aside from the partitions.
-    lost: BTreeSet<(u32, u32)>,
+    /// (partition, index, server) of segment copies whose data is gone although their server
+    /// lives on: the server restarted and lost its DRAM. Few, so kept aside from the partitions.
+    lost: BTreeSet<(u32, u32, u64)>,
 }
 
 impl Shuffle {
@@ -161,6 +181,10 @@ impl Shuffles {
             return Err(invalid(format!("maps must be at most {MAX_MAPS} (or 0: unknown), not {}", req.maps)));
         }
         let storage_class = parse_storage_class(&req.storage_class)?;
+        if req.replicas > tern_proto::MAX_REPLICAS {
+            return Err(invalid(format!("replicas must be 1 to {}, not {}", tern_proto::MAX_REPLICAS, req.replicas)));
+        }
+        let replicas = req.replicas.max(1);
         let split_size_bytes = match req.split_size_bytes {
             0 => DEFAULT_SPLIT_SIZE_BYTES,
             size if size < u64::from(block_size) => {
@@ -174,12 +198,13 @@ impl Shuffles {
                 format!("{MAX_SHUFFLES} shuffles are registered, the limit; unregister finished ones"),
             ));
         }
-        self.check_room_for_segments(u64::from(req.partitions))?;
-        let plan = servers.plan_segments(req.partitions as usize, None)?;
+        self.check_room_for_segments(u64::from(req.partitions) * u64::from(replicas))?;
+        let plan = servers.plan_segment_copies(req.partitions as usize, &[], replicas)?;
+        let no_loss = BTreeSet::new();
         let segments: Vec<Segment> = plan
             .iter()
             .enumerate()
-            .map(|(partition, &server_id)| segment(servers, partition as u32, 0, server_id, false))
+            .map(|(partition, &copies)| segment(servers, &no_loss, partition as u32, 0, copies))
             .collect();
         let shuffle_id = self.next_shuffle_id;
         let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes };
@@ -193,7 +218,8 @@ impl Shuffles {
                 tern_proto::MAX_GRPC_MESSAGE_BYTES
             )));
         }
-        self.insert(shuffle_id, req, storage_class, split_size_bytes, plan, servers);
+        let req = RegisterShuffleRequest { replicas, ..req.clone() };
+        self.insert(shuffle_id, &req, storage_class, split_size_bytes, plan, servers);
         Ok(response)
     }
 
@@ -209,7 +235,19 @@ impl Shuffles {
                 req.partitions
             )));
         }
-        self.insert(log.shuffle_id, &req, storage_class, log.split_size_bytes, log.first_servers.clone(), servers);
+        let plan: Vec<Copies> = if log.first_replicas.is_empty() {
+            log.first_servers.iter().map(|&first| (first, 0)).collect()
+        } else if log.first_replicas.len() == log.first_servers.len() {
+            log.first_servers.iter().copied().zip(log.first_replicas.iter().copied()).collect()
+        } else {
+            return Err(invalid(format!(
+                "logged shuffle {} has {} second copies for {} first segments",
+                log.shuffle_id,
+                log.first_replicas.len(),
+                log.first_servers.len()
+            )));
+        };
+        self.insert(log.shuffle_id, &req, storage_class, log.split_size_bytes, plan, servers);
         Ok(())
     }
 
@@ -219,14 +257,18 @@ impl Shuffles {
         req: &RegisterShuffleRequest,
         storage_class: StorageClass,
         split_size_bytes: u64,
-        plan: Vec<u64>,
+        plan: Vec<Copies>,
         servers: &mut Servers,
     ) {
         self.next_shuffle_id = self.next_shuffle_id.max(shuffle_id + 1);
-        servers.add_segments(&plan);
         let mut holders = BTreeMap::new();
-        for &server_id in &plan {
-            *holders.entry(server_id).or_default() += 1;
+        let mut copies = 0;
+        for &segment in &plan {
+            for server_id in copy_servers(segment) {
+                servers.add_segments(&[server_id]);
+                *holders.entry(server_id).or_default() += 1;
+                copies += 1;
+            }
         }
         let partitions = plan.into_iter().map(|first| Partition { first, later: Vec::new() }).collect();
         let shuffle = Shuffle {
@@ -234,31 +276,35 @@ impl Shuffles {
             maps: req.maps,
             storage_class,
             split_size_bytes,
+            replicas: req.replicas.max(1),
             partitions,
             holders,
             commits: BTreeMap::new(),
             lost: BTreeSet::new(),
         };
-        self.segments += u64::from(req.partitions);
+        self.segments += copies;
         self.shuffles.insert(shuffle_id, shuffle);
         self.by_job.entry(req.job_id.clone()).or_default().insert(shuffle_id);
     }
 
-    /// Adds a segment to the end of a partition (AdvanceSegment, a server's death, or the log).
+    /// Adds a segment to the end of a partition (AdvanceSegment, a server's death, or the log),
+    /// its copies on `copies` (second 0 = none).
     pub fn push_segment(
         &mut self,
         shuffle_id: u64,
         partition: u32,
-        server_id: u64,
+        copies: Copies,
         servers: &mut Servers,
     ) -> Result<(), Refusal> {
         let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let partitions = shuffle.partitions.len();
         let p = shuffle.partitions.get_mut(partition as usize).ok_or_else(|| no_partition(partition, partitions))?;
-        servers.add_segments(&[server_id]);
-        p.later.push(server_id);
-        *shuffle.holders.entry(server_id).or_default() += 1;
-        self.segments += 1;
+        p.later.push(copies);
+        for server_id in copy_servers(copies) {
+            servers.add_segments(&[server_id]);
+            *shuffle.holders.entry(server_id).or_default() += 1;
+            self.segments += 1;
+        }
         Ok(())
     }
 
@@ -272,10 +318,11 @@ impl Shuffles {
             }
             let mut record = LogLostSegments { shuffle_id, ..LogLostSegments::default() };
             for (p, partition) in (0..).zip(&shuffle.partitions) {
-                for (index, server) in (0..).zip(partition.servers()) {
-                    if server == server_id && shuffle.lost.insert((p, index)) {
+                for (index, copies) in (0..).zip(partition.servers()) {
+                    if on(copies, server_id) && shuffle.lost.insert((p, index, server_id)) {
                         record.partitions.push(p);
                         record.indexes.push(index);
+                        record.server_ids.push(server_id);
                     }
                 }
             }
@@ -286,10 +333,16 @@ impl Shuffles {
         records
     }
 
-    /// Marks segments lost as logged.
+    /// Marks segment copies lost as logged (a record without servers names each segment's first
+    /// copy, as logs from before replication do).
     pub fn restore_lost(&mut self, log: &LogLostSegments) {
         if let Some(shuffle) = self.shuffles.get_mut(&log.shuffle_id) {
-            shuffle.lost.extend(log.partitions.iter().copied().zip(log.indexes.iter().copied()));
+            for (i, (&p, &index)) in log.partitions.iter().zip(&log.indexes).enumerate() {
+                let first = || shuffle.partitions.get(p as usize)?.servers().nth(index as usize).map(|c| c.0);
+                if let Some(server_id) = log.server_ids.get(i).copied().or_else(first) {
+                    shuffle.lost.insert((p, index, server_id));
+                }
+            }
         }
     }
 
@@ -315,23 +368,31 @@ impl Shuffles {
                 maps: shuffle.maps,
                 storage_class: shuffle.storage_class.to_string(),
                 split_size_bytes: shuffle.split_size_bytes,
+                replicas: shuffle.replicas,
             };
+            let replicated = shuffle.replicas > 1;
             out.push(Change::RegisterShuffle(LogShuffle {
                 request: Some(request),
                 shuffle_id,
-                first_servers: shuffle.partitions.iter().map(|p| p.first).collect(),
+                first_servers: shuffle.partitions.iter().map(|p| p.first.0).collect(),
                 split_size_bytes: shuffle.split_size_bytes,
+                first_replicas: if replicated {
+                    shuffle.partitions.iter().map(|p| p.first.1).collect()
+                } else {
+                    Vec::new()
+                },
             }));
             for (partition, p) in (0..).zip(&shuffle.partitions) {
-                for &server_id in &p.later {
-                    out.push(Change::AddSegment(LogSegment { shuffle_id, partition, server_id }));
+                for &(server_id, replica_server_id) in &p.later {
+                    out.push(Change::AddSegment(LogSegment { shuffle_id, partition, server_id, replica_server_id }));
                 }
             }
             if !shuffle.lost.is_empty() {
                 out.push(Change::LostSegments(LogLostSegments {
                     shuffle_id,
-                    partitions: shuffle.lost.iter().map(|&(p, _)| p).collect(),
-                    indexes: shuffle.lost.iter().map(|&(_, i)| i).collect(),
+                    partitions: shuffle.lost.iter().map(|&(p, _, _)| p).collect(),
+                    indexes: shuffle.lost.iter().map(|&(_, i, _)| i).collect(),
+                    server_ids: shuffle.lost.iter().map(|&(_, _, server)| server).collect(),
                 }));
             }
             for (&map_index, commit) in &shuffle.commits {
@@ -349,25 +410,27 @@ impl Shuffles {
 
     /// The segment after `req.full_segment`: the partition's last segment when it is already
     /// later (many writers report the same full segment at once, and all get the one successor),
-    /// else a new one, on another live server when there is one.
-    /// Also returns the new segment's server when one was placed (for the log).
+    /// else a new one, on other live servers when there are enough (with 2 replicas, two).
+    /// Also returns the new segment's servers when one was placed (for the log).
     pub fn advance(
         &mut self,
         req: &AdvanceSegmentRequest,
         servers: &mut Servers,
-    ) -> Result<(AdvanceSegmentResponse, Option<u64>), Refusal> {
-        let room = self.check_room_for_segments(1);
+    ) -> Result<(AdvanceSegmentResponse, Option<Copies>), Refusal> {
+        // Every copy of the new segment counts against the bound.
+        let replicas = self.shuffles.get(&req.shuffle_id).map_or(1, |s| s.replicas);
+        let room = self.check_room_for_segments(u64::from(replicas));
         let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
         let partitions = shuffle.partitions.len();
         let partition = shuffle
             .partitions
             .get_mut(req.partition as usize)
             .ok_or_else(|| no_partition(req.partition, partitions))?;
-        let (last, last_server) = partition.last();
+        let (last, last_copies) = partition.last();
         if last > req.full_segment {
-            let lost = shuffle.lost.contains(&(req.partition, last));
-            let reply =
-                AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last, last_server, lost)) };
+            let reply = AdvanceSegmentResponse {
+                segment: Some(segment(servers, &shuffle.lost, req.partition, last, last_copies)),
+            };
             return Ok((reply, None));
         }
         if last < req.full_segment {
@@ -387,12 +450,14 @@ impl Shuffles {
             ));
         }
         room?;
-        // The last segment is the full one: its successor goes elsewhere.
-        let server_id = servers.plan_segments(1, Some(last_server))?[0];
-        self.push_segment(req.shuffle_id, req.partition, server_id, servers)?;
+        // The last segment is the full one (or a copy of it failed): its successor goes elsewhere.
+        let avoid: Vec<u64> = copy_servers(last_copies).collect();
+        let copies = servers.plan_segment_copies(1, &avoid, shuffle.replicas)?[0];
+        self.push_segment(req.shuffle_id, req.partition, copies, servers)?;
+        let shuffle = self.shuffles.get(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
         let reply =
-            AdvanceSegmentResponse { segment: Some(segment(servers, req.partition, last + 1, server_id, false)) };
-        Ok((reply, Some(server_id)))
+            AdvanceSegmentResponse { segment: Some(segment(servers, &shuffle.lost, req.partition, last + 1, copies)) };
+        Ok((reply, Some(copies)))
     }
 
     /// Records a map attempt's output.
@@ -504,14 +569,8 @@ impl Shuffles {
         }
         let mut segments = Vec::with_capacity(segment_count as usize);
         for (partition, p) in (start_partition..).zip(in_range) {
-            for (index, server_id) in (0..).zip(p.servers()) {
-                segments.push(segment(
-                    servers,
-                    partition,
-                    index,
-                    server_id,
-                    shuffle.lost.contains(&(partition, index)),
-                ));
+            for (index, copies) in (0..).zip(p.servers()) {
+                segments.push(segment(servers, &shuffle.lost, partition, index, copies));
             }
         }
         let width = part_range.len();
@@ -585,32 +644,35 @@ impl Shuffles {
         ids.len()
     }
 
-    /// After storage server `dead` died: gives every partition whose last segment was there a new
-    /// last segment on a live server, so map attempts can push again. Returns how many were placed
-    /// (none when no server is live, or a bound is reached).
+    /// After storage server `dead` died: gives every partition whose last segment had a copy there
+    /// a new last segment on live servers (two for a replicated shuffle), so map attempts can push
+    /// again. Returns those placed (none when too few servers are live, or a bound is reached).
     pub fn server_died(&mut self, dead: u64, servers: &mut Servers) -> Vec<LogSegment> {
         let mut placed = Vec::new();
         for (&shuffle_id, shuffle) in self.shuffles.iter_mut() {
             let tails: Vec<usize> = (0..shuffle.partitions.len())
                 .filter(|&p| {
                     let partition = &shuffle.partitions[p];
-                    partition.last().1 == dead && partition.len() < MAX_SEGMENTS_PER_PARTITION
+                    on(partition.last().1, dead) && partition.len() < MAX_SEGMENTS_PER_PARTITION
                 })
                 .collect();
-            let room = MAX_SEGMENTS.saturating_sub(self.segments) as usize;
+            let room = (MAX_SEGMENTS.saturating_sub(self.segments) / u64::from(shuffle.replicas)) as usize;
             if tails.is_empty() || room == 0 {
                 continue;
             }
-            let Ok(plan) = servers.plan_segments(tails.len().min(room), None) else {
-                return placed;
+            let Ok(plan) = servers.plan_segment_copies(tails.len().min(room), &[dead], shuffle.replicas) else {
+                continue;
             };
-            servers.add_segments(&plan);
-            for (&p, &server_id) in tails.iter().zip(&plan) {
-                shuffle.partitions[p].later.push(server_id);
-                *shuffle.holders.entry(server_id).or_default() += 1;
-                placed.push(LogSegment { shuffle_id, partition: p as u32, server_id });
+            for (&p, &copies) in tails.iter().zip(&plan) {
+                shuffle.partitions[p].later.push(copies);
+                for server_id in copy_servers(copies) {
+                    servers.add_segments(&[server_id]);
+                    *shuffle.holders.entry(server_id).or_default() += 1;
+                    self.segments += 1;
+                }
+                let (server_id, replica_server_id) = copies;
+                placed.push(LogSegment { shuffle_id, partition: p as u32, server_id, replica_server_id });
             }
-            self.segments += plan.len() as u64;
         }
         placed
     }
@@ -645,15 +707,26 @@ impl Shuffles {
     }
 }
 
-/// A segment as clients see it: lost when its server is dead or no longer known.
-fn segment(servers: &Servers, partition: u32, index: u32, server_id: u64, lost: bool) -> Segment {
+/// A segment as clients see it. A copy is lost when its server is dead or no longer known, or
+/// restarted since (`lost`); the segment is lost when every copy is. A live copy comes first.
+fn segment(servers: &Servers, lost: &BTreeSet<(u32, u32, u64)>, partition: u32, index: u32, copies: Copies) -> Segment {
+    let gone = |server_id: u64| lost.contains(&(partition, index, server_id)) || !servers.is_alive(server_id);
+    let (mut first, mut second) = copies;
+    if second != 0 && gone(first) && !gone(second) {
+        std::mem::swap(&mut first, &mut second);
+    }
+    let replica_lost = second != 0 && gone(second);
     Segment {
         partition,
         index,
-        server_id,
-        address: servers.address(server_id),
-        quic_address: servers.quic_address(server_id),
-        lost: lost || !servers.is_alive(server_id),
+        server_id: first,
+        address: servers.address(first),
+        quic_address: servers.quic_address(first),
+        lost: gone(first) && (second == 0 || replica_lost),
+        replica_server_id: second,
+        replica_address: if second == 0 { String::new() } else { servers.address(second) },
+        replica_quic_address: if second == 0 { String::new() } else { servers.quic_address(second) },
+        replica_lost,
     }
 }
 

@@ -85,15 +85,16 @@ impl State {
         let context = format!("create {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
+        let replicas = parse_replicas(req.replicas).context(&context)?;
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
         let file_id = self.namespace.create_file(&path, req.parents, storage_class, unix_ms()).context(&context)?;
-        if req.sealed {
-            self.namespace.file_mut(file_id).context(&context)?.sealed = true;
-        }
+        let file = self.namespace.file_mut(file_id).context(&context)?;
+        file.replicas = replicas;
+        file.sealed = req.sealed;
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, 1, 0);
         }
-        let request = CreateRequest { path, storage_class: storage_class.to_string(), ..req };
+        let request = CreateRequest { path, storage_class: storage_class.to_string(), replicas, ..req };
         self.log(Change::Create(LogCreate { request: Some(request), file_id }));
         Ok(CreateResponse { file_id, block_size: self.block_size })
     }
@@ -113,7 +114,10 @@ impl State {
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
-        let blocks = self.servers.allocate(req.count, &req.client_host, file.storage_class).context(&context)?;
+        let blocks = self
+            .servers
+            .allocate_copies(req.count, &req.client_host, file.storage_class, file.replicas)
+            .context(&context)?;
         let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
         file.blocks.extend(blocks.iter().copied());
         self.log(Change::Allocate(LogAllocate {
@@ -132,7 +136,7 @@ impl State {
             return Err(invalid("the file is already sealed").status(context));
         }
         let needed = req.length.div_ceil(u64::from(self.block_size));
-        let allocated = file.blocks.len() as u64;
+        let allocated = file.block_count();
         if allocated < needed {
             let why = format!(
                 "length {} needs {needed} blocks of {} bytes, but only {allocated} are allocated",
@@ -141,7 +145,7 @@ impl State {
             return Err(invalid(why).status(context));
         }
         // Writers allocate ahead; what they did not fill goes back to the servers.
-        let unused = file.blocks.split_off(needed as usize);
+        let unused = file.blocks.split_off(needed as usize * file.replicas.max(1) as usize);
         file.sealed = true;
         file.length = req.length;
         self.servers.free(&unused);
@@ -163,10 +167,27 @@ impl State {
         if !file.sealed {
             return Err(not_found("is not sealed yet").status(context));
         }
-        if let Some(lost) = file.blocks.iter().find_map(|block| self.servers.lost(block)) {
-            return Err(Refusal::new(ErrorKind::DataLost, lost).status(context));
+        // A block is lost only when every copy is; the reason names each copy's loss.
+        for copies in file.copies() {
+            let lost: Vec<String> = copies.iter().filter_map(|block| self.servers.lost(block)).collect();
+            if lost.len() == copies.len() {
+                let why = if lost.len() == 1 {
+                    lost.concat()
+                } else {
+                    format!("every copy of a block is lost: {}", lost.join("; "))
+                };
+                return Err(Refusal::new(ErrorKind::DataLost, why).status(context));
+            }
         }
-        let blocks = self.locations(file);
+        let mut blocks = self.locations(file);
+        // Within each block, the copies on readable servers first: readers start there.
+        for (group, copies) in blocks.chunks_mut(file.replicas.max(1) as usize).zip(file.copies()) {
+            let readable: Vec<bool> = copies.iter().map(|b| self.servers.block_readable(b)).collect();
+            let mut order: Vec<usize> = (0..group.len()).collect();
+            order.sort_by_key(|&i| !readable[i]);
+            let sorted: Vec<BlockLocation> = order.iter().map(|&i| group[i].clone()).collect();
+            group.clone_from_slice(&sorted);
+        }
         Ok(OpenResponse { info: Some(info), blocks, block_size: self.block_size })
     }
 
@@ -284,11 +305,17 @@ impl State {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
         let response = self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)?;
+        let replicated = req.replicas > 1;
         self.log(Change::RegisterShuffle(LogShuffle {
             request: Some(req),
             shuffle_id: response.shuffle_id,
             first_servers: response.segments.iter().map(|s| s.server_id).collect(),
             split_size_bytes: response.split_size_bytes,
+            first_replicas: if replicated {
+                response.segments.iter().map(|s| s.replica_server_id).collect()
+            } else {
+                Vec::new()
+            },
         }));
         Ok(response)
     }
@@ -303,9 +330,9 @@ impl State {
             req.full_segment, req.partition, req.shuffle_id
         );
         let (response, placed) = self.shuffles.advance(&req, &mut self.servers).context(context)?;
-        if let Some(server_id) = placed {
+        if let Some((server_id, replica_server_id)) = placed {
             let (shuffle_id, partition) = (req.shuffle_id, req.partition);
-            self.log(Change::AddSegment(LogSegment { shuffle_id, partition, server_id }));
+            self.log(Change::AddSegment(LogSegment { shuffle_id, partition, server_id, replica_server_id }));
         }
         Ok(response)
     }
@@ -501,14 +528,17 @@ impl State {
         }
     }
 
-    /// Where each block of a file lives and how many of its bytes it holds.
+    /// Where each copy of each block of a file lives and how many of the file's bytes the block
+    /// holds, grouped by block as in `FileMeta::blocks`.
     fn locations(&self, file: &FileMeta) -> Vec<BlockLocation> {
         let block_size = u64::from(self.block_size);
-        let count = file.blocks.len() as u64;
+        let count = file.block_count();
+        let replicas = file.replicas.max(1) as usize;
         file.blocks
             .iter()
             .enumerate()
-            .map(|(index, block)| {
+            .map(|(copy, block)| {
+                let index = copy / replicas;
                 let length = match (file.sealed, index as u64 + 1 == count) {
                     (false, _) => 0,
                     (true, false) => block_size,
@@ -517,6 +547,15 @@ impl State {
                 self.servers.location(block, length as u32)
             })
             .collect()
+    }
+}
+
+/// Copies of each block asked at create: 1 or 2 (0 = 1).
+fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
+    match replicas {
+        0 => Ok(1),
+        n if n <= tern_proto::MAX_REPLICAS => Ok(n),
+        n => Err(invalid(format!("replicas must be 1 to {}, not {n}", tern_proto::MAX_REPLICAS))),
     }
 }
 

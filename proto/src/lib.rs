@@ -36,3 +36,5 @@ pub const MAX_ALLOCATE_BLOCKS: u32 = 1024;
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 16 << 20;
 /// Most ids (blocks and shuffles together) one ReportInventory page carries: 512 KiB of ids.
 pub const MAX_INVENTORY_PAGE: usize = 65536;
+/// Most copies of a file's block (`CreateRequest.replicas`): each copy needs its own storage server.
+pub const MAX_REPLICAS: u32 = 2;

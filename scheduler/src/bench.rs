@@ -333,6 +333,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
             reduces: options.tasks as usize,
             tern: options.tern.clone(),
             progress: false,
+            replicas: 1,
         })
         .await?;
         let seconds = report.phases.teragen + report.phases.map + report.phases.reduce;

@@ -269,6 +269,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_registerShuffle<'l>(
             maps: maps as u32,
             storage_class: string(env, &storage_class)?,
             split_size_bytes: split_size_bytes as u64,
+            ..ShuffleOptions::default()
         };
         let shuffle = runtime().block_on(client.register_shuffle(&job_id, partitions as u32, options))?;
         Ok(into_handle(shuffle))

@@ -31,9 +31,9 @@ impl State {
                 let req = log.request.clone().unwrap_or_default();
                 let class = parse_storage_class(&req.storage_class)?;
                 self.namespace.create_file_as(log.file_id, &req.path, req.parents, class, ms)?;
-                if req.sealed {
-                    self.namespace.file_mut(log.file_id)?.sealed = true;
-                }
+                let file = self.namespace.file_mut(log.file_id)?;
+                file.sealed = req.sealed;
+                file.replicas = req.replicas.max(1);
                 if let Some(job) = Place::of(&req.path).job() {
                     self.jobs.add_usage(job, 1, 0);
                 }
@@ -55,7 +55,7 @@ impl State {
                 let path = self.namespace.file_path(req.file_id)?;
                 let block_size = u64::from(self.block_size);
                 let file = self.namespace.file_mut(req.file_id)?;
-                let needed = req.length.div_ceil(block_size) as usize;
+                let needed = req.length.div_ceil(block_size) as usize * file.replicas.max(1) as usize;
                 let unused = file.blocks.split_off(needed.min(file.blocks.len()));
                 file.sealed = true;
                 file.length = req.length;
@@ -84,9 +84,12 @@ impl State {
                 }
             }
             Change::RegisterShuffle(log) => self.shuffles.restore(log, &mut self.servers)?,
-            Change::AddSegment(log) => {
-                self.shuffles.push_segment(log.shuffle_id, log.partition, log.server_id, &mut self.servers)?
-            }
+            Change::AddSegment(log) => self.shuffles.push_segment(
+                log.shuffle_id,
+                log.partition,
+                (log.server_id, log.replica_server_id),
+                &mut self.servers,
+            )?,
             Change::CommitMap(req) => {
                 self.shuffles.commit(req.clone())?;
             }
@@ -155,8 +158,13 @@ impl State {
             let Some(file) = file else {
                 continue;
             };
-            let request =
-                CreateRequest { path, parents: false, sealed: false, storage_class: file.storage_class.to_string() };
+            let request = CreateRequest {
+                path,
+                parents: false,
+                sealed: false,
+                storage_class: file.storage_class.to_string(),
+                replicas: file.replicas,
+            };
             let change = Change::Create(LogCreate { request: Some(request), file_id: file.file_id });
             records.push(LogRecord { unix_ms, change: Some(change) });
             if !file.blocks.is_empty() {

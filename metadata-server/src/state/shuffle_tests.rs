@@ -499,3 +499,79 @@ fn a_thousand_by_thousand_shuffle_is_cheap() {
     assert_eq!(checked, u64::from(N) * u64::from(N));
     println!("{N} maps x {N} partitions: register, {N} commits, {N} locates in {elapsed:?}");
 }
+
+#[test]
+fn segment_copies_land_on_distinct_servers_and_a_map_is_lost_only_with_both() {
+    let (mut state, start) = state();
+    register_job(&mut state, "j", 60_000, start);
+    let a = add_server(&mut state, "10.0.0.1:7000", 1000, start);
+    let two = RegisterShuffleRequest { replicas: 2, ..register_request("j", 3, 2) };
+    let (kind, message) = refused(state.register_shuffle(two.clone(), start));
+    assert_eq!(kind, ErrorKind::Unavailable);
+    assert!(message.contains("2 copies of each segment need 2 live storage servers"), "{message}");
+    let three = RegisterShuffleRequest { replicas: 3, ..register_request("j", 3, 2) };
+    assert_eq!(refused(state.register_shuffle(three, start)).0, ErrorKind::Invalid);
+    let b = add_server(&mut state, "10.0.0.2:7000", 1000, start);
+    let c = add_server(&mut state, "10.0.0.3:7000", 1000, start);
+    let registered = state.register_shuffle(two, start).unwrap();
+    for segment in &registered.segments {
+        assert!(segment.replica_server_id != 0 && segment.replica_server_id != segment.server_id, "{segment:?}");
+        assert!(!segment.replica_address.is_empty() && !segment.lost && !segment.replica_lost);
+    }
+    let shuffle = registered.shuffle_id;
+    // Both copies count in the servers' load: 6 copies over 3 servers.
+    let mut load = BTreeMap::new();
+    for s in &registered.segments {
+        *load.entry(s.server_id).or_insert(0) += 1;
+        *load.entry(s.replica_server_id).or_insert(0) += 1;
+    }
+    assert_eq!(load, BTreeMap::from([(a, 2), (b, 2), (c, 2)]));
+    commit(&mut state, shuffle, 0, 0, vec![10, 10, 10], start);
+    commit(&mut state, shuffle, 1, 0, vec![10, 10, 10], start);
+    // Server a dies: every segment keeps a live copy, shown first; nothing is lost.
+    let later = start + Duration::from_secs(6);
+    beat(&mut state, b, 0, later);
+    beat(&mut state, c, 0, later);
+    state.reap(later);
+    let reply = locate(&mut state, shuffle, (0, 3), (0, 2), later);
+    let first_segments: Vec<&Segment> = reply.segments.iter().filter(|s| s.index == 0).collect();
+    assert!(first_segments.iter().all(|s| !s.lost && s.server_id != a), "{:?}", reply.segments);
+    assert_eq!(first_segments.iter().filter(|s| s.replica_lost).count(), 2, "two segments had a copy on a");
+    // Partitions whose last segment had a copy on a moved on to two live copies.
+    let tails: Vec<&Segment> = reply.segments.iter().filter(|s| s.index == 1).collect();
+    assert_eq!(tails.len(), 2);
+    assert!(tails
+        .iter()
+        .all(|s| [s.server_id, s.replica_server_id] == [b, c] || [s.server_id, s.replica_server_id] == [c, b]));
+    // Server b dies too: the first segment that had its copies on a and b is lost, and so are
+    // exactly the maps with bytes there.
+    let much_later = later + Duration::from_secs(6);
+    beat(&mut state, c, 0, much_later);
+    state.reap(much_later);
+    let reply = locate(&mut state, shuffle, (0, 3), (0, 2), much_later);
+    let lost: Vec<(u32, u32)> = reply.segments.iter().filter(|s| s.lost).map(|s| (s.partition, s.index)).collect();
+    assert_eq!(lost.len(), 1, "{:?}", reply.segments);
+    // Unregistering frees the shuffle on every server holding a copy that is still alive.
+    state.unregister_shuffle(UnregisterShuffleRequest { shuffle_id: shuffle }, much_later).unwrap();
+    assert_eq!(beat(&mut state, c, 0, much_later).free_shuffle_ids, [shuffle]);
+}
+
+#[test]
+fn replicated_segments_survive_a_log_replay() {
+    let (mut state, now) = state();
+    register_job(&mut state, "j", 60_000, now);
+    for i in 1..=3 {
+        add_server(&mut state, &format!("10.0.0.{i}:7000"), 1000, now);
+    }
+    let two = RegisterShuffleRequest { replicas: 2, ..register_request("j", 2, 1) };
+    let shuffle = state.register_shuffle(two, now).unwrap().shuffle_id;
+    advance(&mut state, shuffle, 1, 0, now);
+    let before = locate(&mut state, shuffle, (0, 2), (0, 1), now);
+    let mut rebuilt = State::new(&super::tests::config());
+    for record in state.take_journal() {
+        rebuilt.apply(&record, now).unwrap();
+    }
+    let after = locate(&mut rebuilt, shuffle, (0, 2), (0, 1), now);
+    assert_eq!(after.segments, before.segments);
+    assert!(after.segments.iter().all(|s| s.replica_server_id != 0));
+}

@@ -502,3 +502,98 @@ fn storage_classes_steer_placement() {
         assert_eq!(info.storage_class, class, "{path}");
     }
 }
+
+/// Creates a file with `replicas` copies of each block.
+fn create_replicated(state: &mut State, path: &str, replicas: u32, now: Instant) -> Result<u64, Status> {
+    let request = CreateRequest { path: path.into(), parents: true, replicas, ..Default::default() };
+    state.create(request, now).map(|r| r.file_id)
+}
+
+#[test]
+fn two_copies_go_to_different_servers_and_need_two_live_servers() {
+    let (mut state, now) = state();
+    assert_eq!(refused(create_replicated(&mut state, "/r/bad", 3, now)).0, ErrorKind::Invalid);
+    let only = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let file_id = create_replicated(&mut state, "/r/f", 2, now).unwrap();
+    let request = AllocateBlocksRequest { file_id, count: 2, client_host: String::new() };
+    let (kind, message) = refused(state.allocate_blocks(request.clone(), now));
+    assert_eq!(kind, ErrorKind::Unavailable);
+    assert!(message.contains("2 copies of each block need 2 live storage servers"), "{message}");
+    let other = add_server(&mut state, "10.0.0.2:7000", 100, now);
+    add_server(&mut state, "10.0.0.3:7000", 100, now);
+    let placed = state.allocate_blocks(request, now).unwrap().blocks;
+    assert_eq!(placed.len(), 4, "two copies of two blocks");
+    for copies in placed.chunks(2) {
+        assert_ne!(copies[0].server_id, copies[1].server_id, "{placed:?}");
+    }
+    let info = seal(&mut state, file_id, BLOCK + 1, now);
+    assert_eq!((info.replicas, info.block_count), (2, 2));
+    let opened = open(&mut state, "/r/f", now).unwrap();
+    assert_eq!(opened.blocks.iter().map(|b| b.length).collect::<Vec<_>>(), [BLOCK as u32, BLOCK as u32, 1, 1]);
+    // Capacity counts both copies: 4 blocks placed.
+    let status = state.status(StatusRequest {}, now).unwrap();
+    assert_eq!(status.servers.iter().map(|s| s.allocated_blocks).sum::<u64>(), 4);
+    // Seal gives back both copies of an unused block.
+    let file_id = create_replicated(&mut state, "/r/short", 2, now).unwrap();
+    allocate(&mut state, file_id, 3, now);
+    seal(&mut state, file_id, 10, now);
+    let status = state.status(StatusRequest {}, now).unwrap();
+    let freeing: usize = [only, other, 3].iter().map(|&s| frees(&mut state, s, now).len()).sum();
+    assert_eq!(freeing, 4, "two unused blocks of two copies each: {status:?}");
+}
+
+#[test]
+fn a_replicated_file_is_lost_only_when_every_copy_is() {
+    let (mut state, start) = state();
+    let a = add_server(&mut state, "10.0.0.1:7000", 100, start);
+    let b = add_server(&mut state, "10.0.0.2:7000", 100, start);
+    let c = add_server(&mut state, "10.0.0.3:7000", 100, start);
+    let file_id = create_replicated(&mut state, "/r/f", 2, start).unwrap();
+    let placed = allocate(&mut state, file_id, 3, start);
+    seal(&mut state, file_id, 3 * BLOCK, start);
+    // A single-copy file on every server, for contrast.
+    write(&mut state, "/r/single", 3 * BLOCK, start);
+    // Server a dies: every block still has a copy, and the live copy is listed first.
+    let later = start + Duration::from_secs(6);
+    for server_id in [b, c] {
+        state.heartbeat(HeartbeatRequest { server_id, ..Default::default() }, later).unwrap();
+    }
+    state.reap(later);
+    let opened = open(&mut state, "/r/f", later).unwrap();
+    assert!(opened.blocks.chunks(2).all(|copies| copies[0].server_id != a), "{:?}", opened.blocks);
+    let stat = state.stat(StatRequest { path: "/r/f".into(), with_blocks: true }, later).unwrap();
+    let dead_copies = placed.iter().filter(|p| p.server_id == a).count();
+    assert_eq!(stat.blocks_alive.iter().filter(|alive| !**alive).count(), dead_copies);
+    assert_eq!(refused(open(&mut state, "/r/single", later)).0, ErrorKind::DataLost);
+    // Server b dies too: some block had its copies on a and b, so the file is lost, and the
+    // message names both copies.
+    let much_later = later + Duration::from_secs(6);
+    state.heartbeat(HeartbeatRequest { server_id: c, ..Default::default() }, much_later).unwrap();
+    state.reap(much_later);
+    let (kind, message) = refused(open(&mut state, "/r/f", much_later));
+    assert_eq!(kind, ErrorKind::DataLost);
+    assert!(message.contains("every copy of a block is lost") && message.contains("storage server 1"), "{message}");
+    assert!(message.contains("storage server 2"), "{message}");
+    // Deleting it frees only the copies on the live server.
+    delete(&mut state, "/r/f", false, much_later).unwrap();
+    assert_eq!(frees(&mut state, c, much_later).len(), placed.iter().filter(|p| p.server_id == c).count());
+}
+
+#[test]
+fn replicas_survive_a_log_replay() {
+    let (mut state, now) = state();
+    for i in 1..=2 {
+        add_server(&mut state, &format!("10.0.0.{i}:7000"), 100, now);
+    }
+    let file_id = create_replicated(&mut state, "/r/f", 2, now).unwrap();
+    allocate(&mut state, file_id, 4, now);
+    seal(&mut state, file_id, BLOCK + 5, now);
+    let before = open(&mut state, "/r/f", now).unwrap();
+    let mut rebuilt = State::new(&config());
+    for record in state.take_journal() {
+        rebuilt.apply(&record, now).unwrap();
+    }
+    let after = open(&mut rebuilt, "/r/f", now).unwrap();
+    assert_eq!(after.info.as_ref().unwrap().replicas, 2);
+    assert_eq!(after.blocks, before.blocks);
+}
