@@ -172,7 +172,10 @@ pub async fn generate_part_with(
     let scratch = attempt_location(target, attempt);
     let mut sink = match &scratch {
         Location::Store(path) => {
-            Sink::Store(client.context("store output needs a client")?.create_with_options(path, true, create).await?)
+            let client = client.context("store output needs a client")?;
+            let mut writer = client.create_with_options(path, true, create).await?;
+            writer.expect_len(count * RECORD_LEN as u64);
+            Sink::Store(writer)
         }
         Location::Local(path) => Sink::Local(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
@@ -390,8 +393,10 @@ impl TerasortReport {
 /// Each storage server's DRAM tier when terasort starts its own cluster: room for the input and
 /// the shuffle, or the shuffle and the output, with a margin for partly filled blocks.
 fn embedded_dram_per_server(size_bytes: u64, replicas: u32) -> String {
-    let size_bytes = size_bytes * u64::from(replicas.max(1));
-    let per_server = (size_bytes + size_bytes / 4).max(256 << 20).div_ceil(1 << 20);
+    // Every copy takes room: with 2 replicas, twice the data on the same two servers.
+    let copies = u64::from(replicas.max(1));
+    let size_bytes = size_bytes * copies;
+    let per_server = (size_bytes + size_bytes / 4).max(copies * (256 << 20)).div_ceil(1 << 20);
     format!("{per_server}MiB")
 }
 
@@ -831,6 +836,7 @@ pub async fn write_part_with(
 ) -> anyhow::Result<()> {
     let scratch = attempt_store_path(path, attempt);
     let mut writer = client.create_with_options(&scratch, true, create).await?;
+    writer.expect_len(data.len() as u64);
     writer.write_bytes(data).await?;
     writer.close().await?;
     publish(Some(client), &Location::Store(scratch), &Location::Store(path.to_string()), attempt).await

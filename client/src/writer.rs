@@ -43,6 +43,10 @@ pub struct FileWriter {
     /// Allocated locations not yet written, grouped by block (`replicas` entries each).
     spare: VecDeque<BlockLocation>,
     next_batch: u32,
+    /// Blocks allocated so far (not counting copies).
+    allocated: u64,
+    /// Blocks the whole file needs, when the caller said (see [`FileWriter::expect_len`]).
+    expected_blocks: Option<u64>,
     in_flight: FuturesUnordered<JoinHandle<Result<()>>>,
     written: u64,
     closed: bool,
@@ -59,6 +63,8 @@ impl FileWriter {
             buffer: BytesMut::new(),
             spare: VecDeque::new(),
             next_batch: FIRST_ALLOCATE_BATCH,
+            allocated: 0,
+            expected_blocks: None,
             in_flight: FuturesUnordered::new(),
             written: 0,
             closed: false,
@@ -76,6 +82,14 @@ impl FileWriter {
 
     pub fn is_empty(&self) -> bool {
         self.written == 0
+    }
+
+    /// Says how long the whole file will be, so allocation never asks for blocks beyond it: the
+    /// doubling batches otherwise hold up to twice a large file's blocks until the seal frees
+    /// them, which matters when the cluster is nearly full (and doubly with 2 replicas). A file
+    /// that turns out longer simply allocates more.
+    pub fn expect_len(&mut self, bytes: u64) {
+        self.expected_blocks = Some(bytes.div_ceil(self.block_size as u64));
     }
 
     /// Appends `data` (copied into the current block buffer).
@@ -160,6 +174,7 @@ impl FileWriter {
                     ),
                 ));
             }
+            self.allocated += (reply.blocks.len() / self.replicas) as u64;
             self.spare.extend(reply.blocks);
             let max = self.client.options().max_allocate_batch.clamp(1, tern_proto::MAX_ALLOCATE_BLOCKS);
             self.next_batch = (self.next_batch * 2).min(max);
@@ -176,11 +191,12 @@ impl FileWriter {
         let mut backoff = ALLOCATE_BACKOFF_START;
         let mut attempt = 1;
         loop {
-            let request = pb::AllocateBlocksRequest {
-                file_id: self.file_id,
-                count: self.next_batch,
-                client_host: self.client.inner.host.clone(),
+            let count = match self.expected_blocks {
+                Some(expected) => u64::from(self.next_batch).min(expected.saturating_sub(self.allocated).max(1)) as u32,
+                None => self.next_batch,
             };
+            let request =
+                pb::AllocateBlocksRequest { file_id: self.file_id, count, client_host: self.client.inner.host.clone() };
             match self.client.metadata().allocate_blocks(request).await {
                 Ok(reply) => return Ok(reply.into_inner()),
                 Err(status) => {
