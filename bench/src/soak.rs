@@ -524,6 +524,7 @@ pub async fn run(options: &SoakOptions) -> anyhow::Result<SoakReport> {
     let unexpected = load(&tally.unexpected);
     let within_bound = beyond <= options.rss_bound_bytes;
     let ops_total = tally.ops();
+    let error_samples = tally.samples.lock().unwrap_or_else(|e| e.into_inner()).clone();
     drop(cluster);
     Ok(SoakReport {
         clients: options.clients,
@@ -540,7 +541,7 @@ pub async fn run(options: &SoakOptions) -> anyhow::Result<SoakReport> {
         pushbacks: Pushbacks { out_of_space: load(&tally.out_of_space), unavailable: load(&tally.unavailable) },
         pushbacks_total: tally.pushbacks(),
         unexpected_errors: unexpected,
-        error_samples: tally.samples.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        error_samples,
         peak_rss_bytes: peak,
         peak_rss_beyond_dram_bytes: beyond,
         rss_bound_bytes: options.rss_bound_bytes,

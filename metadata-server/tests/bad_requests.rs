@@ -256,3 +256,65 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
     client.stat(StatRequest { path: "/after/fuzz".into(), with_blocks: false }).await.unwrap();
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_closed_and_the_server_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tern_metadata::Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        dir: dir.path().join("metadata"),
+        fsync: false,
+        max_connections: 2,
+        ..Default::default()
+    };
+    let server = tern_metadata::start(config).await.unwrap();
+    let url = format!("http://{}", server.addr());
+    let status = || StatusRequest {};
+    let mut first = MetadataClient::connect(url.clone()).await.unwrap();
+    let mut second = MetadataClient::connect(url.clone()).await.unwrap();
+    first.status(status()).await.unwrap();
+    second.status(status()).await.unwrap();
+    // The third is closed as it arrives: its handshake or its first call fails.
+    let third = async {
+        let mut client = MetadataClient::connect(url.clone()).await.map_err(|e| e.to_string())?;
+        client.status(status()).await.map_err(|e| e.to_string())
+    };
+    let refused = tokio::time::timeout(Duration::from_secs(10), third).await.expect("an answer within 10 s");
+    assert!(refused.is_err(), "a third connection was served past max_connections = 2");
+    // Counted (the client may have tried more than once).
+    let metrics = metrics_page(server.admin_addr()).await;
+    let refused: u64 = metrics
+        .lines()
+        .find_map(|line| line.strip_prefix("tern_metadata_connections_refused_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no refused-connections counter: {metrics}"));
+    assert!(refused >= 1, "{metrics}");
+    // The two held keep working; closing one makes room for a new one.
+    first.status(status()).await.unwrap();
+    drop(second);
+    let mut attempts = 0;
+    loop {
+        let next = async {
+            let mut client = MetadataClient::connect(url.clone()).await.map_err(|e| e.to_string())?;
+            client.status(status()).await.map_err(|e| e.to_string())
+        };
+        if next.await.is_ok() {
+            break;
+        }
+        attempts += 1;
+        assert!(attempts < 100, "the closed connection never freed its place");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.shutdown().await;
+}
+
+/// The admin endpoint's metrics page, over a plain HTTP/1.0 request.
+async fn metrics_page(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut page = String::new();
+    stream.read_to_string(&mut page).await.unwrap();
+    page
+}
