@@ -102,7 +102,7 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
                 maps.push((u32::from(s.byte() % 8), u32::from(s.byte() % 2)));
             }
             // Mostly ascending (valid), sometimes not.
-            if s.byte() % 4 != 0 {
+            if !s.byte().is_multiple_of(4) {
                 maps.sort_unstable();
                 maps.dedup_by_key(|m| m.0);
             }
@@ -113,7 +113,7 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
             // Any op byte, response bit included, with a payload.
             let mut frame = Frame::write(request_id, block, offset, data());
             frame.header.op = Op::from_code(s.byte() & 0x7f).unwrap_or(Op::Ping);
-            frame.header.response = s.byte() % 2 == 0;
+            frame.header.response = s.byte().is_multiple_of(2);
             frame
         }
     }
@@ -132,7 +132,7 @@ pub fn script_to_wire(data: &[u8]) -> Vec<u8> {
     let mut request_id = 0u64;
     while !s.data.is_empty() {
         let tag = s.byte();
-        if tag % 16 == 0 {
+        if tag.is_multiple_of(16) {
             // Raw bytes in between frames: garbage where a header should be.
             let n = usize::from(s.byte() % 64);
             wire.extend_from_slice(s.take(n));

@@ -84,7 +84,7 @@ async fn random_scripts_over_tcp_leave_the_server_serving() {
         let script = Rng(case ^ 0x7c9).script(600);
         let wire = if case % 5 == 4 { script } else { script_to_wire(&script) };
         let stream = TcpStream::connect(server.addr).await.unwrap();
-        let (mut rd, mut wr) = stream.into_split();
+        let (rd, mut wr) = stream.into_split();
         let sender = tokio::spawn(async move {
             let _ = wr.write_all(&wire).await;
             let _ = wr.shutdown().await;
