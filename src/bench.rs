@@ -121,6 +121,45 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Load and pushback: CLIENTS concurrent clients (each its own client, connections and all)
+    /// doing mixed file and shuffle work on an embedded cluster with small tiers, for DURATION:
+    /// puts of random sizes read back byte for byte, stats, lists, deletes, whole shuffles under
+    /// jobs of their own (every byte and per-map total checked). Full tiers must push back
+    /// (OutOfSpace, Unavailable: counted apart) and nothing else may fail; storage servers'
+    /// peak RSS less their DRAM tier must stay under --rss-bound. Exits non-zero otherwise.
+    Soak {
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        /// How long the clients run, e.g. 60s, 2m, 500ms.
+        #[arg(long, default_value = "60s", value_parser = parse_duration)]
+        duration: std::time::Duration,
+        #[arg(long, default_value_t = 2)]
+        servers: u16,
+        /// DRAM tier per storage server: small, so that it fills.
+        #[arg(long, default_value = "32MiB")]
+        dram: ByteSize,
+        #[arg(long, default_value = "256KiB")]
+        block_size: ByteSize,
+        /// NVMe tier per storage server (a file in --dir); then a third of the files ask for the
+        /// NVMe class. Default: none.
+        #[arg(long)]
+        nvme: Option<ByteSize>,
+        /// Directory of the cluster (NVMe files need a filesystem that takes O_DIRECT, not tmpfs).
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// Largest file a client puts.
+        #[arg(long, default_value = "1MiB")]
+        max_file: ByteSize,
+        /// Most resident memory a storage server may hold beyond its DRAM tier.
+        #[arg(long, default_value = "192MiB")]
+        rss_bound: ByteSize,
+        /// Seed of every client's choices and bytes.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object instead of the table (progress lines still go to stderr).
+        #[arg(long)]
+        json: bool,
+    },
     /// TeraSort as a scheduler job (`tern job terasort`: teragen, map and reduce stages on
     /// executors) beside `tern terasort` (the same tasks in one process), same size, same cluster.
     JobTerasort {
@@ -190,6 +229,53 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             } else {
                 tern_bench::core::print_table(&report);
             }
+            Ok(())
+        }
+        BenchCommand::Soak {
+            clients,
+            duration,
+            servers,
+            dram,
+            block_size,
+            nvme,
+            dir,
+            max_file,
+            rss_bound,
+            seed,
+            json,
+        } => {
+            let options = tern_bench::soak::SoakOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                clients,
+                duration,
+                servers,
+                dram_bytes: dram.bytes(),
+                block_size_bytes: block_size.bytes(),
+                nvme_bytes: nvme.map(|n| n.bytes()),
+                dir,
+                max_file_bytes: max_file.bytes(),
+                rss_bound_bytes: rss_bound.bytes(),
+                seed,
+                progress: true,
+            };
+            let report = tern_bench::soak::run(&options).await?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_bench::soak::print_table(&report);
+            }
+            anyhow::ensure!(
+                report.unexpected_errors == 0,
+                "{} unexpected errors, e.g. {:?}",
+                report.unexpected_errors,
+                report.error_samples.first()
+            );
+            anyhow::ensure!(
+                report.within_bound,
+                "storage server memory beyond its DRAM tier peaked at {} bytes, over the bound of {}",
+                report.peak_rss_beyond_dram_bytes,
+                report.rss_bound_bytes
+            );
             Ok(())
         }
         BenchCommand::Scheduler { tasks, executors, cold_starts, json } => {
@@ -322,5 +408,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             anyhow::ensure!(report.builtin_valid && report.tern_valid, "a Spark TeraSort output is invalid");
             Ok(())
         }
+    }
+}
+
+/// A duration with a unit: `500ms`, `60s`, `2m`, `1h` (a bare number is seconds).
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 60s, 500ms or 2m"))?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        other => return Err(format!("unknown unit {other:?} in {text:?} (use ms, s, m or h)")),
+    };
+    std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(super::parse_duration("60s"), Ok(Duration::from_secs(60)));
+        assert_eq!(super::parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(super::parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(super::parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(super::parse_duration("1 fortnight").unwrap_err().contains("unknown unit"));
+        assert!(super::parse_duration("s").is_err());
     }
 }

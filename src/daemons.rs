@@ -47,6 +47,15 @@ pub struct MetadataArgs {
     /// Acknowledge changes without syncing the log: a machine crash may lose them [default: sync].
     #[arg(long)]
     no_fsync: bool,
+    /// Most open gRPC connections; further ones are closed as they arrive [default: 4096].
+    #[arg(long)]
+    max_connections: Option<u32>,
+    /// Most RPCs in flight on one gRPC connection (HTTP/2 streams) [default: 1024].
+    #[arg(long)]
+    max_concurrent_streams: Option<u32>,
+    /// Largest gRPC message received or sent, 64KiB to 16MiB [default: 16MiB].
+    #[arg(long)]
+    max_message_size: Option<ByteSize>,
 }
 
 pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
@@ -65,6 +74,9 @@ pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
     override_with(&mut config.snapshot_interval_ms, args.snapshot_interval_ms);
     override_with(&mut config.snapshot_log_size, args.snapshot_log_size);
     config.fsync &= !args.no_fsync;
+    override_with(&mut config.max_connections, args.max_connections);
+    override_with(&mut config.max_concurrent_streams, args.max_concurrent_streams);
+    override_with(&mut config.max_message_size, args.max_message_size);
     tern_metadata::run(config).await
 }
 
@@ -91,6 +103,10 @@ pub struct StorageArgs {
     /// Most client connections served at once, TCP and QUIC together [default: 1024].
     #[arg(long)]
     max_connections: Option<usize>,
+    /// Replies queued per connection before the server stops reading it (backpressure)
+    /// [default: 64].
+    #[arg(long)]
+    max_in_flight_per_connection: Option<usize>,
     /// NVMe tier: a file (created and preallocated if missing) or block device, opened with
     /// O_DIRECT [default: none].
     #[arg(long)]
@@ -124,6 +140,7 @@ pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
     override_with(&mut config.dram, args.dram);
     override_with(&mut config.admin_listen, args.admin);
     override_with(&mut config.max_connections, args.max_connections);
+    override_with(&mut config.max_in_flight_per_connection, args.max_in_flight_per_connection);
     if args.nvme.is_some() {
         config.nvme = args.nvme;
     }

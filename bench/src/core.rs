@@ -361,7 +361,7 @@ async fn rss_with_connections(
 }
 
 /// The pid of the `tern storage-server` process started with `--listen addr`.
-fn pid_listening_on(addr: &str) -> anyhow::Result<u32> {
+pub(crate) fn pid_listening_on(addr: &str) -> anyhow::Result<u32> {
     for entry in std::fs::read_dir("/proc")? {
         let entry = entry?;
         let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
@@ -376,7 +376,7 @@ fn pid_listening_on(addr: &str) -> anyhow::Result<u32> {
     bail!("no storage-server process listening on {addr}")
 }
 
-fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+pub(crate) fn rss_kib(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod core;
 pub mod io;
 pub mod shuffle;
+pub mod soak;
 pub mod terasort;
 pub mod terasort_run;
 

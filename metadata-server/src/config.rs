@@ -47,6 +47,16 @@ pub struct Config {
     pub snapshot_interval_ms: u64,
     /// Snapshot as soon as the log has grown by this much. Default `64MiB`.
     pub snapshot_log_size: ByteSize,
+    /// Most open gRPC connections (clients and storage servers together); further ones are
+    /// closed as they arrive, logged. Default `4096`.
+    pub max_connections: u32,
+    /// Most RPCs in flight on one gRPC connection (HTTP/2 concurrent streams); the client's
+    /// HTTP/2 layer queues the rest. Default `1024`.
+    pub max_concurrent_streams: u32,
+    /// Largest gRPC message received or sent, 64KiB to 16MiB; larger ones are refused with a
+    /// status (a List or Locate reply that would be larger fails, so keep it above their
+    /// pages). Default `16MiB`.
+    pub max_message_size: ByteSize,
 }
 
 impl Default for Config {
@@ -68,6 +78,9 @@ impl Default for Config {
             fsync: true,
             snapshot_interval_ms: 60_000,
             snapshot_log_size: ByteSize(64 << 20),
+            max_connections: 4096,
+            max_concurrent_streams: 1024,
+            max_message_size: ByteSize(tern_proto::MAX_GRPC_MESSAGE_BYTES as u64),
         }
     }
 }
@@ -103,6 +116,17 @@ impl Config {
             if value == 0 {
                 bail!("{key} must be at least 1");
             }
+        }
+        if self.max_connections == 0 || self.max_concurrent_streams == 0 {
+            bail!("max_connections and max_concurrent_streams must be at least 1");
+        }
+        let message = self.max_message_size.bytes();
+        if !(64 << 10..=tern_proto::MAX_GRPC_MESSAGE_BYTES as u64).contains(&message) {
+            bail!(
+                "max_message_size = {} must be from 64KiB to {} (the clients' limit)",
+                self.max_message_size,
+                ByteSize(tern_proto::MAX_GRPC_MESSAGE_BYTES as u64)
+            );
         }
         if self.snapshot_interval_ms == 0 || self.snapshot_log_size.bytes() == 0 {
             bail!("snapshot_interval_ms and snapshot_log_size must be above 0");
@@ -149,7 +173,7 @@ mod tests {
     #[test]
     fn refuses_bad_values() {
         type Case = (fn(&mut Config), &'static str);
-        let cases: [Case; 7] = [
+        let cases: [Case; 10] = [
             (|c| c.listen = "0.0.0.0:9060".parse().unwrap(), "tern cert init --dir DIR"),
             (|c| c.block_size = ByteSize(3 << 20), "power of two"),
             (|c| c.block_size = ByteSize::kib(2), "power of two"),
@@ -157,6 +181,9 @@ mod tests {
             (|c| c.heartbeat_interval_ms = 6000, "server_timeout_ms"),
             (|c| c.default_lease_ms = 0, "default_lease_ms"),
             (|c| c.max_jobs = 0, "max_jobs"),
+            (|c| c.max_connections = 0, "max_connections"),
+            (|c| c.max_message_size = ByteSize::kib(1), "max_message_size"),
+            (|c| c.max_message_size = ByteSize::mib(17), "max_message_size"),
         ];
         for (break_it, expected) in cases {
             let mut config = Config::default();

@@ -10,12 +10,17 @@
 //! `namespace` (the directory tree), `placement` (storage servers, placement, frees), `jobs` (jobs
 //! and leases), `shuffles` (shuffles, their segments and map commits), `state` (one method per RPC
 //! over all of them), `service` (the gRPC services), `metrics`, `server` (start, run, shutdown),
-//! `dirlock` (one server per directory), `error` (refusals and their context), `wal` (the
-//! write-ahead log and snapshots in `--dir` that make the state survive restarts).
+//! `conn_limit` (the bound on gRPC connections), `dirlock` (one server per directory), `fuzzing`
+//! (request validation under arbitrary input, for fuzzing and tests), `error` (refusals and their
+//! context), `wal` (the write-ahead log and snapshots in `--dir` that make the state survive
+//! restarts).
 
 mod config;
+mod conn_limit;
 mod dirlock;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod jobs;
 mod metrics;
 mod namespace;

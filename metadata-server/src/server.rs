@@ -49,6 +49,18 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let wal = Arc::new(wal);
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry, state.clone());
+    let refused = prometheus_client::metrics::counter::Counter::default();
+    registry.register(
+        "tern_metadata_connections_refused",
+        "gRPC connections closed on arrival because max_connections were open",
+        refused.clone(),
+    );
+    let limits = GrpcLimits {
+        max_connections: config.max_connections as usize,
+        max_message_bytes: usize::try_from(config.max_message_size.bytes()).unwrap_or(usize::MAX),
+        refused,
+    };
+    grpc = grpc.max_concurrent_streams(config.max_concurrent_streams);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding metadata server to {}", config.listen))?;
@@ -63,7 +75,7 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         log_bytes: config.snapshot_log_size.bytes(),
     };
     let tasks = vec![
-        tokio::spawn(serve(grpc, listener, service, stopped.clone())),
+        tokio::spawn(serve(grpc, listener, service, limits, stopped.clone())),
         tokio::spawn(reap(state.clone(), wal.clone(), reap_period, stopped.clone())),
         tokio::spawn(snapshot_loop(state, wal, snapshots, stopped)),
     ];
@@ -115,17 +127,27 @@ impl MetadataServer {
     }
 }
 
+/// The gRPC edge's bounds, from the config.
+struct GrpcLimits {
+    max_connections: usize,
+    max_message_bytes: usize,
+    /// Counts connections closed for being over `max_connections`.
+    refused: prometheus_client::metrics::counter::Counter,
+}
+
 async fn serve(
     mut grpc: tonic::transport::Server,
     listener: tokio::net::TcpListener,
     service: Arc<Service>,
+    limits: GrpcLimits,
     mut stopped: watch::Receiver<bool>,
 ) {
-    let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
+    let limit = limits.max_message_bytes;
     let metadata =
         MetadataService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let registry = RegistryService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = crate::conn_limit::limit(incoming, limits.max_connections, limits.refused);
     let result = grpc
         .add_service(metadata)
         .add_service(registry)

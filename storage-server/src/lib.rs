@@ -10,13 +10,16 @@
 //! - [`service`]: the block protocol over TCP and, with TLS material, QUIC (one code path over
 //!   `tern_transport`'s listener trait; pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
-//! - [`metrics`]: Prometheus metrics, served on the admin endpoint.
+//! - [`metrics`]: Prometheus metrics, served on the admin endpoint;
+//! - `fuzzing`: the block service under arbitrary input, for fuzzing and tests.
 //!
 //! [`start`] brings a server up and hands back a [`StorageServer`]; [`run`] is the daemon's main
 //! loop. Tests can serve a [`BlockStore`] without a metadata server through [`serve_blocks`].
 
 mod arena;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 mod heartbeat;
 pub mod metrics;
 pub mod nvme;
