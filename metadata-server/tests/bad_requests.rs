@@ -91,6 +91,7 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
             parents: rng.below(2) == 0,
             sealed: rng.below(4) == 0,
             storage_class: rng.class(),
+            replicas: rng.below(4) as u32,
         }
         .encode_to_vec(),
         2 => AllocateBlocksRequest { file_id: small, count: rng.count() as u32, client_host: "127.0.0.1".into() }
@@ -115,6 +116,7 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
             maps: if sane { few as u32 } else { rng.count() as u32 },
             storage_class: if sane { String::new() } else { rng.class() },
             split_size_bytes: if sane { 0 } else { rng.count() },
+            replicas: if sane { 0 } else { rng.below(4) as u32 },
         }
         .encode_to_vec(),
         14 => AdvanceSegmentRequest {
@@ -220,6 +222,7 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
                     parents: true,
                     sealed: rng.below(2) == 0,
                     storage_class: rng.class(),
+                    replicas: rng.below(4) as u32,
                 };
                 client.create(req).await.err()
             }
