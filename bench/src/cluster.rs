@@ -101,13 +101,22 @@ impl Drop for EmbeddedCluster {
     }
 }
 
-/// The first port of `len` consecutive free loopback ports.
+/// The first port of `len` consecutive free loopback ports. Probed below Linux's ephemeral range
+/// (32768 up), so a port the kernel hands to some other socket meanwhile cannot land in it, and
+/// from a random start, so clusters started at the same moment (parallel tests) rarely probe
+/// the same ports: a probed port is only free until somebody binds it.
 pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
-    for start in (20_000u16..60_000).step_by(97) {
-        let start = start + (std::process::id() % 89) as u16;
+    const LOW: u16 = 20_000;
+    const HIGH: u16 = 32_000;
+    anyhow::ensure!(len > 0 && len < HIGH - LOW, "a range of {len} ports");
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos()
+        ^ std::process::id().rotate_left(16);
+    let slots = (HIGH - LOW) / len;
+    for i in 0..u32::from(slots) {
+        let start = LOW + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
         if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
             return Ok(start);
         }
     }
-    bail!("no {len} consecutive free ports on 127.0.0.1")
+    bail!("no {len} consecutive free ports on 127.0.0.1 between {LOW} and {HIGH}")
 }

@@ -386,8 +386,17 @@ impl State {
         now: Instant,
     ) -> Result<RegisterServerResponse, Status> {
         let context = format!("register storage server {}", req.address);
+        // A server registering at start-up names its tiers in bytes (it learns the block size from
+        // this reply); count their blocks here, so status and placement are right before its
+        // first heartbeat reports them.
+        let mut tiers = req.tiers;
+        for tier in &mut tiers {
+            if tier.capacity_blocks == 0 {
+                tier.capacity_blocks = tier.capacity_bytes / u64::from(self.block_size.max(1));
+            }
+        }
         let (server_id, previous) =
-            self.servers.register(&req.address, req.tiers, req.instance_id, now).context(&context)?;
+            self.servers.register(&req.address, tiers, req.instance_id, now).context(&context)?;
         self.servers.set_quic_address(server_id, &req.quic_address).context(&context)?;
         self.log(Change::Server(LogServer {
             server_id,
