@@ -130,8 +130,9 @@ async fn join(task: JoinHandle<Result<Bytes>>, path: &str) -> Result<Bytes> {
 async fn fetch(client: Client, path: String, block: BlockLocation, offset: u32, len: Option<u32>) -> Result<Bytes> {
     let len = len.unwrap_or(block.length - offset);
     let result = async {
+        let access = client.access(crate::auth::job_of(&path), &block.grant).await?;
         let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
-        conn.call(|id| Frame::read(id, block.block_id, offset, len)).await
+        conn.call_as(&access, |id| Frame::read(id, block.block_id, offset, len)).await
     }
     .await;
     match result {

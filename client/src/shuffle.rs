@@ -29,6 +29,7 @@ use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::auth::Access;
 use crate::error::{Error, ErrorKind, Result};
 use crate::Client;
 
@@ -74,6 +75,9 @@ const PUSH_ADVANCES: u32 = 4;
 pub struct Shuffle {
     client: Client,
     id: u64,
+    /// The owning job and the shuffle's grant: what Push and Fetch frames act under.
+    job: String,
+    grant: Vec<u8>,
     partitions: u32,
     split_size: u64,
     block_size: u32,
@@ -123,6 +127,8 @@ impl Client {
         Ok(Shuffle {
             client: self.clone(),
             id: reply.shuffle_id,
+            job: job_id.to_string(),
+            grant: reply.grant,
             partitions,
             split_size: reply.split_size_bytes,
             block_size,
@@ -147,6 +153,8 @@ impl Client {
         Ok(Shuffle {
             client: self.clone(),
             id: shuffle_id,
+            job: located.job_id,
+            grant: located.grant,
             partitions: located.partitions,
             split_size: located.split_size_bytes,
             block_size,
@@ -423,7 +431,8 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
                 }
             };
         let sent = payload.clone();
-        let result = conn.call(|id| Frame::push(id, shuffle.id, partition, segment.index, sent)).await;
+        let access = shuffle.client.access(&shuffle.job, &shuffle.grant).await?;
+        let result = conn.call_as(&access, |id| Frame::push(id, shuffle.id, partition, segment.index, sent)).await;
         match result {
             Ok(reply) => {
                 if u64::from(reply.header.length) >= shuffle.split_size {
@@ -558,7 +567,8 @@ impl ShuffleReader {
             while self.fetching.len() < FETCHES_IN_FLIGHT {
                 let Some(stream) = self.pending.pop_front() else { break };
                 let (tx, rx) = mpsc::channel(PAGES_AHEAD);
-                tokio::spawn(fetch_stream(self.client.clone(), self.shuffle_id, stream, tx));
+                let access = self.client.access(&self.located.job_id, &self.located.grant).await?;
+                tokio::spawn(fetch_stream(self.client.clone(), access, self.shuffle_id, stream, tx));
                 self.fetching.push_back(rx);
             }
             let Some(front) = self.fetching.front_mut() else {
@@ -619,13 +629,14 @@ impl ShuffleReader {
 /// page's batches to the reader (waiting while it is `PAGES_AHEAD` pages behind).
 async fn fetch_stream(
     client: Client,
+    access: Access,
     shuffle_id: u64,
     stream: FetchStream,
     pages: mpsc::Sender<Result<Vec<ShuffleBatch>>>,
 ) {
     let mut request = FetchRequest { cursor: 0, max_bytes: FETCH_PAGE_BYTES, maps: stream.maps };
     loop {
-        let page = fetch_page(&client, shuffle_id, &stream.segment, &request).await;
+        let page = fetch_page(&client, &access, shuffle_id, &stream.segment, &request).await;
         let next = match &page {
             Ok((_, next)) => *next,
             Err(_) => None,
@@ -643,6 +654,7 @@ async fn fetch_stream(
 /// One page of `request`'s batches, and the cursor after it (`None` at the end).
 async fn fetch_page(
     client: &Client,
+    access: &Access,
     shuffle_id: u64,
     segment: &Segment,
     request: &FetchRequest,
@@ -661,7 +673,8 @@ async fn fetch_page(
         Err(e) => return Err(lost(e)),
     };
     let payload = request.encode();
-    let reply = match conn.call(|id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload)).await {
+    let fetch = |id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload);
+    let reply = match conn.call_as(access, fetch).await {
         Ok(reply) => reply,
         // A live server that never received a push for this segment (e.g. it was full when the
         // segment was opened): nothing is there. Had committed bytes been there, the per-map

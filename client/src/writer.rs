@@ -29,6 +29,8 @@ const ALLOCATE_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs
 pub struct FileWriter {
     client: Client,
     path: String,
+    /// The job owning the file ("" outside `/jobs`): whose token its block frames carry.
+    job: String,
     file_id: u64,
     block_size: usize,
     buffer: BytesMut,
@@ -41,10 +43,11 @@ pub struct FileWriter {
 }
 
 impl FileWriter {
-    pub(crate) fn new(client: Client, path: String, file_id: u64, block_size: u32) -> FileWriter {
+    pub(crate) fn new(client: Client, path: String, job: String, file_id: u64, block_size: u32) -> FileWriter {
         FileWriter {
             client,
             path,
+            job,
             file_id,
             block_size: block_size as usize,
             buffer: BytesMut::new(),
@@ -109,9 +112,10 @@ impl FileWriter {
         let location = self.next_location().await?;
         let client = self.client.clone();
         let path = self.path.clone();
+        let access = client.access(&self.job, &location.grant).await?;
         self.in_flight.push(tokio::spawn(async move {
             let conn = client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
-            conn.call(|id| Frame::write(id, location.block_id, 0, data))
+            conn.call_as(&access, |id| Frame::write(id, location.block_id, 0, data))
                 .await
                 .map(|_| ())
                 .map_err(|e| e.context(format_args!("write {path}: block {}", location.block_id)))
@@ -140,17 +144,21 @@ impl FileWriter {
 
     /// Asks for the next batch of block locations, retrying (a bounded number of times, with
     /// backoff) while the cluster is `Unavailable`, e.g. while freed space is on its way back.
+    /// A batch refused by the tenant's quota is asked again as the one block needed now: the
+    /// batch asks ahead, and the quota may still hold that one.
     async fn allocate(&self) -> Result<pb::AllocateBlocksResponse> {
         let mut backoff = ALLOCATE_BACKOFF_START;
         let mut attempt = 1;
+        let mut count = self.next_batch;
         loop {
-            let request = pb::AllocateBlocksRequest {
-                file_id: self.file_id,
-                count: self.next_batch,
-                client_host: self.client.inner.host.clone(),
-            };
+            let request =
+                pb::AllocateBlocksRequest { file_id: self.file_id, count, client_host: self.client.inner.host.clone() };
             match self.client.metadata().allocate_blocks(request).await {
                 Ok(reply) => return Ok(reply.into_inner()),
+                Err(status) if count > 1 && ErrorKind::of_status(&status) == ErrorKind::QuotaExceeded => {
+                    count = 1;
+                    continue;
+                }
                 Err(status) => {
                     let e = Error::from(status).context(format_args!("write {}", self.path));
                     if e.kind() != ErrorKind::Unavailable || attempt == ALLOCATE_ATTEMPTS {

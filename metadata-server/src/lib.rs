@@ -17,6 +17,7 @@ mod config;
 mod dirlock;
 mod error;
 mod jobs;
+mod keyfile;
 mod metrics;
 mod namespace;
 mod path;
@@ -27,5 +28,5 @@ mod shuffles;
 mod state;
 mod wal;
 
-pub use config::Config;
+pub use config::{Config, TenantQuota};
 pub use server::{run, start, MetadataServer};

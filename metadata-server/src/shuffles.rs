@@ -182,7 +182,7 @@ impl Shuffles {
             .map(|(partition, &server_id)| segment(servers, partition as u32, 0, server_id, false))
             .collect();
         let shuffle_id = self.next_shuffle_id;
-        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes };
+        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes, grant: Vec::new() };
         // The reply names every partition's segment: refuse before registering if it cannot travel.
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
@@ -536,6 +536,8 @@ impl Shuffles {
             start_partition,
             end_partition,
             split_size_bytes: shuffle.split_size_bytes,
+            job_id: shuffle.job.clone(),
+            grant: Vec::new(),
         };
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
