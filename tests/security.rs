@@ -75,7 +75,12 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     let block = blocks[0].0.clone();
     let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
     let located = metadata
-        .locate_shuffle(LocateShuffleRequest { shuffle_id: shuffle_b.id(), end_partition: 2, end_map: 1, ..Default::default() })
+        .locate_shuffle(LocateShuffleRequest {
+            shuffle_id: shuffle_b.id(),
+            end_partition: 2,
+            end_map: 1,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -134,13 +139,13 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     for (what, result) in [
         (
             "renew",
-            metadata
-                .renew_job(RenewJobRequest { job_id: "b".into(), token: token_text.clone() })
-                .await
-                .map(|_| ()),
+            metadata.renew_job(RenewJobRequest { job_id: "b".into(), token: token_text.clone() }).await.map(|_| ()),
         ),
         ("end", metadata.end_job(EndJobRequest { job_id: "b".into(), token: token_text.clone() }).await.map(|_| ())),
-        ("end without a token", metadata.end_job(EndJobRequest { job_id: "b".into(), token: String::new() }).await.map(|_| ())),
+        (
+            "end without a token",
+            metadata.end_job(EndJobRequest { job_id: "b".into(), token: String::new() }).await.map(|_| ()),
+        ),
     ] {
         let status = result.expect_err(what);
         assert_eq!(ErrorKind::of_status(&status), ErrorKind::PermissionDenied, "{what}: {status:?}");
@@ -208,7 +213,10 @@ async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
             status.tenants.into_iter().find(|t| t.tenant == "small")
         })
         .await;
-    assert_eq!((small.jobs, small.max_jobs, small.dram_bytes, small.dram_limit_bytes), (1, 1, 3 * MIB as u64, 3 * MIB as u64));
+    assert_eq!(
+        (small.jobs, small.max_jobs, small.dram_bytes, small.dram_limit_bytes),
+        (1, 1, 3 * MIB as u64, 3 * MIB as u64)
+    );
     let status = cluster.tern_ok(&["status", "--json"]);
     assert!(status.contains("\"tenant\":\"small\""), "{status}");
 

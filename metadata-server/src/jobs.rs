@@ -355,7 +355,11 @@ mod tests {
         assert_eq!(jobs.register("j1", 0, "", 0, Quota::Enforce, now).unwrap_err().kind, ErrorKind::AlreadyExists);
         assert_eq!(jobs.register("j2", 999_999, "", 0, Quota::Enforce, now).unwrap().1, Duration::from_secs(60));
         for bad in ["a/b", ".", "..", "sp ace", &"x".repeat(129)] {
-            assert_eq!(jobs.register(bad, 0, "", 0, Quota::Enforce, now).unwrap_err().kind, ErrorKind::Invalid, "{bad:?}");
+            assert_eq!(
+                jobs.register(bad, 0, "", 0, Quota::Enforce, now).unwrap_err().kind,
+                ErrorKind::Invalid,
+                "{bad:?}"
+            );
         }
         let (generated, _, _) = jobs.register("", 100, "", 0, Quota::Enforce, now).unwrap();
         assert!(generated.starts_with("job-1-"), "{generated}");
@@ -386,7 +390,11 @@ mod tests {
 
     #[test]
     fn tenants_count_jobs_and_blocks_against_their_quotas() {
-        let quota = TenantQuota { max_jobs: 2, dram_bytes: tern_common::ByteSize(3 * 4096), nvme_bytes: tern_common::ByteSize(0) };
+        let quota = TenantQuota {
+            max_jobs: 2,
+            dram_bytes: tern_common::ByteSize(3 * 4096),
+            nvme_bytes: tern_common::ByteSize(0),
+        };
         let mut jobs = Jobs::new(Duration::from_secs(30), Duration::from_secs(60), 10)
             .with_quotas(BTreeMap::from([("etl".to_string(), quota)]), 4096);
         let now = Instant::now();
@@ -395,7 +403,11 @@ mod tests {
         assert_ne!(s1, s2);
         let err = jobs.register("c", 0, "etl", 0, Quota::Enforce, now).unwrap_err();
         assert_eq!(err.kind, ErrorKind::QuotaExceeded);
-        assert!(err.reason.contains("tenant etl") && err.reason.contains("limit 2") && err.reason.contains("2 in use"), "{}", err.reason);
+        assert!(
+            err.reason.contains("tenant etl") && err.reason.contains("limit 2") && err.reason.contains("2 in use"),
+            "{}",
+            err.reason
+        );
         // A replay is not refused, and keeps its serial; other tenants are unlimited.
         assert_eq!(jobs.register("c", 0, "etl", 77, Quota::Skip, now).unwrap().2, 77);
         jobs.register("d", 0, "", 0, Quota::Enforce, now).unwrap();

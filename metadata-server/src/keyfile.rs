@@ -17,7 +17,10 @@ pub fn load_or_create(dir: &Path) -> anyhow::Result<TokenKey> {
         Ok(bytes) => {
             let mode = std::fs::metadata(&path)?.permissions().mode() & 0o777;
             if mode & 0o077 != 0 {
-                bail!("{} is readable by others (mode {mode:o}); it signs every job token: chmod 600 it", path.display());
+                bail!(
+                    "{} is readable by others (mode {mode:o}); it signs every job token: chmod 600 it",
+                    path.display()
+                );
             }
             TokenKey::from_bytes(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
         }

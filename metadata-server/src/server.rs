@@ -329,7 +329,11 @@ mod tests {
         assert_eq!(registered.heartbeat_interval_ms, 1000);
 
         let mut client = MetadataClient::connect(endpoint).await.unwrap();
-        let job = client.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() }).await.unwrap().into_inner();
+        let job = client
+            .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
         let path = format!("{}/out", job.root);
         let created = client
             .create(CreateRequest { path: path.clone(), parents: false, ..Default::default() })

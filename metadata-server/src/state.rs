@@ -10,9 +10,9 @@
 use std::time::{Duration, Instant};
 
 use tern_common::unix_ms;
+use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
-use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::{ErrorKind, Tier};
 use tonic::Status;
 use tracing::{info, warn};
@@ -111,7 +111,10 @@ impl State {
             return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
         };
         if token.job != job || token.serial != serial {
-            return Err(refuse(format!("the token given is job {}'s (another job, or an earlier job of that name)", token.job)));
+            return Err(refuse(format!(
+                "the token given is job {}'s (another job, or an earlier job of that name)",
+                token.job
+            )));
         }
         Ok(())
     }
@@ -184,7 +187,10 @@ impl State {
         if let Some(job) = Place::of(&path).job() {
             let nvme = blocks.iter().filter(|b| Tier::of_block(b.block_id) == Tier::Nvme).count() as u64;
             let dram = blocks.len() as u64 - nvme;
-            let within = self.jobs.check_blocks(job, Tier::Dram, dram).and_then(|()| self.jobs.check_blocks(job, Tier::Nvme, nvme));
+            let within = self
+                .jobs
+                .check_blocks(job, Tier::Dram, dram)
+                .and_then(|()| self.jobs.check_blocks(job, Tier::Nvme, nvme));
             if let Err(refusal) = within {
                 self.servers.free(&blocks);
                 return Err(refusal.status(context));
@@ -331,7 +337,12 @@ impl State {
             return Err(refusal.status(context));
         }
         let tenant = if req.tenant.is_empty() { crate::jobs::DEFAULT_TENANT.to_string() } else { req.tenant };
-        self.log(Change::RegisterJob(RegisterJobRequest { name: name.clone(), lease_ms: req.lease_ms, tenant, serial }));
+        self.log(Change::RegisterJob(RegisterJobRequest {
+            name: name.clone(),
+            lease_ms: req.lease_ms,
+            tenant,
+            serial,
+        }));
         let token = self.token_for(&name, now);
         Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root, token })
     }

@@ -65,8 +65,9 @@ impl TokenKey {
     }
 
     pub fn from_bytes(bytes: &[u8]) -> Result<TokenKey, TokenError> {
-        let array: [u8; KEY_LEN] =
-            bytes.try_into().map_err(|_| TokenError::Malformed(format!("a key is {KEY_LEN} bytes, not {}", bytes.len())))?;
+        let array: [u8; KEY_LEN] = bytes
+            .try_into()
+            .map_err(|_| TokenError::Malformed(format!("a key is {KEY_LEN} bytes, not {}", bytes.len())))?;
         Ok(TokenKey::from_array(array))
     }
 
@@ -166,8 +167,15 @@ impl JobToken {
             return Err(TokenError::Malformed(format!("{} bytes, more than {MAX_TOKEN_BYTES}", bytes.len())));
         }
         let wire = WireToken::decode(bytes).map_err(|e| TokenError::Malformed(e.to_string()))?;
-        let mac = wire.mac.as_slice().try_into().map_err(|_| TokenError::Malformed("its MAC is not 32 bytes".into()))?;
-        Ok(JobToken { job: wire.job, serial: wire.serial, expires_unix_ms: wire.expires_unix_ms, lease_ms: wire.lease_ms, mac })
+        let mac =
+            wire.mac.as_slice().try_into().map_err(|_| TokenError::Malformed("its MAC is not 32 bytes".into()))?;
+        Ok(JobToken {
+            job: wire.job,
+            serial: wire.serial,
+            expires_unix_ms: wire.expires_unix_ms,
+            lease_ms: wire.lease_ms,
+            mac,
+        })
     }
 
     /// The text form (lowercase hex of [`JobToken::encode`]): for gRPC fields, environment
@@ -193,10 +201,7 @@ impl JobToken {
     /// difference between the metadata server and the checker).
     pub fn check_expiry(&self, now_unix_ms: u64, skew_ms: u64) -> Result<(), TokenError> {
         if now_unix_ms > self.expires_unix_ms.saturating_add(skew_ms) {
-            return Err(TokenError::Expired {
-                job: self.job.clone(),
-                ago_ms: now_unix_ms - self.expires_unix_ms,
-            });
+            return Err(TokenError::Expired { job: self.job.clone(), ago_ms: now_unix_ms - self.expires_unix_ms });
         }
         Ok(())
     }

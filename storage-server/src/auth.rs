@@ -197,7 +197,10 @@ mod tests {
         // Forged tokens and bad slots are refused at Auth.
         let forged = TokenKey::generate().issue("a", 5, 10_000, 1_000);
         let auth = Frame::auth(5, 4, Bytes::from(forged.encode()));
-        assert_eq!(slots.bind(&authority, &auth.header, &auth.payload, 5_000).unwrap_err().kind, ErrorKind::PermissionDenied);
+        assert_eq!(
+            slots.bind(&authority, &auth.header, &auth.payload, 5_000).unwrap_err().kind,
+            ErrorKind::PermissionDenied
+        );
         let auth = Frame::auth(6, 0, Bytes::from(token.encode()));
         assert_eq!(slots.bind(&authority, &auth.header, &auth.payload, 5_000).unwrap_err().kind, ErrorKind::Invalid);
     }

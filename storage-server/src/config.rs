@@ -128,7 +128,12 @@ impl Config {
             self.trusted_network,
         )?;
         // The admin endpoint is plain HTTP whatever the TLS material.
-        tern_transport::check_listen("the admin endpoint (plain HTTP)", self.admin_listen, false, self.trusted_network)?;
+        tern_transport::check_listen(
+            "the admin endpoint (plain HTTP)",
+            self.admin_listen,
+            false,
+            self.trusted_network,
+        )?;
         Ok(())
     }
 

@@ -542,7 +542,12 @@ async fn serve_write(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result
 }
 
 /// Frees the blocks a Free frame lists; the reply's length is the number freed.
-async fn serve_free(rd: &mut BoxRead, store: &BlockStore, slots: &Slots, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_free(
+    rd: &mut BoxRead,
+    store: &BlockStore,
+    slots: &Slots,
+    h: &Header,
+) -> Result<(Frame, u64), FrameError> {
     if h.payload_len as usize > MAX_FREE_IDS * frame::FREE_ENTRY_LEN {
         let err = FrameError::BadFreeList { bytes: h.payload_len as usize };
         return refuse(rd, h, err.kind(), &format!("{h}: {err}")).await;

@@ -198,7 +198,9 @@ mod tests {
         let (mut state, now) = state();
         add_server(&mut state, "10.0.0.1:7000", 64, now);
         add_server(&mut state, "10.0.0.2:7000", 64, now);
-        let job = state.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() }, now).unwrap();
+        let job = state
+            .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() }, now)
+            .unwrap();
         let root = job.root.clone();
         state.mkdir(MkdirRequest { path: format!("{root}/a/b"), parents: true }, now).unwrap();
         state.mkdir(MkdirRequest { path: "/vol".into(), parents: false }, now).unwrap();
@@ -235,7 +237,9 @@ mod tests {
             state.commit_map(commit, now).unwrap();
         }
         state.invalidate_maps(InvalidateMapsRequest { shuffle_id: shuffle, map_indexes: vec![2] }, now).unwrap();
-        let other = state.register_job(RegisterJobRequest { name: String::new(), lease_ms: 0, ..Default::default() }, now).unwrap();
+        let other = state
+            .register_job(RegisterJobRequest { name: String::new(), lease_ms: 0, ..Default::default() }, now)
+            .unwrap();
         let ask = RegisterShuffleRequest { job_id: other.job_id.clone(), partitions: 1, ..Default::default() };
         state.register_shuffle(ask, now).unwrap();
         state

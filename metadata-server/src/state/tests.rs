@@ -328,12 +328,15 @@ fn jobs_own_their_directory() {
     add_server(&mut state, "10.0.0.1:7000", 100, now);
     let job = register_job(&mut state, "j1", 0, now);
     assert_eq!((job.job_id.as_str(), job.root.as_str(), job.lease_ms), ("j1", "/jobs/j1", 30_000));
-    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "j1".into(), lease_ms: 0, ..Default::default() }, now)).0, {
-        ErrorKind::AlreadyExists
-    });
-    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "a/b".into(), lease_ms: 0, ..Default::default() }, now)).0, {
-        ErrorKind::Invalid
-    });
+    assert_eq!(
+        refused(state.register_job(RegisterJobRequest { name: "j1".into(), lease_ms: 0, ..Default::default() }, now)).0,
+        { ErrorKind::AlreadyExists }
+    );
+    assert_eq!(
+        refused(state.register_job(RegisterJobRequest { name: "a/b".into(), lease_ms: 0, ..Default::default() }, now))
+            .0,
+        { ErrorKind::Invalid }
+    );
     let long = register_job(&mut state, "", 10 * 3_600_000, now);
     assert!(long.job_id.starts_with("job-"), "{}", long.job_id);
     assert_eq!(long.lease_ms, 3_600_000);
@@ -387,8 +390,14 @@ fn ending_a_job_deletes_its_files_and_frees_their_blocks() {
     assert_eq!(refused(state.stat(StatRequest { path: "/jobs/j1".into(), with_blocks: false }, now)).0, {
         ErrorKind::NotFound
     });
-    assert_eq!(refused(state.end_job(EndJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0, ErrorKind::NotFound);
-    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0, ErrorKind::NotFound);
+    assert_eq!(
+        refused(state.end_job(EndJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0,
+        ErrorKind::NotFound
+    );
+    assert_eq!(
+        refused(state.renew_job(RenewJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0,
+        ErrorKind::NotFound
+    );
     open(&mut state, "/kept", now).unwrap();
     // The name is free again.
     register_job(&mut state, "j1", 0, now);
@@ -412,7 +421,10 @@ fn lapsed_leases_end_jobs_unless_renewed() {
         after,
     ));
     assert_eq!(kind, ErrorKind::NotFound);
-    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "short".into(), ..Default::default() }, after)).0, ErrorKind::NotFound);
+    assert_eq!(
+        refused(state.renew_job(RenewJobRequest { job_id: "short".into(), ..Default::default() }, after)).0,
+        ErrorKind::NotFound
+    );
     state.reap(after);
     assert_eq!(refused(open(&mut state, "/jobs/short/f", after)).0, ErrorKind::NotFound);
     open(&mut state, "/jobs/renewed/f", after).unwrap();
@@ -523,7 +535,8 @@ fn tokens_and_grants_name_the_job_and_its_registration() {
     // Blocks of a job's file are granted to the job's serial; volume files to serial 0.
     let file = create(&mut state, "/jobs/a/f", now);
     let blocks = allocate(&mut state, file, 2, now);
-    let grant = |location: &BlockLocation| -> tern_proto::token::Grant { location.grant.as_slice().try_into().unwrap() };
+    let grant =
+        |location: &BlockLocation| -> tern_proto::token::Grant { location.grant.as_slice().try_into().unwrap() };
     assert!(key.check_grant(GrantKind::Block, blocks[0].block_id, token.serial, &grant(&blocks[0])));
     let b_serial = JobToken::from_text(&b.token).unwrap().serial;
     assert!(!key.check_grant(GrantKind::Block, blocks[0].block_id, b_serial, &grant(&blocks[0])));
