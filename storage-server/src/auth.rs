@@ -103,12 +103,12 @@ impl Slots {
 
     /// Who `h` acts as: its slot's job (checked for expiry), or the volume principal on slot 0.
     /// `Ok(None)` when the store checks nothing.
-    pub fn principal<'a>(
-        &'a self,
+    pub fn principal(
+        &self,
         authority: &Authority,
         h: &Header,
         now_unix_ms: u64,
-    ) -> Result<Option<Principal<'a>>, Denied> {
+    ) -> Result<Option<Principal<'_>>, Denied> {
         let Some(key) = authority.key()? else {
             return Ok(None);
         };
