@@ -189,7 +189,7 @@ impl JobToken {
         if text.is_empty() {
             return Err(TokenError::Malformed("it is empty".into()));
         }
-        if text.len() % 2 != 0 || text.len() > 2 * MAX_TOKEN_BYTES {
+        if !text.len().is_multiple_of(2) || text.len() > 2 * MAX_TOKEN_BYTES {
             return Err(TokenError::Malformed(format!("{} hex digits", text.len())));
         }
         let bytes: Result<Vec<u8>, _> =

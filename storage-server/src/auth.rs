@@ -7,6 +7,7 @@
 //! bound, verified once; each frame then costs a map lookup, an expiry check and one HMAC.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 use tern_proto::frame::{Header, Op, MAX_SLOT};
@@ -20,7 +21,8 @@ pub const CLOCK_SKEW_MS: u64 = 2_000;
 enum Mode {
     Open,
     Pending,
-    Key(TokenKey),
+    /// Shared: every frame's check takes it.
+    Key(Arc<TokenKey>),
 }
 
 /// The store's token checking (see the module docs).
@@ -42,10 +44,10 @@ impl Authority {
     }
 
     pub fn set_key(&self, key: TokenKey) {
-        *self.mode.write() = Mode::Key(key);
+        *self.mode.write() = Mode::Key(Arc::new(key));
     }
 
-    fn key(&self) -> Result<Option<TokenKey>, Denied> {
+    fn key(&self) -> Result<Option<Arc<TokenKey>>, Denied> {
         match &*self.mode.read() {
             Mode::Open => Ok(None),
             Mode::Pending => Err(Denied::new(
@@ -79,7 +81,7 @@ pub struct Slots {
 
 /// Who a frame acts as, once its slot is resolved.
 pub struct Principal<'a> {
-    key: Option<TokenKey>,
+    key: Option<Arc<TokenKey>>,
     serial: u64,
     job: &'a str,
 }
