@@ -34,6 +34,10 @@ enum JobCommand {
         /// Print JSON (the job id, or with --wait the final status).
         #[arg(long)]
         json: bool,
+        /// The tenant (the scheduler queue, whose Tern quotas the job counts against); overrides
+        /// the file's `queue`/`tenant`.
+        #[arg(long, env = "TERN_TENANT")]
+        tenant: Option<String>,
     },
     /// A job's stages, task counts by state, which path GPU tasks ran, errors.
     Status {
@@ -82,8 +86,11 @@ enum JobCommand {
 pub async fn run(args: JobArgs) -> anyhow::Result<()> {
     let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref()).await?;
     match args.command {
-        JobCommand::Submit { file, wait, json } => {
-            let spec = tern_scheduler::spec::load(&file)?;
+        JobCommand::Submit { file, wait, json, tenant } => {
+            let mut spec = tern_scheduler::spec::load(&file)?;
+            if let Some(tenant) = tenant.filter(|t| !t.is_empty()) {
+                spec.queue = tenant;
+            }
             submit(&client, spec, wait, json).await
         }
         JobCommand::Status { job_id, json } => {

@@ -71,6 +71,17 @@ pub fn status_json(status: &StatusResponse) -> Value {
             "expires_in_ms": j.expires_in_ms,
             "files": j.files,
             "bytes": j.bytes,
+            "tenant": j.tenant,
+        })).collect::<Vec<_>>(),
+        // Limits of 0 are unlimited.
+        "tenants": status.tenants.iter().map(|t| json!({
+            "tenant": t.tenant,
+            "jobs": t.jobs,
+            "max_jobs": t.max_jobs,
+            "dram_bytes": t.dram_bytes,
+            "dram_limit_bytes": t.dram_limit_bytes,
+            "nvme_bytes": t.nvme_bytes,
+            "nvme_limit_bytes": t.nvme_limit_bytes,
         })).collect::<Vec<_>>(),
     })
 }

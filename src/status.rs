@@ -60,14 +60,36 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     }
     if !status.jobs.is_empty() {
         println!();
-        println!("{:<40} {:>8} {:>10} {:>12}", "JOB", "FILES", "BYTES", "EXPIRES IN");
+        println!("{:<40} {:<16} {:>8} {:>10} {:>12}", "JOB", "TENANT", "FILES", "BYTES", "EXPIRES IN");
         for job in &status.jobs {
             println!(
-                "{:<40} {:>8} {:>10} {:>11.1}s",
+                "{:<40} {:<16} {:>8} {:>10} {:>11.1}s",
                 job.job_id,
+                job.tenant,
                 job.files,
                 show::size(job.bytes),
                 job.expires_in_ms as f64 / 1000.0
+            );
+        }
+    }
+    if !status.tenants.is_empty() {
+        let of = |used: u64, limit: u64| match limit {
+            0 => format!("{}/-", show::size(used)),
+            limit => format!("{}/{}", show::size(used), show::size(limit)),
+        };
+        println!();
+        println!("{:<24} {:>10} {:>22} {:>22}", "TENANT", "JOBS", "DRAM", "NVME");
+        for t in &status.tenants {
+            let jobs = match t.max_jobs {
+                0 => format!("{}/-", t.jobs),
+                max => format!("{}/{max}", t.jobs),
+            };
+            println!(
+                "{:<24} {:>10} {:>22} {:>22}",
+                t.tenant,
+                jobs,
+                of(t.dram_bytes, t.dram_limit_bytes),
+                of(t.nvme_bytes, t.nvme_limit_bytes)
             );
         }
     }

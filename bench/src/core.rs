@@ -346,7 +346,10 @@ async fn rss_with_connections(
     let mut open = Vec::with_capacity(count);
     for i in 0..count {
         let mut stream = TcpStream::connect(&addr).await?;
-        frame::write_frame(&mut stream, &Frame::read(i as u64, block.block_id, 0, block.length)).await?;
+        // The file is outside /jobs: slot 0 (the volume principal) with the block's grant.
+        let grant = block.grant.as_slice().try_into().context("a block location without its grant")?;
+        let read = Frame::read(i as u64, block.block_id, 0, block.length).authorized(0, grant);
+        frame::write_frame(&mut stream, &read).await?;
         let reply = frame::read_frame(&mut stream, frame::MAX_PAYLOAD_BYTES).await?.context("server closed")?;
         if reply.header.status != 0 || reply.payload.len() != block.length as usize {
             bail!("reading block {} on connection {i} failed", block.block_id);

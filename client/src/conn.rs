@@ -9,16 +9,17 @@
 //! in flight, so a fast producer waits instead of queueing without limit.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES, MAX_SLOT};
 use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
+use crate::auth::{Access, Held};
 use crate::error::{Error, Result};
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Frame>>>>>;
@@ -40,6 +41,12 @@ pub(crate) struct BlockConnection {
     broken: Arc<AtomicBool>,
     /// How long a request may wait for its reply before it fails as Unavailable.
     request_timeout: Duration,
+    /// Job tokens bound on this connection: job serial -> (slot, MAC of the token bound there).
+    /// A refreshed token of the same job rebinds the job's slot.
+    slots: Mutex<HashMap<u64, (u16, [u8; 32])>>,
+    next_slot: AtomicU16,
+    /// One Auth at a time per connection.
+    binding: tokio::sync::Mutex<()>,
 }
 
 impl BlockConnection {
@@ -70,7 +77,58 @@ impl BlockConnection {
             in_flight: Semaphore::new(max_in_flight),
             broken,
             request_timeout,
+            slots: Mutex::default(),
+            next_slot: AtomicU16::new(1),
+            binding: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// [`BlockConnection::call`] acting under `access`: the job's token bound to a slot of this
+    /// connection first (one Auth round trip, once per job and token), the frame naming the slot
+    /// and carrying the grant.
+    pub(crate) async fn call_as(&self, access: &Access, build: impl FnOnce(u64) -> Frame) -> Result<Frame> {
+        let slot = match &access.token {
+            None => 0,
+            Some(held) => self.slot_for(held).await?,
+        };
+        self.call(|id| build(id).authorized(slot, access.grant)).await
+    }
+
+    async fn slot_for(&self, held: &Held) -> Result<u16> {
+        let serial = held.token.serial;
+        let bound = |slots: &HashMap<u64, (u16, [u8; 32])>| match slots.get(&serial) {
+            Some((slot, mac)) if *mac == held.token.mac => Some(*slot),
+            _ => None,
+        };
+        if let Some(slot) = bound(&self.slots.lock()) {
+            return Ok(slot);
+        }
+        let _one = self.binding.lock().await;
+        let existing = {
+            let slots = self.slots.lock();
+            if let Some(slot) = bound(&slots) {
+                return Ok(slot);
+            }
+            slots.get(&serial).map(|(slot, _)| *slot)
+        };
+        let slot = match existing {
+            Some(slot) => slot,
+            None => {
+                let slot = self.next_slot.fetch_add(1, Ordering::Relaxed);
+                if slot > MAX_SLOT {
+                    // Slots are never reused (a frame in flight may still name one): a
+                    // connection that carried this many jobs is replaced.
+                    self.broken.store(true, Ordering::Release);
+                    return Err(self.lost(&format!("all {MAX_SLOT} job slots used; reconnecting")));
+                }
+                slot
+            }
+        };
+        self.call(|id| Frame::auth(id, slot, held.encoded.clone()))
+            .await
+            .map_err(|e| e.context(format_args!("binding job {}'s token", held.token.job)))?;
+        self.slots.lock().insert(serial, (slot, held.token.mac));
+        Ok(slot)
     }
 
     fn is_broken(&self) -> bool {

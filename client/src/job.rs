@@ -20,15 +20,18 @@ pub struct JobSession {
 }
 
 impl JobSession {
-    pub(crate) async fn start(client: Client, name: Option<&str>, lease: Duration) -> Result<JobSession> {
+    pub(crate) async fn start(client: Client, tenant: &str, name: Option<&str>, lease: Duration) -> Result<JobSession> {
         let reply = client
             .metadata()
             .register_job(pb::RegisterJobRequest {
                 name: name.unwrap_or_default().into(),
                 lease_ms: lease.as_millis() as u64,
+                tenant: tenant.to_string(),
+                serial: 0,
             })
             .await?
             .into_inner();
+        client.add_job_token(&reply.token)?;
         let lease = Duration::from_millis(reply.lease_ms);
         let renewer = tokio::spawn(renew_forever(client.clone(), reply.job_id.clone(), lease));
         Ok(JobSession { client, job_id: reply.job_id, root: reply.root, lease, renewer: Some(renewer) })
@@ -48,17 +51,25 @@ impl JobSession {
         self.lease
     }
 
+    /// The job's token (text form): hand it to the job's other processes, which add it with
+    /// [`Client::add_job_token`] (or `TERN_JOB_TOKEN`).
+    pub fn token(&self) -> String {
+        self.client.job_token(&self.job_id).unwrap_or_default()
+    }
+
     /// Renews the lease now.
     pub async fn renew(&self) -> Result<()> {
-        self.client.metadata().renew_job(pb::RenewJobRequest { job_id: self.job_id.clone() }).await?;
-        Ok(())
+        renew_once(&self.client, &self.job_id).await
     }
 
     /// Ends the job: every file under its root is deleted and its blocks freed.
     pub async fn end(mut self) -> Result<pb::EndJobResponse> {
         self.stop_renewing();
         let job_id = std::mem::take(&mut self.job_id);
-        Ok(self.client.metadata().end_job(pb::EndJobRequest { job_id }).await?.into_inner())
+        let token = self.client.job_token(&job_id).unwrap_or_default();
+        let ended = self.client.metadata().end_job(pb::EndJobRequest { job_id: job_id.clone(), token }).await;
+        self.client.forget_job_token(&job_id);
+        Ok(ended?.into_inner())
     }
 
     /// Stops renewing without ending the job, as if this client had crashed: the lease lapses
@@ -75,14 +86,21 @@ impl JobSession {
     }
 }
 
+/// Renews the lease with the token held, and holds the fresh token the reply brings.
+async fn renew_once(client: &Client, job_id: &str) -> Result<()> {
+    let token = client.job_token(job_id).unwrap_or_default();
+    let reply = client.metadata().renew_job(pb::RenewJobRequest { job_id: job_id.to_string(), token }).await?;
+    client.add_job_token(&reply.into_inner().token)?;
+    Ok(())
+}
+
 async fn renew_forever(client: Client, job_id: String, lease: Duration) {
     let period = (lease / 3).max(Duration::from_millis(10));
     loop {
         tokio::time::sleep(period).await;
-        match client.metadata().renew_job(pb::RenewJobRequest { job_id: job_id.clone() }).await {
-            Ok(_) => {}
-            Err(status) => {
-                let e = Error::from(status);
+        match renew_once(&client, &job_id).await {
+            Ok(()) => {}
+            Err(e) => {
                 if e.kind() == ErrorKind::NotFound {
                     tracing::warn!("job {job_id} is gone (ended or lease lapsed); stopped renewing: {e}");
                     return;
@@ -102,8 +120,11 @@ impl Drop for JobSession {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let client = self.client.clone();
             let job_id = std::mem::take(&mut self.job_id);
+            let token = client.job_token(&job_id).unwrap_or_default();
             runtime.spawn(async move {
-                if let Err(status) = client.metadata().end_job(pb::EndJobRequest { job_id: job_id.clone() }).await {
+                let ended = client.metadata().end_job(pb::EndJobRequest { job_id: job_id.clone(), token }).await;
+                client.forget_job_token(&job_id);
+                if let Err(status) = ended {
                     tracing::warn!("ending job {job_id} on drop failed: {}", Error::from(status));
                 }
             });

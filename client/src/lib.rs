@@ -13,8 +13,10 @@
 //!
 //! Files are written once through a [`FileWriter`] (blocks pipelined to the storage servers, a
 //! bounded number in flight) and become readable when closed; a [`FileReader`] streams them back
-//! with read-ahead. A [`JobSession`] owns `/jobs/<job>/` and keeps its lease alive.
+//! with read-ahead. A [`JobSession`] owns `/jobs/<job>/` and keeps its lease alive; its token
+//! (held by the client, see [`Client::job_token`]) is what lets the job's data frames through.
 
+mod auth;
 mod conn;
 mod error;
 mod job;
@@ -32,6 +34,7 @@ use tern_proto::v1::{self as pb};
 use tern_transport::tls::TlsMaterial;
 use tonic::transport::{Channel, Endpoint};
 
+pub use auth::{TENANT_ENV, TOKEN_ENV};
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
 pub use reader::FileReader;
@@ -62,6 +65,9 @@ pub struct ClientOptions {
     /// TLS material (`tern cert init`): the metadata channel uses mutual TLS with it (unless the
     /// address says `http://`), and QUIC needs it.
     pub tls_dir: Option<PathBuf>,
+    /// The tenant jobs started by this client count against ("" = "default"). Default: the
+    /// `TERN_TENANT` environment variable, else "".
+    pub tenant: String,
 }
 
 impl Default for ClientOptions {
@@ -76,6 +82,7 @@ impl Default for ClientOptions {
             request_timeout: Duration::from_secs(30),
             transport: TransportKind::Tcp,
             tls_dir: None,
+            tenant: std::env::var(auth::TENANT_ENV).unwrap_or_default(),
         }
     }
 }
@@ -112,6 +119,8 @@ struct Inner {
     host: String,
     /// The cluster's block size, asked once.
     block_size: tokio::sync::OnceCell<u32>,
+    /// Job tokens held, by job.
+    tokens: auth::Tokens,
 }
 
 impl Client {
@@ -152,6 +161,8 @@ impl Client {
                     "the QUIC transport needs TLS material: pass --tls-dir DIR (made by `tern cert init --dir DIR`)",
                 )),
             };
+        let tokens = auth::Tokens::default();
+        tokens.add_from_env()?;
         let metadata = MetadataClient::new(channel)
             .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
@@ -170,6 +181,7 @@ impl Client {
                 host: local_host_towards(socket_addr),
                 options,
                 block_size: tokio::sync::OnceCell::new(),
+                tokens,
             }),
         })
     }
@@ -242,7 +254,14 @@ impl Client {
             replicas: options.replicas,
         };
         let created = self.metadata().create(request).await?.into_inner();
-        Ok(FileWriter::new(self.clone(), path.to_string(), created.file_id, created.block_size, options.replicas))
+        Ok(FileWriter::new(
+            self.clone(),
+            path.to_string(),
+            created.job,
+            created.file_id,
+            created.block_size,
+            options.replicas,
+        ))
     }
 
     /// Creates an empty, sealed file in one round trip (markers, empty outputs). Refused with
@@ -319,10 +338,18 @@ impl Client {
         Ok(self.metadata().status(pb::StatusRequest {}).await?.into_inner())
     }
 
-    /// Registers a job (name generated when `None`) whose lease is renewed in the background
-    /// until the session ends or is dropped.
+    /// Registers a job (name generated when `None`) for the client's tenant
+    /// ([`ClientOptions::tenant`]) whose lease is renewed in the background until the session
+    /// ends or is dropped. The client holds the job's token from now on.
     pub async fn start_job(&self, name: Option<&str>, lease: Duration) -> Result<JobSession> {
-        JobSession::start(self.clone(), name, lease).await
+        let tenant = self.inner.options.tenant.clone();
+        JobSession::start(self.clone(), &tenant, name, lease).await
+    }
+
+    /// [`Client::start_job`] for tenant `tenant` ("" = "default"). A tenant at its `max_jobs`
+    /// quota is refused with `QuotaExceeded`.
+    pub async fn start_job_for(&self, tenant: &str, name: Option<&str>, lease: Duration) -> Result<JobSession> {
+        JobSession::start(self.clone(), tenant, name, lease).await
     }
 
     /// Appends `data` at `offset` of an allocated block: one block-write round trip, the data
@@ -330,9 +357,11 @@ impl Client {
     /// bytes the block already holds, and `offset + data.len()` at most the cluster block size.
     /// For tools that measure or drive the data plane (`tern bench io`); files are written with
     /// [`Client::create`].
-    pub async fn write_block(&self, block: &BlockLocation, offset: u32, data: bytes::Bytes) -> Result<()> {
+    /// `job` owns the block's file ("" outside `/jobs`).
+    pub async fn write_block(&self, job: &str, block: &BlockLocation, offset: u32, data: bytes::Bytes) -> Result<()> {
+        let access = self.access(job, &block.grant).await?;
         let conn = self.inner.blocks.get(&block.address).await?;
-        conn.call(|id| tern_proto::frame::Frame::write(id, block.block_id, offset, data))
+        conn.call_as(&access, |id| tern_proto::frame::Frame::write(id, block.block_id, offset, data))
             .await
             .map(|_| ())
             .map_err(|e| e.context(format_args!("write block {} at offset {offset}", block.block_id)))

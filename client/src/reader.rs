@@ -178,8 +178,9 @@ async fn fetch_copy(
     len: Option<u32>,
 ) -> Result<Bytes> {
     let len = len.unwrap_or(block.length - offset);
+    let access = client.access(crate::auth::job_of(path), &block.grant).await?;
     let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
-    let reply = conn.call(|id| Frame::read(id, block.block_id, offset, len)).await?;
+    let reply = conn.call_as(&access, |id| Frame::read(id, block.block_id, offset, len)).await?;
     if reply.payload.len() != len as usize {
         return Err(Error::new(
             ErrorKind::Corrupt,

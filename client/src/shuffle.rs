@@ -35,6 +35,7 @@ use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::auth::Access;
 use crate::error::{Error, ErrorKind, Result};
 use crate::Client;
 
@@ -83,6 +84,9 @@ const PUSH_ADVANCES: u32 = 4;
 pub struct Shuffle {
     client: Client,
     id: u64,
+    /// The owning job and the shuffle's grant: what Push and Fetch frames act under.
+    job: String,
+    grant: Vec<u8>,
     partitions: u32,
     split_size: u64,
     block_size: u32,
@@ -133,6 +137,8 @@ impl Client {
         Ok(Shuffle {
             client: self.clone(),
             id: reply.shuffle_id,
+            job: job_id.to_string(),
+            grant: reply.grant,
             partitions,
             split_size: reply.split_size_bytes,
             block_size,
@@ -157,6 +163,8 @@ impl Client {
         Ok(Shuffle {
             client: self.clone(),
             id: shuffle_id,
+            job: located.job_id,
+            grant: located.grant,
             partitions: located.partitions,
             split_size: located.split_size_bytes,
             block_size,
@@ -455,9 +463,10 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
             continue;
         }
         let index = segment.index;
+        let access = shuffle.client.access(&shuffle.job, &shuffle.grant).await?;
         let pushes = conns.iter().map(|conn| {
             let sent = payload.clone();
-            conn.call(move |id| Frame::push(id, shuffle.id, partition, index, sent))
+            conn.call_as(&access, move |id| Frame::push(id, shuffle.id, partition, index, sent))
         });
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
@@ -597,7 +606,8 @@ impl ShuffleReader {
             while self.fetching.len() < FETCHES_IN_FLIGHT {
                 let Some(stream) = self.pending.pop_front() else { break };
                 let (tx, rx) = mpsc::channel(PAGES_AHEAD);
-                tokio::spawn(fetch_stream(self.client.clone(), self.shuffle_id, stream, tx));
+                let access = self.client.access(&self.located.job_id, &self.located.grant).await?;
+                tokio::spawn(fetch_stream(self.client.clone(), access, self.shuffle_id, stream, tx));
                 self.fetching.push_back(rx);
             }
             let Some(front) = self.fetching.front_mut() else {
@@ -660,6 +670,7 @@ impl ShuffleReader {
 /// the same cursor.
 async fn fetch_stream(
     client: Client,
+    access: Access,
     shuffle_id: u64,
     stream: FetchStream,
     pages: mpsc::Sender<Result<Vec<ShuffleBatch>>>,
@@ -668,7 +679,7 @@ async fn fetch_stream(
     let mut copy = 0;
     let mut request = FetchRequest { cursor: 0, max_bytes: FETCH_PAGE_BYTES, maps: stream.maps };
     loop {
-        let mut page = fetch_page(&client, shuffle_id, &stream.segment, &copies[copy], &request).await;
+        let mut page = fetch_page(&client, &access, shuffle_id, &stream.segment, &copies[copy], &request).await;
         match &page {
             Err(e)
                 if copy + 1 < copies.len()
@@ -705,6 +716,7 @@ async fn fetch_stream(
 /// (`None` at the end). A copy without the segment is a `NotFound` error.
 async fn fetch_page(
     client: &Client,
+    access: &Access,
     shuffle_id: u64,
     segment: &Segment,
     copy: &(u64, String, String),
@@ -725,7 +737,8 @@ async fn fetch_page(
         Err(e) => return Err(lost(e)),
     };
     let payload = request.encode();
-    let reply = match conn.call(|id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload)).await {
+    let fetch = |id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload);
+    let reply = match conn.call_as(access, fetch).await {
         Ok(reply) => reply,
         Err(e) if e.kind() == ErrorKind::Unavailable => return Err(lost(e)),
         Err(e) => return Err(e.context(&place)),

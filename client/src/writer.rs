@@ -35,6 +35,8 @@ const ALLOCATE_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs
 pub struct FileWriter {
     client: Client,
     path: String,
+    /// The job owning the file ("" outside `/jobs`): whose token its block frames carry.
+    job: String,
     file_id: u64,
     block_size: usize,
     buffer: BytesMut,
@@ -53,10 +55,18 @@ pub struct FileWriter {
 }
 
 impl FileWriter {
-    pub(crate) fn new(client: Client, path: String, file_id: u64, block_size: u32, replicas: u32) -> FileWriter {
+    pub(crate) fn new(
+        client: Client,
+        path: String,
+        job: String,
+        file_id: u64,
+        block_size: u32,
+        replicas: u32,
+    ) -> FileWriter {
         FileWriter {
             client,
             path,
+            job,
             file_id,
             block_size: block_size as usize,
             replicas: replicas.max(1) as usize,
@@ -129,22 +139,28 @@ impl FileWriter {
         while self.in_flight.len() >= self.client.options().writes_in_flight.max(1) {
             self.finish_one().await?;
         }
-        let copies = self.next_copies().await?;
         let client = self.client.clone();
+        let mut copies = Vec::with_capacity(self.replicas);
+        for location in self.next_copies().await? {
+            let access = client.access(&self.job, &location.grant).await?;
+            copies.push((location, access));
+        }
         let path = self.path.clone();
         self.in_flight.push(tokio::spawn(async move {
             // Every copy at once; the payload is shared, not copied.
-            let writes = copies.into_iter().map(|location| {
+            let writes = copies.into_iter().map(|(location, access)| {
                 let (client, path, data) = (client.clone(), path.clone(), data.clone());
                 async move {
                     let conn =
                         client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
-                    conn.call(|id| Frame::write(id, location.block_id, 0, data)).await.map(|_| ()).map_err(|e| {
-                        e.context(format_args!(
-                            "write {path}: block {} on storage server {} ({})",
-                            location.block_id, location.server_id, location.address
-                        ))
-                    })
+                    conn.call_as(&access, |id| Frame::write(id, location.block_id, 0, data)).await.map(|_| ()).map_err(
+                        |e| {
+                            e.context(format_args!(
+                                "write {path}: block {} on storage server {} ({})",
+                                location.block_id, location.server_id, location.address
+                            ))
+                        },
+                    )
                 }
             });
             futures::future::try_join_all(writes).await.map(|_| ())
@@ -187,18 +203,24 @@ impl FileWriter {
 
     /// Asks for the next batch of block locations, retrying (a bounded number of times, with
     /// backoff) while the cluster is `Unavailable`, e.g. while freed space is on its way back.
+    /// A batch refused by the tenant's quota is asked again as the one block needed now: the
+    /// batch asks ahead, and the quota may still hold that one.
     async fn allocate(&self) -> Result<pb::AllocateBlocksResponse> {
         let mut backoff = ALLOCATE_BACKOFF_START;
         let mut attempt = 1;
+        let mut count = match self.expected_blocks {
+            Some(expected) => u64::from(self.next_batch).min(expected.saturating_sub(self.allocated).max(1)) as u32,
+            None => self.next_batch,
+        };
         loop {
-            let count = match self.expected_blocks {
-                Some(expected) => u64::from(self.next_batch).min(expected.saturating_sub(self.allocated).max(1)) as u32,
-                None => self.next_batch,
-            };
             let request =
                 pb::AllocateBlocksRequest { file_id: self.file_id, count, client_host: self.client.inner.host.clone() };
             match self.client.metadata().allocate_blocks(request).await {
                 Ok(reply) => return Ok(reply.into_inner()),
+                Err(status) if count > 1 && ErrorKind::of_status(&status) == ErrorKind::QuotaExceeded => {
+                    count = 1;
+                    continue;
+                }
                 Err(status) => {
                     let e = Error::from(status).context(format_args!("write {}", self.path));
                     if e.kind() != ErrorKind::Unavailable || attempt == ALLOCATE_ATTEMPTS {

@@ -1,5 +1,6 @@
 //! The metadata server's configuration: one typed struct, loaded from TOML by the `tern` binary.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -57,6 +58,20 @@ pub struct Config {
     /// status (a List or Locate reply that would be larger fails, so keep it above their
     /// pages). Default `16MiB`.
     pub max_message_size: ByteSize,
+    /// Quotas per tenant, `[tenants.<name>]` tables; a tenant not listed is unlimited. Default: none.
+    pub tenants: BTreeMap<String, TenantQuota>,
+}
+
+/// One tenant's quotas; 0 (the default of each) means unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantQuota {
+    /// Most jobs of the tenant registered at once.
+    pub max_jobs: u64,
+    /// Most bytes of DRAM blocks (whole blocks allocated) held by the tenant's jobs' files.
+    pub dram_bytes: ByteSize,
+    /// Most bytes of NVMe blocks held by the tenant's jobs' files.
+    pub nvme_bytes: ByteSize,
 }
 
 impl Default for Config {
@@ -81,6 +96,7 @@ impl Default for Config {
             max_connections: 4096,
             max_concurrent_streams: 1024,
             max_message_size: ByteSize(tern_proto::MAX_GRPC_MESSAGE_BYTES as u64),
+            tenants: BTreeMap::new(),
         }
     }
 }
@@ -131,7 +147,17 @@ impl Config {
         if self.snapshot_interval_ms == 0 || self.snapshot_log_size.bytes() == 0 {
             bail!("snapshot_interval_ms and snapshot_log_size must be above 0");
         }
+        for name in self.tenants.keys() {
+            crate::jobs::validate_tenant(name).map_err(|r| anyhow::anyhow!("[tenants.{name}]: {}", r.reason))?;
+        }
         tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
+        // The admin endpoint is plain HTTP whatever the TLS material.
+        tern_transport::check_listen(
+            "the admin endpoint (plain HTTP)",
+            self.admin_listen,
+            false,
+            self.trusted_network,
+        )?;
         Ok(())
     }
 
@@ -168,12 +194,17 @@ mod tests {
         let partial: Config = toml::from_str("block_size = \"4MiB\"").unwrap();
         assert_eq!(partial.block_size, ByteSize::mib(4));
         assert!(toml::from_str::<Config>("blok_size = 1").is_err());
+        let quotas: Config = toml::from_str("[tenants.etl]\nmax_jobs = 2\ndram_bytes = \"1GiB\"").unwrap();
+        let etl = quotas.tenants["etl"];
+        assert_eq!((etl.max_jobs, etl.dram_bytes, etl.nvme_bytes), (2, ByteSize::gib(1), ByteSize(0)));
+        quotas.validate().unwrap();
+        assert!(toml::from_str::<Config>("[tenants.etl]\nmax_job = 2").is_err());
     }
 
     #[test]
     fn refuses_bad_values() {
         type Case = (fn(&mut Config), &'static str);
-        let cases: [Case; 10] = [
+        let cases: [Case; 11] = [
             (|c| c.listen = "0.0.0.0:9060".parse().unwrap(), "tern cert init --dir DIR"),
             (|c| c.block_size = ByteSize(3 << 20), "power of two"),
             (|c| c.block_size = ByteSize::kib(2), "power of two"),
@@ -184,6 +215,7 @@ mod tests {
             (|c| c.max_connections = 0, "max_connections"),
             (|c| c.max_message_size = ByteSize::kib(1), "max_message_size"),
             (|c| c.max_message_size = ByteSize::mib(17), "max_message_size"),
+            (|c| c.admin_listen = "0.0.0.0:9061".parse().unwrap(), "admin endpoint"),
         ];
         for (break_it, expected) in cases {
             let mut config = Config::default();

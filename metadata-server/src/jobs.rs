@@ -10,13 +10,18 @@ use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
-use tern_proto::v1::JobStatus;
-use tern_proto::ErrorKind;
+use tern_proto::v1::{JobStatus, TenantStatus};
+use tern_proto::{ErrorKind, Tier};
 
+use crate::config::TenantQuota;
 use crate::error::{already_exists, invalid, not_found, Refusal};
 
 /// Longest job name, in bytes.
 pub const MAX_JOB_NAME_BYTES: usize = 128;
+/// Longest tenant name, in bytes.
+pub const MAX_TENANT_NAME_BYTES: usize = 64;
+/// The tenant of jobs registered without one.
+pub const DEFAULT_TENANT: &str = "default";
 
 #[derive(Debug)]
 struct Job {
@@ -25,6 +30,11 @@ struct Job {
     /// Files under the job's directory, and the sealed bytes among them.
     files: u64,
     bytes: u64,
+    /// Names this registration of the job: tokens and grants carry it (names are reused).
+    serial: u64,
+    tenant: String,
+    /// Blocks allocated to the job's files per tier (DRAM, NVMe), for the tenant's quotas.
+    blocks: [u64; 2],
 }
 
 #[derive(Debug)]
@@ -37,18 +47,55 @@ pub struct Jobs {
     default_lease: Duration,
     max_lease: Duration,
     max_jobs: usize,
+    quotas: BTreeMap<String, TenantQuota>,
+    block_size: u64,
+}
+
+/// Whether a registration is checked against the tenants' quotas: a replay is not (it passed
+/// when it was made, and quotas may have been lowered since).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quota {
+    Enforce,
+    Skip,
 }
 
 impl Jobs {
     pub fn new(default_lease: Duration, max_lease: Duration, max_jobs: usize) -> Jobs {
-        Jobs { jobs: BTreeMap::new(), next_generated: 1, salt: RandomState::new(), default_lease, max_lease, max_jobs }
+        Jobs {
+            jobs: BTreeMap::new(),
+            next_generated: 1,
+            salt: RandomState::new(),
+            default_lease,
+            max_lease,
+            max_jobs,
+            quotas: BTreeMap::new(),
+            block_size: u64::from(tern_proto::DEFAULT_BLOCK_SIZE),
+        }
     }
 
-    /// Registers a job named `name` (generated when empty) with a lease of `lease_ms` (0: the
-    /// default; clamped to the maximum); returns the name and the lease granted.
-    pub fn register(&mut self, name: &str, lease_ms: u64, now: Instant) -> Result<(String, Duration), Refusal> {
+    /// Sets the tenants' quotas and the block size their byte quotas count in.
+    pub fn with_quotas(mut self, quotas: BTreeMap<String, TenantQuota>, block_size: u32) -> Jobs {
+        self.quotas = quotas;
+        self.block_size = u64::from(block_size);
+        self
+    }
+
+    /// Registers a job named `name` (generated when empty) for `tenant` ("" = the default) with a
+    /// lease of `lease_ms` (0: the default; clamped to the maximum) and registration `serial`
+    /// (0: a new random one); returns the name, the lease granted and the serial.
+    pub fn register(
+        &mut self,
+        name: &str,
+        lease_ms: u64,
+        tenant: &str,
+        serial: u64,
+        quota: Quota,
+        now: Instant,
+    ) -> Result<(String, Duration, u64), Refusal> {
         let name = if name.is_empty() { self.generate_name() } else { name.to_string() };
         validate_name(&name)?;
+        let tenant = if tenant.is_empty() { DEFAULT_TENANT } else { tenant };
+        validate_tenant(tenant)?;
         if self.jobs.contains_key(&name) {
             return Err(already_exists(format!("job {name} is already registered")));
         }
@@ -58,12 +105,125 @@ impl Jobs {
                 format!("{} jobs are live, the limit (max_jobs); end some first", self.max_jobs),
             ));
         }
+        if quota == Quota::Enforce {
+            let limit = self.quota(tenant).max_jobs;
+            let live = self.jobs.values().filter(|job| job.tenant == tenant).count() as u64;
+            if limit > 0 && live >= limit {
+                return Err(Refusal::new(
+                    ErrorKind::QuotaExceeded,
+                    format!("tenant {tenant}: jobs quota exceeded: limit {limit} jobs, {live} in use"),
+                ));
+            }
+        }
         let lease = match lease_ms {
             0 => self.default_lease,
             ms => Duration::from_millis(ms).min(self.max_lease),
         };
-        self.jobs.insert(name.clone(), Job { lease, expires_at: now + lease, files: 0, bytes: 0 });
-        Ok((name, lease))
+        let serial = if serial != 0 { serial } else { new_serial() };
+        let job = Job {
+            lease,
+            expires_at: now + lease,
+            files: 0,
+            bytes: 0,
+            serial,
+            tenant: tenant.to_string(),
+            blocks: [0; 2],
+        };
+        self.jobs.insert(name.clone(), job);
+        Ok((name, lease, serial))
+    }
+
+    fn quota(&self, tenant: &str) -> TenantQuota {
+        self.quotas.get(tenant).copied().unwrap_or_default()
+    }
+
+    /// The registration serial of a registered job.
+    pub fn serial(&self, name: &str) -> Option<u64> {
+        self.jobs.get(name).map(|job| job.serial)
+    }
+
+    /// A registered job's serial, lease and time left.
+    pub fn lease_of(&self, name: &str, now: Instant) -> Option<(u64, Duration, Duration)> {
+        self.jobs.get(name).map(|job| (job.serial, job.lease, job.expires_at.saturating_duration_since(now)))
+    }
+
+    /// Ok when `count` more blocks of `tier` for job `name` keep its tenant within its quota.
+    pub fn check_blocks(&self, name: &str, tier: Tier, count: u64) -> Result<(), Refusal> {
+        let Some(job) = self.jobs.get(name) else {
+            return Ok(());
+        };
+        let quota = self.quota(&job.tenant);
+        let limit = match tier {
+            Tier::Dram => quota.dram_bytes.bytes(),
+            Tier::Nvme => quota.nvme_bytes.bytes(),
+        };
+        if limit == 0 {
+            return Ok(());
+        }
+        let used = self.tenant_blocks(&job.tenant)[tier_index(tier)] * self.block_size;
+        let wanted = count * self.block_size;
+        if used + wanted > limit {
+            return Err(Refusal::new(
+                ErrorKind::QuotaExceeded,
+                format!(
+                    "tenant {}: {tier} bytes quota exceeded: limit {limit} bytes, {used} in use, {wanted} more asked                      (job {name})",
+                    job.tenant
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Counts blocks allocated to (`delta` > 0) or released from a job's files, by their ids' tier.
+    pub fn count_blocks(&mut self, name: &str, block_ids: impl IntoIterator<Item = u64>, delta: i64) {
+        let Some(job) = self.jobs.get_mut(name) else {
+            return;
+        };
+        for id in block_ids {
+            let slot = &mut job.blocks[tier_index(Tier::of_block(id))];
+            *slot = slot.saturating_add_signed(delta);
+        }
+    }
+
+    fn tenant_blocks(&self, tenant: &str) -> [u64; 2] {
+        let mut sum = [0u64; 2];
+        for job in self.jobs.values().filter(|job| job.tenant == tenant) {
+            sum[0] += job.blocks[0];
+            sum[1] += job.blocks[1];
+        }
+        sum
+    }
+
+    /// Every tenant with a live job or a quota: jobs and bytes in use against the limits.
+    pub fn tenants(&self) -> Vec<TenantStatus> {
+        let mut names: Vec<&str> = self.quotas.keys().map(String::as_str).collect();
+        names.extend(self.jobs.values().map(|job| job.tenant.as_str()));
+        names.sort_unstable();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|tenant| {
+                let quota = self.quota(tenant);
+                let blocks = self.tenant_blocks(tenant);
+                TenantStatus {
+                    tenant: tenant.to_string(),
+                    jobs: self.jobs.values().filter(|job| job.tenant == tenant).count() as u64,
+                    max_jobs: quota.max_jobs,
+                    dram_bytes: blocks[0] * self.block_size,
+                    dram_limit_bytes: quota.dram_bytes.bytes(),
+                    nvme_bytes: blocks[1] * self.block_size,
+                    nvme_limit_bytes: quota.nvme_bytes.bytes(),
+                }
+            })
+            .collect()
+    }
+
+    /// Every job's registration as logged (for snapshots): name, lease, tenant, serial.
+    pub fn registrations(&self) -> Vec<(String, u64, String, u64)> {
+        self.jobs
+            .iter()
+            .map(|(name, job)| (name.clone(), job.lease.as_millis() as u64, job.tenant.clone(), job.serial))
+            .collect()
     }
 
     /// Extends a live job's lease by its full length from `now`.
@@ -109,12 +269,6 @@ impl Jobs {
         }
     }
 
-    /// Every job's name and lease as asked (for snapshots; 0 never appears: the lease granted is
-    /// kept, and it is already clamped).
-    pub fn leases(&self) -> Vec<(String, u64)> {
-        self.jobs.iter().map(|(name, job)| (name.clone(), job.lease.as_millis() as u64)).collect()
-    }
-
     pub fn len(&self) -> usize {
         self.jobs.len()
     }
@@ -132,6 +286,7 @@ impl Jobs {
                 expires_in_ms: job.expires_at.saturating_duration_since(now).as_millis() as u64,
                 files: job.files,
                 bytes: job.bytes,
+                tenant: job.tenant.clone(),
             })
             .collect()
     }
@@ -141,6 +296,32 @@ impl Jobs {
         self.next_generated += 1;
         format!("job-{n}-{:08x}", self.salt.hash_one(n) as u32)
     }
+}
+
+fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::Dram => 0,
+        Tier::Nvme => 1,
+    }
+}
+
+/// A random non-zero serial (0 is the volume principal's).
+fn new_serial() -> u64 {
+    loop {
+        let serial = tern_proto::token::random_u64();
+        if serial != tern_proto::token::VOLUME_SERIAL {
+            return serial;
+        }
+    }
+}
+
+/// Tenant names: [A-Za-z0-9._-], 1 to 64 bytes.
+pub fn validate_tenant(name: &str) -> Result<(), Refusal> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if name.is_empty() || name.len() > MAX_TENANT_NAME_BYTES || !name.chars().all(allowed) {
+        return Err(invalid(format!("tenant name {name:?} is not 1 to {MAX_TENANT_NAME_BYTES} of [A-Za-z0-9._-]")));
+    }
+    Ok(())
 }
 
 fn not_registered(name: &str) -> Refusal {
@@ -170,15 +351,19 @@ mod tests {
     fn registers_validates_and_clamps() {
         let mut jobs = jobs();
         let now = Instant::now();
-        assert_eq!(jobs.register("j1", 0, now).unwrap(), ("j1".to_string(), Duration::from_secs(30)));
-        assert_eq!(jobs.register("j1", 0, now).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(jobs.register("j2", 999_999, now).unwrap().1, Duration::from_secs(60));
+        assert_eq!(jobs.register("j1", 0, "", 0, Quota::Enforce, now).unwrap().1, Duration::from_secs(30));
+        assert_eq!(jobs.register("j1", 0, "", 0, Quota::Enforce, now).unwrap_err().kind, ErrorKind::AlreadyExists);
+        assert_eq!(jobs.register("j2", 999_999, "", 0, Quota::Enforce, now).unwrap().1, Duration::from_secs(60));
         for bad in ["a/b", ".", "..", "sp ace", &"x".repeat(129)] {
-            assert_eq!(jobs.register(bad, 0, now).unwrap_err().kind, ErrorKind::Invalid, "{bad:?}");
+            assert_eq!(
+                jobs.register(bad, 0, "", 0, Quota::Enforce, now).unwrap_err().kind,
+                ErrorKind::Invalid,
+                "{bad:?}"
+            );
         }
-        let (generated, _) = jobs.register("", 100, now).unwrap();
+        let (generated, _, _) = jobs.register("", 100, "", 0, Quota::Enforce, now).unwrap();
         assert!(generated.starts_with("job-1-"), "{generated}");
-        assert_eq!(jobs.register("j4", 0, now).unwrap_err().kind, ErrorKind::OutOfSpace);
+        assert_eq!(jobs.register("j4", 0, "", 0, Quota::Enforce, now).unwrap_err().kind, ErrorKind::OutOfSpace);
         assert_eq!(jobs.len(), 3);
     }
 
@@ -186,8 +371,8 @@ mod tests {
     fn leases_lapse_unless_renewed() {
         let mut jobs = jobs();
         let start = Instant::now();
-        jobs.register("a", 100, start).unwrap();
-        jobs.register("b", 100, start).unwrap();
+        jobs.register("a", 100, "", 0, Quota::Enforce, start).unwrap();
+        jobs.register("b", 100, "", 0, Quota::Enforce, start).unwrap();
         let mid = start + Duration::from_millis(80);
         assert_eq!(jobs.renew("a", mid).unwrap(), Duration::from_millis(100));
         let after = start + Duration::from_millis(120);
@@ -201,5 +386,44 @@ mod tests {
         let status = jobs.status(after);
         assert_eq!(status.len(), 1);
         assert_eq!((status[0].job_id.as_str(), status[0].expires_in_ms), ("a", 60));
+    }
+
+    #[test]
+    fn tenants_count_jobs_and_blocks_against_their_quotas() {
+        let quota = TenantQuota {
+            max_jobs: 2,
+            dram_bytes: tern_common::ByteSize(3 * 4096),
+            nvme_bytes: tern_common::ByteSize(0),
+        };
+        let mut jobs = Jobs::new(Duration::from_secs(30), Duration::from_secs(60), 10)
+            .with_quotas(BTreeMap::from([("etl".to_string(), quota)]), 4096);
+        let now = Instant::now();
+        let (_, _, s1) = jobs.register("a", 0, "etl", 0, Quota::Enforce, now).unwrap();
+        let (_, _, s2) = jobs.register("b", 0, "etl", 0, Quota::Enforce, now).unwrap();
+        assert_ne!(s1, s2);
+        let err = jobs.register("c", 0, "etl", 0, Quota::Enforce, now).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::QuotaExceeded);
+        assert!(
+            err.reason.contains("tenant etl") && err.reason.contains("limit 2") && err.reason.contains("2 in use"),
+            "{}",
+            err.reason
+        );
+        // A replay is not refused, and keeps its serial; other tenants are unlimited.
+        assert_eq!(jobs.register("c", 0, "etl", 77, Quota::Skip, now).unwrap().2, 77);
+        jobs.register("d", 0, "", 0, Quota::Enforce, now).unwrap();
+        jobs.count_blocks("a", [1, 2], 1);
+        jobs.check_blocks("b", Tier::Dram, 1).unwrap();
+        let err = jobs.check_blocks("b", Tier::Dram, 2).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::QuotaExceeded);
+        assert!(err.reason.contains("limit 12288 bytes, 8192 in use"), "{}", err.reason);
+        jobs.check_blocks("b", Tier::Nvme, 1000).unwrap();
+        jobs.check_blocks("d", Tier::Dram, 1000).unwrap();
+        let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
+        assert_eq!((etl.jobs, etl.dram_bytes, etl.dram_limit_bytes), (3, 8192, 12288));
+        jobs.count_blocks("a", [1], -1);
+        jobs.remove("a").unwrap();
+        let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
+        assert_eq!((etl.jobs, etl.dram_bytes), (2, 0));
+        assert_eq!(jobs.register("e", 0, "bad tenant", 0, Quota::Enforce, now).unwrap_err().kind, ErrorKind::Invalid);
     }
 }

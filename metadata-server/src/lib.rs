@@ -22,6 +22,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 mod jobs;
+mod keyfile;
 mod metrics;
 mod namespace;
 mod path;
@@ -32,5 +33,5 @@ mod shuffles;
 mod state;
 mod wal;
 
-pub use config::Config;
+pub use config::{Config, TenantQuota};
 pub use server::{run, start, MetadataServer};

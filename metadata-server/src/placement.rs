@@ -784,7 +784,14 @@ impl Servers {
     pub fn location(&self, block: &BlockRef, length: u32) -> BlockLocation {
         let (address, quic_address) =
             self.servers.get(&block.server_id).map(|s| (s.address.clone(), s.quic_address.clone())).unwrap_or_default();
-        BlockLocation { block_id: block.block_id, server_id: block.server_id, address, length, quic_address }
+        BlockLocation {
+            block_id: block.block_id,
+            server_id: block.server_id,
+            address,
+            length,
+            quic_address,
+            grant: Vec::new(),
+        }
     }
 
     pub fn status(&self, now: Instant) -> Vec<ServerStatus> {

@@ -168,6 +168,7 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
     let recovered = wal::recover(&config.dir)
         .with_context(|| format!("recovering the metadata state in {}", config.dir.display()))?;
     let mut state = State::new(config);
+    state.set_key(crate::keyfile::load_or_create(&config.dir)?);
     state.restore(&recovered.records, Instant::now())?;
     let snapshot = state.snapshot();
     let bytes = wal::write_snapshot(&config.dir, recovered.next_seq, &snapshot)?;
@@ -350,7 +351,11 @@ mod tests {
         assert_eq!(registered.heartbeat_interval_ms, 1000);
 
         let mut client = MetadataClient::connect(endpoint).await.unwrap();
-        let job = client.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0 }).await.unwrap().into_inner();
+        let job = client
+            .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
         let path = format!("{}/out", job.root);
         let created = client
             .create(CreateRequest { path: path.clone(), parents: false, ..Default::default() })

@@ -110,11 +110,28 @@ impl Metadata for Service {
     }
 
     async fn renew_job(&self, request: Request<RenewJobRequest>) -> Result<Response<RenewJobResponse>, Status> {
-        self.call("renew_job", |state, now| state.renew_job(request.into_inner(), now)).await
+        let req = request.into_inner();
+        self.call("renew_job", |state, now| {
+            state.check_job_token(&req.job_id, &req.token, "renew")?;
+            state.renew_job(req, now)
+        })
+        .await
     }
 
     async fn end_job(&self, request: Request<EndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
-        self.call("end_job", |state, now| state.end_job(request.into_inner(), now)).await
+        let req = request.into_inner();
+        self.call("end_job", |state, now| {
+            state.check_job_token(&req.job_id, &req.token, "end")?;
+            state.end_job(req, now)
+        })
+        .await
+    }
+
+    async fn refresh_token(
+        &self,
+        request: Request<RefreshTokenRequest>,
+    ) -> Result<Response<RefreshTokenResponse>, Status> {
+        self.call("refresh_token", |state, now| state.refresh_token(request.into_inner(), now)).await
     }
 
     async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {

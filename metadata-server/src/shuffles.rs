@@ -207,7 +207,7 @@ impl Shuffles {
             .map(|(partition, &copies)| segment(servers, &no_loss, partition as u32, 0, copies))
             .collect();
         let shuffle_id = self.next_shuffle_id;
-        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes };
+        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes, grant: Vec::new() };
         // The reply names every partition's segment: refuse before registering if it cannot travel.
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
@@ -595,6 +595,8 @@ impl Shuffles {
             start_partition,
             end_partition,
             split_size_bytes: shuffle.split_size_bytes,
+            job_id: shuffle.job.clone(),
+            grant: Vec::new(),
         };
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {

@@ -10,15 +10,16 @@
 use std::time::{Duration, Instant};
 
 use tern_common::unix_ms;
+use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, Tier};
 use tonic::Status;
 use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::error::{invalid, not_found, Context, Refusal};
-use crate::jobs::Jobs;
+use crate::jobs::{Jobs, Quota};
 use crate::metrics::Gauges;
 use crate::namespace::{FileMeta, Namespace, Removed};
 use crate::path::{self, Place, JOBS_DIR};
@@ -35,6 +36,8 @@ pub struct State {
     servers: Servers,
     jobs: Jobs,
     shuffles: Shuffles,
+    /// Signs job tokens and grants (kept in the server's directory: `keyfile`).
+    key: TokenKey,
     /// Changes made since the caller last took them, for the write-ahead log (see `durable`).
     journal: Vec<LogRecord>,
 }
@@ -53,13 +56,77 @@ impl State {
                 Duration::from_millis(config.default_lease_ms),
                 Duration::from_millis(config.max_lease_ms),
                 config.max_jobs as usize,
-            ),
+            )
+            .with_quotas(config.tenants.clone(), config.block_size_bytes()),
+            key: TokenKey::generate(),
             // Shuffle ids start from the clock, so they stay unique across restarts of this server
             // (a stale client's shuffle id cannot name a new shuffle) unless a run registered more
             // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
             shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
             journal: Vec::new(),
         }
+    }
+
+    /// Signs tokens and grants with `key` from now on (the server's persisted key).
+    pub fn set_key(&mut self, key: TokenKey) {
+        self.key = key;
+    }
+
+    /// The serial of the principal owning `path`: its job's, or the volume principal's outside
+    /// `/jobs`. A job that is gone gets a serial no token carries.
+    fn serial_of_path(&self, path: &str) -> u64 {
+        match Place::of(path).job() {
+            Some(job) => self.jobs.serial(job).unwrap_or(u64::MAX),
+            None => VOLUME_SERIAL,
+        }
+    }
+
+    fn with_grants(&self, mut locations: Vec<BlockLocation>, serial: u64) -> Vec<BlockLocation> {
+        for location in &mut locations {
+            location.grant = self.key.grant(GrantKind::Block, location.block_id, serial).to_vec();
+        }
+        locations
+    }
+
+    /// A fresh token for a registered job, expiring when its lease does.
+    fn token_for(&self, job: &str, now: Instant) -> String {
+        let Some((serial, lease, left)) = self.jobs.lease_of(job, now) else {
+            return String::new();
+        };
+        let expires = unix_ms().saturating_add(left.as_millis() as u64);
+        self.key.issue(job, serial, expires, lease.as_millis() as u64).to_text()
+    }
+
+    /// Ok when `token` is a token of job `job`'s current registration signed by this server (it
+    /// may have expired: a job holder renewing late is still its holder).
+    pub fn check_job_token(&self, job: &str, token: &str, what: &str) -> Result<(), Status> {
+        let context = format!("{what} job {job}");
+        let refuse = |why: String| Refusal::new(ErrorKind::PermissionDenied, why).status(&context);
+        if token.is_empty() {
+            return Err(refuse(format!("no token given: only the holder of job {job}'s token may {what} it")));
+        }
+        let token = JobToken::from_text(token).map_err(|e| Refusal::new(e.kind(), e.to_string()).status(&context))?;
+        self.key.verify(&token).map_err(|e| refuse(e.to_string()))?;
+        let Some(serial) = self.jobs.serial(job) else {
+            return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
+        };
+        if token.job != job || token.serial != serial {
+            return Err(refuse(format!(
+                "the token given is job {}'s (another job, or an earlier job of that name)",
+                token.job
+            )));
+        }
+        Ok(())
+    }
+
+    /// A fresh token for the holder of a valid one whose job is live; the lease is not renewed.
+    pub fn refresh_token(&mut self, req: RefreshTokenRequest, now: Instant) -> Result<RefreshTokenResponse, Status> {
+        let token = JobToken::from_text(&req.token)
+            .map_err(|e| Refusal::new(e.kind(), e.to_string()).status("refresh a job token"))?;
+        let job = token.job.clone();
+        self.check_job_token(&job, &req.token, "refresh the token of")?;
+        self.jobs.check_live(&job, now).context(format_args!("refresh the token of job {job}"))?;
+        Ok(RefreshTokenResponse { token: self.token_for(&job, now) })
     }
 
     /// Records a change for the log.
@@ -91,12 +158,13 @@ impl State {
         let file = self.namespace.file_mut(file_id).context(&context)?;
         file.replicas = replicas;
         file.sealed = req.sealed;
-        if let Some(job) = Place::of(&path).job() {
-            self.jobs.add_usage(job, 1, 0);
+        let job = Place::of(&path).job().unwrap_or_default().to_string();
+        if !job.is_empty() {
+            self.jobs.add_usage(&job, 1, 0);
         }
         let request = CreateRequest { path, storage_class: storage_class.to_string(), replicas, ..req };
         self.log(Change::Create(LogCreate { request: Some(request), file_id }));
-        Ok(CreateResponse { file_id, block_size: self.block_size })
+        Ok(CreateResponse { file_id, block_size: self.block_size, job })
     }
 
     pub fn allocate_blocks(
@@ -118,14 +186,32 @@ impl State {
             .servers
             .allocate_copies(req.count, &req.client_host, file.storage_class, file.replicas)
             .context(&context)?;
-        let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
+        // Placement picks the tiers; a batch taking the job's tenant past a tier's quota is
+        // given back (never written, so freeing costs the servers nothing) and refused. Every
+        // copy counts: each takes a block of its tier.
+        if let Some(job) = Place::of(&path).job() {
+            let nvme = blocks.iter().filter(|b| Tier::of_block(b.block_id) == Tier::Nvme).count() as u64;
+            let dram = blocks.len() as u64 - nvme;
+            let within = self
+                .jobs
+                .check_blocks(job, Tier::Dram, dram)
+                .and_then(|()| self.jobs.check_blocks(job, Tier::Nvme, nvme));
+            if let Err(refusal) = within {
+                self.servers.free(&blocks);
+                return Err(refusal.status(context));
+            }
+            self.jobs.count_blocks(job, blocks.iter().map(|b| b.block_id), 1);
+        }
+        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        let locations: Vec<BlockLocation> = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
         file.blocks.extend(blocks.iter().copied());
         self.log(Change::Allocate(LogAllocate {
             file_id: req.file_id,
             block_ids: blocks.iter().map(|b| b.block_id).collect(),
             server_ids: blocks.iter().map(|b| b.server_id).collect(),
         }));
-        Ok(AllocateBlocksResponse { blocks: locations })
+        let serial = self.serial_of_path(&path);
+        Ok(AllocateBlocksResponse { blocks: self.with_grants(locations, serial) })
     }
 
     pub fn seal(&mut self, req: SealRequest, _now: Instant) -> Result<SealResponse, Status> {
@@ -151,6 +237,7 @@ impl State {
         self.servers.free(&unused);
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
+            self.jobs.count_blocks(job, unused.iter().map(|b| b.block_id), -1);
         }
         let info = self.namespace.file_info(req.file_id).context(&context)?;
         self.log(Change::Seal(req));
@@ -188,6 +275,7 @@ impl State {
             let sorted: Vec<BlockLocation> = order.iter().map(|&i| group[i].clone()).collect();
             group.clone_from_slice(&sorted);
         }
+        let blocks = self.with_grants(blocks, self.serial_of_path(&path));
         Ok(OpenResponse { info: Some(info), blocks, block_size: self.block_size })
     }
 
@@ -197,7 +285,7 @@ impl State {
         let (info, meta) = self.namespace.stat(&path).context(&context)?;
         let mut response = StatResponse { info: Some(info), ..StatResponse::default() };
         if let Some(file) = meta.filter(|_| req.with_blocks) {
-            response.blocks = self.locations(file);
+            response.blocks = self.with_grants(self.locations(file), self.serial_of_path(&path));
             response.blocks_alive = file.blocks.iter().map(|block| self.servers.block_readable(block)).collect();
         }
         Ok(response)
@@ -226,6 +314,7 @@ impl State {
         let removed = self.namespace.remove(&path, req.recursive).context(&context)?;
         if let Some(job) = Place::of(&path).job() {
             self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
+            self.jobs.count_blocks(job, removed.blocks.iter().map(|b| b.block_id), -1);
         }
         self.log(Change::Delete(DeleteRequest { path, recursive: req.recursive }));
         Ok(self.release(removed))
@@ -258,7 +347,8 @@ impl State {
         if self.jobs.is_registered(&req.name) && self.jobs.check_live(&req.name, now).is_err() {
             self.end(&req.name, "lease lapsed");
         }
-        let (name, lease) = self.jobs.register(&req.name, req.lease_ms, now).context(&context)?;
+        let (name, lease, serial) =
+            self.jobs.register(&req.name, req.lease_ms, &req.tenant, 0, Quota::Enforce, now).context(&context)?;
         let root = path::job_root(&name);
         let made = self
             .namespace
@@ -269,13 +359,20 @@ impl State {
             let _ = self.jobs.remove(&name);
             return Err(refusal.status(context));
         }
-        self.log(Change::RegisterJob(RegisterJobRequest { name: name.clone(), lease_ms: req.lease_ms }));
-        Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root })
+        let tenant = if req.tenant.is_empty() { crate::jobs::DEFAULT_TENANT.to_string() } else { req.tenant };
+        self.log(Change::RegisterJob(RegisterJobRequest {
+            name: name.clone(),
+            lease_ms: req.lease_ms,
+            tenant,
+            serial,
+        }));
+        let token = self.token_for(&name, now);
+        Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root, token })
     }
 
     pub fn renew_job(&mut self, req: RenewJobRequest, now: Instant) -> Result<RenewJobResponse, Status> {
         let lease = self.jobs.renew(&req.job_id, now).context(format_args!("renew job {}", req.job_id))?;
-        Ok(RenewJobResponse { lease_ms: lease.as_millis() as u64 })
+        Ok(RenewJobResponse { lease_ms: lease.as_millis() as u64, token: self.token_for(&req.job_id, now) })
     }
 
     pub fn end_job(&mut self, req: EndJobRequest, _now: Instant) -> Result<EndJobResponse, Status> {
@@ -294,6 +391,7 @@ impl State {
             jobs: self.jobs.status(now),
             files: self.namespace.files(),
             directories: self.namespace.directories(),
+            tenants: self.jobs.tenants(),
         })
     }
 
@@ -304,8 +402,10 @@ impl State {
     ) -> Result<RegisterShuffleResponse, Status> {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
-        let response = self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)?;
+        let mut response = self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)?;
         let replicated = req.replicas > 1;
+        let serial = self.jobs.serial(&req.job_id).unwrap_or(u64::MAX);
+        response.grant = self.key.grant(GrantKind::Shuffle, response.shuffle_id, serial).to_vec();
         self.log(Change::RegisterShuffle(LogShuffle {
             request: Some(req),
             shuffle_id: response.shuffle_id,
@@ -353,7 +453,10 @@ impl State {
         _now: Instant,
     ) -> Result<LocateShuffleResponse, Status> {
         let context = format!("locate shuffle {}", req.shuffle_id);
-        self.shuffles.locate(&req, &self.servers).context(context)
+        let mut response = self.shuffles.locate(&req, &self.servers).context(context)?;
+        let serial = self.jobs.serial(&response.job_id).unwrap_or(u64::MAX);
+        response.grant = self.key.grant(GrantKind::Shuffle, req.shuffle_id, serial).to_vec();
+        Ok(response)
     }
 
     pub fn invalidate_maps(
@@ -420,6 +523,7 @@ impl State {
             server_id,
             block_size: self.block_size,
             heartbeat_interval_ms: self.heartbeat_interval.as_millis() as u64,
+            token_key: self.key.as_bytes().to_vec(),
         })
     }
 
@@ -504,7 +608,7 @@ impl State {
 
     /// Ends a registered job: forgets it, deletes its directory, frees its blocks and shuffles.
     fn end(&mut self, job: &str, why: &str) -> DeleteResponse {
-        self.log(Change::EndJob(EndJobRequest { job_id: job.to_string() }));
+        self.log(Change::EndJob(EndJobRequest { job_id: job.to_string(), ..Default::default() }));
         let _ = self.jobs.remove(job);
         // The directory exists while the job is registered; tolerate its absence all the same.
         let removed = self.namespace.remove(&path::job_root(job), true).unwrap_or_default();

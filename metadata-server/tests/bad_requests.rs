@@ -105,10 +105,12 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
         9 => RegisterJobRequest {
             name: rng.pick(&["", "", "j", "a/b", "..", "\0"]).into(),
             lease_ms: if sane { 0 } else { rng.count() },
+            tenant: rng.pick(&["", "", "t", "a/b", "\0"]).into(),
+            serial: if sane { 0 } else { rng.count() },
         }
         .encode_to_vec(),
-        10 => RenewJobRequest { job_id: job }.encode_to_vec(),
-        11 => EndJobRequest { job_id: job }.encode_to_vec(),
+        10 => RenewJobRequest { job_id: job, token: rng.pick(&["", "00", "zz"]).into() }.encode_to_vec(),
+        11 => EndJobRequest { job_id: job, token: rng.pick(&["", "00", "zz"]).into() }.encode_to_vec(),
         12 => StatusRequest {}.encode_to_vec(),
         13 => RegisterShuffleRequest {
             job_id: job,

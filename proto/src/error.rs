@@ -22,13 +22,19 @@ pub enum ErrorKind {
     Corrupt = 7,
     /// A bug or broken invariant on the server.
     Internal = 8,
+    /// The caller's job token does not cover the block, shuffle or job it acted on (another
+    /// job's data, a forged or expired token). Use the owning job's token.
+    PermissionDenied = 9,
+    /// The tenant's quota (jobs, or bytes of a tier) would be exceeded. Free data, end jobs, or
+    /// raise the quota.
+    QuotaExceeded = 10,
 }
 
 /// gRPC metadata key carrying the kind, where gRPC codes alone are ambiguous.
 pub const KIND_METADATA_KEY: &str = "tern-kind";
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 8] = [
+    pub const ALL: [ErrorKind; 10] = [
         ErrorKind::NotFound,
         ErrorKind::AlreadyExists,
         ErrorKind::DataLost,
@@ -37,6 +43,8 @@ impl ErrorKind {
         ErrorKind::Unavailable,
         ErrorKind::Corrupt,
         ErrorKind::Internal,
+        ErrorKind::PermissionDenied,
+        ErrorKind::QuotaExceeded,
     ];
 
     /// The code carried in an error frame's status field.
@@ -58,6 +66,8 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Corrupt => "corrupt",
             ErrorKind::Internal => "internal",
+            ErrorKind::PermissionDenied => "permission-denied",
+            ErrorKind::QuotaExceeded => "quota-exceeded",
         }
     }
 
@@ -70,6 +80,8 @@ impl ErrorKind {
             ErrorKind::Invalid => tonic::Code::InvalidArgument,
             ErrorKind::Unavailable => tonic::Code::Unavailable,
             ErrorKind::Internal => tonic::Code::Internal,
+            ErrorKind::PermissionDenied => tonic::Code::PermissionDenied,
+            ErrorKind::QuotaExceeded => tonic::Code::ResourceExhausted,
         }
     }
 
@@ -99,6 +111,7 @@ impl ErrorKind {
             | tonic::Code::DeadlineExceeded
             | tonic::Code::Cancelled
             | tonic::Code::Aborted => ErrorKind::Unavailable,
+            tonic::Code::PermissionDenied | tonic::Code::Unauthenticated => ErrorKind::PermissionDenied,
             _ => ErrorKind::Internal,
         })
     }

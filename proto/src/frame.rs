@@ -1,7 +1,8 @@
 //! The binary block-frame codec: every data-plane message between clients and storage servers.
 //!
-//! A frame is a fixed 44-byte header followed by `payload_len` bytes of payload. All integers are
-//! little-endian.
+//! A frame is a fixed 60-byte header followed by `payload_len` bytes of payload. All integers are
+//! little-endian. Version 2 (this one) added the slot and the grant (version 1 was 44 bytes, with
+//! the slot's two bytes reserved and no grant); see [`crate::token`] for what they prove.
 //!
 //! | offset | size | field                                                             |
 //! | ------ | ---- | ----------------------------------------------------------------- |
@@ -9,14 +10,15 @@
 //! | 2      | 1    | version (1)                                                       |
 //! | 3      | 1    | op; the high bit marks a response                                 |
 //! | 4      | 2    | status: 0 = ok, else an [`ErrorKind`] code (responses only)       |
-//! | 6      | 2    | reserved, 0                                                       |
+//! | 6      | 2    | slot: whose token the request acts under (0: the volume principal) |
 //! | 8      | 8    | request id, echoed by the response (many requests are in flight)  |
 //! | 16     | 8    | block id                                                          |
 //! | 24     | 4    | offset within the block                                           |
 //! | 28     | 4    | length: bytes to read (Read); block length after the op (replies) |
 //! | 32     | 4    | payload length                                                    |
 //! | 36     | 4    | crc32c of the payload                                             |
-//! | 40     | 4    | crc32c of bytes 0..40                                             |
+//! | 40     | 16   | grant of the block or shuffle for the slot's job (requests)       |
+//! | 56     | 4    | crc32c of bytes 0..56                                             |
 //!
 //! Every length is bounded on decode: a payload longer than the receiver's limit (never more than
 //! [`MAX_PAYLOAD_BYTES`]) is refused before a byte of it is read. Payloads are [`Bytes`], so a
@@ -29,10 +31,11 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::ErrorKind;
+use crate::token::{Grant, GRANT_LEN, MAX_TOKEN_BYTES};
 
 pub const MAGIC: [u8; 2] = *b"TB";
-pub const VERSION: u8 = 1;
-pub const HEADER_LEN: usize = 44;
+pub const VERSION: u8 = 2;
+pub const HEADER_LEN: usize = 60;
 /// Set in the op byte of every response.
 pub const RESPONSE_BIT: u8 = 0x80;
 /// Hard ceiling on any payload, whatever a receiver is configured with.
@@ -41,6 +44,11 @@ pub const MAX_PAYLOAD_BYTES: u32 = crate::MAX_BLOCK_SIZE;
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 /// Most block ids one Free frame may carry.
 pub const MAX_FREE_IDS: usize = 8192;
+/// Bytes per Free entry: block id, then its grant.
+pub const FREE_ENTRY_LEN: usize = 8 + GRANT_LEN;
+/// Highest slot number a connection may bind a token to (slots 1..=MAX_SLOT; 0 is the volume
+/// principal's, bound to no token).
+pub const MAX_SLOT: u16 = 1024;
 
 /// What a frame asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -53,8 +61,8 @@ pub enum Op {
     Write = 2,
     /// Read `length` bytes of a block from `offset`; the reply's payload is the data.
     Read = 3,
-    /// Free the blocks whose ids the payload lists (u64 each); unknown ids are skipped.
-    /// The reply's `length` is the number freed.
+    /// Free the blocks the payload lists (a u64 id and its 16-byte grant each); unknown ids are
+    /// skipped. The reply's `length` is the number freed.
     Free = 4,
     /// Append a batch to a shuffle partition's segment (push-merge); see [`crate::shuffle`].
     /// `block_id` = shuffle id, `offset` = partition, `length` = segment index. The reply's
@@ -63,6 +71,10 @@ pub enum Op {
     /// Read committed batches of a shuffle partition's segment, a page at a time; see
     /// [`crate::shuffle`]. Same addressing as Push; the reply's `length` is the next cursor.
     Fetch = 6,
+    /// Bind the job token in the payload (a `JobToken` message, at most
+    /// [`MAX_TOKEN_BYTES`]) to slot `offset` (1 to [`MAX_SLOT`]) of this connection; later frames
+    /// naming the slot act as that job. Rebinding a slot replaces its token.
+    Auth = 7,
     /// Only in error replies to frames whose op could not be read.
     Malformed = 0x7f,
 }
@@ -76,6 +88,7 @@ impl Op {
             4 => Some(Op::Free),
             5 => Some(Op::Push),
             6 => Some(Op::Fetch),
+            7 => Some(Op::Auth),
             0x7f => Some(Op::Malformed),
             _ => None,
         }
@@ -95,6 +108,11 @@ pub struct Header {
     pub length: u32,
     pub payload_len: u32,
     pub payload_crc: u32,
+    /// Requests: the slot whose token this frame acts under (0: none, the volume principal).
+    pub slot: u16,
+    /// Requests: the grant of `block_id` (a block, or a shuffle for Push and Fetch) for the slot's
+    /// job; zero where none is needed.
+    pub grant: Grant,
 }
 
 impl Header {
@@ -105,13 +123,14 @@ impl Header {
         buf.put_u8(VERSION);
         buf.put_u8(self.op as u8 | if self.response { RESPONSE_BIT } else { 0 });
         buf.put_u16_le(self.status);
-        buf.put_u16_le(0);
+        buf.put_u16_le(self.slot);
         buf.put_u64_le(self.request_id);
         buf.put_u64_le(self.block_id);
         buf.put_u32_le(self.offset);
         buf.put_u32_le(self.length);
         buf.put_u32_le(self.payload_len);
         buf.put_u32_le(self.payload_crc);
+        buf.put_slice(&self.grant);
         let crc = crc32c::crc32c(&out[..HEADER_LEN - 4]);
         out[HEADER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         out
@@ -133,13 +152,15 @@ impl Header {
         let mut buf = &raw[3..HEADER_LEN - 4];
         let op_byte = buf.get_u8();
         let status = buf.get_u16_le();
-        let _reserved = buf.get_u16_le();
+        let slot = buf.get_u16_le();
         let request_id = buf.get_u64_le();
         let block_id = buf.get_u64_le();
         let offset = buf.get_u32_le();
         let length = buf.get_u32_le();
         let payload_len = buf.get_u32_le();
         let payload_crc = buf.get_u32_le();
+        let mut grant = [0u8; GRANT_LEN];
+        buf.copy_to_slice(&mut grant);
         let max = max_payload.min(MAX_PAYLOAD_BYTES);
         if payload_len > max {
             return Err(FrameError::PayloadTooLarge { len: payload_len, max });
@@ -157,6 +178,8 @@ impl Header {
             length,
             payload_len,
             payload_crc,
+            slot,
+            grant,
         })
     }
 }
@@ -182,6 +205,8 @@ impl Frame {
                 length,
                 payload_len,
                 payload_crc: crc32c::crc32c(&payload),
+                slot: 0,
+                grant: [0; GRANT_LEN],
             },
             payload,
         }
@@ -200,13 +225,34 @@ impl Frame {
         Frame::new(Op::Read, false, request_id, block_id, offset, length, Bytes::new())
     }
 
+    /// A Free of blocks without grants: only a server that checks no tokens (tests) honours it.
     pub fn free(request_id: u64, block_ids: &[u64]) -> Frame {
-        assert!(block_ids.len() <= MAX_FREE_IDS, "at most {MAX_FREE_IDS} ids per Free frame");
-        let mut payload = BytesMut::with_capacity(block_ids.len() * 8);
-        for id in block_ids {
+        let entries: Vec<(u64, Grant)> = block_ids.iter().map(|&id| (id, [0; GRANT_LEN])).collect();
+        Frame::free_granted(request_id, &entries)
+    }
+
+    /// A Free of blocks, each with its grant for the job of the frame's slot.
+    pub fn free_granted(request_id: u64, entries: &[(u64, Grant)]) -> Frame {
+        assert!(entries.len() <= MAX_FREE_IDS, "at most {MAX_FREE_IDS} ids per Free frame");
+        let mut payload = BytesMut::with_capacity(entries.len() * FREE_ENTRY_LEN);
+        for (id, grant) in entries {
             payload.put_u64_le(*id);
+            payload.put_slice(grant);
         }
-        Frame::new(Op::Free, false, request_id, 0, 0, block_ids.len() as u32, payload.freeze())
+        Frame::new(Op::Free, false, request_id, 0, 0, entries.len() as u32, payload.freeze())
+    }
+
+    /// Binds `token` (an encoded [`crate::token::JobToken`]) to `slot` of the connection.
+    pub fn auth(request_id: u64, slot: u16, token: Bytes) -> Frame {
+        assert!(token.len() <= MAX_TOKEN_BYTES, "tokens are at most {MAX_TOKEN_BYTES} bytes");
+        Frame::new(Op::Auth, false, request_id, 0, u32::from(slot), 0, token)
+    }
+
+    /// This request, acting under `slot` with `grant` for its block or shuffle.
+    pub fn authorized(mut self, slot: u16, grant: Grant) -> Frame {
+        self.header.slot = slot;
+        self.header.grant = grant;
+        self
     }
 
     /// A Push of `payload` (which starts with a [`crate::shuffle::PushHeader`]) to a segment.
@@ -229,7 +275,17 @@ impl Frame {
     /// payload's crc32c: the receiver checks it.
     pub fn reply_with_crc(request: &Header, length: u32, payload: Bytes, payload_crc: u32) -> Frame {
         let payload_len = u32::try_from(payload.len()).expect("payloads are bounded by MAX_PAYLOAD_BYTES");
-        let header = Header { op: request.op, response: true, status: 0, length, payload_len, payload_crc, ..*request };
+        let header = Header {
+            op: request.op,
+            response: true,
+            status: 0,
+            length,
+            payload_len,
+            payload_crc,
+            slot: 0,
+            grant: [0; GRANT_LEN],
+            ..*request
+        };
         Frame { header, payload }
     }
 
@@ -254,12 +310,24 @@ impl Frame {
         Err((kind, String::from_utf8_lossy(&self.payload).into_owned()))
     }
 
-    /// The block ids a Free frame lists.
-    pub fn free_ids(&self) -> Result<Vec<u64>, FrameError> {
-        if !self.payload.len().is_multiple_of(8) || self.payload.len() / 8 > MAX_FREE_IDS {
+    /// The block ids a Free frame lists, with their grants.
+    pub fn free_entries(&self) -> Result<Vec<(u64, Grant)>, FrameError> {
+        if !self.payload.len().is_multiple_of(FREE_ENTRY_LEN) || self.payload.len() / FREE_ENTRY_LEN > MAX_FREE_IDS {
             return Err(FrameError::BadFreeList { bytes: self.payload.len() });
         }
-        Ok(self.payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+        Ok(self
+            .payload
+            .chunks_exact(FREE_ENTRY_LEN)
+            .map(|c| {
+                let id = u64::from_le_bytes(c[..8].try_into().expect("8 bytes"));
+                (id, c[8..].try_into().expect("16 bytes"))
+            })
+            .collect())
+    }
+
+    /// The block ids a Free frame lists.
+    pub fn free_ids(&self) -> Result<Vec<u64>, FrameError> {
+        Ok(self.free_entries()?.into_iter().map(|(id, _)| id).collect())
     }
 }
 
@@ -280,7 +348,7 @@ pub enum FrameError {
     Truncated { expected: usize, got: usize },
     #[error("frame payload checksum mismatch (header says {expected:#010x}, payload gives {actual:#010x})")]
     PayloadChecksum { expected: u32, actual: u32 },
-    #[error("Free frame payload of {bytes} bytes is not a list of at most {MAX_FREE_IDS} u64 block ids")]
+    #[error("Free frame payload of {bytes} bytes is not a list of at most {MAX_FREE_IDS} entries (u64 block id, 16-byte grant)")]
     BadFreeList { bytes: usize },
     #[error("malformed shuffle payload: {0}")]
     BadShufflePayload(String),
@@ -382,14 +450,15 @@ impl fmt::Display for Header {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:?}{} req {} block {} offset {} length {} payload {}",
+            "{:?}{} req {} block {} offset {} length {} payload {}{}",
             self.op,
             if self.response { " reply" } else { "" },
             self.request_id,
             self.block_id,
             self.offset,
             self.length,
-            self.payload_len
+            self.payload_len,
+            if self.slot > 0 { format!(" slot {}", self.slot) } else { String::new() }
         )
     }
 }
@@ -413,6 +482,9 @@ mod tests {
             Frame::write(2, 77, 4096, data.clone()),
             Frame::read(3, 77, 10, 20),
             Frame::free(4, &[1, 2, u64::MAX]),
+            Frame::free_granted(8, &[(3, [7; GRANT_LEN])]),
+            Frame::auth(9, 3, Bytes::from_static(b"token")),
+            Frame::read(10, 77, 0, 1).authorized(MAX_SLOT, [0xab; GRANT_LEN]),
             Frame::reply(&Frame::read(5, 9, 0, 5).header, 5, Bytes::from_static(b"hello")),
             Frame::error(6, Op::Read, 9, ErrorKind::NotFound, "block 9 not held"),
         ] {
@@ -420,6 +492,13 @@ mod tests {
         }
         let free = round_trip(&Frame::free(7, &[5, 6])).await;
         assert_eq!(free.free_ids().unwrap(), vec![5, 6]);
+        let granted = round_trip(&Frame::free_granted(7, &[(5, [1; GRANT_LEN])])).await;
+        assert_eq!(granted.free_entries().unwrap(), vec![(5, [1; GRANT_LEN])]);
+        let authorized = round_trip(&Frame::write(11, 5, 0, data).authorized(7, [9; GRANT_LEN])).await;
+        assert_eq!((authorized.header.slot, authorized.header.grant), (7, [9; GRANT_LEN]));
+        // Replies carry neither.
+        let reply = Frame::reply(&authorized.header, 0, Bytes::new());
+        assert_eq!((reply.header.slot, reply.header.grant), (0, [0; GRANT_LEN]));
     }
 
     #[tokio::test]

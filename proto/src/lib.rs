@@ -4,12 +4,14 @@
 //! - [`frame`]: the binary block-frame codec of the data plane;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
-//! - [`tier`]: storage tiers, the tier bit of block ids, and storage classes.
+//! - [`tier`]: storage tiers, the tier bit of block ids, and storage classes;
+//! - [`token`]: job tokens and grants, the data plane's capabilities.
 
 pub mod error;
 pub mod frame;
 pub mod shuffle;
 pub mod tier;
+pub mod token;
 
 /// Generated gRPC messages and services (package `tern.v1`).
 pub mod v1 {

@@ -128,6 +128,13 @@ impl Config {
             bail!("default_backoff_ms = {} is above max_backoff_ms = {}", self.default_backoff_ms, self.max_backoff_ms);
         }
         tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
+        // The admin endpoint is plain HTTP whatever the TLS material.
+        tern_transport::check_listen(
+            "the admin endpoint (plain HTTP)",
+            self.admin_listen,
+            false,
+            self.trusted_network,
+        )?;
         Ok(())
     }
 

@@ -211,6 +211,8 @@ pub struct JobInfo {
     pub priority: i32,
     pub tern_job_id: String,
     pub tern_job_root: String,
+    /// The Tern job's token, handed to its tasks.
+    pub tern_job_token: String,
     pub submitted_unix_ms: u64,
 }
 
@@ -896,6 +898,7 @@ impl Policy {
             gpus: grants,
             tern_job_id: job.info.tern_job_id.clone(),
             tern_job_root: job.info.tern_job_root.clone(),
+            tern_job_token: job.info.tern_job_token.clone(),
             input_shuffle_id: stage.info.input_shuffle_id,
             input_partitions: stage.info.input_partitions,
             input_path: path(&spec.input),
@@ -1341,6 +1344,7 @@ mod tests {
             priority,
             tern_job_id: String::new(),
             tern_job_root: String::new(),
+            tern_job_token: String::new(),
             submitted_unix_ms: 1,
         };
         policy.add_job(info, infos, &dag, 0);

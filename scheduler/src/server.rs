@@ -340,8 +340,9 @@ impl Service {
     async fn prepare(&self, job_id: &str, spec: &pb::JobSpec) -> Result<(JobSession, Vec<StageInfo>), Status> {
         let tern = self.shared.tern().await?;
         let lease = Duration::from_millis(self.shared.config.tern_job_lease_ms);
+        // The job's queue is its tenant: Tern's quotas apply per queue.
         let session = tern
-            .start_job(None, lease)
+            .start_job_for(&spec.queue, None, lease)
             .await
             .map_err(|e| e.kind().status(format!("job {job_id}: registering its Tern job: {e}")))?;
         // Shuffles: id, partitions, writer's task count, hosts of partitions' first segments.
@@ -467,6 +468,7 @@ impl Scheduler for Service {
             priority: spec.priority,
             tern_job_id: session.id().to_string(),
             tern_job_root: session.root().to_string(),
+            tern_job_token: session.token(),
             submitted_unix_ms: unix_ms(),
         };
         state.sessions.insert(job_id.clone(), session);

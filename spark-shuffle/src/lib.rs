@@ -212,6 +212,37 @@ pub extern "system" fn Java_io_tern_spark_TernNative_jobId<'l>(
     })
 }
 
+/// The job's token (text form): shuffle handles carry it to executors.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_jobToken<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    job: jlong,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live job handle.
+        let job = unsafe { borrow::<JobSession>(job)? };
+        Ok(env.new_string(job.token())?.into_raw())
+    })
+}
+
+/// Gives the client a job's token (from a shuffle handle): its pushes and fetches need it.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_addJobToken<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    token: JString<'l>,
+) {
+    entry(&mut env, |env| {
+        // SAFETY: a live client handle.
+        let client = unsafe { borrow::<Client>(client)? };
+        let token = string(env, &token)?;
+        client.add_job_token(&token)?;
+        Ok(())
+    })
+}
+
 /// Ends the job (freeing everything under it) and frees the handle.
 #[no_mangle]
 pub extern "system" fn Java_io_tern_spark_TernNative_endJob<'l>(mut env: JNIEnv<'l>, _: JClass<'l>, job: jlong) {

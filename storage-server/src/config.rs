@@ -127,6 +127,13 @@ impl Config {
             self.tls_dir.is_some(),
             self.trusted_network,
         )?;
+        // The admin endpoint is plain HTTP whatever the TLS material.
+        tern_transport::check_listen(
+            "the admin endpoint (plain HTTP)",
+            self.admin_listen,
+            false,
+            self.trusted_network,
+        )?;
         Ok(())
     }
 

@@ -285,6 +285,14 @@ pub(crate) struct Heartbeater {
     unreachable: Throttle,
 }
 
+/// Installs the token key the registration reply carries.
+pub(crate) fn take_key(store: &BlockStore, registered: &RegisterServerResponse) -> anyhow::Result<()> {
+    let key = tern_proto::token::TokenKey::from_bytes(&registered.token_key)
+        .map_err(|e| anyhow::anyhow!("the metadata server's registration reply carries no usable token key: {e}"))?;
+    store.authority().set_key(key);
+    Ok(())
+}
+
 impl Heartbeater {
     pub(crate) fn new(
         client: RegistryClient<Channel>,
@@ -415,6 +423,10 @@ impl Heartbeater {
             );
         }
         self.store.set_server_id(registered.server_id);
+        // A metadata server that lost its directory signs with a new key.
+        if let Err(e) = take_key(&self.store, &registered) {
+            tracing::error!("{e:#}");
+        }
         self.session = Session::new(registered.server_id);
         self.interval = heartbeat_interval(registered.heartbeat_interval_ms);
         tracing::info!("registered again as storage server {}", registered.server_id);

@@ -17,6 +17,7 @@
 //! loop. Tests can serve a [`BlockStore`] without a metadata server through [`serve_blocks`].
 
 mod arena;
+pub mod auth;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -162,6 +163,9 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
             .with_index(&index)?;
         store = store.with_nvme(tier);
     }
+    // Every data frame is checked against the metadata server's key from here on.
+    store.authority().require_tokens();
+    heartbeat::take_key(&store, &registered)?;
     let store = Arc::new(store);
     // Nothing is placed here until the inventory is in: report it before serving anyone.
     heartbeat::report_inventory(&mut client, registered.server_id, &store)

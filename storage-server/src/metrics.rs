@@ -58,7 +58,7 @@ pub struct Metrics {
     connections: Gauge,
 }
 
-const OPS: [Op; 7] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Malformed];
+const OPS: [Op; 8] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Auth, Op::Malformed];
 
 fn op_name(op: Op) -> &'static str {
     match op {
@@ -68,6 +68,7 @@ fn op_name(op: Op) -> &'static str {
         Op::Free => "free",
         Op::Push => "push",
         Op::Fetch => "fetch",
+        Op::Auth => "auth",
         Op::Malformed => "malformed",
     }
 }

@@ -32,6 +32,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::auth::{self, Denied, Slots};
 use crate::metrics::Metrics;
 use crate::shuffle::{SegmentId, ShuffleError};
 use crate::store::{BlockStore, StoreError};
@@ -247,6 +248,8 @@ async fn read_requests(
     nvme_ops: Arc<Semaphore>,
 ) {
     let block_size = store.block_size();
+    // The job tokens this connection bound (Auth frames), by slot.
+    let mut slots = Slots::default();
     loop {
         let header = frame::read_header(&mut rd, block_size.max(MAX_FETCH_REQUEST_BYTES)).await;
         let header = match header {
@@ -258,6 +261,32 @@ async fn read_requests(
         };
         let (reply, fatal) = match header {
             Ok(None) => return,
+            Ok(Some(header)) if !header.response && header.op == Op::Auth => {
+                let started = Instant::now();
+                let (reply, fatal) = match serve_auth(&mut rd, &store, &mut slots, &header).await {
+                    Ok(reply) => (reply, false),
+                    Err(e) => {
+                        let message = format!("{header}: {e}");
+                        (Frame::error(header.request_id, header.op, header.block_id, e.kind(), &message), true)
+                    }
+                };
+                metrics.record(header.op, started.elapsed(), 0, error_kind(&reply));
+                (reply, fatal)
+            }
+            Ok(Some(header)) if !header.response && admit(&store, &slots, &header).is_err() => {
+                let started = Instant::now();
+                let denied = admit(&store, &slots, &header).expect_err("refused just now");
+                let (reply, fatal) = match frame::skip_payload(&mut rd, header.payload_len).await {
+                    Ok(()) => (denied_reply(&header, &denied), false),
+                    // The stream broke: that is what the peer needs to hear.
+                    Err(e) => {
+                        let message = format!("{header}: {e}");
+                        (Frame::error(header.request_id, header.op, header.block_id, e.kind(), &message), true)
+                    }
+                };
+                metrics.record(header.op, started.elapsed(), 0, error_kind(&reply));
+                (reply, fatal)
+            }
             Ok(Some(header)) if is_nvme_op(&header) => {
                 let started = Instant::now();
                 let nvme = NvmeOp { store: &store, tx: &replies.tx, metrics: &metrics, permits: &nvme_ops, started };
@@ -278,7 +307,7 @@ async fn read_requests(
             }
             Ok(Some(header)) => {
                 let started = Instant::now();
-                let (reply, bytes, fatal) = match serve_request(&mut rd, &store, &header).await {
+                let (reply, bytes, fatal) = match serve_request(&mut rd, &store, &slots, &header).await {
                     Ok((reply, bytes)) => (reply, bytes, false),
                     Err(e) => {
                         let message = format!("{header}: {e}");
@@ -315,6 +344,42 @@ async fn read_requests(
         linger(&mut rd).await;
         return;
     }
+}
+
+/// Ok when the request may go ahead: its slot's token is good and, for ops on one block or
+/// shuffle, its grant proves that block or shuffle belongs to the slot's job. (A Free's grants
+/// are in its payload: `serve_free` checks them.) Ping needs nothing.
+fn admit(store: &BlockStore, slots: &Slots, h: &Header) -> Result<(), Denied> {
+    if matches!(h.op, Op::Ping | Op::Malformed | Op::Auth) {
+        return Ok(());
+    }
+    let Some(principal) = slots.principal(store.authority(), h, tern_common::unix_ms())? else {
+        return Ok(());
+    };
+    match auth::covered(h) {
+        Some((kind, id)) => principal.check(h.op, kind, id, &h.grant),
+        None => Ok(()),
+    }
+}
+
+fn denied_reply(h: &Header, denied: &Denied) -> Frame {
+    Frame::error(h.request_id, h.op, h.block_id, denied.kind, &denied.message)
+}
+
+/// Binds the token an Auth frame carries to its slot; the reply is empty.
+async fn serve_auth(rd: &mut BoxRead, store: &BlockStore, slots: &mut Slots, h: &Header) -> Result<Frame, FrameError> {
+    if h.payload_len as usize > tern_proto::token::MAX_TOKEN_BYTES {
+        let message = format!("{h}: a token is at most {} bytes", tern_proto::token::MAX_TOKEN_BYTES);
+        return Ok(refuse(rd, h, ErrorKind::Invalid, &message).await?.0);
+    }
+    let payload = match read_request_payload(rd, h).await? {
+        Ok(payload) => payload,
+        Err(reply) => return Ok(reply),
+    };
+    Ok(match slots.bind(store.authority(), h, &payload, tern_common::unix_ms()) {
+        Ok(()) => Frame::reply(h, 0, Bytes::new()),
+        Err(denied) => denied_reply(h, &denied),
+    })
 }
 
 /// A Read or Write of an NVMe block: served off the reader task.
@@ -402,7 +467,7 @@ fn error_kind(reply: &Frame) -> Option<ErrorKind> {
 /// The reply to a header that could not be decoded, and whether the connection must close.
 async fn reply_to_bad_header(rd: &mut BoxRead, err: FrameError) -> (Frame, bool) {
     if let FrameError::UnknownOp { request_id, payload_len, .. } = err {
-        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch)");
+        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch, Auth)");
         // The header was sound, so skipping the payload brings the stream to the next frame.
         return match frame::skip_payload(rd, payload_len).await {
             Ok(()) => (Frame::error(request_id, Op::Malformed, 0, err.kind(), &message), false),
@@ -420,7 +485,12 @@ async fn linger(rd: &mut BoxRead) {
 
 /// Handles one request whose header decoded. `Ok` carries the reply (which may be an error
 /// reply) and the payload bytes moved; `Err` is a stream error after which the connection closes.
-async fn serve_request(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
+async fn serve_request(
+    rd: &mut BoxRead,
+    store: &BlockStore,
+    slots: &Slots,
+    h: &Header,
+) -> Result<(Frame, u64), FrameError> {
     if h.response {
         let message = format!("{h}: a reply frame sent to a storage server, which takes requests only");
         return refuse(rd, h, ErrorKind::Invalid, &message).await;
@@ -439,9 +509,14 @@ async fn serve_request(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Resu
             Err(e) => Ok((store_error(h, &e), 0)),
         },
         Op::Write => serve_write(rd, store, h).await,
-        Op::Free => serve_free(rd, store, h).await,
+        Op::Free => serve_free(rd, store, slots, h).await,
         Op::Push => serve_push(rd, store, h).await,
         Op::Fetch => serve_fetch(rd, store, h).await,
+        Op::Auth => {
+            // Served by the connection's reader before it gets here.
+            let message = format!("{h}: Auth is handled by the connection");
+            refuse(rd, h, ErrorKind::Internal, &message).await
+        }
         Op::Malformed => {
             let message = format!("{h}: op Malformed only appears in error replies");
             refuse(rd, h, ErrorKind::Invalid, &message).await
@@ -467,8 +542,13 @@ async fn serve_write(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result
 }
 
 /// Frees the blocks a Free frame lists; the reply's length is the number freed.
-async fn serve_free(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<(Frame, u64), FrameError> {
-    if h.payload_len as usize > MAX_FREE_IDS * 8 {
+async fn serve_free(
+    rd: &mut BoxRead,
+    store: &BlockStore,
+    slots: &Slots,
+    h: &Header,
+) -> Result<(Frame, u64), FrameError> {
+    if h.payload_len as usize > MAX_FREE_IDS * frame::FREE_ENTRY_LEN {
         let err = FrameError::BadFreeList { bytes: h.payload_len as usize };
         return refuse(rd, h, err.kind(), &format!("{h}: {err}")).await;
     }
@@ -477,8 +557,21 @@ async fn serve_free(rd: &mut BoxRead, store: &BlockStore, h: &Header) -> Result<
         Err(reply) => return Ok((reply, 0)),
     };
     let request = Frame { header: *h, payload };
-    match request.free_ids() {
-        Ok(ids) => {
+    match request.free_entries() {
+        Ok(entries) => {
+            // Every block must be the slot's job's, else nothing is freed.
+            let principal = match slots.principal(store.authority(), h, tern_common::unix_ms()) {
+                Ok(principal) => principal,
+                Err(denied) => return Ok((denied_reply(h, &denied), 0)),
+            };
+            if let Some(principal) = principal {
+                for (id, grant) in &entries {
+                    if let Err(denied) = principal.check(Op::Free, tern_proto::token::GrantKind::Block, *id, grant) {
+                        return Ok((denied_reply(h, &denied), 0));
+                    }
+                }
+            }
+            let ids: Vec<u64> = entries.into_iter().map(|(id, _)| id).collect();
             let freed = store.free(&ids);
             Ok((Frame::reply(h, freed as u32, Bytes::new()), 0))
         }

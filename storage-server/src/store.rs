@@ -323,6 +323,8 @@ pub struct BlockStore {
     shuffles: Shuffles,
     /// The id the metadata server gave this server, named in not-held errors.
     server_id: AtomicU64,
+    /// Job tokens and grants: how data frames are checked.
+    authority: crate::auth::Authority,
 }
 
 impl BlockStore {
@@ -359,6 +361,7 @@ impl BlockStore {
             blocks: Mutex::new(HashMap::with_capacity(slots)),
             shuffles: Shuffles::default(),
             server_id: AtomicU64::new(0),
+            authority: crate::auth::Authority::default(),
         })
     }
 
@@ -384,6 +387,12 @@ impl BlockStore {
 
     pub fn server_id(&self) -> u64 {
         self.server_id.load(Ordering::Relaxed)
+    }
+
+    /// How data frames are checked: nothing for a store served on its own (tests, tools); a
+    /// daemon requires tokens from the start and gets the key when it registers.
+    pub fn authority(&self) -> &crate::auth::Authority {
+        &self.authority
     }
 
     pub fn set_server_id(&self, id: u64) {

@@ -9,8 +9,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tern_common::ByteSize;
-use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
+use tern_proto::frame::{self, Frame, Op, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
+use tern_proto::token::{GrantKind, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::registry_server::{Registry, RegistryServer};
 use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
@@ -22,6 +23,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const BS: u32 = 64 << 10;
+/// The stand-in metadata server's token key.
+const KEY: [u8; 32] = [7; 32];
 
 #[derive(Default)]
 struct State {
@@ -47,7 +50,12 @@ impl Registry for FakeRegistry {
         let mut state = self.0.lock();
         state.registrations.push(request.into_inner());
         let server_id = state.registrations.len() as u64;
-        Ok(tonic::Response::new(RegisterServerResponse { server_id, block_size: BS, heartbeat_interval_ms: 20 }))
+        Ok(tonic::Response::new(RegisterServerResponse {
+            server_id,
+            block_size: BS,
+            heartbeat_interval_ms: 20,
+            token_key: KEY.to_vec(),
+        }))
     }
 
     async fn report_inventory(
@@ -100,7 +108,16 @@ fn config(metadata: SocketAddr) -> Config {
     }
 }
 
+/// Sends `request` as the volume principal (slot 0) with its grant, as a client would.
 async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
+    let key = TokenKey::from_bytes(&KEY).unwrap();
+    let h = request.header;
+    let kind = if matches!(h.op, Op::Push | Op::Fetch) { GrantKind::Shuffle } else { GrantKind::Block };
+    let request = request.clone().authorized(0, key.grant(kind, h.block_id, VOLUME_SERIAL));
+    call_raw(stream, &request).await
+}
+
+async fn call_raw(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
     frame::write_frame(stream, request).await.unwrap();
     frame::read_frame(stream, MAX_PAYLOAD_BYTES).await.unwrap().unwrap().into_result()
 }
@@ -180,6 +197,9 @@ async fn registers_heartbeats_frees_and_reregisters() {
     let (kind, message) = call(&mut s, &Frame::read(10, 1, 0, 1)).await.unwrap_err();
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "block 1 is not held by storage server 1"));
     assert_eq!(&call(&mut s, &Frame::read(11, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
+    // The daemon checks grants with the key the registration gave it: none, none served.
+    let (kind, message) = call_raw(&mut s, &Frame::read(11, 3, 0, 12)).await.unwrap_err();
+    assert_eq!(kind, ErrorKind::PermissionDenied, "{message}");
     let (kind, message) = call(&mut s, &fetch(12, (20, 1, 0))).await.unwrap_err();
     assert_eq!(
         (kind, message.as_str()),

@@ -78,20 +78,31 @@ impl Cluster {
     /// Starts a metadata server and `servers` storage servers of `dram` each, and waits until
     /// every storage server has registered.
     pub async fn start(servers: usize, dram: &str) -> Cluster {
-        Cluster::start_full(servers, dram, Tls::Off, None).await
+        Cluster::start_full(servers, dram, Tls::Off, None, None).await
+    }
+
+    /// [`Cluster::start`] with the metadata server reading `toml` as its config file.
+    pub async fn start_with_metadata_config(servers: usize, dram: &str, toml: &str) -> Cluster {
+        Cluster::start_full(servers, dram, Tls::Off, None, Some(toml)).await
     }
 
     /// [`Cluster::start`] with TLS material made by `tern cert init` as `tls` says.
     pub async fn start_with(servers: usize, dram: &str, tls: Tls) -> Cluster {
-        Cluster::start_full(servers, dram, tls, None).await
+        Cluster::start_full(servers, dram, tls, None, None).await
     }
 
     /// [`Cluster::start`], each storage server with an NVMe tier.
     pub async fn start_with_nvme(servers: usize, dram: &str, nvme: Nvme<'_>) -> Cluster {
-        Cluster::start_full(servers, dram, Tls::Off, Some(nvme)).await
+        Cluster::start_full(servers, dram, Tls::Off, Some(nvme), None).await
     }
 
-    async fn start_full(servers: usize, dram: &str, tls: Tls, nvme: Option<Nvme<'_>>) -> Cluster {
+    async fn start_full(
+        servers: usize,
+        dram: &str,
+        tls: Tls,
+        nvme: Option<Nvme<'_>>,
+        metadata_config: Option<&str>,
+    ) -> Cluster {
         // O_DIRECT needs a disk filesystem: the target dir is on the real disk, /tmp may be tmpfs.
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let metadata_addr = format!("127.0.0.1:{}", free_port());
@@ -105,6 +116,11 @@ impl Cluster {
         let mut metadata_tls: Vec<&str> = Vec::new();
         if tls == Tls::Full {
             metadata_tls.extend(["--tls-dir", &tls_arg]);
+        }
+        let config_path = dir.path().join("metadata.toml").to_string_lossy().into_owned();
+        if let Some(toml) = metadata_config {
+            std::fs::write(&config_path, toml).unwrap();
+            metadata_tls.extend(["--config", &config_path]);
         }
         // Storage servers are told by the scheme whether the control plane is TLS.
         let metadata_url = match tls {

@@ -14,6 +14,7 @@ use tern_proto::v1::*;
 
 use super::State;
 use crate::error::{invalid, Refusal};
+use crate::jobs::Quota;
 use crate::namespace::BlockRef;
 use crate::path::{self, Place, JOBS_DIR};
 use crate::placement::parse_storage_class;
@@ -50,6 +51,10 @@ impl State {
                     .collect();
                 self.namespace.file_mut(log.file_id)?.blocks.extend(blocks.iter().copied());
                 self.servers.restore_blocks(&blocks);
+                let path = self.namespace.file_path(log.file_id)?;
+                if let Some(job) = Place::of(&path).job() {
+                    self.jobs.count_blocks(job, log.block_ids.iter().copied(), 1);
+                }
             }
             Change::Seal(req) => {
                 let path = self.namespace.file_path(req.file_id)?;
@@ -62,18 +67,21 @@ impl State {
                 self.servers.free(&unused);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
+                    self.jobs.count_blocks(job, unused.iter().map(|b| b.block_id), -1);
                 }
             }
             Change::Delete(req) => {
                 let removed = self.namespace.remove(&req.path, req.recursive)?;
                 if let Some(job) = Place::of(&req.path).job() {
                     self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
+                    self.jobs.count_blocks(job, removed.blocks.iter().map(|b| b.block_id), -1);
                 }
                 self.release(removed);
             }
             Change::Rename(req) => self.namespace.rename(&req.from, &req.to)?,
             Change::RegisterJob(req) => {
-                self.jobs.register(&req.name, req.lease_ms, now)?;
+                // Logs from before serials (0) get a new one: their tokens no longer verify.
+                self.jobs.register(&req.name, req.lease_ms, &req.tenant, req.serial, Quota::Skip, now)?;
                 self.namespace.mkdir(JOBS_DIR, true, ms)?;
                 // Present already when a snapshot listed the job's directory first.
                 self.namespace.mkdir(&path::job_root(&req.name), true, ms)?;
@@ -150,8 +158,8 @@ impl State {
             let change = Change::Mkdir(MkdirRequest { path: path.clone(), parents: true });
             records.push(LogRecord { unix_ms: *unix_ms, change: Some(change) });
         }
-        for (name, lease_ms) in self.jobs.leases() {
-            let change = Change::RegisterJob(RegisterJobRequest { name, lease_ms });
+        for (name, lease_ms, tenant, serial) in self.jobs.registrations() {
+            let change = Change::RegisterJob(RegisterJobRequest { name, lease_ms, tenant, serial });
             records.push(LogRecord { unix_ms: 0, change: Some(change) });
         }
         for (path, unix_ms, file) in entries {
@@ -198,7 +206,9 @@ mod tests {
         let (mut state, now) = state();
         add_server(&mut state, "10.0.0.1:7000", 64, now);
         add_server(&mut state, "10.0.0.2:7000", 64, now);
-        let job = state.register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0 }, now).unwrap();
+        let job = state
+            .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() }, now)
+            .unwrap();
         let root = job.root.clone();
         state.mkdir(MkdirRequest { path: format!("{root}/a/b"), parents: true }, now).unwrap();
         state.mkdir(MkdirRequest { path: "/vol".into(), parents: false }, now).unwrap();
@@ -235,13 +245,15 @@ mod tests {
             state.commit_map(commit, now).unwrap();
         }
         state.invalidate_maps(InvalidateMapsRequest { shuffle_id: shuffle, map_indexes: vec![2] }, now).unwrap();
-        let other = state.register_job(RegisterJobRequest { name: String::new(), lease_ms: 0 }, now).unwrap();
+        let other = state
+            .register_job(RegisterJobRequest { name: String::new(), lease_ms: 0, ..Default::default() }, now)
+            .unwrap();
         let ask = RegisterShuffleRequest { job_id: other.job_id.clone(), partitions: 1, ..Default::default() };
         state.register_shuffle(ask, now).unwrap();
         state
             .create(CreateRequest { path: format!("{}/x", other.root), sealed: true, ..Default::default() }, now)
             .unwrap();
-        state.end_job(EndJobRequest { job_id: other.job_id }, now).unwrap();
+        state.end_job(EndJobRequest { job_id: other.job_id, ..Default::default() }, now).unwrap();
 
         let journal = state.take_journal();
         let expected = state.snapshot();
@@ -268,8 +280,11 @@ mod tests {
         from_snapshot.restore(&expected, now).unwrap();
         same(&from_snapshot);
 
-        // The rebuilt state answers as the original does.
+        // The rebuilt state answers as the original does, tenants' use included.
+        let tenants = state.status(StatusRequest {}, now).unwrap().tenants;
+        assert_eq!(tenants[0].dram_bytes, 4 * BLOCK);
         for rebuilt in [&mut replayed, &mut from_snapshot] {
+            assert_eq!(rebuilt.status(StatusRequest {}, now).unwrap().tenants, tenants);
             let opened = rebuilt.open(OpenRequest { path: format!("{root}/a/b/f2") }, now).unwrap();
             assert_eq!((opened.blocks.len(), opened.info.unwrap().length), (4, BLOCK * 3 + 1));
             let located =

@@ -365,7 +365,7 @@ fn ending_a_job_or_its_lease_frees_its_shuffles() {
     let ended: Vec<u64> = (0..2).map(|_| register(&mut state, "ended", 2, 0, start).shuffle_id).collect();
     let lapsed = register(&mut state, "lapsed", 1, 0, start).shuffle_id;
     let kept = register(&mut state, "kept", 1, 0, start).shuffle_id;
-    state.end_job(EndJobRequest { job_id: "ended".into() }, start).unwrap();
+    state.end_job(EndJobRequest { job_id: "ended".into(), ..Default::default() }, start).unwrap();
     assert_eq!(beat(&mut state, server, 0, start).free_shuffle_ids, ended);
     let after = start + Duration::from_millis(200);
     state.heartbeat(HeartbeatRequest { server_id: server, ..Default::default() }, after).unwrap();
@@ -380,7 +380,7 @@ fn ending_a_job_or_its_lease_frees_its_shuffles() {
     assert_eq!(state.gauges().shuffles, 1);
     // The job's name is free again, with none of the old shuffles.
     register_job(&mut state, "ended", 0, after);
-    state.end_job(EndJobRequest { job_id: "ended".into() }, after).unwrap();
+    state.end_job(EndJobRequest { job_id: "ended".into(), ..Default::default() }, after).unwrap();
     assert_eq!(beat(&mut state, server, reply.free_seq, after).free_shuffle_ids, Vec::<u64>::new());
 }
 

@@ -88,7 +88,7 @@ fn frees(state: &mut State, server_id: u64, now: Instant) -> Vec<u64> {
 }
 
 pub(super) fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Instant) -> RegisterJobResponse {
-    state.register_job(RegisterJobRequest { name: name.into(), lease_ms }, now).unwrap()
+    state.register_job(RegisterJobRequest { name: name.into(), lease_ms, ..Default::default() }, now).unwrap()
 }
 
 #[test]
@@ -328,12 +328,15 @@ fn jobs_own_their_directory() {
     add_server(&mut state, "10.0.0.1:7000", 100, now);
     let job = register_job(&mut state, "j1", 0, now);
     assert_eq!((job.job_id.as_str(), job.root.as_str(), job.lease_ms), ("j1", "/jobs/j1", 30_000));
-    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "j1".into(), lease_ms: 0 }, now)).0, {
-        ErrorKind::AlreadyExists
-    });
-    assert_eq!(refused(state.register_job(RegisterJobRequest { name: "a/b".into(), lease_ms: 0 }, now)).0, {
-        ErrorKind::Invalid
-    });
+    assert_eq!(
+        refused(state.register_job(RegisterJobRequest { name: "j1".into(), lease_ms: 0, ..Default::default() }, now)).0,
+        { ErrorKind::AlreadyExists }
+    );
+    assert_eq!(
+        refused(state.register_job(RegisterJobRequest { name: "a/b".into(), lease_ms: 0, ..Default::default() }, now))
+            .0,
+        { ErrorKind::Invalid }
+    );
     let long = register_job(&mut state, "", 10 * 3_600_000, now);
     assert!(long.job_id.starts_with("job-"), "{}", long.job_id);
     assert_eq!(long.lease_ms, 3_600_000);
@@ -381,14 +384,20 @@ fn ending_a_job_deletes_its_files_and_frees_their_blocks() {
     write(&mut state, "/kept", 10, now);
     let status = state.status(StatusRequest {}, now).unwrap();
     assert_eq!((status.jobs[0].files, status.jobs[0].bytes), (2, 2 * BLOCK + 10));
-    let reply = state.end_job(EndJobRequest { job_id: "j1".into() }, now).unwrap();
+    let reply = state.end_job(EndJobRequest { job_id: "j1".into(), ..Default::default() }, now).unwrap();
     assert_eq!((reply.files_deleted, reply.blocks_freed), (2, 3));
     assert_eq!(frees(&mut state, server, now), [1, 2, 3]);
     assert_eq!(refused(state.stat(StatRequest { path: "/jobs/j1".into(), with_blocks: false }, now)).0, {
         ErrorKind::NotFound
     });
-    assert_eq!(refused(state.end_job(EndJobRequest { job_id: "j1".into() }, now)).0, ErrorKind::NotFound);
-    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "j1".into() }, now)).0, ErrorKind::NotFound);
+    assert_eq!(
+        refused(state.end_job(EndJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0,
+        ErrorKind::NotFound
+    );
+    assert_eq!(
+        refused(state.renew_job(RenewJobRequest { job_id: "j1".into(), ..Default::default() }, now)).0,
+        ErrorKind::NotFound
+    );
     open(&mut state, "/kept", now).unwrap();
     // The name is free again.
     register_job(&mut state, "j1", 0, now);
@@ -403,7 +412,7 @@ fn lapsed_leases_end_jobs_unless_renewed() {
     write(&mut state, "/jobs/short/f", BLOCK, start);
     write(&mut state, "/jobs/renewed/f", BLOCK, start);
     let mid = start + Duration::from_millis(80);
-    let renewed = state.renew_job(RenewJobRequest { job_id: "renewed".into() }, mid).unwrap();
+    let renewed = state.renew_job(RenewJobRequest { job_id: "renewed".into(), ..Default::default() }, mid).unwrap();
     assert_eq!(renewed.lease_ms, 100);
     let after = start + Duration::from_millis(150);
     // Lapsed but not yet reaped: no new entries, and no renewal.
@@ -412,7 +421,10 @@ fn lapsed_leases_end_jobs_unless_renewed() {
         after,
     ));
     assert_eq!(kind, ErrorKind::NotFound);
-    assert_eq!(refused(state.renew_job(RenewJobRequest { job_id: "short".into() }, after)).0, ErrorKind::NotFound);
+    assert_eq!(
+        refused(state.renew_job(RenewJobRequest { job_id: "short".into(), ..Default::default() }, after)).0,
+        ErrorKind::NotFound
+    );
     state.reap(after);
     assert_eq!(refused(open(&mut state, "/jobs/short/f", after)).0, ErrorKind::NotFound);
     open(&mut state, "/jobs/renewed/f", after).unwrap();
@@ -596,4 +608,43 @@ fn replicas_survive_a_log_replay() {
     let after = open(&mut rebuilt, "/r/f", now).unwrap();
     assert_eq!(after.info.as_ref().unwrap().replicas, 2);
     assert_eq!(after.blocks, before.blocks);
+}
+
+#[test]
+fn tokens_and_grants_name_the_job_and_its_registration() {
+    let (mut state, now) = state();
+    add_server(&mut state, "10.0.0.1:7000", 64, now);
+    let key = TokenKey::generate();
+    state.set_key(key.clone());
+    let a = register_job(&mut state, "a", 0, now);
+    let token = JobToken::from_text(&a.token).unwrap();
+    key.verify(&token).unwrap();
+    assert_eq!((token.job.as_str(), token.lease_ms), ("a", 30_000));
+    state.check_job_token("a", &a.token, "end").unwrap();
+    let b = register_job(&mut state, "b", 0, now);
+    assert_eq!(refused(state.check_job_token("b", &a.token, "end")).0, ErrorKind::PermissionDenied);
+    assert_eq!(refused(state.check_job_token("b", "", "end")).0, ErrorKind::PermissionDenied);
+    let forged = TokenKey::generate().issue("b", token.serial, token.expires_unix_ms, token.lease_ms).to_text();
+    assert_eq!(refused(state.check_job_token("b", &forged, "end")).0, ErrorKind::PermissionDenied);
+
+    // Blocks of a job's file are granted to the job's serial; volume files to serial 0.
+    let file = create(&mut state, "/jobs/a/f", now);
+    let blocks = allocate(&mut state, file, 2, now);
+    let grant =
+        |location: &BlockLocation| -> tern_proto::token::Grant { location.grant.as_slice().try_into().unwrap() };
+    assert!(key.check_grant(GrantKind::Block, blocks[0].block_id, token.serial, &grant(&blocks[0])));
+    let b_serial = JobToken::from_text(&b.token).unwrap().serial;
+    assert!(!key.check_grant(GrantKind::Block, blocks[0].block_id, b_serial, &grant(&blocks[0])));
+    let volume = create(&mut state, "/v", now);
+    let blocks = allocate(&mut state, volume, 1, now);
+    assert!(key.check_grant(GrantKind::Block, blocks[0].block_id, VOLUME_SERIAL, &grant(&blocks[0])));
+
+    // A new registration under an ended job's name does not honour the old token.
+    let fresh = state.refresh_token(RefreshTokenRequest { token: a.token.clone() }, now).unwrap().token;
+    key.verify(&JobToken::from_text(&fresh).unwrap()).unwrap();
+    state.end_job(EndJobRequest { job_id: "a".into(), ..Default::default() }, now).unwrap();
+    register_job(&mut state, "a", 0, now);
+    assert_eq!(refused(state.check_job_token("a", &a.token, "end")).0, ErrorKind::PermissionDenied);
+    let (kind, _) = refused(state.refresh_token(RefreshTokenRequest { token: a.token.clone() }, now));
+    assert_eq!(kind, ErrorKind::PermissionDenied);
 }

@@ -94,6 +94,17 @@ impl Services {
         Ok(client.clone())
     }
 
+    /// The Tern client, holding the token of `task`'s Tern job (its data frames need it).
+    pub async fn client_for(&self, task: &pb::Assignment) -> anyhow::Result<Client> {
+        let client = self.client().await?;
+        if !task.tern_job_token.is_empty() {
+            client
+                .add_job_token(&task.tern_job_token)
+                .map_err(|e| anyhow::anyhow!("the token of Tern job {}: {e}", task.tern_job_id))?;
+        }
+        Ok(client)
+    }
+
     /// The sorter of the GPU at `address`, opened on first use. Tasks sharing a GPU (fractions
     /// of it) take turns sorting on it.
     fn sorter(&self, address: &str) -> Result<Arc<parking_lot::Mutex<GpuSorter>>, GpuError> {
@@ -129,7 +140,8 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
 /// and TERN_OUTPUT_SHUFFLE (only when shuffles), TERN_INPUT_PARTITIONS/TERN_OUTPUT_PARTITIONS
 /// (with the shuffles), TERN_INPUT_MAPS (maps of the input shuffle), TERN_GPU_ADDRESSES
 /// (comma-separated, "" when none), TERN_GPU_MILLI (the fraction of each, comma-separated),
-/// TERN_JOB_ROOT and TERN_TERN_JOB (the Tern job owning the job's data), TERN_MEMORY_BYTES and
+/// TERN_JOB_ROOT and TERN_TERN_JOB (the Tern job owning the job's data), TERN_JOB_TOKEN (its
+/// token: a Tern client connecting in the task picks it up), TERN_MEMORY_BYTES and
 /// TERN_CPU_MILLI (what the task was granted).
 pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, String)> {
     let granted = task.granted.unwrap_or_default();
@@ -146,6 +158,7 @@ pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, Str
         ("TERN_GPU_MILLI", task.gpus.iter().map(|g| g.gpu_milli.to_string()).collect::<Vec<_>>().join(",")),
         ("TERN_JOB_ROOT", task.tern_job_root.clone()),
         ("TERN_TERN_JOB", task.tern_job_id.clone()),
+        ("TERN_JOB_TOKEN", task.tern_job_token.clone()),
         ("TERN_MEMORY_BYTES", granted.memory_bytes.to_string()),
         ("TERN_CPU_MILLI", granted.cpu_milli.to_string()),
     ];

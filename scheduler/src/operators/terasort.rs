@@ -34,7 +34,7 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         .get(task.task_index as usize)
         .copied()
         .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
-    let client = services.client().await?;
+    let client = services.client_for(task).await?;
     let target = Location::Store(terasort_run::store_part(&dir, task.task_index as usize));
     let summary =
         terasort_run::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
@@ -49,7 +49,7 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
     if task.output_shuffle_id == 0 {
         bail!("terasort-map writes a shuffle, but the stage's output is {:?}", task.output_path);
     }
-    let client = services.client().await?;
+    let client = services.client_for(task).await?;
     let parts = terasort_run::list_parts(Some(&client), &Location::Store(input.clone())).await?;
     if parts.is_empty() {
         bail!("terasort-map: no part-* files in {input}");
@@ -100,7 +100,7 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
             tracing::info!(job = %task.job_id, stage = %task.stage, task = task.task_index, "{note}");
         }
     }
-    let client = services.client().await?;
+    let client = services.client_for(task).await?;
     let shuffle = client.open_shuffle(task.input_shuffle_id).await?;
     let limit = task.granted.as_ref().map(|g| g.memory_bytes).filter(|&bytes| bytes > 0);
     let count = task.task_count.max(1);

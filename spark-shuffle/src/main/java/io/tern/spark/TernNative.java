@@ -52,6 +52,12 @@ public final class TernNative {
 
     public static native String jobId(long job);
 
+    /** The job's token (text form), for the shuffle handles sent to executors. */
+    public static native String jobToken(long job);
+
+    /** Gives the client a job's token: pushes and fetches of the job's shuffles need it. */
+    public static native void addJobToken(long client, String token);
+
     /** Ends the job, freeing all its data, and frees the handle. */
     public static native void endJob(long job);
 

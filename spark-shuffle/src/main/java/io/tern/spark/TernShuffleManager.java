@@ -53,6 +53,8 @@ public class TernShuffleManager implements ShuffleManager {
     private final Map<Long, Long> shuffles = new ConcurrentHashMap<>();
     /** Spark shuffle id -> Tern shuffle id. */
     private final Map<Integer, Long> ternIds = new ConcurrentHashMap<>();
+    /** Job tokens given to this process's client (from shuffle handles). */
+    private final java.util.Set<String> tokens = ConcurrentHashMap.newKeySet();
     private long client;
     private long job;
     private String jobId;
@@ -92,6 +94,20 @@ public class TernShuffleManager implements ShuffleManager {
         return jobId;
     }
 
+    /** The token of the driver's job (its client keeps a fresher one as it renews). */
+    private synchronized String jobToken() {
+        jobId();
+        return TernNative.jobToken(job);
+    }
+
+    /** Gives this process's client the token a handle carries, once per token. */
+    private void addToken(TernShuffleHandle<?, ?, ?> handle) {
+        String token = handle.ternJobToken();
+        if (token != null && !token.isEmpty() && tokens.add(token)) {
+            TernNative.addJobToken(client(), token);
+        }
+    }
+
     /** The native handle of Tern shuffle {@code ternId}, opened once per process. */
     long shuffle(long ternId) {
         return shuffles.computeIfAbsent(ternId, id -> TernNative.openShuffle(client(), id));
@@ -108,7 +124,7 @@ public class TernShuffleManager implements ShuffleManager {
         shuffles.put(ternId, handle);
         ternIds.put(shuffleId, ternId);
         LOG.info("Spark shuffle {} is Tern shuffle {} ({} maps x {} partitions)", shuffleId, ternId, maps, partitions);
-        return new TernShuffleHandle<>(shuffleId, dependency, ternId, partitions);
+        return new TernShuffleHandle<>(shuffleId, dependency, ternId, partitions, jobToken());
     }
 
     /** On the driver, starts {@link TernDriverEndpoint} once (SparkEnv exists by the first shuffle). */
@@ -193,6 +209,7 @@ public class TernShuffleManager implements ShuffleManager {
             ShuffleHandle handle, long mapId, TaskContext context, ShuffleWriteMetricsReporter metrics) {
         TernShuffleHandle<K, V, ?> tern = cast(handle);
         ternIds.putIfAbsent(tern.shuffleId(), tern.ternShuffleId());
+        addToken(tern);
         return new TernShuffleWriter<>(this, tern, mapId, context, metrics);
     }
 
@@ -207,6 +224,7 @@ public class TernShuffleManager implements ShuffleManager {
             ShuffleReadMetricsReporter metrics) {
         TernShuffleHandle<K, ?, C> tern = cast(handle);
         ternIds.putIfAbsent(tern.shuffleId(), tern.ternShuffleId());
+        addToken(tern);
         return new TernShuffleReader<>(
                 this, tern, startMapIndex, endMapIndex, startPartition, endPartition, context, metrics);
     }
