@@ -154,6 +154,7 @@ async fn a_shuffle_with_two_copies_stays_readable_after_a_server_is_killed() {
         })
         .await;
     let fresh = cluster.client().await;
+    fresh.add_job_token(&job.token()).unwrap();
     let reopened = fresh.open_shuffle(shuffle.id()).await.unwrap();
     assert_eq!(read_all(&reopened, partitions).await.unwrap(), before, "read after the death");
     assert_eq!(reopened.lost_maps(0..partitions, 0..u32::MAX).await.unwrap(), Vec::<u32>::new());

@@ -393,7 +393,9 @@ impl Recorder {
             }
             return Next::Wait(self.budget.measure_from - now);
         }
-        if self.done < self.budget.ops_per_worker && now < self.budget.stop_at {
+        // At least one measured op each, so a cell whose warm-up ran past its window (ops slower
+        // than the window, on a loaded machine) still measures something.
+        if self.done < self.budget.ops_per_worker && (now < self.budget.stop_at || self.done == 0) {
             Next::Go
         } else {
             Next::Stop
