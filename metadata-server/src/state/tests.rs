@@ -608,7 +608,8 @@ fn replicas_survive_a_log_replay() {
     let after = open(&mut rebuilt, "/r/f", now).unwrap();
     assert_eq!(after.info.as_ref().unwrap().replicas, 2);
     // The same copies in the same places (grants are signed with each state's own key).
-    let placed = |blocks: &[BlockLocation]| blocks.iter().map(|b| (b.block_id, b.server_id, b.length)).collect::<Vec<_>>();
+    let placed =
+        |blocks: &[BlockLocation]| blocks.iter().map(|b| (b.block_id, b.server_id, b.length)).collect::<Vec<_>>();
     assert_eq!(placed(&after.blocks), placed(&before.blocks));
 }
 
