@@ -7,7 +7,7 @@
 //! | offset | size | field                                                             |
 //! | ------ | ---- | ----------------------------------------------------------------- |
 //! | 0      | 2    | magic `TB`                                                        |
-//! | 2      | 1    | version (1)                                                       |
+//! | 2      | 1    | version (2)                                                       |
 //! | 3      | 1    | op; the high bit marks a response                                 |
 //! | 4      | 2    | status: 0 = ok, else an [`ErrorKind`] code (responses only)       |
 //! | 6      | 2    | slot: whose token the request acts under (0: the volume principal) |
