@@ -173,29 +173,14 @@ impl From<tern_client::Error> for Failure {
 
 type Step<T> = std::result::Result<T, Failure>;
 
-/// A small deterministic generator (splitmix64): each client's choices and bytes from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+use tern_common::SplitMix64 as Rng;
 
 /// `len` bytes derived from `seed`: what a file or a shuffle write holds.
 fn content(seed: u64, len: usize) -> Bytes {
     let mut rng = Rng(seed);
     let mut out = Vec::with_capacity(len + 8);
     while out.len() < len {
-        out.extend_from_slice(&rng.next().to_le_bytes());
+        out.extend_from_slice(&rng.next_u64().to_le_bytes());
     }
     out.truncate(len);
     Bytes::from(out)
@@ -264,7 +249,7 @@ impl Worker {
             1..=5 => self.rng.below(64 << 10),
             _ => self.rng.below(self.options.max_file_bytes + 1),
         };
-        let seed = self.rng.next();
+        let seed = self.rng.next_u64();
         self.files += 1;
         let path = format!("{}/f{}", self.dir, self.files);
         let class = if self.options.nvme_bytes.is_some() && self.rng.below(3) == 0 {
@@ -371,7 +356,7 @@ impl Worker {
             let mut writer = shuffle.writer_with(map, 0, writer_options.clone());
             for _ in 0..self.rng.below(12) {
                 let partition = self.rng.below(u64::from(partitions)) as u32;
-                let data = content(self.rng.next(), self.rng.below(16 << 10) as usize + 1);
+                let data = content(self.rng.next_u64(), self.rng.below(16 << 10) as usize + 1);
                 writer.write(partition, &data).await?;
                 expected.entry((partition, map)).or_default().extend_from_slice(&data);
             }

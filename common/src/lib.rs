@@ -3,8 +3,10 @@
 
 pub mod admin;
 pub mod config;
+pub mod rng;
 pub mod size;
 
+pub use rng::SplitMix64;
 pub use size::ByteSize;
 
 /// Logs to stderr; `RUST_LOG` overrides `default` (e.g. "info").

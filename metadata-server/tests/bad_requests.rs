@@ -14,21 +14,17 @@ use tern_proto::error::KIND_METADATA_KEY;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::*;
 
-struct Rng(u64);
+use tern_common::SplitMix64 as Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+/// This test's draws, over the shared generator.
+trait Draw {
+    fn pick<T: Clone>(&mut self, items: &[T]) -> T;
+    fn path(&mut self) -> String;
+    fn count(&mut self) -> u64;
+    fn class(&mut self) -> String;
+}
 
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
+impl Draw for Rng {
     fn pick<T: Clone>(&mut self, items: &[T]) -> T {
         items[self.below(items.len() as u64) as usize].clone()
     }
@@ -179,7 +175,7 @@ fn random_request_sequences_are_validated_and_replay() {
                     body[at] ^= 1 << rng.below(8);
                 }
                 1 => body.truncate(rng.below(body.len() as u64 + 1) as usize),
-                2 => body = (0..rng.below(40)).map(|_| rng.next() as u8).collect(),
+                2 => body = (0..rng.below(40)).map(|_| rng.next_u64() as u8).collect(),
                 3 => harness.advance(Duration::from_millis(rng.pick(&[10, 1000, 1000, 6000, 40_000]))),
                 _ => {}
             }

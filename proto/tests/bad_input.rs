@@ -12,51 +12,44 @@ use tern_proto::ErrorKind;
 /// Cases per property: seconds in all, on a slow machine.
 const CASES: u64 = 20_000;
 
-/// splitmix64: a seeded generator, so each case is reproducible from its number.
-struct Rng(u64);
+use tern_common::SplitMix64 as Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+/// This test's draws, over the shared generator.
+trait Draw {
+    fn bytes(&mut self, len: usize) -> Vec<u8>;
+}
 
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
+impl Draw for Rng {
     fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.next() as u8).collect()
+        (0..len).map(|_| self.next_u64() as u8).collect()
     }
 }
 
 fn valid_frame(rng: &mut Rng) -> Frame {
-    let id = rng.next();
-    let block = rng.next();
+    let id = rng.next_u64();
+    let block = rng.next_u64();
     let len = rng.below(300) as usize;
     let payload = Bytes::from(rng.bytes(len));
     match rng.below(8) {
         0 => Frame::ping(id),
-        1 => Frame::write(id, block, rng.next() as u32, payload),
-        2 => Frame::read(id, block, rng.next() as u32, rng.next() as u32),
-        3 => Frame::free(id, &(0..rng.below(20)).map(|_| rng.next()).collect::<Vec<_>>()),
+        1 => Frame::write(id, block, rng.next_u64() as u32, payload),
+        2 => Frame::read(id, block, rng.next_u64() as u32, rng.next_u64() as u32),
+        3 => Frame::free(id, &(0..rng.below(20)).map(|_| rng.next_u64()).collect::<Vec<_>>()),
         4 => {
-            let mut p = BytesMut::from(&PushHeader { map: rng.next() as u32, attempt: rng.next() as u32 }.encode()[..]);
+            let mut p =
+                BytesMut::from(&PushHeader { map: rng.next_u64() as u32, attempt: rng.next_u64() as u32 }.encode()[..]);
             p.put_slice(&payload);
-            Frame::push(id, block, rng.next() as u32, rng.next() as u32, p.freeze())
+            Frame::push(id, block, rng.next_u64() as u32, rng.next_u64() as u32, p.freeze())
         }
         5 => {
             let mut maps: Vec<(u32, u32)> =
-                (0..rng.below(10)).map(|_| (rng.next() as u32, rng.next() as u32)).collect();
+                (0..rng.below(10)).map(|_| (rng.next_u64() as u32, rng.next_u64() as u32)).collect();
             maps.sort_unstable();
             maps.dedup_by_key(|m| m.0);
-            let request = FetchRequest { cursor: rng.next() as u32, max_bytes: rng.next() as u32, maps };
-            Frame::fetch(id, block, rng.next() as u32, rng.next() as u32, request.encode())
+            let request = FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps };
+            Frame::fetch(id, block, rng.next_u64() as u32, rng.next_u64() as u32, request.encode())
         }
-        6 => Frame::reply(&Frame::read(id, block, 0, 5).header, rng.next() as u32, payload),
+        6 => Frame::reply(&Frame::read(id, block, 0, 5).header, rng.next_u64() as u32, payload),
         _ => Frame::error(id, Op::Write, block, ErrorKind::OutOfSpace, &String::from_utf8_lossy(&payload)),
     }
 }
@@ -111,7 +104,7 @@ fn valid_frames_round_trip_and_mutated_ones_are_refused() {
             // An oversized payload length, header resealed: refused before a payload byte.
             2 => {
                 let mut header = frame.header;
-                header.payload_len = MAX_PAYLOAD_BYTES + 1 + (rng.next() as u32 % (u32::MAX - MAX_PAYLOAD_BYTES));
+                header.payload_len = MAX_PAYLOAD_BYTES + 1 + (rng.next_u64() as u32 % (u32::MAX - MAX_PAYLOAD_BYTES));
                 let raw = header.encode();
                 let err = Header::decode(&raw, MAX_PAYLOAD_BYTES).unwrap_err();
                 assert!(matches!(err, FrameError::PayloadTooLarge { .. }), "case {case}: {err}");
@@ -173,10 +166,11 @@ fn random_bytes_never_panic_and_errors_carry_a_kind() {
 fn shuffle_payloads_mutated_are_refused_with_a_reason() {
     for case in 0..CASES / 4 {
         let mut rng = Rng(case ^ 0x5eed);
-        let mut maps: Vec<(u32, u32)> = (0..rng.below(16)).map(|_| (rng.next() as u32, rng.next() as u32)).collect();
+        let mut maps: Vec<(u32, u32)> =
+            (0..rng.below(16)).map(|_| (rng.next_u64() as u32, rng.next_u64() as u32)).collect();
         maps.sort_unstable();
         maps.dedup_by_key(|m| m.0);
-        let request = FetchRequest { cursor: rng.next() as u32, max_bytes: rng.next() as u32, maps };
+        let request = FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps };
         let mut bytes = request.encode().to_vec();
         assert_eq!(FetchRequest::decode(&bytes).unwrap(), request, "case {case}");
         match rng.below(3) {

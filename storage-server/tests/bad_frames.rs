@@ -21,21 +21,17 @@ mod common;
 
 use common::{call, call_ok, serve};
 
-/// splitmix64, so each case repeats from its number.
-struct Rng(u64);
+use tern_common::SplitMix64 as Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
+/// This test's draws, over the shared generator.
+trait Script {
+    fn script(&mut self, max: u64) -> Vec<u8>;
+}
 
+impl Script for Rng {
     fn script(&mut self, max: u64) -> Vec<u8> {
-        let len = self.next() % max;
-        (0..len).map(|_| self.next() as u8).collect()
+        let len = self.next_u64() % max;
+        (0..len).map(|_| self.next_u64() as u8).collect()
     }
 }
 
