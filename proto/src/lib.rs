@@ -4,11 +4,13 @@
 //! - [`frame`]: the binary block-frame codec of the data plane;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
-//! - [`tier`]: storage tiers, the tier bit of block ids, and storage classes;
+//! - [`tier`]: storage tiers and storage classes, with their names;
+//! - [`ids`]: typed ids of servers, shuffles and blocks (a block id names its tier);
 //! - [`token`]: job tokens and grants, the data plane's capabilities.
 
 pub mod error;
 pub mod frame;
+pub mod ids;
 pub mod shuffle;
 pub mod tier;
 pub mod token;
@@ -24,7 +26,8 @@ pub mod sched {
 }
 
 pub use error::ErrorKind;
-pub use tier::{StorageClass, Tier, NVME_BLOCK_BIT};
+pub use ids::{BlockId, ServerId, ShuffleId, NVME_BLOCK_BIT};
+pub use tier::{StorageClass, Tier};
 
 /// Default cluster block size: 1 MiB.
 pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;

@@ -1,14 +1,11 @@
 //! Storage tiers and storage classes, shared by the metadata server (placement), storage servers
 //! (routing a block op to its tier) and clients (choosing a class at create).
-//!
-//! A block id names its tier: the metadata server sets [`NVME_BLOCK_BIT`] on the ids of blocks it
-//! places on NVMe, so a storage server routes Write, Read and Free without a lookup.
+//! Block ids name their tier: see [`crate::ids::BlockId`].
 
 use std::fmt;
 use std::str::FromStr;
 
-/// Set on the ids of blocks that live in a storage server's NVMe tier.
-pub const NVME_BLOCK_BIT: u64 = 1 << 63;
+use crate::ids::BlockId;
 
 /// A storage server's tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -18,13 +15,9 @@ pub enum Tier {
 }
 
 impl Tier {
-    /// The tier a block id names.
+    /// The tier a wire block id names (see [`BlockId::tier`]).
     pub fn of_block(block_id: u64) -> Tier {
-        if block_id & NVME_BLOCK_BIT != 0 {
-            Tier::Nvme
-        } else {
-            Tier::Dram
-        }
+        BlockId::from(block_id).tier()
     }
 
     /// The name used in registrations, heartbeats, metrics and `tern status`.
@@ -114,7 +107,7 @@ mod tests {
     #[test]
     fn block_ids_name_their_tier() {
         assert_eq!(Tier::of_block(1), Tier::Dram);
-        assert_eq!(Tier::of_block(NVME_BLOCK_BIT | 1), Tier::Nvme);
+        assert_eq!(Tier::of_block(crate::ids::NVME_BLOCK_BIT | 1), Tier::Nvme);
         assert_eq!(Tier::from_name("nvme"), Some(Tier::Nvme));
         assert_eq!(Tier::from_name("ssd"), None);
     }
