@@ -23,12 +23,13 @@ use tern_proto::v1::{
     TierUsage,
 };
 use tern_proto::ErrorKind;
+use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
-use crate::nvme::NVME_TIER;
-use crate::store::{BlockStore, Usage, DRAM_TIER};
+use crate::store::BlockStore;
+use crate::Usage;
 
 /// How long start-up waits for the metadata server to accept the registration.
 const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
@@ -79,6 +80,8 @@ pub(crate) async fn report_inventory(
     store: &BlockStore,
 ) -> Result<(u64, u64), tonic::Status> {
     let (blocks, shuffles) = store.inventory();
+    let (blocks, shuffles): (Vec<u64>, Vec<u64>) =
+        (blocks.into_iter().map(u64::from).collect(), shuffles.into_iter().map(u64::from).collect());
     let page = tern_proto::MAX_INVENTORY_PAGE;
     let mut block_pages = blocks.chunks(page).peekable();
     let mut shuffle_pages = shuffles.chunks(page).peekable();
@@ -112,9 +115,9 @@ fn tier_usage(tier: &str, usage: &Usage, engine: &str) -> TierUsage {
 
 /// Every tier's use: DRAM, and NVMe (with its io engine) when the server has it.
 pub(crate) fn tiers(store: &BlockStore) -> Vec<TierUsage> {
-    let mut tiers = vec![tier_usage(DRAM_TIER, &store.usage(), "")];
+    let mut tiers = vec![tier_usage(Tier::Dram.name(), &store.dram().usage(), "")];
     if let Some(nvme) = store.nvme() {
-        tiers.push(tier_usage(NVME_TIER, &nvme.usage(), nvme.engine()));
+        tiers.push(tier_usage(Tier::Nvme.name(), &nvme.usage(), nvme.engine()));
     }
     tiers
 }
@@ -136,9 +139,9 @@ pub(crate) async fn register_at_start(
         engine: engine.to_string(),
         ..TierUsage::default()
     };
-    let mut tiers = vec![capacity(DRAM_TIER, dram_bytes, "")];
+    let mut tiers = vec![capacity(Tier::Dram.name(), dram_bytes, "")];
     if let Some((nvme_bytes, engine)) = nvme {
-        tiers.push(capacity(NVME_TIER, nvme_bytes, engine));
+        tiers.push(capacity(Tier::Nvme.name(), nvme_bytes, engine));
     }
     let request = RegisterServerRequest {
         address: address.to_string(),
@@ -228,8 +231,8 @@ impl Session {
         if reply.reregister {
             return Outcome::Reregister;
         }
-        let blocks = store.free(&reply.free_block_ids);
-        let segments = store.free_shuffles(&reply.free_shuffle_ids);
+        let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from(id)));
+        let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId(id)));
         // Never move the acknowledgement backwards: a reply with nothing to free may carry an
         // older (or zero) sequence number.
         self.freed_through_seq = self.freed_through_seq.max(reply.free_seq);
@@ -302,7 +305,7 @@ impl Heartbeater {
         metrics: Arc<Metrics>,
         registered: &RegisterServerResponse,
     ) -> Heartbeater {
-        store.set_server_id(registered.server_id);
+        store.set_server_id(ServerId(registered.server_id));
         Heartbeater {
             client,
             metadata,
@@ -422,7 +425,7 @@ impl Heartbeater {
                 self.store.block_size()
             );
         }
-        self.store.set_server_id(registered.server_id);
+        self.store.set_server_id(ServerId(registered.server_id));
         // A metadata server that lost its directory signs with a new key.
         if let Err(e) = take_key(&self.store, &registered) {
             tracing::error!("{e:#}");
@@ -443,7 +446,7 @@ mod tests {
     fn store_with(ids: &[u64]) -> BlockStore {
         let store = BlockStore::new(4096, 16 * 4096).unwrap();
         for id in ids {
-            let mut pending = store.begin_write(*id, 0, 1).unwrap();
+            let mut pending = store.dram().begin_write(BlockId::from(*id), 0, 1).unwrap();
             pending.buf()[0] = 1;
             pending.commit(crc32c::crc32c(&[1])).unwrap();
         }
@@ -458,8 +461,13 @@ mod tests {
         Outcome::Freed { blocks, segments }
     }
 
+    /// The first byte of a DRAM block.
+    fn read(store: &BlockStore, block: u64) -> Result<(bytes::Bytes, u32), crate::StoreError> {
+        store.dram().read(BlockId::from(block), 0, 1, ServerId(0))
+    }
+
     fn push(store: &BlockStore, shuffle: u64, partition: u32) {
-        let segment = SegmentId { shuffle, partition, index: 0 };
+        let segment = SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 };
         store.push(segment, PushHeader { map: 0, attempt: 0 }, b"batch").unwrap();
     }
 
@@ -476,8 +484,8 @@ mod tests {
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
         assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
         assert_eq!(session.request(tiers(&store)).freed_through_seq, 12);
-        assert_eq!(store.usage().used_blocks, 2);
-        assert!(store.read(1, 0, 1).is_err() && store.read(3, 0, 1).is_ok());
+        assert_eq!(store.dram().usage().used_blocks, 2);
+        assert!(read(&store, 1).is_err() && read(&store, 3).is_ok());
 
         // A resent list (the ack was lost) is idempotent.
         assert_eq!(session.apply(&reply(&[1, 2], 12), &store), freed(0, 0));
@@ -509,8 +517,8 @@ mod tests {
         // Resent (the ack was lost): nothing more to do, nothing comes back.
         assert_eq!(session.apply(&both, &store), freed(0, 0));
         let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
-        assert!(store.fetch(SegmentId { shuffle: 10, partition: 0, index: 0 }, &fetch).is_err());
-        assert!(store.fetch(SegmentId { shuffle: 11, partition: 0, index: 0 }, &fetch).is_ok());
+        assert!(store.fetch(SegmentId { shuffle: ShuffleId(10), partition: 0, index: 0 }, &fetch).is_err());
+        assert!(store.fetch(SegmentId { shuffle: ShuffleId(11), partition: 0, index: 0 }, &fetch).is_ok());
     }
 
     #[test]
@@ -524,8 +532,8 @@ mod tests {
         // The metadata server decides what goes, from the inventory.
         let (mut blocks, shuffles) = store.inventory();
         blocks.sort_unstable();
-        assert_eq!((blocks, shuffles), (vec![2, 3], vec![4]));
-        assert!(store.read(2, 0, 1).is_ok());
+        assert_eq!((blocks, shuffles), (vec![BlockId::from(2), BlockId::from(3)], vec![ShuffleId(4)]));
+        assert!(read(&store, 2).is_ok());
     }
 
     #[test]

@@ -1,12 +1,15 @@
-//! Tern's storage server: the DRAM tier and the block service.
+//! Tern's storage server: the DRAM and NVMe tiers and the block service.
 //!
 //! - [`config`]: the typed configuration;
+//! - `block_table`: one tier's slots and blocks, and the rules every block follows (write-once,
+//!   append-only, one writer, Acquire/Release publication), for every tier;
 //! - `arena`: the DRAM tier's one anonymous memory mapping;
-//! - [`store`]: the arena cut into blocks: write-once, append-only, zero-copy reads;
-//! - [`nvme`]: the NVMe tier: an O_DIRECT file or block device cut into blocks, with the same
-//!   rules, behind an io engine (io_uring or pread/pwrite);
-//! - [`shuffle`]: shuffle segments in the same arena: pushed batches appended (push-merge),
-//!   fetched by committed attempt, a page at a time;
+//! - [`dram`]: the arena cut into blocks: writes straight into it, zero-copy reads;
+//! - [`nvme`]: the NVMe tier: an O_DIRECT file or block device cut into blocks, behind an io
+//!   engine (io_uring or pread/pwrite);
+//! - [`shuffle`]: shuffle segments in the DRAM tier's slots: pushed batches appended
+//!   (push-merge), fetched by committed attempt, a page at a time;
+//! - [`store`]: the router that holds the tiers and sends each op to the one its block names;
 //! - [`service`]: the block protocol over TCP and, with TLS material, QUIC (one code path over
 //!   `tern_transport`'s listener trait; pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
@@ -18,7 +21,9 @@
 
 mod arena;
 pub mod auth;
+mod block_table;
 pub mod config;
+pub mod dram;
 #[doc(hidden)]
 pub mod fuzzing;
 mod heartbeat;
@@ -35,11 +40,12 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+pub use block_table::{StoreError, Usage};
 pub use config::Config;
 pub use metrics::Metrics;
 pub use service::{serve_block_listeners, serve_blocks, Limits};
 pub use shuffle::{FetchPage, SegmentId, ShuffleError};
-pub use store::{BlockStore, StoreError, Usage};
+pub use store::BlockStore;
 
 /// A running storage server. Dropping it stops its tasks; [`StorageServer::shutdown`] also waits
 /// for them to end.
@@ -68,7 +74,7 @@ impl StorageServer {
     }
 
     /// The id the metadata server currently knows this server by (it changes on re-registration).
-    pub fn server_id(&self) -> u64 {
+    pub fn server_id(&self) -> tern_proto::ServerId {
         self.store.server_id()
     }
 
@@ -158,7 +164,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     if let Some((engine, size, align)) = device {
         let nvme_path = config.nvme.as_deref().expect("a device was opened from the nvme path");
         let index = nvme::index::BlockIndex::path_for(nvme_path);
-        let tier = nvme::NvmeStore::new(engine, size, align, registered.block_size)
+        let tier = nvme::NvmeTier::new(engine, size, align, registered.block_size)
             .context("cutting the NVMe tier into the cluster's blocks")?
             .with_index(&index)?;
         store = store.with_nvme(tier);

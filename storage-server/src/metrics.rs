@@ -10,10 +10,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tern_proto::frame::Op;
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, Tier};
 
-use crate::nvme::NVME_TIER;
-use crate::store::{BlockStore, Usage, DRAM_TIER};
+use crate::store::BlockStore;
+use crate::Usage;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
@@ -130,8 +130,8 @@ impl Metrics {
                 duration: duration.get_or_create_owned(&labels),
             }
         });
-        let dram = TierLabels { tier: DRAM_TIER };
-        let nvme = TierLabels { tier: NVME_TIER };
+        let dram = TierLabels { tier: Tier::Dram.name() };
+        let nvme = TierLabels { tier: Tier::Nvme.name() };
         Arc::new(Metrics {
             ops,
             errors,
@@ -175,7 +175,7 @@ impl Metrics {
 
     /// Updates every gauge that describes `store`.
     pub fn observe_store(&self, store: &BlockStore) {
-        self.observe_usage(&store.usage());
+        self.observe_usage(&store.dram().usage());
         if let Some(nvme) = store.nvme() {
             self.observe_nvme(&nvme.usage(), nvme.engine());
         }

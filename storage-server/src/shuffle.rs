@@ -2,8 +2,8 @@
 //!
 //! A shuffle partition is a chain of segments; this server holds some of them. A segment is named
 //! by (shuffle id, partition, segment index) and created by the first Push to it. Map writers push
-//! batches; each batch is stored whole, in arrival order, in slots taken from the block store's
-//! pool (so shuffle data and file blocks share one arena and one capacity count), and indexed with
+//! batches; each batch is stored whole, in arrival order, in slots taken from the DRAM tier's
+//! (so shuffle data and file blocks share one arena and one capacity count), and indexed with
 //! the map index and attempt that wrote it and a crc32c of its bytes as stored.
 //!
 //! A Fetch names the committed attempt of each map it wants and gets the matching batches ordered
@@ -24,9 +24,9 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
 use tern_proto::shuffle::{BatchHeader, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, ServerId, ShuffleId};
 
-use crate::store::{AppendSlot, Pool};
+use crate::dram::{AppendSlot, DramSlots};
 
 /// Most bytes one Fetch reply carries, whatever the request asks for (a single batch may make it
 /// up to [`BATCH_HEADER_LEN`] bytes more than the block size, which clients must accept).
@@ -44,7 +44,7 @@ const FREED_REMEMBERED: usize = 1 << 16;
 /// Which segment: shuffle, reduce partition, and index in the partition's chain of segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SegmentId {
-    pub shuffle: u64,
+    pub shuffle: ShuffleId,
     pub partition: u32,
     pub index: u32,
 }
@@ -73,9 +73,9 @@ pub struct FetchPage {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShuffleError {
     #[error("{segment} is not held by storage server {server}")]
-    NotHeld { segment: SegmentId, server: u64 },
+    NotHeld { segment: SegmentId, server: ServerId },
     #[error("push to {segment} refused: the shuffle was freed on storage server {server} and takes no more pushes")]
-    Freed { segment: SegmentId, server: u64 },
+    Freed { segment: SegmentId, server: ServerId },
     #[error("push to {segment} refused: dram tier full: {in_use} of {total} blocks in use")]
     Full { segment: SegmentId, in_use: usize, total: usize },
     #[error("push to {segment} refused: the segment holds the most batches one may ({max}); push to the next segment")]
@@ -140,11 +140,11 @@ struct Segment {
 /// Every segment this server holds, and the shuffles freed lately.
 #[derive(Default)]
 struct SegmentMap {
-    shuffles: HashMap<u64, HashMap<(u32, u32), Arc<Segment>>>,
+    shuffles: HashMap<ShuffleId, HashMap<(u32, u32), Arc<Segment>>>,
     segments: usize,
-    freed: HashSet<u64>,
+    freed: HashSet<ShuffleId>,
     /// `freed` in the order remembered, oldest first, to forget past [`FREED_REMEMBERED`].
-    freed_order: VecDeque<u64>,
+    freed_order: VecDeque<ShuffleId>,
 }
 
 impl SegmentMap {
@@ -152,7 +152,7 @@ impl SegmentMap {
         self.shuffles.get(&id.shuffle)?.get(&(id.partition, id.index)).cloned()
     }
 
-    fn remember_freed(&mut self, shuffle: u64) {
+    fn remember_freed(&mut self, shuffle: ShuffleId) {
         if self.freed.insert(shuffle) {
             self.freed_order.push_back(shuffle);
             if self.freed_order.len() > FREED_REMEMBERED {
@@ -164,14 +164,14 @@ impl SegmentMap {
     }
 }
 
-/// The shuffle segments of one block store (which owns the pool their slots come from).
+/// The shuffle segments of one storage server (their slots come from its DRAM tier's).
 #[derive(Default)]
 pub(crate) struct Shuffles {
     map: Mutex<SegmentMap>,
 }
 
-fn full(pool: &Pool, segment: SegmentId) -> ShuffleError {
-    ShuffleError::Full { segment, in_use: pool.slots(), total: pool.slots() }
+fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
+    ShuffleError::Full { segment, in_use: pool.count(), total: pool.count() }
 }
 
 impl Shuffles {
@@ -179,8 +179,8 @@ impl Shuffles {
     /// bytes afterwards.
     pub(crate) fn push(
         &self,
-        pool: &Arc<Pool>,
-        server: u64,
+        pool: &Arc<DramSlots>,
+        server: ServerId,
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
@@ -196,7 +196,12 @@ impl Shuffles {
 
     /// The segment, created with an empty slot if new. Creating it with its slot means every
     /// segment holds at least one, so their number is bounded by the arena's.
-    fn segment_for_push(&self, pool: &Arc<Pool>, server: u64, id: SegmentId) -> Result<Arc<Segment>, ShuffleError> {
+    fn segment_for_push(
+        &self,
+        pool: &Arc<DramSlots>,
+        server: ServerId,
+        id: SegmentId,
+    ) -> Result<Arc<Segment>, ShuffleError> {
         let mut map = self.map.lock();
         if map.freed.contains(&id.shuffle) {
             return Err(ShuffleError::Freed { segment: id, server });
@@ -220,7 +225,12 @@ impl Shuffles {
     }
 
     /// The page of `request`'s batches that starts at its cursor.
-    pub(crate) fn fetch(&self, server: u64, id: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
+    pub(crate) fn fetch(
+        &self,
+        server: ServerId,
+        id: SegmentId,
+        request: &FetchRequest,
+    ) -> Result<FetchPage, ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
         let limit = request.max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
         let (page, more) = segment.state.lock().page(id, request, limit)?;
@@ -268,14 +278,14 @@ impl Shuffles {
 
     /// Drops every segment of the listed shuffles and remembers them as freed; returns how many
     /// segments were held.
-    pub(crate) fn free(&self, shuffle_ids: &[u64]) -> usize {
+    pub(crate) fn free(&self, shuffle_ids: impl IntoIterator<Item = ShuffleId>) -> usize {
         let removed: Vec<HashMap<(u32, u32), Arc<Segment>>> = {
             let mut map = self.map.lock();
             let removed: Vec<_> = shuffle_ids
-                .iter()
+                .into_iter()
                 .filter_map(|id| {
-                    map.remember_freed(*id);
-                    map.shuffles.remove(id)
+                    map.remember_freed(id);
+                    map.shuffles.remove(&id)
                 })
                 .collect();
             map.segments -= removed.iter().map(HashMap::len).sum::<usize>();
@@ -294,7 +304,7 @@ impl Shuffles {
     }
 
     /// The shuffles it holds segments of (its inventory).
-    pub(crate) fn ids(&self) -> Vec<u64> {
+    pub(crate) fn ids(&self) -> Vec<ShuffleId> {
         self.map.lock().shuffles.keys().copied().collect()
     }
 
@@ -313,7 +323,13 @@ impl Shuffles {
 }
 
 impl SegmentState {
-    fn append(&mut self, pool: &Arc<Pool>, id: SegmentId, from: PushHeader, batch: &[u8]) -> Result<u64, ShuffleError> {
+    fn append(
+        &mut self,
+        pool: &Arc<DramSlots>,
+        id: SegmentId,
+        from: PushHeader,
+        batch: &[u8],
+    ) -> Result<u64, ShuffleError> {
         if self.batches >= MAX_SEGMENT_BATCHES {
             return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
         }
@@ -385,13 +401,14 @@ impl SegmentState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    // The shuffle rules seen through the server's router, as the service sees them.
     use crate::store::BlockStore;
     use tern_proto::shuffle::batches;
 
     const BS: u32 = 4096;
 
     fn seg(shuffle: u64, partition: u32, index: u32) -> SegmentId {
-        SegmentId { shuffle, partition, index }
+        SegmentId { shuffle: ShuffleId(shuffle), partition, index }
     }
 
     fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
@@ -447,14 +464,14 @@ mod tests {
         // leaving 1064 bytes unused.
         assert_eq!(push(&store, id, 0, 0, &batch(0)).unwrap(), 1500);
         assert_eq!(push(&store, id, 0, 0, &batch(1)).unwrap(), 3000);
-        assert_eq!(store.usage().used_blocks, 1);
+        assert_eq!(store.dram().usage().used_blocks, 1);
         assert_eq!(push(&store, id, 0, 0, &batch(2)).unwrap(), 4500);
-        assert_eq!(store.usage().used_blocks, 2);
-        assert_eq!(store.usage().used_bytes, 4500 + 3 * 16);
+        assert_eq!(store.dram().usage().used_blocks, 2);
+        assert_eq!(store.dram().usage().used_bytes, 4500 + 3 * 16);
         // The largest batch, with its header, takes a block of its own.
         let whole = data(0, 0, 3, BS as usize - 16);
         assert_eq!(push(&store, id, 0, 0, &whole).unwrap(), 4500 + u64::from(BS) - 16);
-        assert_eq!(store.usage().used_blocks, 3);
+        assert_eq!(store.dram().usage().used_blocks, 3);
         assert_eq!(store.shuffle_segments(), 1);
 
         let page = store.fetch(id, &request(0, u32::MAX, &[(0, 0)])).unwrap();
@@ -583,51 +600,54 @@ mod tests {
         assert!(matches!(err, ShuffleError::Full { in_use: 2, total: 2, .. }), "{err}");
         assert_eq!(store.shuffle_segments(), 1);
         // File blocks and shuffles share the arena.
-        assert!(store.begin_write(1, 0, 1).is_err());
+        assert!(store.dram().begin_write(tern_proto::BlockId::from(1), 0, 1).is_err());
         assert_eq!(fetch_all(&store, id, &[(0, 0)], u32::MAX).len(), 3);
     }
 
     #[test]
     fn freeing_a_shuffle_returns_its_slots() {
         let store = BlockStore::new(BS, 5 * BS as u64).unwrap();
-        store.set_server_id(5);
+        store.set_server_id(ServerId(5));
         for partition in 0..2 {
             push(&store, seg(1, partition, 0), 0, 0, &[7; 3000]).unwrap();
             push(&store, seg(1, partition, 0), 1, 0, &[8; 3000]).unwrap();
         }
         push(&store, seg(2, 0, 0), 0, 0, b"other shuffle").unwrap();
         assert!(push(&store, seg(2, 0, 1), 0, 0, b"no room").is_err());
-        assert_eq!(store.usage().used_blocks, 5);
-        assert_eq!(store.usage().used_bytes, 12013 + 5 * 16);
+        assert_eq!(store.dram().usage().used_blocks, 5);
+        assert_eq!(store.dram().usage().used_bytes, 12013 + 5 * 16);
         assert_eq!(store.shuffle_segments(), 3);
-        assert_eq!(store.free_shuffles(&[1, 99]), 2);
+        assert_eq!(store.free_shuffles([1, 99].map(ShuffleId)), 2);
         assert_eq!(store.shuffle_segments(), 1);
-        assert_eq!(store.usage().used_blocks, 1);
-        assert_eq!(store.usage().used_bytes, 13 + 16);
+        assert_eq!(store.dram().usage().used_blocks, 1);
+        assert_eq!(store.dram().usage().used_bytes, 13 + 16);
         let err = store.fetch(seg(1, 0, 0), &request(0, u32::MAX, &[(0, 0)])).unwrap_err();
         assert_eq!(err.to_string(), "shuffle 1 partition 0 segment 0 is not held by storage server 5");
         assert_eq!(err.kind(), ErrorKind::NotFound);
         // A straggler's push cannot bring a freed shuffle back.
         let err = push(&store, seg(1, 0, 0), 2, 0, b"late").unwrap_err();
-        assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: 5 });
+        assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: ServerId(5) });
         assert_eq!(err.kind(), ErrorKind::NotFound);
         let err = push(&store, seg(99, 0, 0), 0, 0, b"freed before its first push").unwrap_err();
         assert!(matches!(err, ShuffleError::Freed { .. }), "{err}");
         assert_eq!(fetch_all(&store, seg(2, 0, 0), &[(0, 0)], u32::MAX), vec![(0, 0, b"other shuffle".to_vec())]);
         // Freeing again is a no-op.
-        assert_eq!(store.free_shuffles(&[1]), 0);
+        assert_eq!(store.free_shuffles([ShuffleId(1)]), 0);
         // A re-registration drops everything and forgets the freed ids.
         assert_eq!(store.clear(), (0, 1));
-        assert_eq!((store.usage().used_blocks, store.usage().used_bytes, store.shuffle_segments()), (0, 0, 0));
+        assert_eq!(
+            (store.dram().usage().used_blocks, store.dram().usage().used_bytes, store.shuffle_segments()),
+            (0, 0, 0)
+        );
         push(&store, seg(1, 0, 0), 0, 0, b"a new shuffle 1").unwrap();
     }
 
     #[test]
     fn freed_ids_are_remembered_within_a_bound() {
         let store = BlockStore::new(BS, BS as u64).unwrap();
-        let ids: Vec<u64> = (0..FREED_REMEMBERED as u64 + 1).collect();
-        store.free_shuffles(&ids);
-        store.free_shuffles(&ids[1..]);
+        let ids: Vec<ShuffleId> = (0..FREED_REMEMBERED as u64 + 1).map(ShuffleId).collect();
+        store.free_shuffles(ids.iter().copied());
+        store.free_shuffles(ids[1..].iter().copied());
         // Shuffle 0 was forgotten first.
         push(&store, seg(0, 0, 0), 0, 0, b"x").unwrap();
         assert!(push(&store, seg(1, 0, 0), 0, 0, b"x").is_err());
@@ -668,9 +688,9 @@ mod tests {
         for n in 0..BS / MIN_BYTES_PER_BATCH {
             push(&store, id, 0, 0, &[n as u8]).unwrap();
         }
-        assert_eq!(store.usage().used_blocks, 1);
+        assert_eq!(store.dram().usage().used_blocks, 1);
         push(&store, id, 0, 0, b"next slot").unwrap();
-        assert_eq!(store.usage().used_blocks, 2);
+        assert_eq!(store.dram().usage().used_blocks, 2);
         assert_eq!(max_batch_bytes(tern_proto::MAX_BLOCK_SIZE), MAX_PAYLOAD_BYTES - BATCH_HEADER_LEN as u32);
     }
 

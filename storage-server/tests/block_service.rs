@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tern_proto::frame::{self, Frame, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
-use tern_proto::ErrorKind;
+use tern_proto::{BlockId, ErrorKind, ServerId};
 use tern_storage::Limits;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -104,7 +104,7 @@ async fn pipelined_writes_and_reads_round_trip() {
         assert_eq!(reply.header.payload_crc, crc32c::crc32c(&whole));
     }
     drop(sender.await.unwrap());
-    let usage = server.store.usage();
+    let usage = server.store.dram().usage();
     assert_eq!((usage.used_blocks, usage.used_bytes), (blocks, blocks * BS as u64));
 
     let mut text = String::new();
@@ -217,8 +217,11 @@ async fn truncated_frames_get_a_truncated_error() {
     assert_eq!(kind, ErrorKind::Invalid);
     assert!(message.contains("truncated frame") && message.contains("block 6"), "{message}");
     assert_closed(&mut s).await;
-    assert!(server.store.read(6, 0, 0).is_err(), "an unfinished first write must not leave a block");
-    assert_eq!(server.store.usage().used_blocks, 0);
+    assert!(
+        server.store.dram().read(BlockId::from(6), 0, 0, ServerId(3)).is_err(),
+        "an unfinished first write must not leave a block"
+    );
+    assert_eq!(server.store.dram().usage().used_blocks, 0);
     ping(server.addr).await;
 }
 
@@ -313,7 +316,7 @@ async fn a_freed_block_being_read_is_not_reused_until_sent() {
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     let data = pattern(1, 0, BS as usize);
     call_ok(&mut s, &Frame::write(1, 1, 0, data.clone())).await;
-    let (view, _) = server.store.read(1, 0, BS).unwrap();
+    let (view, _) = server.store.dram().read(BlockId::from(1), 0, BS, ServerId(3)).unwrap();
     assert_eq!(call_ok(&mut s, &Frame::free(2, &[1])).await.header.length, 1);
     assert_eq!(call_err(&mut s, &Frame::write(3, 2, 0, Bytes::from_static(b"x"))).await.0, ErrorKind::OutOfSpace);
     assert_eq!(view, data);

@@ -115,7 +115,7 @@ async fn pushed_batches_are_fetched_by_committed_attempt_in_pages() {
     let reply = call_ok(&mut s, &fetch_frame(60, seg, 0, 1 << 20, &[(0, 5), (9, 0)])).await;
     assert_eq!((reply.payload.len(), reply.header.length), (0, FETCH_DONE));
 
-    let usage = server.store.usage();
+    let usage = server.store.dram().usage();
     // Every batch is stored behind its 16-byte header.
     let stored_headers = (pushes.len() as u64 + 1) * tern_proto::shuffle::BATCH_HEADER_LEN as u64;
     assert_eq!(usage.used_bytes, u64::from(size) + largest.len() as u64 + stored_headers);
@@ -165,7 +165,7 @@ async fn refused_shuffle_requests_name_the_problem_and_keep_the_connection() {
     damaged.header.payload_crc ^= 1;
     assert_eq!(call_err(&mut s, &damaged).await.0, ErrorKind::Corrupt);
     assert_eq!(call_err(&mut s, &fetch_frame(7, (9, 1, 2), 0, 1 << 20, &[(0, 0)])).await.0, ErrorKind::NotFound);
-    assert_eq!(server.store.usage().used_blocks, 0);
+    assert_eq!(server.store.dram().usage().used_blocks, 0);
     call_ok(&mut s, &Frame::ping(8)).await;
 
     // Two blocks of room: a third segment is refused, naming it and the tier's use.

@@ -12,6 +12,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use tern_proto::BlockId;
 
 const MAGIC: &[u8; 8] = b"TERNNVIX";
 const VERSION: u32 = 1;
@@ -21,7 +22,7 @@ const ENTRY_BYTES: u64 = 32;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     pub slot: usize,
-    pub block_id: u64,
+    pub block_id: BlockId,
     pub len: u32,
 }
 
@@ -30,9 +31,9 @@ pub struct BlockIndex {
     path: PathBuf,
 }
 
-fn encode(block_id: u64, len: u32) -> [u8; ENTRY_BYTES as usize] {
+fn encode(block_id: BlockId, len: u32) -> [u8; ENTRY_BYTES as usize] {
     let mut entry = [0u8; ENTRY_BYTES as usize];
-    entry[..8].copy_from_slice(&block_id.to_le_bytes());
+    entry[..8].copy_from_slice(&block_id.get().to_le_bytes());
     entry[8..12].copy_from_slice(&len.to_le_bytes());
     let crc = crc32c::crc32c(&entry[..12]);
     entry[12..16].copy_from_slice(&crc.to_le_bytes());
@@ -104,13 +105,13 @@ impl BlockIndex {
                 );
                 continue;
             }
-            entries.push(Entry { slot, block_id, len });
+            entries.push(Entry { slot, block_id: BlockId::from(block_id), len });
         }
         Ok((index, entries))
     }
 
     /// Records that `slot` holds `block_id` with `len` bytes, durably.
-    pub fn record(&self, slot: usize, block_id: u64, len: u32) -> std::io::Result<()> {
+    pub fn record(&self, slot: usize, block_id: BlockId, len: u32) -> std::io::Result<()> {
         self.file.write_all_at(&encode(block_id, len), ENTRY_BYTES * (slot as u64 + 1))?;
         self.file.sync_data()
     }
@@ -141,13 +142,16 @@ mod tests {
         let path = temp.path().join("t.index");
         let (index, entries) = BlockIndex::open(&path, 4096, 8).unwrap();
         assert!(entries.is_empty());
-        index.record(3, 77, 100).unwrap();
-        index.record(5, 78, 4096).unwrap();
-        index.record(6, 79, 1).unwrap();
+        index.record(3, BlockId::from(77), 100).unwrap();
+        index.record(5, BlockId::from(78), 4096).unwrap();
+        index.record(6, BlockId::from(79), 1).unwrap();
         index.clear(&[6]).unwrap();
         drop(index);
         let (index, entries) = BlockIndex::open(&path, 4096, 8).unwrap();
-        let expected = [Entry { slot: 3, block_id: 77, len: 100 }, Entry { slot: 5, block_id: 78, len: 4096 }];
+        let expected = [
+            Entry { slot: 3, block_id: BlockId::from(77), len: 100 },
+            Entry { slot: 5, block_id: BlockId::from(78), len: 4096 },
+        ];
         assert_eq!(entries, expected);
         // A torn entry (its crc does not match: slot 3's length) is dropped.
         index.file.write_all_at(&[0xff], ENTRY_BYTES * 4 + 9).unwrap();

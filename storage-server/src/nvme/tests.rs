@@ -3,36 +3,40 @@
 use std::sync::Arc;
 
 use tern_common::ByteSize;
-use tern_proto::ErrorKind;
+use tern_proto::{BlockId, ErrorKind, ServerId, Tier};
 
 use super::device;
 use super::engine::{self, IoEngineChoice};
-use super::NvmeStore;
-use crate::store::StoreError;
+use super::NvmeTier;
+use crate::block_table::StoreError;
 
 const BS: u32 = 64 << 10;
 const ENGINES: [IoEngineChoice; 2] = [IoEngineChoice::Uring, IoEngineChoice::Psync];
 
 /// A tier of `blocks` blocks in a fresh file on the real disk (tmpfs refuses O_DIRECT).
-async fn tier(choice: IoEngineChoice, blocks: u64) -> (tempfile::TempDir, Arc<NvmeStore>) {
+async fn tier(choice: IoEngineChoice, blocks: u64) -> (tempfile::TempDir, Arc<NvmeTier>) {
     let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
     let path = dir.path().join("tier.nvme");
     let device = device::open(&path, Some(ByteSize(blocks * u64::from(BS)))).unwrap();
     assert_eq!(std::fs::metadata(&path).unwrap().len(), blocks * u64::from(BS), "preallocated");
     let engine = engine::choose(choice, Arc::new(device.file), device.align as usize).await.unwrap();
     assert_eq!(engine.name(), choice.to_string());
-    let store = NvmeStore::new(engine, device.size, device.align, BS).unwrap();
+    let store = NvmeTier::new(engine, device.size, device.align, BS).unwrap();
     (dir, Arc::new(store))
 }
 
-async fn write(store: &Arc<NvmeStore>, id: u64, offset: u32, data: &[u8]) -> Result<u32, StoreError> {
-    let mut pending = store.begin_write(id, offset, data.len() as u32)?;
+fn id(block: u64) -> BlockId {
+    BlockId::from(block)
+}
+
+async fn write(store: &Arc<NvmeTier>, block: u64, offset: u32, data: &[u8]) -> Result<u32, StoreError> {
+    let mut pending = store.begin_write(id(block), offset, data.len() as u32)?;
     pending.payload().copy_from_slice(data);
     pending.commit(crc32c::crc32c(data)).await
 }
 
-async fn read(store: &NvmeStore, id: u64, offset: u32, len: u32) -> Result<Vec<u8>, StoreError> {
-    store.read(id, offset, len, 9).await.map(|(bytes, _)| bytes.to_vec())
+async fn read(store: &NvmeTier, block: u64, offset: u32, len: u32) -> Result<Vec<u8>, StoreError> {
+    store.read(id(block), offset, len, ServerId(9)).await.map(|(bytes, _)| bytes.to_vec())
 }
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -74,22 +78,25 @@ async fn append_rules_and_errors_match_dram() {
     for choice in ENGINES {
         let (_dir, store) = tier(choice, 2).await;
         write(&store, 1, 0, b"hello").await.unwrap();
-        let err = store.begin_write(1, 0, 1).map(|_| ()).unwrap_err();
-        assert_eq!(err, StoreError::NotAppend { block: 1, offset: 0, held: 5 });
-        let err = store.begin_write(1, 5, BS).map(|_| ()).unwrap_err();
+        let err = store.begin_write(id(1), 0, 1).map(|_| ()).unwrap_err();
+        assert_eq!(err, StoreError::NotAppend { block: id(1), offset: 0, held: 5 });
+        let err = store.begin_write(id(1), 5, BS).map(|_| ()).unwrap_err();
         assert!(matches!(err, StoreError::PastBlockEnd { .. }) && err.kind() == ErrorKind::Invalid, "{err}");
-        let held = store.begin_write(1, 5, 1).unwrap();
-        assert_eq!(store.begin_write(1, 5, 1).map(|_| ()).unwrap_err(), StoreError::WriteInProgress { block: 1 });
+        let held = store.begin_write(id(1), 5, 1).unwrap();
+        assert_eq!(
+            store.begin_write(id(1), 5, 1).map(|_| ()).unwrap_err(),
+            StoreError::WriteInProgress { block: id(1) }
+        );
         drop(held);
         let err = read(&store, 1, 3, 3).await.unwrap_err();
-        assert_eq!(err, StoreError::ReadOutOfRange { block: 1, offset: 3, len: 3, held: 5 });
+        assert_eq!(err, StoreError::ReadOutOfRange { block: id(1), offset: 3, len: 3, held: 5 });
         let err = read(&store, 7, 0, 1).await.unwrap_err();
         assert_eq!(
             (err.kind(), err.to_string()),
             (ErrorKind::NotFound, "block 7 is not held by storage server 9".into())
         );
         // An abandoned first write leaves no block behind.
-        drop(store.begin_write(2, 0, 4).unwrap());
+        drop(store.begin_write(id(2), 0, 4).unwrap());
         assert!(matches!(read(&store, 2, 0, 0).await, Err(StoreError::NotHeld { .. })));
         assert_eq!(write(&store, 1, 5, b" world").await.unwrap(), 11);
         assert_eq!(read(&store, 1, 0, 11).await.unwrap(), b"hello world");
@@ -100,7 +107,7 @@ async fn append_rules_and_errors_match_dram() {
 async fn bad_checksums_store_nothing() {
     for choice in ENGINES {
         let (_dir, store) = tier(choice, 2).await;
-        let mut pending = store.begin_write(3, 0, 4).unwrap();
+        let mut pending = store.begin_write(id(3), 0, 4).unwrap();
         pending.payload().copy_from_slice(b"abcd");
         let err = pending.commit(crc32c::crc32c(b"abcx")).await.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
@@ -108,7 +115,7 @@ async fn bad_checksums_store_nothing() {
         assert!(matches!(read(&store, 3, 0, 0).await, Err(StoreError::NotHeld { .. })));
         assert_eq!(store.usage().used_blocks, 0);
         write(&store, 3, 0, b"abcd").await.unwrap();
-        let mut pending = store.begin_write(3, 4, 2).unwrap();
+        let mut pending = store.begin_write(id(3), 4, 2).unwrap();
         pending.payload().copy_from_slice(b"ef");
         assert!(pending.commit(0).await.is_err());
         assert_eq!(read(&store, 3, 0, 4).await.unwrap(), b"abcd");
@@ -124,11 +131,11 @@ async fn a_full_tier_refuses_then_reuses_freed_slots() {
         write(&store, 1, 0, &pattern(1000, 1)).await.unwrap();
         write(&store, 2, 0, &pattern(3000, 2)).await.unwrap();
         let err = write(&store, 3, 0, b"x").await.unwrap_err();
-        assert_eq!(err, StoreError::Full { tier: "nvme", in_use: 2, total: 2 });
+        assert_eq!(err, StoreError::Full { tier: Tier::Nvme, in_use: 2, total: 2 });
         assert_eq!(err.kind(), ErrorKind::OutOfSpace);
         // A read holding the bytes survives a free; the slot is reused afterwards.
-        let (held, _) = store.read(1, 10, 20, 0).await.unwrap();
-        assert_eq!(store.free(&[1, 99]), 1);
+        let (held, _) = store.read(id(1), 10, 20, ServerId(0)).await.unwrap();
+        assert_eq!(store.free(&[id(1), id(99)]), 1);
         assert!(read(&store, 1, 0, 1).await.is_err());
         let fresh = pattern(5000, 7);
         write(&store, 3, 0, &fresh).await.unwrap();
