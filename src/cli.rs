@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tern_client::{ClientOptions, TransportKind};
 
-use crate::{bench, cert, daemons, executor, fs, job, sched, status, terasort, up};
+use crate::{bench, cert, daemons, executor, fs, job, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -24,7 +24,7 @@ pub enum Command {
     /// Run a storage server (DRAM tier, block service).
     StorageServer(daemons::StorageArgs),
     /// Run the task scheduler (jobs of stages; executors pull tasks from it).
-    Scheduler(sched::SchedulerArgs),
+    Scheduler(daemons::SchedulerArgs),
     /// Jobs on the scheduler: submit FILE, terasort, status, list, cancel.
     Job(job::JobArgs),
     /// Files: put, get, cat, ls, stat, rm, mkdir, mv.
@@ -90,7 +90,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(args) => up::run(args).await,
         Command::MetadataServer(args) => daemons::run_metadata(args).await,
         Command::StorageServer(args) => daemons::run_storage(args).await,
-        Command::Scheduler(args) => sched::run(args).await,
+        Command::Scheduler(args) => daemons::run_scheduler(args).await,
         Command::Job(args) => job::run(args).await,
         Command::Fs(args) => fs::run(args).await,
         Command::Status(args) => status::run(args).await,

@@ -1,165 +1,213 @@
-//! `tern metadata-server` and `tern storage-server`: a TOML config overridden by flags.
+//! `tern metadata-server`, `tern storage-server` and `tern scheduler`: each daemon's config is its
+//! defaults, then a TOML file (`--config`), then settings: the few flags that stand for one key
+//! each (addresses, and what a user needs to start one without a file), then `--set KEY=VALUE`.
+//! Every other key is set in the file or with `--set`, so no key is copied into a flag.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Args;
-use tern_common::ByteSize;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tern_common::config::Setting;
+
+/// The flags every daemon takes: its config file, `--set`, and the keys of the block every
+/// daemon's config shares (`tern_common::config::Serve`).
+#[derive(Args)]
+pub struct DaemonArgs {
+    /// TOML config file (keys as in the README's tables); flags and --set override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Sets one config key, after the file and the other flags; repeatable. The key is dotted for
+    /// tables (queues.etl=2); the value is TOML, or text taken as a string (dram=4GiB).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<Setting>,
+    /// Address of the daemon's service (key `listen`).
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+    /// Address of /metrics and /health (key `admin_listen`).
+    #[arg(long, value_name = "ADDR")]
+    admin: Option<String>,
+    /// TLS material made by `tern cert init` (key `tls_dir`).
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<String>,
+    /// The network is private: allow plain listeners beyond loopback (key `trusted_network`).
+    #[arg(long)]
+    trusted_network: bool,
+}
+
+impl DaemonArgs {
+    /// The daemon's config: defaults, the file, `own` (the daemon's flags: flag, key, value),
+    /// the shared flags, then `--set`.
+    fn load<T: Serialize + DeserializeOwned + Default>(
+        &self,
+        own: &[(&str, &str, &Option<String>)],
+    ) -> anyhow::Result<T> {
+        let shared = [
+            ("--listen", "listen", &self.listen),
+            ("--admin", "admin_listen", &self.admin),
+            ("--tls-dir", "tls_dir", &self.tls_dir),
+        ];
+        let mut settings: Vec<Setting> = own
+            .iter()
+            .chain(&shared)
+            .filter_map(|(flag, key, value)| value.as_deref().map(|value| Setting::flag(flag, key, value)))
+            .collect();
+        if self.trusted_network {
+            settings.push(Setting::flag("--trusted-network", "trusted_network", true));
+        }
+        settings.extend(self.set.iter().cloned());
+        tern_common::config::load(self.config.as_deref(), &settings)
+    }
+}
 
 #[derive(Args)]
 pub struct MetadataArgs {
-    /// TOML config file (keys as in the README); flags override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// gRPC listen address [default: 127.0.0.1:9060].
-    #[arg(long)]
-    listen: Option<SocketAddr>,
-    /// State directory [default: tern-data/metadata].
-    #[arg(long)]
-    dir: Option<PathBuf>,
-    /// Prometheus metrics endpoint [default: 127.0.0.1:9061].
-    #[arg(long)]
-    admin: Option<SocketAddr>,
-    /// Cluster block size, a power of two from 4KiB to 64MiB [default: 1MiB].
-    #[arg(long)]
-    block_size: Option<ByteSize>,
-    /// How often storage servers heartbeat [default: 1000].
-    #[arg(long)]
-    heartbeat_interval_ms: Option<u64>,
-    /// A storage server silent this long is dead [default: 5000].
-    #[arg(long)]
-    server_timeout_ms: Option<u64>,
-    /// Lease of a job that asks for none [default: 30000].
-    #[arg(long)]
-    default_lease_ms: Option<u64>,
-    /// TLS material (`tern cert init`): serve gRPC over mutual TLS [default: none].
-    #[arg(long)]
-    tls_dir: Option<PathBuf>,
-    /// Allow plain gRPC beyond loopback without TLS [default: false].
-    #[arg(long)]
-    trusted_network: bool,
-    /// Snapshot the state (and cut the log) this often when the log grew [default: 60000].
-    #[arg(long)]
-    snapshot_interval_ms: Option<u64>,
-    /// Snapshot as soon as the log grew by this much [default: 64MiB].
-    #[arg(long)]
-    snapshot_log_size: Option<ByteSize>,
-    /// Acknowledge changes without syncing the log: a machine crash may lose them [default: sync].
-    #[arg(long)]
-    no_fsync: bool,
-    /// Most open gRPC connections; further ones are closed as they arrive [default: 4096].
-    #[arg(long)]
-    max_connections: Option<u32>,
-    /// Most RPCs in flight on one gRPC connection (HTTP/2 streams) [default: 1024].
-    #[arg(long)]
-    max_concurrent_streams: Option<u32>,
-    /// Largest gRPC message received or sent, 64KiB to 16MiB [default: 16MiB].
-    #[arg(long)]
-    max_message_size: Option<ByteSize>,
+    #[command(flatten)]
+    daemon: DaemonArgs,
+    /// State directory (key `dir`).
+    #[arg(long, value_name = "DIR")]
+    dir: Option<String>,
+    /// Cluster block size, a power of two from 4KiB to 64MiB (key `block_size`).
+    #[arg(long, value_name = "SIZE")]
+    block_size: Option<String>,
 }
 
 pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
-    let mut config: tern_metadata::Config = tern_common::config::load(args.config.as_deref())?;
-    override_with(&mut config.listen, args.listen);
-    override_with(&mut config.dir, args.dir);
-    override_with(&mut config.admin_listen, args.admin);
-    override_with(&mut config.block_size, args.block_size);
-    override_with(&mut config.heartbeat_interval_ms, args.heartbeat_interval_ms);
-    override_with(&mut config.server_timeout_ms, args.server_timeout_ms);
-    override_with(&mut config.default_lease_ms, args.default_lease_ms);
-    if args.tls_dir.is_some() {
-        config.tls_dir = args.tls_dir;
-    }
-    config.trusted_network |= args.trusted_network;
-    override_with(&mut config.snapshot_interval_ms, args.snapshot_interval_ms);
-    override_with(&mut config.snapshot_log_size, args.snapshot_log_size);
-    config.fsync &= !args.no_fsync;
-    override_with(&mut config.max_connections, args.max_connections);
-    override_with(&mut config.max_concurrent_streams, args.max_concurrent_streams);
-    override_with(&mut config.max_message_size, args.max_message_size);
+    let config: tern_metadata::Config =
+        args.daemon.load(&[("--dir", "dir", &args.dir), ("--block-size", "block_size", &args.block_size)])?;
     tern_metadata::run(config).await
 }
 
 #[derive(Args)]
 pub struct StorageArgs {
-    /// TOML config file (keys as in the README); flags override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Metadata server address [default: 127.0.0.1:9060].
-    #[arg(long)]
+    #[command(flatten)]
+    daemon: DaemonArgs,
+    /// Metadata server address (key `metadata`).
+    #[arg(long, value_name = "ADDR")]
     metadata: Option<String>,
-    /// Block-service listen address; port 0 picks a free port [default: 127.0.0.1:9070].
-    #[arg(long)]
-    listen: Option<SocketAddr>,
-    /// Address clients use to reach this server [default: the bound address].
-    #[arg(long)]
+    /// Address clients use to reach this server (key `advertise`).
+    #[arg(long, value_name = "ADDR")]
     advertise: Option<String>,
-    /// Size of the DRAM tier, e.g. 4GiB [default: 1GiB].
-    #[arg(long)]
-    dram: Option<ByteSize>,
-    /// Prometheus metrics endpoint [default: 127.0.0.1:9071].
-    #[arg(long)]
-    admin: Option<SocketAddr>,
-    /// Most client connections served at once, TCP and QUIC together [default: 1024].
-    #[arg(long)]
-    max_connections: Option<usize>,
-    /// Replies queued per connection before the server stops reading it (backpressure)
-    /// [default: 64].
-    #[arg(long)]
-    max_in_flight_per_connection: Option<usize>,
+    /// QUIC (UDP) listen address, with --tls-dir (key `quic_listen`).
+    #[arg(long, value_name = "ADDR")]
+    quic_listen: Option<String>,
+    /// Size of the DRAM tier, e.g. 4GiB (key `dram`).
+    #[arg(long, value_name = "SIZE")]
+    dram: Option<String>,
     /// NVMe tier: a file (created and preallocated if missing) or block device, opened with
-    /// O_DIRECT [default: none].
-    #[arg(long)]
-    nvme: Option<PathBuf>,
-    /// Bytes of the NVMe file or device to use, e.g. 100GiB; required for a new file
-    /// [default: the existing file's or device's size].
-    #[arg(long)]
-    nvme_size: Option<ByteSize>,
-    /// NVMe io engine: uring, psync, or auto (uring if it works here, else psync) [default: auto].
-    #[arg(long)]
-    io_engine: Option<tern_storage::config::IoEngineChoice>,
-    /// TLS material (`tern cert init`): also serve the block protocol over QUIC, and use TLS
-    /// to the metadata server unless its address says http:// [default: none].
-    #[arg(long)]
-    tls_dir: Option<PathBuf>,
-    /// QUIC (UDP) listen address [default: the block service's host and port].
-    #[arg(long)]
-    quic_listen: Option<SocketAddr>,
-    /// Allow the plain-TCP block service beyond loopback without TLS [default: false].
-    #[arg(long)]
-    trusted_network: bool,
+    /// O_DIRECT (key `nvme`).
+    #[arg(long, value_name = "PATH")]
+    nvme: Option<String>,
+    /// Bytes of the NVMe file or device to use, e.g. 100GiB; required for a new file (key `nvme_size`).
+    #[arg(long, value_name = "SIZE")]
+    nvme_size: Option<String>,
+    /// NVMe io engine: uring, psync, or auto (key `io_engine`).
+    #[arg(long, value_name = "ENGINE")]
+    io_engine: Option<String>,
 }
 
 pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
-    let mut config: tern_storage::Config = tern_common::config::load(args.config.as_deref())?;
-    override_with(&mut config.metadata, args.metadata);
-    override_with(&mut config.listen, args.listen);
-    if args.advertise.is_some() {
-        config.advertise = args.advertise;
-    }
-    override_with(&mut config.dram, args.dram);
-    override_with(&mut config.admin_listen, args.admin);
-    override_with(&mut config.max_connections, args.max_connections);
-    override_with(&mut config.max_in_flight_per_connection, args.max_in_flight_per_connection);
-    if args.nvme.is_some() {
-        config.nvme = args.nvme;
-    }
-    if args.nvme_size.is_some() {
-        config.nvme_size = args.nvme_size;
-    }
-    override_with(&mut config.io_engine, args.io_engine);
-    if args.tls_dir.is_some() {
-        config.tls_dir = args.tls_dir;
-    }
-    if args.quic_listen.is_some() {
-        config.quic_listen = args.quic_listen;
-    }
-    config.trusted_network |= args.trusted_network;
+    let config: tern_storage::Config = args.daemon.load(&[
+        ("--metadata", "metadata", &args.metadata),
+        ("--advertise", "advertise", &args.advertise),
+        ("--quic-listen", "quic_listen", &args.quic_listen),
+        ("--dram", "dram", &args.dram),
+        ("--nvme", "nvme", &args.nvme),
+        ("--nvme-size", "nvme_size", &args.nvme_size),
+        ("--io-engine", "io_engine", &args.io_engine),
+    ])?;
     tern_storage::run(config).await
 }
 
-fn override_with<T>(field: &mut T, flag: Option<T>) {
-    if let Some(value) = flag {
-        *field = value;
+#[derive(Args)]
+pub struct SchedulerArgs {
+    #[command(flatten)]
+    daemon: DaemonArgs,
+    /// Metadata server the jobs' shuffles live on (key `metadata`).
+    #[arg(long, value_name = "ADDR")]
+    metadata: Option<String>,
+}
+
+pub async fn run_scheduler(args: SchedulerArgs) -> anyhow::Result<()> {
+    let config: tern_scheduler::Config = args.daemon.load(&[("--metadata", "metadata", &args.metadata)])?;
+    tern_scheduler::server::run(config).await
+}
+
+/// README's tables of configuration keys hold each key's default as `Config::default()` has it,
+/// and list every key, so the two cannot drift apart.
+#[cfg(test)]
+mod readme_tables {
+    use serde::Serialize;
+    use tern_common::config::read_value;
+
+    const README: &str = include_str!("../README.md");
+
+    /// The rows (key cell, default cell) of the table under "### `tern <daemon>`" in the
+    /// Configuration section.
+    fn rows(daemon: &str) -> Vec<(String, String)> {
+        let section = README.split("\n## Configuration\n").nth(1).expect("README has a Configuration section");
+        let section = section.split("\n## ").next().unwrap();
+        let heading = format!("### `tern {daemon}`\n");
+        let table = section.split(&heading).nth(1).unwrap_or_else(|| panic!("README has no {heading}"));
+        let table = table.split("\n### ").next().unwrap();
+        table
+            .lines()
+            .skip_while(|line| !line.starts_with("| key |"))
+            .skip(2)
+            .take_while(|line| line.starts_with('|'))
+            .map(|line| {
+                // Cells are split at " | "; an escaped `\|` inside one has no spaces around it.
+                let cells: Vec<&str> = line.split(" | ").collect();
+                (cells[0].trim_start_matches("| ").trim_matches('`').to_string(), cells[1].to_string())
+            })
+            .collect()
+    }
+
+    /// The first code span of a cell: `1MiB` of "`1MiB`", `0` of "`0` (unlimited)"; none for
+    /// words ("none", "the bound address"), which document an unset optional key.
+    fn code(cell: &str) -> Option<&str> {
+        cell.strip_prefix('`').and_then(|rest| rest.split('`').next())
+    }
+
+    /// Checks `daemon`'s table against `T::default()`; `nested` gives the defaults of the values
+    /// of map keys documented as "[map.<name>] key".
+    fn check<T: Serialize + Default>(daemon: &str, nested: &[(&str, toml::Table)]) {
+        let defaults = toml::Table::try_from(T::default()).unwrap();
+        let rows = rows(daemon);
+        assert!(!rows.is_empty(), "README's `tern {daemon}` table has no rows");
+        let mut documented = Vec::new();
+        for (key, cell) in &rows {
+            let (table, name) = match key.strip_prefix('[').and_then(|k| k.split_once(".<name>] ")) {
+                Some((map, name)) => {
+                    let nested = nested.iter().find(|(m, _)| *m == map);
+                    let (_, table) = nested.unwrap_or_else(|| panic!("README documents {key} of {daemon}"));
+                    documented.push(map.to_string());
+                    (table, name)
+                }
+                None => {
+                    documented.push(key.clone());
+                    (&defaults, key.as_str())
+                }
+            };
+            let default = table.get(name);
+            match code(cell) {
+                Some(text) => {
+                    let want = default.unwrap_or_else(|| panic!("README: {daemon} has no key {key}"));
+                    assert_eq!(&read_value(text, Some(want)), want, "README: {daemon}'s {key} defaults to {cell}");
+                }
+                None => assert!(default.is_none(), "README: {daemon}'s {key} is {cell}, but defaults to {default:?}"),
+            }
+        }
+        for key in defaults.keys() {
+            assert!(documented.contains(key), "README's `tern {daemon}` table does not list `{key}`");
+        }
+    }
+
+    #[test]
+    fn readme_tables_hold_the_defaults() {
+        let tenant = toml::Table::try_from(tern_metadata::TenantQuota::default()).unwrap();
+        check::<tern_metadata::Config>("metadata-server", &[("tenants", tenant)]);
+        check::<tern_storage::Config>("storage-server", &[]);
+        check::<tern_scheduler::Config>("scheduler", &[]);
     }
 }

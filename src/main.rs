@@ -8,7 +8,6 @@ mod daemons;
 mod executor;
 mod fs;
 mod job;
-mod sched;
 mod show;
 mod spark_bench;
 mod status;

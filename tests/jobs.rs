@@ -59,8 +59,8 @@ async fn job_commands_submit_show_list_and_cancel() {
             &format!("127.0.0.1:{admin}"),
             "--metadata",
             &cluster.metadata_addr,
-            "--queue",
-            "batch=2",
+            "--set",
+            "queues.batch=2",
         ],
     ));
     let tern = |args: &[&str]| {

@@ -1,5 +1,6 @@
-//! What every Tern daemon and command shares, and nothing else: sizes with units, the typed TOML
-//! config loader, the Prometheus admin endpoint, logging and shutdown signals.
+//! What every Tern daemon and command shares, and nothing else: sizes with units, the layered
+//! config loader and the listen/admin/TLS block of every daemon's config, the Prometheus admin
+//! endpoint, logging and shutdown signals.
 
 pub mod admin;
 pub mod config;

@@ -1,64 +1,61 @@
 //! The metadata server's configuration: one typed struct, loaded from TOML by the `tern` binary.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
+use tern_common::config::Serve;
 use tern_common::ByteSize;
 
+/// Configuration of `tern metadata-server`. Read it with `tern_common::config::load`, which lays
+/// a file and settings over [`Config::default`], the one place the defaults are written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Address of the gRPC service (clients and storage servers). Default `127.0.0.1:9060`.
-    pub listen: SocketAddr,
+    /// `listen`: the gRPC service (clients and storage servers); `tls_dir`: serve it over mutual
+    /// TLS; `trusted_network`: allow plain gRPC beyond loopback without TLS.
+    #[serde(flatten)]
+    pub serve: Serve,
     /// Directory for the server's state, created if missing; a `LOCK` file there keeps two servers
-    /// from sharing it. Default `tern-data/metadata`.
+    /// from sharing it.
     pub dir: PathBuf,
-    /// Address of the admin endpoint (`/metrics`, `/health`). Default `127.0.0.1:9061`.
-    pub admin_listen: SocketAddr,
-    /// Cluster block size: a power of two from 4KiB to 64MiB. Default `1MiB`.
+    /// Cluster block size: a power of two from 4KiB to 64MiB.
     pub block_size: ByteSize,
-    /// How often storage servers heartbeat, told to them at registration. Default `1000`.
+    /// How often storage servers heartbeat, told to them at registration.
     pub heartbeat_interval_ms: u64,
-    /// A storage server silent for this long is declared dead and its blocks lost. Default `5000`.
+    /// A storage server silent for this long is declared dead and its blocks lost.
     pub server_timeout_ms: u64,
-    /// Lease of a job registered without one. Default `30000`.
+    /// Lease of a job registered without one.
     pub default_lease_ms: u64,
-    /// Longest lease a job may hold; longer requests are clamped. Default `3600000` (one hour).
+    /// Longest lease a job may hold; longer requests are clamped.
     pub max_lease_ms: u64,
-    /// Most entries one List call returns. Default `10000`.
+    /// Most entries one List call returns.
     pub max_list_entries: u32,
-    /// Most jobs registered at once. Default `10000`.
+    /// Most jobs registered at once.
     pub max_jobs: u32,
-    /// Most files and directories in the namespace. Default `10000000`.
+    /// Most files and directories in the namespace.
     pub max_entries: u64,
-    /// Directory of TLS material (`tern cert init`): serve gRPC over mutual TLS with it.
-    /// Default: none (plain gRPC, which only loopback or a trusted network accepts).
-    pub tls_dir: Option<PathBuf>,
-    /// Allow plain gRPC on a non-loopback address without TLS. Default `false`.
-    pub trusted_network: bool,
     /// Sync the write-ahead log before acknowledging a change. Turning it off keeps the log but
     /// lets a crash of the machine (not just of the process) lose acknowledged changes; for
-    /// throwaway clusters only. Default `true`.
+    /// throwaway clusters only.
     pub fsync: bool,
-    /// Snapshot the state (and cut the log) this often when the log has grown. Default `60000`.
+    /// Snapshot the state (and cut the log) this often when the log has grown.
     pub snapshot_interval_ms: u64,
-    /// Snapshot as soon as the log has grown by this much. Default `64MiB`.
+    /// Snapshot as soon as the log has grown by this much.
     pub snapshot_log_size: ByteSize,
     /// Most open gRPC connections (clients and storage servers together); further ones are
-    /// closed as they arrive, logged. Default `4096`.
+    /// closed as they arrive, logged.
     pub max_connections: u32,
     /// Most RPCs in flight on one gRPC connection (HTTP/2 concurrent streams); the client's
-    /// HTTP/2 layer queues the rest. Default `1024`.
+    /// HTTP/2 layer queues the rest.
     pub max_concurrent_streams: u32,
     /// Largest gRPC message received or sent, 64KiB to 16MiB; larger ones are refused with a
     /// status (a List or Locate reply that would be larger fails, so keep it above their
-    /// pages). Default `16MiB`.
+    /// pages).
     pub max_message_size: ByteSize,
-    /// Quotas per tenant, `[tenants.<name>]` tables; a tenant not listed is unlimited. Default: none.
+    /// Quotas per tenant, `[tenants.<name>]` tables; a tenant not listed is unlimited.
     pub tenants: BTreeMap<String, TenantQuota>,
 }
 
@@ -77,9 +74,8 @@ pub struct TenantQuota {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            listen: SocketAddr::from(([127, 0, 0, 1], 9060)),
+            serve: Serve::on_loopback(9060, 9061),
             dir: PathBuf::from("tern-data/metadata"),
-            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9061)),
             block_size: ByteSize(u64::from(tern_proto::DEFAULT_BLOCK_SIZE)),
             heartbeat_interval_ms: 1000,
             server_timeout_ms: 5000,
@@ -88,8 +84,6 @@ impl Default for Config {
             max_list_entries: 10_000,
             max_jobs: 10_000,
             max_entries: 10_000_000,
-            tls_dir: None,
-            trusted_network: false,
             fsync: true,
             snapshot_interval_ms: 60_000,
             snapshot_log_size: ByteSize(64 << 20),
@@ -150,15 +144,7 @@ impl Config {
         for name in self.tenants.keys() {
             crate::jobs::validate_tenant(name).map_err(|r| anyhow::anyhow!("[tenants.{name}]: {}", r.reason))?;
         }
-        tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
-        // The admin endpoint is plain HTTP whatever the TLS material.
-        tern_transport::check_listen(
-            "the admin endpoint (plain HTTP)",
-            self.admin_listen,
-            false,
-            self.trusted_network,
-        )?;
-        Ok(())
+        self.serve.check("gRPC", true)
     }
 
     /// The block size in bytes; fits in u32 once validated.
@@ -182,6 +168,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tern_common::config::from_toml;
 
     #[test]
     fn defaults_are_valid_and_print_back() {
@@ -191,21 +178,21 @@ mod tests {
         assert!(text.contains("block_size = \"1MiB\""), "{text}");
         let parsed: Config = toml::from_str(&text).unwrap();
         assert_eq!(parsed, config);
-        let partial: Config = toml::from_str("block_size = \"4MiB\"").unwrap();
+        let partial: Config = from_toml("block_size = \"4MiB\"").unwrap();
         assert_eq!(partial.block_size, ByteSize::mib(4));
-        assert!(toml::from_str::<Config>("blok_size = 1").is_err());
-        let quotas: Config = toml::from_str("[tenants.etl]\nmax_jobs = 2\ndram_bytes = \"1GiB\"").unwrap();
+        assert!(from_toml::<Config>("blok_size = 1").is_err());
+        let quotas: Config = from_toml("[tenants.etl]\nmax_jobs = 2\ndram_bytes = \"1GiB\"").unwrap();
         let etl = quotas.tenants["etl"];
         assert_eq!((etl.max_jobs, etl.dram_bytes, etl.nvme_bytes), (2, ByteSize::gib(1), ByteSize(0)));
         quotas.validate().unwrap();
-        assert!(toml::from_str::<Config>("[tenants.etl]\nmax_job = 2").is_err());
+        assert!(from_toml::<Config>("[tenants.etl]\nmax_job = 2").is_err());
     }
 
     #[test]
     fn refuses_bad_values() {
         type Case = (fn(&mut Config), &'static str);
         let cases: [Case; 11] = [
-            (|c| c.listen = "0.0.0.0:9060".parse().unwrap(), "tern cert init --dir DIR"),
+            (|c| c.serve.listen = "0.0.0.0:9060".parse().unwrap(), "tern cert init --dir DIR"),
             (|c| c.block_size = ByteSize(3 << 20), "power of two"),
             (|c| c.block_size = ByteSize::kib(2), "power of two"),
             (|c| c.block_size = ByteSize::mib(128), "power of two"),
@@ -215,7 +202,7 @@ mod tests {
             (|c| c.max_connections = 0, "max_connections"),
             (|c| c.max_message_size = ByteSize::kib(1), "max_message_size"),
             (|c| c.max_message_size = ByteSize::mib(17), "max_message_size"),
-            (|c| c.admin_listen = "0.0.0.0:9061".parse().unwrap(), "admin endpoint"),
+            (|c| c.serve.admin_listen = "0.0.0.0:9061".parse().unwrap(), "admin endpoint"),
         ];
         for (break_it, expected) in cases {
             let mut config = Config::default();

@@ -39,7 +39,7 @@ pub struct MetadataServer {
 pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     config.validate().context("invalid metadata server configuration")?;
     let mut grpc = tonic::transport::Server::builder();
-    if let Some(dir) = &config.tls_dir {
+    if let Some(dir) = &config.serve.tls_dir {
         let tls = tern_transport::tls::TlsMaterial::load(dir)?;
         grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
     }
@@ -61,11 +61,11 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         refused,
     };
     grpc = grpc.max_concurrent_streams(config.max_concurrent_streams);
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let listener = tokio::net::TcpListener::bind(config.serve.listen)
         .await
-        .with_context(|| format!("binding metadata server to {}", config.listen))?;
+        .with_context(|| format!("binding metadata server to {}", config.serve.listen))?;
     let addr = listener.local_addr()?;
-    let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
+    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
     let (stop, stopped) = watch::channel(false);
     let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
@@ -87,7 +87,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tern_common::config::log_effective("metadata server", &config);
     let shutdown = tern_common::shutdown_signal();
     let server = start(config.clone()).await?;
-    let tls = match &config.tls_dir {
+    let tls = match &config.serve.tls_dir {
         Some(dir) => format!("mutual TLS from {}", dir.display()),
         None => "plain TCP".to_string(),
     };
@@ -251,6 +251,7 @@ async fn snapshot_loop(
 
 #[cfg(test)]
 mod tests {
+    use tern_common::config::Serve;
     use tern_proto::v1::metadata_client::MetadataClient;
     use tern_proto::v1::registry_client::RegistryClient;
     use tern_proto::v1::*;
@@ -276,10 +277,8 @@ mod tests {
         tls::init(&ours, &tls::InitOptions::default()).unwrap();
         tls::init(&theirs, &tls::InitOptions::default()).unwrap();
         let config = Config {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            admin_listen: "127.0.0.1:0".parse().unwrap(),
+            serve: Serve { tls_dir: Some(ours.clone()), ..Serve::on_loopback(0, 0) },
             dir: temp.path().join("meta"),
-            tls_dir: Some(ours.clone()),
             ..Config::default()
         };
         let server = start(config).await.unwrap();
@@ -327,12 +326,7 @@ mod tests {
     #[tokio::test]
     async fn serves_clients_and_storage_servers_over_grpc() {
         let temp = tempfile::tempdir().unwrap();
-        let config = Config {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            admin_listen: "127.0.0.1:0".parse().unwrap(),
-            dir: temp.path().join("meta"),
-            ..Config::default()
-        };
+        let config = Config { serve: Serve::on_loopback(0, 0), dir: temp.path().join("meta"), ..Config::default() };
         let server = start(config.clone()).await.unwrap();
         let err = format!("{:#}", start(config.clone()).await.unwrap_err());
         assert!(err.contains("in use by another metadata server"), "{err}");

@@ -201,8 +201,7 @@ fn random_request_sequences_are_validated_and_replay() {
 async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let config = tern_metadata::Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        serve: tern_common::config::Serve::on_loopback(0, 0),
         dir: dir.path().join("metadata"),
         fsync: false,
         ..Default::default()
@@ -262,8 +261,7 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
 async fn connections_past_the_limit_are_closed_and_the_server_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let config = tern_metadata::Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        serve: tern_common::config::Serve::on_loopback(0, 0),
         dir: dir.path().join("metadata"),
         fsync: false,
         max_connections: 2,

@@ -1,74 +1,66 @@
 //! The scheduler's configuration: one typed struct, loaded from TOML by the `tern` binary.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
+use tern_common::config::Serve;
 
+/// Configuration of `tern scheduler`. Read it with `tern_common::config::load`, which lays a file
+/// and settings over [`Config::default`], the one place the defaults are written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Address of the gRPC service (jobs and executors). Default `127.0.0.1:9062` (`tern up`: its port + 2).
-    pub listen: SocketAddr,
-    /// Address of the admin endpoint (`/metrics`, `/health`). Default `127.0.0.1:9063`.
-    pub admin_listen: SocketAddr,
-    /// The metadata server the scheduler's jobs use (told to executors). Default `127.0.0.1:9060`.
+    /// `listen`: the gRPC service (jobs and executors; `tern up` puts it at its port + 2);
+    /// `tls_dir`: serve gRPC over mutual TLS, and use it towards the metadata server;
+    /// `trusted_network`: allow plain gRPC on a non-loopback address without TLS.
+    #[serde(flatten)]
+    pub serve: Serve,
+    /// The metadata server the scheduler's jobs use (told to executors).
     pub metadata: String,
-    /// Directory of TLS material: serve gRPC over mutual TLS with it, and use it towards the
-    /// metadata server. Default: none.
-    pub tls_dir: Option<PathBuf>,
-    /// Allow plain gRPC on a non-loopback address without TLS. Default `false`.
-    pub trusted_network: bool,
     /// Queue weights by name; queues not listed get `default_queue_weight`.
-    /// Default `{ default = 1 }`.
     pub queues: BTreeMap<String, u32>,
-    /// Weight of a queue not listed in `queues`. Default `1`.
+    /// Weight of a queue not listed in `queues`.
     pub default_queue_weight: u32,
-    /// How often executors heartbeat. Default `1000`.
+    /// How often executors heartbeat.
     pub heartbeat_interval_ms: u64,
-    /// An executor silent this long is lost; its running tasks run again elsewhere. Default `5000`.
+    /// An executor silent this long is lost; its running tasks run again elsewhere.
     pub executor_timeout_ms: u64,
-    /// Longest a poll is held waiting for work. Default `1000`.
+    /// Longest a poll is held waiting for work.
     pub max_poll_wait_ms: u64,
-    /// Most assignments one poll returns and most results it carries. Default `1024`.
+    /// Most assignments one poll returns and most results it carries.
     pub max_batch: u32,
-    /// Most executors registered at once. Default `1024`.
+    /// Most executors registered at once.
     pub max_executors: u32,
-    /// Most tasks running on one executor at once, whatever its resources. Default `4096`.
+    /// Most tasks running on one executor at once, whatever its resources.
     pub max_tasks_per_executor: u32,
-    /// Most jobs kept (finished ones are forgotten oldest first beyond `max_finished_jobs`).
-    /// Default `1000` unfinished.
+    /// Most unfinished jobs (finished ones are forgotten oldest first beyond `max_finished_jobs`).
     pub max_jobs: u32,
-    /// Finished jobs kept for `tern job status`. Default `1000`.
+    /// Finished jobs kept for `tern job status`.
     pub max_finished_jobs: u32,
-    /// Most tasks of one stage. Default `100000`.
+    /// Most tasks of one stage.
     pub max_tasks_per_stage: u32,
-    /// Most tasks of all unfinished jobs together. Default `1000000`.
+    /// Most tasks of all unfinished jobs together.
     pub max_queued_tasks: u64,
-    /// Attempts per task when a stage gives none. Default `4`.
+    /// Attempts per task when a stage gives none.
     pub default_max_attempts: u32,
-    /// First retry delay when a stage gives none, doubled per retry. Default `200`.
+    /// First retry delay when a stage gives none, doubled per retry.
     pub default_backoff_ms: u64,
-    /// Longest retry delay. Default `30000`.
+    /// Longest retry delay.
     pub max_backoff_ms: u64,
-    /// Lease of each job's Tern job on the metadata server (renewed at a third). Default `30000`.
+    /// Lease of each job's Tern job on the metadata server (renewed at a third).
     pub tern_job_lease_ms: u64,
     /// How long a task with a locality hint waits for an executor on its host before it takes
-    /// any. Default `50`.
+    /// any.
     pub locality_wait_ms: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
         Config {
-            listen: SocketAddr::from(([127, 0, 0, 1], 9062)),
-            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9063)),
+            serve: Serve::on_loopback(9062, 9063),
             metadata: "127.0.0.1:9060".into(),
-            tls_dir: None,
-            trusted_network: false,
             queues: BTreeMap::from([("default".to_string(), 1)]),
             default_queue_weight: 1,
             heartbeat_interval_ms: 1000,
@@ -127,15 +119,7 @@ impl Config {
         if self.default_backoff_ms > self.max_backoff_ms {
             bail!("default_backoff_ms = {} is above max_backoff_ms = {}", self.default_backoff_ms, self.max_backoff_ms);
         }
-        tern_transport::check_listen("gRPC", self.listen, self.tls_dir.is_some(), self.trusted_network)?;
-        // The admin endpoint is plain HTTP whatever the TLS material.
-        tern_transport::check_listen(
-            "the admin endpoint (plain HTTP)",
-            self.admin_listen,
-            false,
-            self.trusted_network,
-        )?;
-        Ok(())
+        self.serve.check("gRPC", true)
     }
 
     pub fn heartbeat_interval(&self) -> Duration {

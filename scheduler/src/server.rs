@@ -51,17 +51,17 @@ pub struct SchedulerServer {
 pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
     config.validate().context("invalid scheduler configuration")?;
     let mut grpc = tonic::transport::Server::builder();
-    if let Some(dir) = &config.tls_dir {
+    if let Some(dir) = &config.serve.tls_dir {
         let tls = tern_transport::tls::TlsMaterial::load(dir)?;
         grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let listener = tokio::net::TcpListener::bind(config.serve.listen)
         .await
-        .with_context(|| format!("binding scheduler to {}", config.listen))?;
+        .with_context(|| format!("binding scheduler to {}", config.serve.listen))?;
     let addr = listener.local_addr()?;
-    let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
+    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
     let (stop, stopped) = watch::channel(false);
     let shared = Arc::new(Shared::new(config, metrics));
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
@@ -215,7 +215,7 @@ impl Shared {
         self.tern
             .get_or_try_init(|| async {
                 let options = tern_client::ClientOptions {
-                    tls_dir: self.config.tls_dir.clone(),
+                    tls_dir: self.config.serve.tls_dir.clone(),
                     ..tern_client::ClientOptions::default()
                 };
                 tern_client::Client::connect_with(&self.config.metadata, options).await

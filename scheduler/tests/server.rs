@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use tern_common::config::Serve;
 use tern_proto::sched as pb;
 use tern_scheduler::{server, spec, Config, SchedulerClient};
 
@@ -19,8 +20,7 @@ struct Cluster {
 async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     let dir = tempfile::tempdir().unwrap();
     let metadata = tern_metadata::start(tern_metadata::Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        serve: Serve::on_loopback(0, 0),
         dir: dir.path().join("metadata"),
         heartbeat_interval_ms: 100,
         server_timeout_ms: 2000,
@@ -31,8 +31,7 @@ async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     let metadata_addr = metadata.addr().to_string();
     let storage = tern_storage::start(tern_storage::Config {
         metadata: metadata_addr.clone(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        serve: Serve::on_loopback(0, 0),
         dram: tern_common::ByteSize::mib(64),
         huge_pages: false,
         prefault: false,
@@ -40,12 +39,7 @@ async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     })
     .await
     .unwrap();
-    let mut config = Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
-        metadata: metadata_addr.clone(),
-        ..Config::default()
-    };
+    let mut config = Config { serve: Serve::on_loopback(0, 0), metadata: metadata_addr.clone(), ..Config::default() };
     tune(&mut config);
     let scheduler = server::start(config).await.unwrap();
     let client = SchedulerClient::connect(&scheduler.addr().to_string(), None).await.unwrap();

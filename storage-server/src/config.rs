@@ -5,66 +5,62 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use serde::{Deserialize, Serialize};
+use tern_common::config::Serve;
 use tern_common::ByteSize;
 
 pub use crate::nvme::engine::IoEngineChoice;
 
-/// Configuration of `tern storage-server`.
+/// Configuration of `tern storage-server`. Read it with `tern_common::config::load`, which lays a
+/// file and settings over [`Config::default`], the one place the defaults are written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(deny_unknown_fields)]
 pub struct Config {
-    /// host:port of the metadata server's gRPC endpoint. Default `127.0.0.1:9060`.
+    /// `listen`: the block service over plain TCP; `tls_dir`: also serve the block protocol over
+    /// QUIC (mutual TLS), and talk TLS to a metadata server given as `https://` or as a bare
+    /// host:port; `trusted_network`: allow the plain-TCP block service on a non-loopback address,
+    /// TLS material or not (TCP frames are never encrypted; beyond loopback, remote clients
+    /// otherwise use QUIC).
+    #[serde(flatten)]
+    pub serve: Serve,
+    /// host:port of the metadata server's gRPC endpoint.
     pub metadata: String,
-    /// Address the block service listens on (port 0 picks a free port). Default `127.0.0.1:9070`.
-    pub listen: SocketAddr,
     /// host:port registered with the metadata server for clients to reach the block service.
-    /// Default: none, meaning the bound address (which must then not be a wildcard like 0.0.0.0).
+    /// Unset: the bound address (which must then not be a wildcard like 0.0.0.0).
     pub advertise: Option<String>,
-    /// Size of the DRAM tier arena, cut into blocks of the cluster's block size. Default `1GiB`.
+    /// Size of the DRAM tier arena, cut into blocks of the cluster's block size.
     pub dram: ByteSize,
-    /// Address of the admin endpoint (`/metrics`, `/health`; port 0 picks a free port).
-    /// Default `127.0.0.1:9071`.
-    pub admin_listen: SocketAddr,
-    /// Most open block-service connections; further ones are told so and closed. Default `1024`.
+    /// Most open block-service connections; further ones are told so and closed.
     pub max_connections: usize,
     /// Most replies queued per connection; past it the server stops reading that connection's
-    /// requests until the client reads replies (backpressure). Default `64`.
+    /// requests until the client reads replies (backpressure).
     pub max_in_flight_per_connection: usize,
-    /// Ask for transparent huge pages on the arena (madvise MADV_HUGEPAGE). Default `true`.
+    /// Ask for transparent huge pages on the arena (madvise MADV_HUGEPAGE).
     pub huge_pages: bool,
     /// Fault the whole arena in at start-up (MAP_POPULATE), so the first writes do not pay for
-    /// page faults and a machine without the memory fails at once. Default `true`.
+    /// page faults and a machine without the memory fails at once.
     pub prefault: bool,
     /// The NVMe tier: a file (created if missing and preallocated to `nvme_size`) or a block
     /// device, opened with O_DIRECT. It must be on a filesystem that takes O_DIRECT (not tmpfs).
-    /// Default: none (no NVMe tier).
+    /// Unset: no NVMe tier.
     pub nvme: Option<PathBuf>,
-    /// Bytes of `nvme` to use. Required for a new or empty file; for an existing file its size,
-    /// for a block device the device size. Default: none.
+    /// Bytes of `nvme` to use. Required for a new or empty file; unset: for an existing file its
+    /// size, for a block device the device size.
     pub nvme_size: Option<ByteSize>,
     /// The NVMe tier's io engine: `uring`, `psync` or `auto` (io_uring if a probe at start-up
-    /// works, else psync, logged at warn with the reason). Default `auto`.
+    /// works, else psync, logged at warn with the reason).
     pub io_engine: IoEngineChoice,
-    /// Directory of TLS material (`tern cert init`). With it the server also serves the block
-    /// protocol over QUIC (mutual TLS), and talks TLS to a metadata server given as `https://` or
-    /// as a bare host:port. Default: none (TCP only).
-    pub tls_dir: Option<PathBuf>,
-    /// Address of the QUIC (UDP) block service, used when `tls_dir` is set. Default: none,
-    /// meaning the block service's host and port number (the bound one when `listen` has port 0).
+    /// Address of the QUIC (UDP) block service, used when `tls_dir` is set. Unset: the block
+    /// service's host and port number (the bound one when `listen` has port 0).
     pub quic_listen: Option<SocketAddr>,
-    /// Allow the plain-TCP block service on a non-loopback address, TLS material or not (TCP
-    /// frames are never encrypted). Default `false`: beyond loopback, remote clients use QUIC.
-    pub trusted_network: bool,
 }
 
 impl Default for Config {
     fn default() -> Config {
         Config {
+            serve: Serve::on_loopback(9070, 9071),
             metadata: "127.0.0.1:9060".to_string(),
-            listen: SocketAddr::from(([127, 0, 0, 1], 9070)),
             advertise: None,
             dram: ByteSize::gib(1),
-            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9071)),
             max_connections: 1024,
             max_in_flight_per_connection: 64,
             huge_pages: true,
@@ -72,9 +68,7 @@ impl Default for Config {
             nvme: None,
             nvme_size: None,
             io_engine: IoEngineChoice::Auto,
-            tls_dir: None,
             quic_listen: None,
-            trusted_network: false,
         }
     }
 }
@@ -108,33 +102,21 @@ impl Config {
                 bail!("advertise: empty address (expected host:port, or leave it unset)");
             }
         }
-        if self.quic_listen.is_some() && self.tls_dir.is_none() {
+        let serve = &self.serve;
+        if self.quic_listen.is_some() && serve.tls_dir.is_none() {
             bail!("quic_listen is set but tls_dir is not: QUIC needs TLS material (`tern cert init --dir DIR`, then `--tls-dir DIR`)");
         }
         // The TCP block service is never encrypted, TLS material or not: beyond loopback only on
         // a network the operator declares trusted. Remote clients otherwise come over QUIC.
-        if self.tls_dir.is_some() && !self.listen.ip().is_loopback() && !self.trusted_network {
+        if serve.tls_dir.is_some() && !serve.listen.ip().is_loopback() && !serve.trusted_network {
             bail!(
                 "refusing to serve the block service over plain TCP on {}: TCP frames are not encrypted, so \
                  beyond loopback they need `--trusted-network`. Otherwise keep `listen` on loopback and let \
                  remote clients use QUIC (`--quic-listen 0.0.0.0:PORT`, with `--tls-dir`)",
-                self.listen
+                serve.listen
             );
         }
-        tern_transport::check_listen(
-            "the block service over plain TCP",
-            self.listen,
-            self.tls_dir.is_some(),
-            self.trusted_network,
-        )?;
-        // The admin endpoint is plain HTTP whatever the TLS material.
-        tern_transport::check_listen(
-            "the admin endpoint (plain HTTP)",
-            self.admin_listen,
-            false,
-            self.trusted_network,
-        )?;
-        Ok(())
+        serve.check("the block service over plain TCP", false)
     }
 
     /// Where QUIC listens once TCP is bound to `tcp`: `quic_listen`, else TCP's address and port.
@@ -175,21 +157,22 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tern_common::config::from_toml;
 
     #[test]
     fn defaults_round_trip_through_toml() {
         let text = toml::to_string(&Config::default()).unwrap();
         let back: Config = toml::from_str(&text).unwrap();
         assert_eq!(back, Config::default());
-        let partial: Config = toml::from_str("dram = \"64MiB\"\nlisten = \"127.0.0.1:0\"\n").unwrap();
+        let partial: Config = from_toml("dram = \"64MiB\"\nlisten = \"127.0.0.1:0\"\n").unwrap();
         assert_eq!(partial.dram, ByteSize::mib(64));
         assert_eq!(partial.max_connections, 1024);
-        assert!(toml::from_str::<Config>("dramm = 1\n").is_err());
+        assert!(from_toml::<Config>("dramm = 1\n").is_err());
         let nvme: Config =
-            toml::from_str("nvme = \"/data/tern.nvme\"\nnvme_size = \"8GiB\"\nio_engine = \"psync\"\n").unwrap();
+            from_toml("nvme = \"/data/tern.nvme\"\nnvme_size = \"8GiB\"\nio_engine = \"psync\"\n").unwrap();
         assert_eq!(nvme.nvme.as_deref(), Some(std::path::Path::new("/data/tern.nvme")));
         assert_eq!((nvme.nvme_size, nvme.io_engine), (Some(ByteSize::gib(8)), IoEngineChoice::Psync));
-        assert!(toml::from_str::<Config>("io_engine = \"spdk\"\n").is_err());
+        assert!(from_toml::<Config>("io_engine = \"spdk\"\n").is_err());
     }
 
     #[test]
@@ -218,16 +201,21 @@ mod tests {
 
     #[test]
     fn plain_tcp_beyond_loopback_needs_a_trusted_network() {
-        let wide = Config { listen: "0.0.0.0:9070".parse().unwrap(), ..Config::default() };
+        let wide_serve = Serve { listen: "0.0.0.0:9070".parse().unwrap(), ..Config::default().serve };
+        let wide = Config { serve: wide_serve.clone(), ..Config::default() };
         let err = wide.validate().unwrap_err().to_string();
         assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
-        assert!(Config { trusted_network: true, ..wide.clone() }.validate().is_ok());
-        let tls = Config { tls_dir: Some("/etc/tern/tls".into()), ..wide };
+        let trusted = Serve { trusted_network: true, ..wide_serve.clone() };
+        assert!(Config { serve: trusted, ..Config::default() }.validate().is_ok());
+        let tls_serve = Serve { tls_dir: Some("/etc/tern/tls".into()), ..wide_serve };
+        let tls = Config { serve: tls_serve.clone(), ..Config::default() };
         let err = tls.validate().unwrap_err().to_string();
         assert!(err.contains("--trusted-network") && err.contains("--quic-listen"), "{err}");
-        assert!(Config { trusted_network: true, ..tls.clone() }.validate().is_ok());
+        let trusted = Serve { trusted_network: true, ..tls_serve };
+        assert!(Config { serve: trusted, ..Config::default() }.validate().is_ok());
         let quic_only_remote = Config { quic_listen: Some("0.0.0.0:9070".parse().unwrap()), ..Config::default() };
-        assert!(Config { tls_dir: tls.tls_dir, ..quic_only_remote }.validate().is_ok());
+        let local_tls = Serve { tls_dir: tls.serve.tls_dir.clone(), ..Config::default().serve };
+        assert!(Config { serve: local_tls, ..quic_only_remote }.validate().is_ok());
     }
 
     #[test]

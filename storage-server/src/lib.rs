@@ -129,10 +129,10 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         None => None,
     };
 
-    let tls = config.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
-    let listener = TcpListener::bind(config.listen)
+    let tls = config.serve.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
+    let listener = TcpListener::bind(config.serve.listen)
         .await
-        .with_context(|| format!("binding the block service to {}", config.listen))?;
+        .with_context(|| format!("binding the block service to {}", config.serve.listen))?;
     let addr = listener.local_addr()?;
     let address = config.advertised_address(addr)?;
     let mut listeners: Vec<Box<dyn tern_transport::Listener>> = vec![Box::new(listener)];
@@ -153,7 +153,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let admin_addr = tern_common::admin::serve(config.admin_listen, registry).await?;
+    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
 
     let mut client = heartbeat::connect(&config.metadata, tls.as_ref())?;
     let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use tern_common::config::Serve;
 use tern_common::ByteSize;
 use tern_proto::frame::{self, Frame, Op, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
@@ -101,8 +102,7 @@ async fn serve_registry(listener: TcpListener) -> FakeRegistry {
 fn config(metadata: SocketAddr) -> Config {
     Config {
         metadata: metadata.to_string(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        serve: Serve::on_loopback(0, 0),
         dram: ByteSize::mib(1),
         ..Config::default()
     }
@@ -270,12 +270,13 @@ async fn registers_heartbeats_frees_and_reregisters() {
 async fn start_refuses_what_cannot_work() {
     // Plain TCP beyond loopback needs TLS material or a trusted network.
     let unused: SocketAddr = "127.0.0.1:9".parse().unwrap();
-    let wildcard = Config { listen: "0.0.0.0:0".parse().unwrap(), ..config(unused) };
+    let wide = Serve { listen: "0.0.0.0:0".parse().unwrap(), ..Serve::on_loopback(0, 0) };
+    let wildcard = Config { serve: wide.clone(), ..config(unused) };
     let err = start(wildcard.clone()).await.err().unwrap().to_string();
     assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
 
     // A wildcard listen address cannot be registered for clients.
-    let wildcard = Config { trusted_network: true, ..wildcard };
+    let wildcard = Config { serve: Serve { trusted_network: true, ..wide }, ..wildcard };
     let err = start(wildcard).await.err().unwrap().to_string();
     assert!(err.contains("advertise"), "{err}");
 

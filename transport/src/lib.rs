@@ -10,7 +10,8 @@
 //! implemented for plain TCP ([`tcp`]) and for QUIC with mutual TLS ([`quic`]: one bidirectional
 //! stream per block connection, spread over several endpoints so more than one core carries
 //! traffic). [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
-//! [`check_listen`] is the rule that keeps plain TCP on loopback unless a network is trusted.
+//! (The rule that keeps plain TCP on loopback unless a network is trusted is daemon config:
+//! `tern_common::config::check_listen`.)
 
 pub mod quic;
 pub mod tcp;
@@ -104,37 +105,9 @@ impl FromStr for TransportKind {
     }
 }
 
-/// The trusted-network rule, checked by every daemon before it binds: plain TCP (block service or
-/// gRPC) is fine on loopback; beyond it the daemon needs TLS material, or an explicit
-/// `--trusted-network` saying the network itself is private.
-pub fn check_listen(what: &str, addr: SocketAddr, has_tls: bool, trusted_network: bool) -> anyhow::Result<()> {
-    if addr.ip().is_loopback() || has_tls || trusted_network {
-        return Ok(());
-    }
-    anyhow::bail!(
-        "refusing to serve {what} on {addr} without TLS: beyond loopback Tern needs TLS material. \
-         Create it with `tern cert init --dir DIR` (copy DIR to every node), then start with \
-         `--tls-dir DIR`; or pass `--trusted-network` if this network is private and plain TCP is acceptable"
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn plain_tcp_only_on_loopback_unless_trusted_or_tls() {
-        let loopback: SocketAddr = "127.0.0.1:9070".parse().unwrap();
-        let any: SocketAddr = "0.0.0.0:9070".parse().unwrap();
-        assert!(check_listen("the block service", loopback, false, false).is_ok());
-        assert!(check_listen("the block service", "[::1]:1".parse().unwrap(), false, false).is_ok());
-        let err = check_listen("the block service", any, false, false).unwrap_err().to_string();
-        assert!(
-            err.contains("tern cert init --dir DIR") && err.contains("--tls-dir") && err.contains("--trusted-network")
-        );
-        assert!(check_listen("the block service", any, true, false).is_ok());
-        assert!(check_listen("the block service", any, false, true).is_ok());
-    }
 
     #[test]
     fn transport_kinds_parse() {
