@@ -1,11 +1,13 @@
 //! What every Tern daemon and command shares, and nothing else: sizes with units, the typed TOML
-//! config loader, the Prometheus admin endpoint, logging and shutdown signals.
+//! config loader, the Prometheus admin endpoint, retry backoff, logging and shutdown signals.
 
 pub mod admin;
+pub mod backoff;
 pub mod config;
 pub mod rng;
 pub mod size;
 
+pub use backoff::Backoff;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
 

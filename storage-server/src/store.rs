@@ -29,7 +29,7 @@ use crate::nvme::NvmeStore;
 use crate::shuffle::{FetchPage, SegmentId, ShuffleError, Shuffles};
 
 /// The tier's name in registrations, heartbeats and metrics.
-pub const DRAM_TIER: &str = "dram";
+pub const DRAM_TIER: &str = tern_proto::Tier::Dram.name();
 
 /// Why a block operation was refused. Messages name the op, block, range and limit involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -33,7 +33,7 @@ use aligned::{round_down, round_up, AlignedBuf, AlignedSlice};
 use engine::IoEngine;
 
 /// The tier's name in registrations, heartbeats and metrics.
-pub const NVME_TIER: &str = "nvme";
+pub const NVME_TIER: &str = tern_proto::Tier::Nvme.name();
 
 struct Slots {
     free: Mutex<Vec<usize>>,
