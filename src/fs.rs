@@ -188,6 +188,7 @@ fn local_len(local: &Path) -> Option<u64> {
 }
 
 /// The whole of a regular local file, memory-mapped; `None` for stdin, pipes and empty files.
+#[allow(unsafe_code)] // a memory map is unsafe to make: another process may truncate the file
 fn map_local(local: &Path) -> anyhow::Result<Option<Bytes>> {
     if local == Path::new("-") || local_len(local).unwrap_or(0) == 0 {
         return Ok(None);

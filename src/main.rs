@@ -12,6 +12,8 @@ mod show;
 mod spark_bench;
 mod status;
 mod terasort;
+// prctl(2) and kill(2) on the daemons `tern up` starts.
+#[allow(unsafe_code)]
 mod up;
 
 use clap::Parser;

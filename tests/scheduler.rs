@@ -6,6 +6,9 @@
 //! - a command task sees its environment; a command task killed for memory is retried with twice
 //!   the memory.
 
+// kill(2): signals to the `tern up` under test.
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::process::{Child, Command, Stdio};

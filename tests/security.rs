@@ -76,7 +76,7 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
-            shuffle_id: shuffle_b.id(),
+            shuffle_id: shuffle_b.id().get(),
             end_partition: 2,
             end_map: 1,
             ..Default::default()
@@ -108,12 +108,14 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     push.extend_from_slice(b"evil");
     let push = push.freeze();
     let message = raw
-        .denied("push", |id| Frame::push(id, shuffle_b.id(), 1, segment.index, push).authorized(1, shuffle_grant))
+        .denied("push", |id| Frame::push(id, shuffle_b.id().get(), 1, segment.index, push).authorized(1, shuffle_grant))
         .await;
     assert!(message.contains(&format!("shuffle {}", shuffle_b.id())), "{message}");
     let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
-    raw.denied("fetch", |id| Frame::fetch(id, shuffle_b.id(), 1, segment.index, fetch).authorized(1, shuffle_grant))
-        .await;
+    raw.denied("fetch", |id| {
+        Frame::fetch(id, shuffle_b.id().get(), 1, segment.index, fetch).authorized(1, shuffle_grant)
+    })
+    .await;
     // Without a token (slot 0, the volume principal) and on a slot never bound: refused too.
     raw.denied("read as nobody", |id| Frame::read(id, block.block_id, 0, 16).authorized(0, b_grant)).await;
     let message = raw.denied("unbound slot", |id| Frame::read(id, block.block_id, 0, 16).authorized(9, b_grant)).await;

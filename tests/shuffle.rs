@@ -117,7 +117,7 @@ async fn a_partition_past_its_split_size_continues_on_another_server() {
     let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
-            shuffle_id: shuffle.id(),
+            shuffle_id: shuffle.id().get(),
             end_partition: 1,
             end_map: 2,
             ..Default::default()
@@ -188,7 +188,7 @@ async fn a_killed_server_names_exactly_the_maps_to_recompute() {
     let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
-            shuffle_id: shuffle.id(),
+            shuffle_id: shuffle.id().get(),
             end_partition: 4,
             end_map: 3,
             ..Default::default()

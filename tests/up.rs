@@ -1,5 +1,8 @@
 //! `tern up`: a whole cluster from one command, usable at once, stopped cleanly by Ctrl-C.
 
+// kill(2): Ctrl-C to the `tern up` under test.
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::process::{Command, Stdio};

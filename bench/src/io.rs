@@ -1151,6 +1151,7 @@ impl AsRef<[u8]> for AlignedVec {
 }
 
 /// The fraction of `path`'s pages resident in the page cache (mincore of a read-only mapping).
+#[allow(unsafe_code)] // mmap(2) and mincore(2): std has neither
 fn resident_fraction(path: &Path) -> anyhow::Result<f64> {
     let file = std::fs::File::open(path)?;
     let len = file.metadata()?.len() as usize;

@@ -20,6 +20,7 @@ mod auth;
 mod conn;
 mod error;
 mod job;
+mod location;
 mod reader;
 mod shuffle;
 mod writer;
@@ -40,7 +41,7 @@ pub use job::JobSession;
 pub use reader::FileReader;
 pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
-pub use tern_proto::{StorageClass, Tier};
+pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
@@ -196,20 +197,16 @@ impl Client {
     }
 
     /// A pooled block connection to a storage server over the client's transport.
-    pub(crate) async fn block_connection(
-        &self,
-        server_id: u64,
-        address: &str,
-        quic_address: &str,
-    ) -> Result<Arc<conn::BlockConnection>> {
+    pub(crate) async fn block_connection(&self, holder: &location::Holder) -> Result<Arc<conn::BlockConnection>> {
         let addr = match self.inner.options.transport {
-            TransportKind::Tcp => address,
-            TransportKind::Quic if quic_address.is_empty() => {
+            TransportKind::Tcp => &holder.address,
+            TransportKind::Quic if holder.quic_address.is_empty() => {
                 return Err(Error::invalid(format!(
-                    "storage server {server_id} ({address}) has no QUIC endpoint: start it with --tls-dir"
+                    "storage server {} ({}) has no QUIC endpoint: start it with --tls-dir",
+                    holder.id, holder.address
                 )))
             }
-            TransportKind::Quic => quic_address,
+            TransportKind::Quic => &holder.quic_address,
         };
         self.inner.blocks.get(addr).await
     }
@@ -278,7 +275,8 @@ impl Client {
         let opened = self.metadata().open(pb::OpenRequest { path: path.into() }).await?.into_inner();
         let info =
             opened.info.ok_or_else(|| Error::new(ErrorKind::Internal, format!("open {path}: reply without info")))?;
-        FileReader::new(self.clone(), info, opened.blocks, opened.block_size)
+        let blocks = opened.blocks.into_iter().map(location::BlockCopy::from).collect();
+        FileReader::new(self.clone(), info, blocks, opened.block_size)
     }
 
     pub async fn stat(&self, path: &str) -> Result<FileInfo> {

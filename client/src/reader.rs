@@ -8,10 +8,12 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 use tern_proto::frame::Frame;
-use tern_proto::v1::{BlockLocation, FileInfo};
+use tern_proto::v1::FileInfo;
+use tern_proto::BlockId;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::location::BlockCopy;
 use crate::Client;
 
 /// Reads one sealed file.
@@ -19,7 +21,7 @@ pub struct FileReader {
     client: Client,
     info: FileInfo,
     /// Each block's copies, in the order to try them.
-    blocks: Vec<Vec<BlockLocation>>,
+    blocks: Vec<Vec<BlockCopy>>,
     block_size: u64,
     /// Index of the next block to hand out by [`FileReader::next_chunk`].
     next: usize,
@@ -27,12 +29,7 @@ pub struct FileReader {
 }
 
 impl FileReader {
-    pub(crate) fn new(
-        client: Client,
-        info: FileInfo,
-        blocks: Vec<BlockLocation>,
-        block_size: u32,
-    ) -> Result<FileReader> {
+    pub(crate) fn new(client: Client, info: FileInfo, blocks: Vec<BlockCopy>, block_size: u32) -> Result<FileReader> {
         let replicas = info.replicas.max(1) as usize;
         if !blocks.len().is_multiple_of(replicas) {
             return Err(Error::new(
@@ -40,7 +37,7 @@ impl FileReader {
                 format!("open {}: {} block locations for {replicas} copies of each block", info.path, blocks.len()),
             ));
         }
-        let blocks: Vec<Vec<BlockLocation>> = blocks.chunks(replicas).map(<[BlockLocation]>::to_vec).collect();
+        let blocks: Vec<Vec<BlockCopy>> = blocks.chunks(replicas).map(<[BlockCopy]>::to_vec).collect();
         let listed: u64 = blocks.iter().map(|copies| copies[0].length as u64).sum();
         if listed != info.length || block_size == 0 {
             return Err(Error::new(
@@ -139,19 +136,13 @@ async fn join(task: JoinHandle<Result<Bytes>>, path: &str) -> Result<Bytes> {
 
 /// Reads `len` bytes (default: the rest of the block) of one block from `offset`, from its first
 /// copy that answers with good data.
-async fn fetch(
-    client: Client,
-    path: String,
-    copies: Vec<BlockLocation>,
-    offset: u32,
-    len: Option<u32>,
-) -> Result<Bytes> {
-    let mut failures: Vec<(BlockLocation, Error)> = Vec::with_capacity(copies.len());
+async fn fetch(client: Client, path: String, copies: Vec<BlockCopy>, offset: u32, len: Option<u32>) -> Result<Bytes> {
+    let mut failures: Vec<(BlockCopy, Error)> = Vec::with_capacity(copies.len());
     for block in copies {
         match fetch_copy(&client, &path, &block, offset, len).await {
             Ok(bytes) => return Ok(bytes),
             Err(e) => {
-                tracing::debug!("read {path}: block {} on {} failed: {e}", block.block_id, block.address);
+                tracing::debug!("read {path}: block {} on {} failed: {e}", block.block, block.holder.address);
                 failures.push((block, e));
             }
         }
@@ -166,25 +157,19 @@ async fn fetch(
         .rev()
         .find(|(_, e)| !matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::NotFound))
         .expect("a failure that is not Unavailable or NotFound");
-    Err(e.context(format_args!("read {path}: block {}", block.block_id)))
+    Err(e.context(format_args!("read {path}: block {}", block.block)))
 }
 
 /// One copy's read.
-async fn fetch_copy(
-    client: &Client,
-    path: &str,
-    block: &BlockLocation,
-    offset: u32,
-    len: Option<u32>,
-) -> Result<Bytes> {
+async fn fetch_copy(client: &Client, path: &str, block: &BlockCopy, offset: u32, len: Option<u32>) -> Result<Bytes> {
     let len = len.unwrap_or(block.length - offset);
     let access = client.access(crate::auth::job_of(path), &block.grant).await?;
-    let conn = client.block_connection(block.server_id, &block.address, &block.quic_address).await?;
-    let reply = conn.call_as(&access, |id| Frame::read(id, block.block_id, offset, len)).await?;
+    let conn = client.block_connection(&block.holder).await?;
+    let reply = conn.call_as(&access, |id| Frame::read(id, block.block.get(), offset, len)).await?;
     if reply.payload.len() != len as usize {
         return Err(Error::new(
             ErrorKind::Corrupt,
-            format!("read {path}: block {} returned {} bytes, expected {len}", block.block_id, reply.payload.len()),
+            format!("read {path}: block {} returned {} bytes, expected {len}", block.block, reply.payload.len()),
         ));
     }
     Ok(reply.payload)
@@ -193,16 +178,18 @@ async fn fetch_copy(
 /// Asks the metadata server whether the servers of a block's copies are dead: when every copy is
 /// gone the data is lost, and the error says so and names the file. Otherwise the last error
 /// stands.
-async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockLocation, Error)>) -> Error {
-    let dead: Option<Vec<u64>> = match client.stat_with_blocks(path, true).await {
-        Ok((_, blocks)) => Some(blocks.iter().filter(|(_, alive)| !alive).map(|(b, _)| b.block_id).collect()),
+async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockCopy, Error)>) -> Error {
+    let dead: Option<Vec<BlockId>> = match client.stat_with_blocks(path, true).await {
+        Ok((_, blocks)) => {
+            Some(blocks.iter().filter(|(_, alive)| !alive).map(|(b, _)| BlockId::from(b.block_id)).collect())
+        }
         // Every copy of some block is gone.
         Err(e) if e.kind() == ErrorKind::DataLost => None,
         Err(_) => Some(Vec::new()),
     };
     // A server that restarted lost its DRAM blocks: the block is gone even though a server answers.
-    let lost = |block: &BlockLocation, error: &Error| {
-        error.kind() == ErrorKind::NotFound || dead.as_ref().is_none_or(|dead| dead.contains(&block.block_id))
+    let lost = |copy: &BlockCopy, error: &Error| {
+        error.kind() == ErrorKind::NotFound || dead.as_ref().is_none_or(|dead| dead.contains(&copy.block))
     };
     if failures.iter().all(|(block, error)| lost(block, error)) {
         let each: Vec<String> = failures
@@ -210,9 +197,9 @@ async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockLocation, Err
             .map(|(block, error)| {
                 format!(
                     "block {} on storage server {} ({}) is lost: {}",
-                    block.block_id,
-                    block.server_id,
-                    block.address,
+                    block.block,
+                    block.holder.id,
+                    block.holder.address,
                     error.message()
                 )
             })
@@ -221,5 +208,5 @@ async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockLocation, Err
         return Error::new(ErrorKind::DataLost, format!("read {path}: {what}"));
     }
     let (block, error) = failures.into_iter().next_back().expect("at least one copy was tried");
-    error.context(format_args!("read {path}: block {}", block.block_id))
+    error.context(format_args!("read {path}: block {}", block.block))
 }

@@ -32,11 +32,13 @@ use parking_lot::Mutex;
 use tern_proto::frame::Frame;
 use tern_proto::shuffle::{self as wire, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
+use tern_proto::ShuffleId;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::auth::Access;
 use crate::error::{Error, ErrorKind, Result};
+use crate::location::{segment_holders, Holder};
 use crate::Client;
 
 /// How a shuffle is registered.
@@ -83,7 +85,7 @@ const PUSH_ADVANCES: u32 = 4;
 #[derive(Clone)]
 pub struct Shuffle {
     client: Client,
-    id: u64,
+    id: ShuffleId,
     /// The owning job and the shuffle's grant: what Push and Fetch frames act under.
     job: String,
     grant: Vec<u8>,
@@ -136,7 +138,7 @@ impl Client {
         let block_size = self.block_size().await?;
         Ok(Shuffle {
             client: self.clone(),
-            id: reply.shuffle_id,
+            id: ShuffleId::from(reply.shuffle_id),
             job: job_id.to_string(),
             grant: reply.grant,
             partitions,
@@ -147,7 +149,7 @@ impl Client {
     }
 
     /// A shuffle registered elsewhere (by another process), by id.
-    pub async fn open_shuffle(&self, shuffle_id: u64) -> Result<Shuffle> {
+    pub async fn open_shuffle(&self, shuffle_id: ShuffleId) -> Result<Shuffle> {
         let located = self.locate(shuffle_id, 0..u32::MAX, 0..0).await?;
         let mut current: Vec<Segment> = Vec::with_capacity(located.partitions as usize);
         for segment in located.segments {
@@ -172,11 +174,16 @@ impl Client {
         })
     }
 
-    async fn locate(&self, shuffle_id: u64, partitions: Range<u32>, maps: Range<u32>) -> Result<LocateShuffleResponse> {
+    async fn locate(
+        &self,
+        shuffle_id: ShuffleId,
+        partitions: Range<u32>,
+        maps: Range<u32>,
+    ) -> Result<LocateShuffleResponse> {
         Ok(self
             .metadata()
             .locate_shuffle(pb::LocateShuffleRequest {
-                shuffle_id,
+                shuffle_id: shuffle_id.get(),
                 start_partition: partitions.start,
                 end_partition: partitions.end,
                 start_map: maps.start,
@@ -189,7 +196,7 @@ impl Client {
 }
 
 impl Shuffle {
-    pub fn id(&self) -> u64 {
+    pub fn id(&self) -> ShuffleId {
         self.id
     }
 
@@ -256,14 +263,14 @@ impl Shuffle {
 
     /// Forgets the commits of `maps` (after their data was lost) so new attempts can commit.
     pub async fn invalidate_maps(&self, maps: &[u32]) -> Result<u32> {
-        let request = pb::InvalidateMapsRequest { shuffle_id: self.id, map_indexes: maps.to_vec() };
+        let request = pb::InvalidateMapsRequest { shuffle_id: self.id.get(), map_indexes: maps.to_vec() };
         let reply = self.client.metadata().invalidate_maps(request).await.map_err(|s| self.error(s))?;
         Ok(reply.into_inner().invalidated)
     }
 
     /// Frees every segment of the shuffle.
     pub async fn unregister(&self) -> Result<()> {
-        let request = pb::UnregisterShuffleRequest { shuffle_id: self.id };
+        let request = pb::UnregisterShuffleRequest { shuffle_id: self.id.get() };
         self.client.metadata().unregister_shuffle(request).await.map_err(|s| self.error(s))?;
         Ok(())
     }
@@ -278,7 +285,7 @@ impl Shuffle {
 
     /// Moves `partition` past segment `full` (idempotent across writers) and returns the new one.
     async fn advance(&self, partition: u32, full: u32) -> Result<Segment> {
-        let request = pb::AdvanceSegmentRequest { shuffle_id: self.id, partition, full_segment: full };
+        let request = pb::AdvanceSegmentRequest { shuffle_id: self.id.get(), partition, full_segment: full };
         let reply = self.client.metadata().advance_segment(request).await.map_err(|s| self.error(s))?.into_inner();
         let segment = reply.segment.ok_or_else(|| {
             Error::new(ErrorKind::Internal, format!("shuffle {}: advance without a segment", self.id))
@@ -399,7 +406,7 @@ impl MapWriter {
         }
         let (first_segment, last_segment) = self.segments.iter().map(|r| r.unwrap_or((0, 0))).unzip();
         let request = pb::CommitMapRequest {
-            shuffle_id: self.shuffle.id,
+            shuffle_id: self.shuffle.id.get(),
             map_index: self.map,
             attempt: self.attempt,
             partition_bytes: std::mem::take(&mut self.bytes),
@@ -415,15 +422,6 @@ impl MapWriter {
     }
 }
 
-/// The readable copies of a segment, the first to try first: (server id, address, QUIC address).
-fn copies(segment: &Segment) -> Vec<(u64, String, String)> {
-    let mut copies = vec![(segment.server_id, segment.address.clone(), segment.quic_address.clone())];
-    if segment.replica_server_id != 0 && !segment.replica_lost {
-        copies.push((segment.replica_server_id, segment.replica_address.clone(), segment.replica_quic_address.clone()));
-    }
-    copies
-}
-
 /// Pushes one batch to its partition's current segment (every copy of it); returns the segment
 /// index it landed in. A refusal for space everywhere, or a copy's server that cannot be reached
 /// at all before anything is sent (nothing stored either way), moves to a new segment and tries
@@ -431,12 +429,14 @@ fn copies(segment: &Segment) -> Vec<(u64, String, String)> {
 /// not have stored the batch and only a new attempt keeps the output exactly-once.
 async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result<u32> {
     let mut segment = shuffle.current_segment(partition);
-    let mut why_moved = String::new();
+    // The last reason for moving on, with the kind the push fails with if no segment takes the
+    // batch: full servers are OutOfSpace, lost or unreachable ones Unavailable.
+    let mut why_moved = Error::unavailable(String::new());
     for _ in 0..=PUSH_ADVANCES {
         // A lost segment takes no pushes; nor does one that lost a copy: its successor has all
         // its copies on live servers, so new output stays replicated.
         if segment.lost || segment.replica_lost {
-            why_moved = format!("segment {} lost a copy", segment.index);
+            why_moved = Error::unavailable(format!("segment {} lost a copy", segment.index));
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
@@ -445,8 +445,8 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         // out the partition's next segment (re-placed already if a server is dead).
         let mut conns = Vec::with_capacity(2);
         let mut unreachable = None;
-        for (server_id, address, quic_address) in copies(&segment) {
-            match shuffle.client.block_connection(server_id, &address, &quic_address).await {
+        for holder in segment_holders(&segment) {
+            match shuffle.client.block_connection(&holder).await {
                 Ok(conn) => conns.push(conn),
                 // A server without the transport asked for: no other segment would do better.
                 Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
@@ -458,7 +458,7 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         }
         if let Some(e) = unreachable {
             tracing::debug!("{e}; moving on to a new segment");
-            why_moved = e.to_string();
+            why_moved = Error::unavailable(e.to_string());
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
@@ -466,12 +466,12 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         let access = shuffle.client.access(&shuffle.job, &shuffle.grant).await?;
         let pushes = conns.iter().map(|conn| {
             let sent = payload.clone();
-            conn.call_as(&access, move |id| Frame::push(id, shuffle.id, partition, index, sent))
+            conn.call_as(&access, move |id| Frame::push(id, shuffle.id.get(), partition, index, sent))
         });
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
             tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
-            why_moved = format!("segment {index} is full");
+            why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full"));
             segment = shuffle.advance(partition, index).await?;
             continue;
         }
@@ -484,9 +484,8 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         }
         return Ok(index);
     }
-    // The last reason decides the kind: full servers are OutOfSpace, unreachable ones Unavailable.
-    let kind = if why_moved.ends_with("is full") { ErrorKind::OutOfSpace } else { ErrorKind::Unavailable };
-    Err(Error::new(kind, format!("no segment took the batch after {PUSH_ADVANCES} moves (last: {why_moved})")))
+    let last = why_moved.message();
+    Err(Error::new(why_moved.kind(), format!("no segment took the batch after {PUSH_ADVANCES} moves (last: {last})")))
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.
@@ -511,7 +510,7 @@ fn holds(output: &MapOutput, offset: usize, index: u32) -> bool {
     bytes > 0 && (first..=last).contains(&index)
 }
 
-fn describe_lost(shuffle: u64, lost: &BTreeMap<u32, Vec<u32>>) -> String {
+fn describe_lost(shuffle: ShuffleId, lost: &BTreeMap<u32, Vec<u32>>) -> String {
     let all: BTreeSet<u32> = lost.values().flatten().copied().collect();
     let partitions: Vec<String> = lost.iter().map(|(p, maps)| format!("partition {p}: maps {maps:?}")).collect();
     format!(
@@ -526,7 +525,7 @@ fn describe_lost(shuffle: u64, lost: &BTreeMap<u32, Vec<u32>>) -> String {
 /// most `PAGES_AHEAD` pages ahead of the consumer.
 pub struct ShuffleReader {
     client: Client,
-    shuffle_id: u64,
+    shuffle_id: ShuffleId,
     located: Arc<LocateShuffleResponse>,
     /// Streams still to start, in read order.
     pending: VecDeque<FetchStream>,
@@ -574,7 +573,7 @@ fn plan_streams(located: &LocateShuffleResponse) -> VecDeque<FetchStream> {
 }
 
 impl ShuffleReader {
-    fn new(client: Client, shuffle_id: u64, located: LocateShuffleResponse) -> ShuffleReader {
+    fn new(client: Client, shuffle_id: ShuffleId, located: LocateShuffleResponse) -> ShuffleReader {
         let pending = plan_streams(&located);
         let next_to_check = located.start_partition;
         ShuffleReader {
@@ -671,24 +670,24 @@ impl ShuffleReader {
 async fn fetch_stream(
     client: Client,
     access: Access,
-    shuffle_id: u64,
+    shuffle_id: ShuffleId,
     stream: FetchStream,
     pages: mpsc::Sender<Result<Vec<ShuffleBatch>>>,
 ) {
-    let copies = copies(&stream.segment);
+    let holders = segment_holders(&stream.segment);
     let mut copy = 0;
     let mut request = FetchRequest { cursor: 0, max_bytes: FETCH_PAGE_BYTES, maps: stream.maps };
     loop {
-        let mut page = fetch_page(&client, &access, shuffle_id, &stream.segment, &copies[copy], &request).await;
+        let mut page = fetch_page(&client, &access, shuffle_id, &stream.segment, &holders[copy], &request).await;
         match &page {
             Err(e)
-                if copy + 1 < copies.len()
+                if copy + 1 < holders.len()
                     && matches!(
                         e.kind(),
                         ErrorKind::DataLost | ErrorKind::Corrupt | ErrorKind::NotFound | ErrorKind::Unavailable
                     ) =>
             {
-                tracing::debug!("{e}; reading the copy on {}", copies[copy + 1].1);
+                tracing::debug!("{e}; reading the copy on {}", holders[copy + 1].address);
                 copy += 1;
                 continue;
             }
@@ -717,12 +716,12 @@ async fn fetch_stream(
 async fn fetch_page(
     client: &Client,
     access: &Access,
-    shuffle_id: u64,
+    shuffle_id: ShuffleId,
     segment: &Segment,
-    copy: &(u64, String, String),
+    holder: &Holder,
     request: &FetchRequest,
 ) -> Result<(Vec<ShuffleBatch>, Option<u32>)> {
-    let (server_id, address, quic_address) = copy;
+    let address = &holder.address;
     let place = format!("shuffle {shuffle_id} partition {} segment {}", segment.partition, segment.index);
     let lost = |e: Error| {
         let maps: Vec<u32> = request.maps.iter().map(|(m, _)| *m).collect();
@@ -731,13 +730,13 @@ async fn fetch_page(
             format!("{place} on {address} is unreadable; recompute maps {maps:?}: {}", e.message()),
         )
     };
-    let conn = match client.block_connection(*server_id, address, quic_address).await {
+    let conn = match client.block_connection(holder).await {
         Ok(conn) => conn,
         Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
         Err(e) => return Err(lost(e)),
     };
     let payload = request.encode();
-    let fetch = |id| Frame::fetch(id, shuffle_id, segment.partition, segment.index, payload);
+    let fetch = |id| Frame::fetch(id, shuffle_id.get(), segment.partition, segment.index, payload);
     let reply = match conn.call_as(access, fetch).await {
         Ok(reply) => reply,
         Err(e) if e.kind() == ErrorKind::Unavailable => return Err(lost(e)),

@@ -13,11 +13,13 @@ use std::collections::VecDeque;
 use bytes::{Bytes, BytesMut};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
+use tern_common::Backoff;
 use tern_proto::frame::Frame;
-use tern_proto::v1::{self as pb, BlockLocation, FileInfo};
+use tern_proto::v1::{self as pb, FileInfo};
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::location::BlockCopy;
 use crate::Client;
 
 /// Blocks asked for by a writer's first allocation; later batches double up to the client's
@@ -25,7 +27,8 @@ use crate::Client;
 const FIRST_ALLOCATE_BATCH: u32 = 2;
 
 /// Allocation attempts while the cluster answers `Unavailable`, and the backoff between them
-/// (about 6 s in all: longer than a few heartbeats, so freed space has time to come back).
+/// (about 6 s in all before jitter, at least half that after: longer than a few heartbeats, so
+/// freed space has time to come back).
 const ALLOCATE_ATTEMPTS: u32 = 8;
 const ALLOCATE_BACKOFF_START: std::time::Duration = std::time::Duration::from_millis(50);
 const ALLOCATE_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(2);
@@ -43,7 +46,7 @@ pub struct FileWriter {
     /// Copies of each block (1 or 2).
     replicas: usize,
     /// Allocated locations not yet written, grouped by block (`replicas` entries each).
-    spare: VecDeque<BlockLocation>,
+    spare: VecDeque<BlockCopy>,
     next_batch: u32,
     /// Blocks allocated so far (not counting copies).
     allocated: u64,
@@ -151,16 +154,16 @@ impl FileWriter {
             let writes = copies.into_iter().map(|(location, access)| {
                 let (client, path, data) = (client.clone(), path.clone(), data.clone());
                 async move {
-                    let conn =
-                        client.block_connection(location.server_id, &location.address, &location.quic_address).await?;
-                    conn.call_as(&access, |id| Frame::write(id, location.block_id, 0, data)).await.map(|_| ()).map_err(
-                        |e| {
+                    let conn = client.block_connection(&location.holder).await?;
+                    conn.call_as(&access, |id| Frame::write(id, location.block.get(), 0, data))
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| {
                             e.context(format_args!(
                                 "write {path}: block {} on storage server {} ({})",
-                                location.block_id, location.server_id, location.address
+                                location.block, location.holder.id, location.holder.address
                             ))
-                        },
-                    )
+                        })
                 }
             });
             futures::future::try_join_all(writes).await.map(|_| ())
@@ -176,7 +179,7 @@ impl FileWriter {
     }
 
     /// Where the next block's copies go.
-    async fn next_copies(&mut self) -> Result<Vec<BlockLocation>> {
+    async fn next_copies(&mut self) -> Result<Vec<BlockCopy>> {
         if self.spare.is_empty() {
             let reply = self.allocate().await?;
             if !reply.blocks.len().is_multiple_of(self.replicas) {
@@ -191,7 +194,7 @@ impl FileWriter {
                 ));
             }
             self.allocated += (reply.blocks.len() / self.replicas) as u64;
-            self.spare.extend(reply.blocks);
+            self.spare.extend(reply.blocks.into_iter().map(BlockCopy::from));
             let max = self.client.options().max_allocate_batch.clamp(1, tern_proto::MAX_ALLOCATE_BLOCKS);
             self.next_batch = (self.next_batch * 2).min(max);
         }
@@ -206,8 +209,7 @@ impl FileWriter {
     /// A batch refused by the tenant's quota is asked again as the one block needed now: the
     /// batch asks ahead, and the quota may still hold that one.
     async fn allocate(&self) -> Result<pb::AllocateBlocksResponse> {
-        let mut backoff = ALLOCATE_BACKOFF_START;
-        let mut attempt = 1;
+        let mut backoff = Backoff::new(ALLOCATE_BACKOFF_START, ALLOCATE_BACKOFF_MAX).attempts(ALLOCATE_ATTEMPTS);
         let mut count = match self.expected_blocks {
             Some(expected) => u64::from(self.next_batch).min(expected.saturating_sub(self.allocated).max(1)) as u32,
             None => self.next_batch,
@@ -223,15 +225,14 @@ impl FileWriter {
                 }
                 Err(status) => {
                     let e = Error::from(status).context(format_args!("write {}", self.path));
-                    if e.kind() != ErrorKind::Unavailable || attempt == ALLOCATE_ATTEMPTS {
+                    if e.kind() != ErrorKind::Unavailable {
                         return Err(e);
                     }
-                    tracing::debug!("allocation attempt {attempt} failed, retrying in {backoff:?}: {e}");
+                    let Some(delay) = backoff.next() else { return Err(e) };
+                    tracing::debug!("allocation attempt {} failed, retrying in {delay:?}: {e}", backoff.failures());
+                    tokio::time::sleep(delay).await;
                 }
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(ALLOCATE_BACKOFF_MAX);
-            attempt += 1;
         }
     }
 

@@ -1,12 +1,14 @@
 //! What every Tern daemon and command shares, and nothing else: sizes with units, the layered
 //! config loader and the listen/admin/TLS block of every daemon's config, the Prometheus admin
-//! endpoint, logging and shutdown signals.
+//! endpoint, retry backoff, logging and shutdown signals.
 
 pub mod admin;
+pub mod backoff;
 pub mod config;
 pub mod rng;
 pub mod size;
 
+pub use backoff::Backoff;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
 

@@ -16,6 +16,7 @@ pub struct DirLock {
 
 impl DirLock {
     /// Creates `dir` if missing and locks it, or says which directory is in use.
+    #[allow(unsafe_code)] // flock(2): std has no advisory lock
     pub fn acquire(dir: &Path) -> anyhow::Result<DirLock> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating metadata directory {}", dir.display()))?;
         let path: PathBuf = dir.join("LOCK");

@@ -36,7 +36,7 @@ pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
 /// Dead servers remembered for status and DataLost messages; the oldest beyond this are forgotten.
 pub const MAX_DEAD_SERVERS: usize = 1024;
 /// The DRAM tier's name in usage reports.
-pub const DRAM_TIER: &str = "dram";
+pub const DRAM_TIER: &str = Tier::Dram.name();
 
 /// A storage class named in a request: "dram", "nvme" or "any" ("" = "any").
 pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {

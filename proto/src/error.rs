@@ -1,4 +1,5 @@
-//! Error kinds shared by the control plane (gRPC statuses) and the data plane (error frames).
+//! Error kinds shared by the control plane (gRPC statuses) and the data plane (error frames), and
+//! the one way a message is cut to a bound.
 
 use std::fmt;
 
@@ -123,9 +124,31 @@ impl fmt::Display for ErrorKind {
     }
 }
 
+/// The longest start of `message` that fits in `max_bytes` without splitting a UTF-8 character:
+/// how every bounded message (error frames, task results, stage errors) is cut.
+pub fn cut_message(message: &str, max_bytes: usize) -> &str {
+    if message.len() <= max_bytes {
+        return message;
+    }
+    // 0 is always a boundary, so a boundary is found.
+    let end = (0..=max_bytes).rev().find(|&i| message.is_char_boundary(i)).unwrap_or(0);
+    &message[..end]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_are_cut_on_character_boundaries() {
+        assert_eq!(cut_message("short", 10), "short");
+        assert_eq!(cut_message("exactly", 7), "exactly");
+        assert_eq!(cut_message("cut here", 3), "cut");
+        // "é" is two bytes: a cut through it leaves it out whole.
+        assert_eq!(cut_message("caté", 4), "cat");
+        assert_eq!(cut_message("caté", 5), "caté");
+        assert_eq!(cut_message("€", 2), "");
+    }
 
     #[test]
     fn codes_round_trip() {

@@ -30,7 +30,7 @@ use std::io;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::error::ErrorKind;
+use crate::error::{cut_message, ErrorKind};
 use crate::token::{Grant, GRANT_LEN, MAX_TOKEN_BYTES};
 
 pub const MAGIC: [u8; 2] = *b"TB";
@@ -291,11 +291,7 @@ impl Frame {
 
     /// An error reply: `status` carries the kind, the payload the message (UTF-8, bounded).
     pub fn error(request_id: u64, op: Op, block_id: u64, kind: ErrorKind, message: &str) -> Frame {
-        let mut end = message.len().min(MAX_ERROR_MESSAGE_BYTES);
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        let payload = Bytes::copy_from_slice(&message.as_bytes()[..end]);
+        let payload = Bytes::copy_from_slice(cut_message(message, MAX_ERROR_MESSAGE_BYTES).as_bytes());
         let mut frame = Frame::new(op, true, request_id, block_id, 0, 0, payload);
         frame.header.status = kind.code();
         frame

@@ -25,7 +25,7 @@ pub mod sched {
     tonic::include_proto!("tern.sched.v1");
 }
 
-pub use error::ErrorKind;
+pub use error::{cut_message, ErrorKind};
 pub use ids::{BlockId, ServerId, ShuffleId, NVME_BLOCK_BIT};
 pub use tier::{StorageClass, Tier};
 

@@ -20,8 +20,9 @@ impl Tier {
         BlockId::from(block_id).tier()
     }
 
-    /// The name used in registrations, heartbeats, metrics and `tern status`.
-    pub fn name(self) -> &'static str {
+    /// The name used in registrations, heartbeats, metrics and `tern status`: the one definition
+    /// of the tier names, which every crate takes from here.
+    pub const fn name(self) -> &'static str {
         match self {
             Tier::Dram => "dram",
             Tier::Nvme => "nvme",
@@ -59,8 +60,8 @@ pub enum StorageClass {
 impl StorageClass {
     pub fn name(self) -> &'static str {
         match self {
-            StorageClass::Dram => "dram",
-            StorageClass::Nvme => "nvme",
+            StorageClass::Dram => Tier::Dram.name(),
+            StorageClass::Nvme => Tier::Nvme.name(),
             StorageClass::Any => "any",
         }
     }

@@ -12,13 +12,19 @@
 //! - [`pool`]: the local autoscaler `tern up` runs, starting and stopping executors;
 //! - [`bench`]: `tern bench scheduler` (dispatch throughput, executor cold start).
 
+// kill(2) on the benchmark's `tern up` child.
+#[allow(unsafe_code)]
 pub mod bench;
 pub mod client;
 pub mod config;
 pub mod executor;
 pub mod metrics;
+// kill(2) on a command's process group, sysconf(3) for its memory use.
+#[allow(unsafe_code)]
 pub mod operators;
 pub mod policy;
+// prctl(2) and kill(2) on the pool's executor processes.
+#[allow(unsafe_code)]
 pub mod pool;
 pub mod server;
 pub mod spec;

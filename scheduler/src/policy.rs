@@ -20,6 +20,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 
+use tern_proto::cut_message;
 use tern_proto::sched as pb;
 
 use crate::spec::{Dag, MILLI};
@@ -939,7 +940,7 @@ impl Policy {
             pb::TaskOutcome::Lost => Outcome::Lost,
             pb::TaskOutcome::Failed | pb::TaskOutcome::Unspecified => Outcome::Failed,
         };
-        let message: String = truncate(&result.message, MAX_ERROR_BYTES);
+        let message = cut_message(&result.message, MAX_ERROR_BYTES).to_string();
         self.finish_assignment(result.assignment_id, outcome, &message, &result.path, now_ms, now_unix_ms);
         true
     }
@@ -963,7 +964,7 @@ impl Policy {
         debug_assert_eq!(task.state, TaskState::Running);
         stage.counts.running -= 1;
         if !path.is_empty() {
-            *stage.paths.entry(truncate(path, 64)).or_default() += 1;
+            *stage.paths.entry(cut_message(path, 64).to_string()).or_default() += 1;
         }
         let t = run.task;
         match outcome {
@@ -1291,17 +1292,6 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         finished_unix_ms: stage.finished_ms,
         blocked: String::new(),
     }
-}
-
-fn truncate(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    text[..end].to_string()
 }
 
 #[cfg(test)]

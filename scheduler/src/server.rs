@@ -359,7 +359,7 @@ impl Service {
                 .await
                 .map_err(|e| e.kind().status(format!("job {job_id}: registering shuffle {:?}: {e}", shuffle.name)))?;
             let hosts = registered.segment_addresses().iter().map(|a| host_of(a)).collect();
-            shuffles.insert(&shuffle.name, (registered.id(), shuffle.partitions, writer, hosts));
+            shuffles.insert(&shuffle.name, (registered.id().get(), shuffle.partitions, writer, hosts));
         }
         let shuffle_of = |d: &Option<pb::DataRef>| match d.as_ref().and_then(|d| d.kind.as_ref()) {
             Some(pb::data_ref::Kind::Shuffle(name)) => shuffles.get(name.as_str()),

@@ -4,6 +4,10 @@
 //! Rules every entry point keeps:
 //! - **Opaque handles.** Native state crosses as a `jlong` made by `Box::into_raw`; Java frees it
 //!   with the matching `close*` call, exactly once. A zero handle is refused, never dereferenced.
+//! - **Shared handles are borrowed shared.** Java shares client, job and shuffle handles between
+//!   threads, so they are only ever borrowed `&` ([`shared`], which requires `Sync`); only the
+//!   writer and reader handles, each used by one thread at a time, are borrowed `&mut`
+//!   ([`exclusive`]). See [`shared`] for which Java objects hold which handle.
 //! - **Nothing unwinds into the JVM.** Each entry point runs under `catch_unwind`; an error or a
 //!   panic becomes a thrown `io.tern.spark.TernException` carrying the message and the error kind
 //!   (`data-lost`, `not-found`, ... as in `tern_proto::ErrorKind::name`, or `panic`).
@@ -11,6 +15,10 @@
 //!   in place; a read hands Java a direct buffer over the fetched bytes, valid until the next
 //!   `nextBatch` or `closeReader` on that reader.
 //! - **One runtime per process**, created on first use; calls block the calling Java thread on it.
+
+// The JNI boundary is unsafe by nature: handles are raw pointers owned by Java, and direct
+// buffers are raw memory. Every unsafe block below says why it is sound.
+#![allow(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -20,7 +28,9 @@ use bytes::Bytes;
 use jni::objects::{JByteBuffer, JClass, JIntArray, JObject, JString, JValue};
 use jni::sys::{jint, jintArray, jlong, jlongArray, jobject, jstring};
 use jni::JNIEnv;
-use tern_client::{Client, ErrorKind, JobSession, MapWriter, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
+use tern_client::{
+    Client, ErrorKind, JobSession, MapWriter, MapWriterOptions, Shuffle, ShuffleId, ShuffleOptions, ShuffleReader,
+};
 
 const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
 
@@ -114,25 +124,63 @@ fn into_handle<T>(value: T) -> jlong {
     Box::into_raw(Box::new(value)) as jlong
 }
 
-/// Borrows the object behind a handle made by `into_handle::<T>`.
+/// Borrows, shared, the object behind a handle that Java uses from many threads at once.
+///
+/// Thread safety: the handles borrowed this way are shared across Java threads, and nothing here
+/// may assume otherwise.
+/// - A `Client` handle is held by the process's one `TernShuffleManager` (driver or executor) and
+///   used by every task thread of the JVM at once (`addJobToken`, `openShuffle`,
+///   `registerShuffle`, `startJob`), outside the manager's lock.
+/// - A `Shuffle` handle is opened once per process and kept in the manager's `shuffles` map; every
+///   map and reduce task of that shuffle running in the JVM uses it concurrently (`openWriter`,
+///   `openReader`, `lostMaps`, `invalidateMaps`), and the driver's endpoint thread too.
+/// - A `JobSession` handle lives on the driver's manager; its calls run under the manager's lock,
+///   but that lock is Java's, not a promise this side can check.
+///
+/// So these are borrowed `&` only, never `&mut` (two `&mut` at once would be undefined behaviour
+/// even if both only read). That is sound because every method Java reaches on them takes `&self`
+/// and the types are `Sync` (the bound makes the compiler check it): their mutable state (job
+/// tokens, connection pools, a shuffle's current segments) sits behind their own locks and
+/// atomics. Closing such a handle while another thread uses it would be a use after free: Java
+/// closes a shuffle only once Spark has unregistered it (no task of it runs any more) or the
+/// manager stops, and the client last, in `stop`.
 ///
 /// # Safety
-/// `handle` must come from `into_handle::<T>` and not have been closed; Java's wrappers keep
-/// that promise (each handle is owned by one object, closed once, never used after).
-unsafe fn borrow<'a, T>(handle: jlong) -> Outcome<&'a mut T> {
+/// `handle` must come from `into_handle::<T>` and not have been closed.
+unsafe fn shared<'a, T: Sync>(handle: jlong) -> Outcome<&'a T> {
     if handle == 0 {
         return Err(invalid("a closed or null native handle was used"));
     }
-    Ok(&mut *(handle as *mut T))
+    // SAFETY: the caller promises a live `Box<T>` made by `into_handle::<T>`; it is only ever
+    // borrowed shared, and `T: Sync` makes concurrent shared borrows from several threads sound.
+    Ok(unsafe { &*(handle as *const T) })
+}
+
+/// Borrows, exclusively, the object behind a handle that one thread at a time uses: a `Writer`
+/// (owned by one `TernShuffleWriter`, which one task thread drives from open to close) or a
+/// `Reader` (owned by one `TernShuffleReader` iterator, consumed by its task thread, and closed by
+/// that task's completion listener, which Spark runs on the same thread when the task ends).
+///
+/// # Safety
+/// `handle` must come from `into_handle::<T>`, not have been closed, and no other borrow of it
+/// may be live: Java uses it from one thread at a time.
+unsafe fn exclusive<'a, T: Send>(handle: jlong) -> Outcome<&'a mut T> {
+    if handle == 0 {
+        return Err(invalid("a closed or null native handle was used"));
+    }
+    // SAFETY: the caller promises a live `Box<T>` and that no other borrow of it is live.
+    Ok(unsafe { &mut *(handle as *mut T) })
 }
 
 /// Frees the object behind a handle; zero is ignored.
 ///
 /// # Safety
-/// As for [`borrow`]; afterwards the handle must not be used again.
+/// `handle` must come from `into_handle::<T>`, not have been closed, and no thread may use it
+/// any more; afterwards the handle must not be used again.
 unsafe fn close<T>(handle: jlong) {
     if handle != 0 {
-        drop(Box::from_raw(handle as *mut T));
+        // SAFETY: the caller promises a live `Box<T>` that nothing else uses.
+        drop(unsafe { Box::from_raw(handle as *mut T) });
     }
 }
 
@@ -190,8 +238,8 @@ pub extern "system" fn Java_io_tern_spark_TernNative_startJob<'l>(
     lease_ms: jlong,
 ) -> jlong {
     entry(&mut env, |env| {
-        // SAFETY: a live client handle (see `borrow`).
-        let client = unsafe { borrow::<Client>(client)? }.clone();
+        // SAFETY: a live client handle (see `shared`).
+        let client = unsafe { shared::<Client>(client)? }.clone();
         let name = string(env, &name)?;
         let lease = Duration::from_millis(lease_ms.max(1) as u64);
         let job = runtime().block_on(client.start_job((!name.is_empty()).then_some(name.as_str()), lease))?;
@@ -207,7 +255,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_jobId<'l>(
 ) -> jstring {
     entry(&mut env, |env| {
         // SAFETY: a live job handle.
-        let job = unsafe { borrow::<JobSession>(job)? };
+        let job = unsafe { shared::<JobSession>(job)? };
         Ok(env.new_string(job.id())?.into_raw())
     })
 }
@@ -221,7 +269,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_jobToken<'l>(
 ) -> jstring {
     entry(&mut env, |env| {
         // SAFETY: a live job handle.
-        let job = unsafe { borrow::<JobSession>(job)? };
+        let job = unsafe { shared::<JobSession>(job)? };
         Ok(env.new_string(job.token())?.into_raw())
     })
 }
@@ -236,7 +284,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_addJobToken<'l>(
 ) {
     entry(&mut env, |env| {
         // SAFETY: a live client handle.
-        let client = unsafe { borrow::<Client>(client)? };
+        let client = unsafe { shared::<Client>(client)? };
         let token = string(env, &token)?;
         client.add_job_token(&token)?;
         Ok(())
@@ -289,7 +337,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_registerShuffle<'l>(
 ) -> jlong {
     entry(&mut env, |env| {
         // SAFETY: a live client handle.
-        let client = unsafe { borrow::<Client>(client)? }.clone();
+        let client = unsafe { shared::<Client>(client)? }.clone();
         let job_id = string(env, &job_id)?;
         if partitions <= 0 || maps < 0 || split_size_bytes < 0 {
             return Err(invalid(format!(
@@ -316,8 +364,8 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openShuffle<'l>(
 ) -> jlong {
     entry(&mut env, |_| {
         // SAFETY: a live client handle.
-        let client = unsafe { borrow::<Client>(client)? }.clone();
-        let shuffle = runtime().block_on(client.open_shuffle(shuffle_id as u64))?;
+        let client = unsafe { shared::<Client>(client)? }.clone();
+        let shuffle = runtime().block_on(client.open_shuffle(ShuffleId::from(shuffle_id as u64)))?;
         Ok(into_handle(shuffle))
     })
 }
@@ -329,7 +377,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_shuffleId<'l>(
     shuffle: jlong,
 ) -> jlong {
     // SAFETY: a live shuffle handle.
-    entry(&mut env, |_| Ok(unsafe { borrow::<Shuffle>(shuffle)? }.id() as jlong))
+    entry(&mut env, |_| Ok(unsafe { shared::<Shuffle>(shuffle)? }.id().get() as jlong))
 }
 
 #[no_mangle]
@@ -340,7 +388,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_unregisterShuffle<'l>(
 ) {
     entry(&mut env, |_| {
         // SAFETY: a live shuffle handle.
-        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         Ok(runtime().block_on(shuffle.unregister())?)
     })
 }
@@ -365,7 +413,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_lostMaps<'l>(
 ) -> jintArray {
     entry(&mut env, |env| {
         // SAFETY: a live shuffle handle.
-        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         let (partitions, maps) = (range(start_partition, end_partition)?, range(start_map, end_map)?);
         let lost = runtime().block_on(shuffle.lost_maps(partitions, maps))?;
         let lost: Vec<jint> = lost.into_iter().map(|m| m as jint).collect();
@@ -384,7 +432,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_invalidateMaps<'l>(
 ) -> jint {
     entry(&mut env, |env| {
         // SAFETY: a live shuffle handle.
-        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         let mut buf = vec![0; env.get_array_length(&maps)? as usize];
         env.get_int_array_region(&maps, 0, &mut buf)?;
         let maps: Vec<u32> = buf.into_iter().map(|m| m as u32).collect();
@@ -407,7 +455,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openWriter<'l>(
 ) -> jlong {
     entry(&mut env, |_| {
         // SAFETY: a live shuffle handle.
-        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         if map < 0 || buffer_bytes <= 0 || batch_bytes <= 0 || pushes_in_flight <= 0 {
             return Err(invalid(format!(
                 "openWriter: map {map}, buffer {buffer_bytes}, batch {batch_bytes}, in flight {pushes_in_flight}"
@@ -437,7 +485,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_write<'l>(
 ) {
     entry(&mut env, |env| {
         // SAFETY: a live writer handle.
-        let writer = unsafe { borrow::<Writer>(writer)? };
+        let writer = unsafe { exclusive::<Writer>(writer)? };
         let writer = writer.writer.as_mut().ok_or_else(|| invalid("write after commit"))?;
         let address = env.get_direct_buffer_address(&data)?;
         let capacity = env.get_direct_buffer_capacity(&data)?;
@@ -464,7 +512,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_commit<'l>(
 ) -> jlong {
     entry(&mut env, |_| {
         // SAFETY: a live writer handle.
-        let writer = unsafe { borrow::<Writer>(writer)? };
+        let writer = unsafe { exclusive::<Writer>(writer)? };
         let writer = writer.writer.take().ok_or_else(|| invalid("commit twice"))?;
         let outcome = runtime().block_on(writer.commit())?;
         Ok(((outcome.committed as jlong) << 32) | jlong::from(outcome.winning_attempt))
@@ -498,7 +546,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openReader<'l>(
 ) -> jlong {
     entry(&mut env, |_| {
         // SAFETY: a live shuffle handle.
-        let shuffle = unsafe { borrow::<Shuffle>(shuffle)? };
+        let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         let (partitions, maps) = (range(start_partition, end_partition)?, range(start_map, end_map)?);
         let reader = runtime().block_on(shuffle.reader(partitions, maps))?;
         Ok(into_handle(Reader { reader, current: None }))
@@ -514,7 +562,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_readerCommits<'l>(
 ) -> jlongArray {
     entry(&mut env, |env| {
         // SAFETY: a live reader handle.
-        let reader = unsafe { borrow::<Reader>(reader)? };
+        let reader = unsafe { exclusive::<Reader>(reader)? };
         let pairs: Vec<jlong> =
             reader.reader.outputs().iter().flat_map(|o| [jlong::from(o.map_index), jlong::from(o.attempt)]).collect();
         let array = env.new_long_array(pairs.len() as jint)?;
@@ -534,7 +582,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_nextBatch<'l>(
 ) -> jobject {
     entry(&mut env, |env| {
         // SAFETY: a live reader handle.
-        let reader = unsafe { borrow::<Reader>(reader)? };
+        let reader = unsafe { exclusive::<Reader>(reader)? };
         reader.current = None;
         let Some(batch) = runtime().block_on(reader.reader.next_batch())? else {
             return Ok(JObject::null().into_raw());

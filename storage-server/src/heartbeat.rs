@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use tern_common::Backoff;
 use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
@@ -35,7 +36,7 @@ use crate::Usage;
 const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
-/// Backoff between registration attempts, doubling from the first to the last.
+/// Backoff between registration attempts, doubling from the first to the last (with jitter).
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 /// Used when the metadata server names no heartbeat interval; its choice is clamped to the bounds.
@@ -149,8 +150,7 @@ pub(crate) async fn register_at_start(
         quic_address: quic_address.to_string(),
         instance_id: instance_id(),
     };
-    let deadline = Instant::now() + REGISTER_DEADLINE;
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::new(RETRY_FIRST, RETRY_MAX).deadline(Instant::now() + REGISTER_DEADLINE);
     loop {
         match client.register_server(request.clone()).await {
             Ok(reply) => return Ok(reply.into_inner()),
@@ -158,36 +158,18 @@ pub(crate) async fn register_at_start(
                 bail!("metadata server at {metadata} refused to register {address}: {}", status.message())
             }
             Err(status) => {
-                let now = Instant::now();
-                if now >= deadline {
+                let Some(delay) = backoff.next() else {
                     bail!(
                         "cannot reach the metadata server at {metadata} to register (gave up after {}s): {}; \
                          is it running, and is `metadata` right?",
                         REGISTER_DEADLINE.as_secs(),
                         status.message()
                     );
-                }
+                };
                 tracing::debug!("registering with {metadata}: {}; retrying", status.message());
-                tokio::time::sleep(backoff.next().min(deadline - now)).await;
+                tokio::time::sleep(delay).await;
             }
         }
-    }
-}
-
-/// Doubling delays between retries, capped at [`RETRY_MAX`].
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    fn new() -> Backoff {
-        Backoff { next: RETRY_FIRST }
-    }
-
-    fn next(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (self.next * 2).min(RETRY_MAX);
-        delay
     }
 }
 
@@ -386,7 +368,8 @@ impl Heartbeater {
 
     /// Registers again and reports the inventory, retrying until the metadata server takes both.
     async fn reregister(&mut self) -> anyhow::Result<()> {
-        let mut backoff = Backoff::new();
+        // Unbounded: a storage server the metadata server does not know can do nothing else.
+        let mut backoff = Backoff::new(RETRY_FIRST, RETRY_MAX);
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
         let registered = loop {
             let request = RegisterServerRequest {
@@ -412,7 +395,7 @@ impl Heartbeater {
                             status.message()
                         );
                     }
-                    tokio::time::sleep(backoff.next()).await;
+                    tokio::time::sleep(backoff.next().expect("an unbounded backoff never ends")).await;
                 }
             }
         };
@@ -542,16 +525,6 @@ mod tests {
         assert_eq!(heartbeat_interval(1), MIN_HEARTBEAT_INTERVAL);
         assert_eq!(heartbeat_interval(500), Duration::from_millis(500));
         assert_eq!(heartbeat_interval(u64::MAX), MAX_HEARTBEAT_INTERVAL);
-    }
-
-    #[test]
-    fn backoff_doubles_to_a_cap() {
-        let mut backoff = Backoff::new();
-        let delays: Vec<_> = (0..8).map(|_| backoff.next()).collect();
-        assert_eq!(delays[0], RETRY_FIRST);
-        assert_eq!(delays[1], RETRY_FIRST * 2);
-        assert_eq!(*delays.last().unwrap(), RETRY_MAX);
-        assert!(delays.windows(2).all(|w| w[0] <= w[1]));
     }
 
     #[test]

@@ -142,6 +142,7 @@ fn node_names(extra: &[String]) -> Vec<String> {
 }
 
 /// This machine's hostname, if it has a usable one.
+#[allow(unsafe_code)] // gethostname(2): std has no safe wrapper
 pub fn hostname() -> Option<String> {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.

@@ -64,7 +64,7 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
             Location::Local(_) => None,
         })
         .collect();
-    let shuffle = client.open_shuffle(task.output_shuffle_id).await?;
+    let shuffle = client.open_shuffle(task.output_shuffle_id.into()).await?;
     let outcome =
         terasort_run::map_part(&client, &shuffle, task.task_index, task.attempt, &mine, &ProgressBar::hidden()).await?;
     Ok(Report::succeeded(if outcome.committed {
@@ -101,7 +101,7 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
         }
     }
     let client = services.client_for(task).await?;
-    let shuffle = client.open_shuffle(task.input_shuffle_id).await?;
+    let shuffle = client.open_shuffle(task.input_shuffle_id.into()).await?;
     let limit = task.granted.as_ref().map(|g| g.memory_bytes).filter(|&bytes| bytes > 0);
     let count = task.task_count.max(1);
     let (mut bytes, mut partitions) = (0u64, 0u32);
