@@ -10,7 +10,6 @@ mod fs;
 mod job;
 mod sched;
 mod show;
-mod spark_bench;
 mod status;
 mod terasort;
 mod up;

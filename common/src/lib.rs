@@ -1,13 +1,20 @@
-//! What every Tern daemon and command shares, and nothing else: sizes with units, the typed TOML
-//! config loader, the Prometheus admin endpoint, logging and shutdown signals.
+//! What every Tern daemon and command shares, and nothing else: sizes with units, durations, the
+//! typed TOML config loader, the Prometheus admin endpoint, logging and shutdown signals,
+//! percentiles, and the out-of-memory contract between task code and the executor.
 
 pub mod admin;
 pub mod config;
+pub mod duration;
+pub mod oom;
 pub mod rng;
 pub mod size;
+pub mod stats;
 
+pub use duration::parse_duration;
+pub use oom::OutOfMemory;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
+pub use stats::{median, percentile};
 
 /// Logs to stderr; `RUST_LOG` overrides `default` (e.g. "info").
 pub fn init_logging(default: &str) {
