@@ -131,7 +131,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 64)]
         clients: usize,
         /// How long the clients run, e.g. 60s, 2m, 500ms.
-        #[arg(long, default_value = "60s", value_parser = parse_duration)]
+        #[arg(long, default_value = "60s", value_parser = tern_common::parse_duration)]
         duration: std::time::Duration,
         #[arg(long, default_value_t = 2)]
         servers: u16,
@@ -279,36 +279,36 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::Scheduler { tasks, executors, cold_starts, json } => {
-            let options = tern_scheduler::bench::SchedulerBenchOptions {
+            let options = tern_bench::scheduler::SchedulerBenchOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 tasks,
                 executors,
                 cold_starts,
                 progress: !json,
             };
-            let report = tern_scheduler::bench::run(&options).await?;
+            let report = tern_bench::scheduler::run(&options).await?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
-                tern_scheduler::bench::print_table(&report);
+                tern_bench::scheduler::print_table(&report);
             }
             Ok(())
         }
         BenchCommand::JobTerasort { size, tasks, executors, runs, json } => {
             let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
-            let options = tern_scheduler::bench::JobTerasortOptions {
+            let options = tern_bench::scheduler::JobTerasortOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 size_bytes: size.bytes(),
-                tasks: tasks.unwrap_or_else(|| tern_bench::terasort_run::default_tasks(size.bytes()) as u32),
+                tasks: tasks.unwrap_or_else(|| tern_terasort::tasks::default_tasks(size.bytes()) as u32),
                 executors: executors.unwrap_or(cores),
                 runs,
                 progress: !json,
             };
-            let report = tern_scheduler::bench::job_terasort(&options).await?;
+            let report = tern_bench::scheduler::job_terasort(&options).await?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
-                tern_scheduler::bench::print_job_terasort(&report);
+                tern_bench::scheduler::print_job_terasort(&report);
             }
             anyhow::ensure!(report.job_valid && report.terasort_valid, "an output did not validate");
             Ok(())
@@ -388,7 +388,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             Ok(())
         }
         BenchCommand::SparkTerasort { size, partitions, jar, spark_home, master, executor_memory, scratch, json } => {
-            let options = crate::spark_bench::SparkTerasortOptions {
+            let options = tern_bench::spark::SparkTerasortOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 size_bytes: size.bytes(),
                 partitions,
@@ -399,45 +399,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 scratch,
                 quiet: json,
             };
-            let report = crate::spark_bench::run(&options).await?;
+            let report = tern_bench::spark::run(&options).await?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
-                crate::spark_bench::print_table(&report);
+                tern_bench::spark::print_table(&report);
             }
             anyhow::ensure!(report.builtin_valid && report.tern_valid, "a Spark TeraSort output is invalid");
             Ok(())
         }
-    }
-}
-
-/// A duration with a unit: `500ms`, `60s`, `2m`, `1h` (a bare number is seconds).
-fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
-    let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a duration like 60s, 500ms or 2m"))?;
-    let seconds = match unit.trim() {
-        "ms" => value / 1000.0,
-        "" | "s" => value,
-        "m" | "min" => value * 60.0,
-        "h" => value * 3600.0,
-        other => return Err(format!("unknown unit {other:?} in {text:?} (use ms, s, m or h)")),
-    };
-    std::time::Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?}: {e}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    #[test]
-    fn durations_parse_with_units() {
-        assert_eq!(super::parse_duration("60s"), Ok(Duration::from_secs(60)));
-        assert_eq!(super::parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(super::parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(super::parse_duration("3"), Ok(Duration::from_secs(3)));
-        assert!(super::parse_duration("1 fortnight").unwrap_err().contains("unknown unit"));
-        assert!(super::parse_duration("s").is_err());
     }
 }

@@ -1,11 +1,11 @@
-//! `tern executor`: runs tasks the scheduler hands out (tern_scheduler::executor does the work).
+//! `tern executor`: runs tasks the scheduler hands out (tern_executor does the work).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 use tern_common::ByteSize;
-use tern_scheduler::executor::{self, ExecutorConfig};
+use tern_executor::ExecutorConfig;
 
 #[derive(Args)]
 pub struct ExecutorArgs {
@@ -38,7 +38,7 @@ pub struct ExecutorArgs {
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     /// Leave after this long with nothing to run, e.g. 30s [default: stay until stopped].
-    #[arg(long, value_parser = executor::parse_duration)]
+    #[arg(long, value_parser = tern_common::parse_duration)]
     idle_exit_after: Option<Duration>,
 }
 
@@ -47,7 +47,7 @@ pub async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
     anyhow::ensure!(cpus.is_finite() && cpus > 0.0 && cpus <= 65_536.0, "--cpus {cpus} must be above 0");
     let memory_bytes = match args.memory {
         Some(memory) => memory.bytes(),
-        None => executor::machine_memory_bytes()?,
+        None => tern_executor::machine_memory_bytes()?,
     };
     let gpus = tern_gpu::resolve(args.gpus, args.gpu_discovery_script.as_deref())?;
     let config = ExecutorConfig {
@@ -61,6 +61,6 @@ pub async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
         gpus,
         idle_exit: args.idle_exit_after,
     };
-    executor::run(config, tern_common::shutdown_signal()).await?;
+    tern_executor::run(config, tern_common::shutdown_signal()).await?;
     Ok(())
 }

@@ -141,7 +141,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
                 let tern = std::env::current_exe()?.to_string_lossy().into_owned();
                 Some(vec![tern, "teravalidate".into(), format!("{}/output", out.trim_end_matches('/'))])
             };
-            let tasks = tasks.unwrap_or_else(|| tern_bench::terasort_run::default_tasks(size.bytes()) as u32);
+            let tasks = tasks.unwrap_or_else(|| tern_terasort::tasks::default_tasks(size.bytes()) as u32);
             let spec = tern_scheduler::spec::terasort_job(&tern_scheduler::spec::TerasortJob {
                 size_bytes: size.bytes(),
                 tasks,

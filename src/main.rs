@@ -9,7 +9,6 @@ mod executor;
 mod fs;
 mod job;
 mod show;
-mod spark_bench;
 mod status;
 mod terasort;
 // prctl(2) and kill(2) on the daemons `tern up` starts.

@@ -1,10 +1,15 @@
-//! `tern teragen`, `tern teravalidate` and `tern terasort`.
+//! `tern teragen`, `tern teravalidate` and `tern terasort` (tern-terasort does the work; this
+//! module starts the throwaway cluster `tern terasort` runs on when given none).
+
+use std::time::Instant;
 
 use clap::Args;
 use indicatif::MultiProgress;
-use tern_bench::terasort::gensort::RECORD_LEN;
-use tern_bench::terasort_run::{self, TerasortOptions};
+use tern_bench::cluster::EmbeddedCluster;
 use tern_common::ByteSize;
+use tern_terasort::driver::{self, TerasortOptions};
+use tern_terasort::tasks;
+use tern_terasort::RECORD_LEN;
 
 use crate::cli::MetadataAddr;
 
@@ -71,9 +76,9 @@ async fn client_unless_local(local: bool, metadata: &MetadataAddr) -> anyhow::Re
 pub async fn teragen(args: TeragenArgs) -> anyhow::Result<()> {
     let client = client_unless_local(args.local, &args.metadata).await?;
     let records = args.size.bytes() / RECORD_LEN as u64;
-    let parts = args.parts.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes()));
-    let out = terasort_run::location(&args.out, args.local);
-    let summary = terasort_run::teragen(
+    let parts = args.parts.unwrap_or_else(|| tasks::default_tasks(args.size.bytes()));
+    let out = tasks::location(&args.out, args.local);
+    let summary = tasks::teragen(
         client.as_ref(),
         records,
         parts,
@@ -89,13 +94,13 @@ pub async fn teragen(args: TeragenArgs) -> anyhow::Result<()> {
 
 pub async fn teravalidate(args: TeravalidateArgs) -> anyhow::Result<()> {
     let client = client_unless_local(args.local, &args.metadata).await?;
-    let dir = terasort_run::location(&args.path, args.local);
+    let dir = tasks::location(&args.path, args.local);
     let progress = if args.json {
         MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
     } else {
         MultiProgress::new()
     };
-    let summary = terasort_run::teravalidate(client.as_ref(), &dir, &progress).await?;
+    let summary = tasks::teravalidate(client.as_ref(), &dir, &progress).await?;
     if args.json {
         println!(
             "{}",
@@ -119,16 +124,28 @@ pub async fn teravalidate(args: TeravalidateArgs) -> anyhow::Result<()> {
 }
 
 pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
-    let options = TerasortOptions {
+    let mut options = TerasortOptions {
         size_bytes: args.size.bytes(),
-        metadata: args.metadata,
-        maps: args.maps.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes())),
-        reduces: args.reduces.unwrap_or_else(|| terasort_run::default_tasks(args.size.bytes())),
-        tern: std::env::current_exe()?,
+        metadata: args.metadata.clone().unwrap_or_default(),
+        maps: args.maps.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),
+        reduces: args.reduces.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),
+        started: Instant::now(),
         progress: !args.json,
         replicas: args.replicas,
     };
-    let report = terasort_run::terasort(&options).await?;
+    // Checked before a cluster is started for nothing.
+    options.records()?;
+    // Held to the end: dropping it stops the cluster.
+    let _embedded = match args.metadata {
+        Some(_) => None,
+        None => {
+            let dram = driver::dram_per_server(options.size_bytes, options.replicas);
+            let cluster = EmbeddedCluster::start(&std::env::current_exe()?, 2, &dram).await?;
+            options.metadata = cluster.metadata_addr.clone();
+            Some(cluster)
+        }
+    };
+    let report = driver::terasort(&options).await?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

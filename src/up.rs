@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use tern_common::ByteSize;
-use tern_scheduler::pool::{Pool, PoolConfig};
+use tern_executor::pool::{Pool, PoolConfig};
 use tokio::process::{Child, Command};
 
 #[derive(Args)]
@@ -62,7 +62,7 @@ struct PoolArgs {
     #[arg(long)]
     max_executors: Option<u32>,
     /// An executor above the min leaves after this long with nothing to run, e.g. 30s or 500ms.
-    #[arg(long, default_value = "30s", value_parser = tern_scheduler::executor::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = tern_common::parse_duration)]
     executor_idle_timeout: Duration,
     /// CPUs each executor offers [default: this machine's cores over --max-executors, at least 1].
     #[arg(long)]
@@ -92,7 +92,7 @@ impl PoolArgs {
         }
         let memory = match self.executor_memory {
             Some(memory) => memory.bytes(),
-            None => tern_scheduler::executor::machine_memory_bytes()? / u64::from(max.max(1)),
+            None => tern_executor::machine_memory_bytes()? / u64::from(max.max(1)),
         };
         let config = PoolConfig {
             min,

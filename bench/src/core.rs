@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use serde::Serialize;
+use tern_common::{median, percentile};
 use tern_proto::frame::{self, Frame};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::cluster::EmbeddedCluster;
-use crate::{median, percentile};
 
 pub struct CoreOptions {
     /// The `tern` binary to run (usually the running one).

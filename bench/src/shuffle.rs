@@ -13,11 +13,11 @@ use anyhow::Context;
 use bytes::Bytes;
 use serde::Serialize;
 use tern_client::{Client, ShuffleOptions};
+use tern_common::median;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{CommitMapRequest, LocateShuffleRequest, RegisterShuffleRequest, StatRequest};
 
 use crate::cluster::EmbeddedCluster;
-use crate::median;
 
 pub struct ShuffleBenchOptions {
     pub tern: std::path::PathBuf,

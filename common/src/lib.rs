@@ -1,16 +1,23 @@
-//! What every Tern daemon and command shares, and nothing else: sizes with units, the layered
-//! config loader and the listen/admin/TLS block of every daemon's config, the Prometheus admin
-//! endpoint, retry backoff, logging and shutdown signals.
+//! What every Tern daemon and command shares, and nothing else: sizes with units, durations, the
+//! layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
+//! admin endpoint, retry backoff, logging and shutdown signals, percentiles, and the out-of-memory
+//! contract between task code and the executor.
 
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod duration;
+pub mod oom;
 pub mod rng;
 pub mod size;
+pub mod stats;
 
 pub use backoff::Backoff;
+pub use duration::parse_duration;
+pub use oom::OutOfMemory;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
+pub use stats::{median, percentile};
 
 /// Logs to stderr; `RUST_LOG` overrides `default` (e.g. "info").
 pub fn init_logging(default: &str) {

@@ -1,4 +1,6 @@
-//! Tern's serverless task scheduler and elastic executor pool.
+//! Tern's serverless task scheduler: the control plane of jobs and executors. What runs on an
+//! executor (the executor process, its operators, the local pool) is `tern-executor`; the GPU
+//! code is `tern-gpu`; neither is built here.
 //!
 //! Jobs are DAGs of stages; stages pass data only through Tern shuffles and files, so executors
 //! hold no state a later stage needs and may join or leave at any moment.
@@ -7,25 +9,12 @@
 //! - [`server`]: the `tern scheduler` gRPC service around the policy;
 //! - [`client`]: a typed client for jobs and executors;
 //! - [`config`]: the scheduler's configuration;
-//! - [`operators`]: what a task runs (noop, TeraSort built-ins on CPU and GPU, any command);
-//! - [`executor`]: `tern executor`, which pulls batches of tasks and runs them;
-//! - [`pool`]: the local autoscaler `tern up` runs, starting and stopping executors;
-//! - [`bench`]: `tern bench scheduler` (dispatch throughput, executor cold start).
+//! - [`metrics`]: the scheduler's Prometheus metrics.
 
-// kill(2) on the benchmark's `tern up` child.
-#[allow(unsafe_code)]
-pub mod bench;
 pub mod client;
 pub mod config;
-pub mod executor;
 pub mod metrics;
-// kill(2) on a command's process group, sysconf(3) for its memory use.
-#[allow(unsafe_code)]
-pub mod operators;
 pub mod policy;
-// prctl(2) and kill(2) on the pool's executor processes.
-#[allow(unsafe_code)]
-pub mod pool;
 pub mod server;
 pub mod spec;
 

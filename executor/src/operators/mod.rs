@@ -3,8 +3,12 @@
 //! Built-ins: `noop` (nothing; for dispatch benchmarks and tests), `teragen`, `terasort-map`,
 //! `terasort-reduce` (CPU) and `terasort-reduce-gpu` (tern-gpu, with a CPU path when no GPU is
 //! usable and the stage is `gpu_optional`); and `command`, any executable. The TeraSort built-ins
-//! call the very per-task functions `tern terasort` runs (`tern_bench::terasort_run`), so the two
+//! call the very per-task functions `tern terasort` runs (`tern_terasort::tasks`), so the two
 //! sorts are one definition.
+//!
+//! Out of memory is the executor's contract with every operator: an error with
+//! [`tern_common::OutOfMemory`] in its chain is reported OOM (the scheduler retries the task with
+//! more memory), any other error failed. Operators turn their own kinds of it (a GPU's) into it.
 //!
 //! Operators keep no state a later stage needs: they read their input from Tern (a shuffle or
 //! files) and write their output there.
@@ -16,15 +20,15 @@ mod terasort;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tern_bench::terasort_run::OutOfMemory;
 use tern_client::{Client, ClientOptions};
+use tern_common::OutOfMemory;
 use tern_gpu::{GpuError, GpuSorter};
 use tern_proto::sched as pb;
 
 pub use command::{process_tree_rss_bytes, MEMORY_CHECK_INTERVAL};
 
 /// Operators an executor runs, by the name a stage gives: every one a job may name.
-pub use crate::spec::OPERATORS;
+pub use tern_scheduler::spec::OPERATORS;
 
 /// How a task ended, as the executor reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,14 +53,10 @@ impl Report {
         Report { outcome: pb::TaskOutcome::Oom, message: message.into(), path: "cpu".into() }
     }
 
-    /// An operator's error: [`OutOfMemory`] (and a GPU out of memory) become OOM, so the
-    /// scheduler retries with more memory; anything else is a failure.
+    /// An operator's error: [`OutOfMemory`] anywhere in its chain becomes OOM, so the scheduler
+    /// retries with more memory; anything else is a failure.
     fn from_error(e: anyhow::Error) -> Report {
-        let oom = e.chain().any(|cause| {
-            cause.downcast_ref::<OutOfMemory>().is_some()
-                || matches!(cause.downcast_ref::<GpuError>(), Some(GpuError::OutOfMemory(_)))
-        });
-        if oom {
+        if OutOfMemory::is_in(&e) {
             Report::oom(format!("{e:#}"))
         } else {
             Report::failed(format!("{e:#}"))
@@ -257,8 +257,13 @@ mod tests {
     fn out_of_memory_errors_become_oom_reports() {
         let e = anyhow::Error::new(OutOfMemory("partition 3 is too big".into())).context("reduce 3");
         assert_eq!(Report::from_error(e).outcome, pb::TaskOutcome::Oom);
-        let e = anyhow::Error::new(GpuError::OutOfMemory("16 GiB".into()));
+        // A GPU out of memory reaches the executor as OutOfMemory (see terasort::gpu_error).
+        let e = terasort::gpu_error(GpuError::OutOfMemory("16 GiB".into()));
         assert_eq!(Report::from_error(e).outcome, pb::TaskOutcome::Oom);
+        assert_eq!(
+            Report::from_error(terasort::gpu_error(GpuError::Cuda("bad".into()))).outcome,
+            pb::TaskOutcome::Failed
+        );
         assert_eq!(Report::from_error(anyhow::anyhow!("disk on fire")).outcome, pb::TaskOutcome::Failed);
     }
 }

@@ -2,7 +2,8 @@
 //
 // Records are 100 bytes with a 10-byte key; the order is the memcmp order of the keys, and records
 // with equal keys keep their input order (a stable sort), exactly as the CPU sort
-// (tern_bench::terasort::sort_records) orders them.
+// (tern_terasort::sort_records) orders them. RECORD_LEN comes from the host (-DRECORD_LEN=...,
+// tern-terasort's layout); the key's split into 8 + 2 bytes below is this kernel's own.
 //
 // The sort is a least-significant-digit radix sort over the 10 key bytes, one byte per pass, of
 // (key, index) entries held as three arrays: the key's bytes 0..8 as a big-endian u64 (`hi`), bytes
@@ -26,8 +27,10 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-#define RECORD_LEN 100
-#define RECORD_WORDS 25 /* RECORD_LEN / 4 */
+#ifndef RECORD_LEN
+#error "RECORD_LEN is defined by the host when it compiles this file"
+#endif
+#define RECORD_WORDS (RECORD_LEN / 4)
 #define RADIX 256
 #define TILE 2048
 #define SCAN_THREADS 1024

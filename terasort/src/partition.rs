@@ -79,7 +79,7 @@ fn prefix(key: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::terasort::gensort::{generate, RECORD_LEN};
+    use crate::gensort::{generate, RECORD_LEN};
 
     fn splitmix(state: &mut u64) -> u64 {
         *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);

@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tern_client::{ClientOptions, ErrorKind};
 use tern_proto::sched as pb;
+use tern_scheduler::SchedulerClient;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
-use crate::client::SchedulerClient;
 use crate::operators::{self, Report, Services};
 
 /// Longest a finished task's result waits for the next poll while other tasks run.
@@ -542,22 +542,6 @@ fn truncate(mut message: String) -> String {
     message
 }
 
-/// Parses a duration: "500ms", "30s", "5m", "1h", or a bare number of seconds.
-pub fn parse_duration(text: &str) -> anyhow::Result<Duration> {
-    let text = text.trim();
-    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number.parse().with_context(|| format!("{text:?} is not a duration such as 30s or 500ms"))?;
-    let seconds = match unit.trim() {
-        "ms" => value / 1000.0,
-        "" | "s" => value,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        other => bail!("{text:?}: unknown unit {other:?} (use ms, s, m or h)"),
-    };
-    Duration::try_from_secs_f64(seconds).with_context(|| format!("{text:?} is not a duration"))
-}
-
 /// Memory this machine has (MemTotal), for an executor's default `--memory`.
 pub fn machine_memory_bytes() -> anyhow::Result<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
@@ -572,16 +556,6 @@ pub fn machine_memory_bytes() -> anyhow::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_parse_with_units() {
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
-        assert_eq!(parse_duration("2").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("1.5m").unwrap(), Duration::from_secs(90));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("5 fortnights").unwrap_err().to_string().contains("unknown unit"));
-    }
 
     #[test]
     fn long_messages_are_cut_on_a_character_boundary() {

@@ -1,5 +1,7 @@
-//! TeraSort building blocks: pure, in-memory, no I/O and no cluster.
+//! TeraSort, Tern's main job: the records and their checks, the per-task functions on a Tern
+//! cluster, and the in-process driver.
 //!
+//! The records, pure and in memory (no I/O, no cluster; all that the GPU sort needs):
 //! * [`gensort`] generates the Sort Benchmark's 100-byte records (10-byte key + 90-byte payload)
 //!   exactly as Chris Nyberg's `gensort` does, so that any part of the input can be generated
 //!   independently from its first record number (`gensort -bN`).
@@ -20,11 +22,21 @@
 //! [`gensort::Format::Gensort15`] writes gensort 1.5's binary records (their valsort checksum
 //! matches published gensort 1.5 output), and with [`gensort::Format::Ascii`] `gensort -a` records.
 //! The checksum and sortedness checks do not depend on the layout.
+//!
+//! On a cluster (cargo feature `cluster`, on by default):
+//! * [`tasks`]: generate, map, read a reduce partition, sort, write and publish a part, one
+//!   definition for the commands, the driver and the executor's operators;
+//! * [`driver`]: `tern terasort` in one process, with its own retries.
 
 pub mod gensort;
 pub mod partition;
 pub mod sort;
 pub mod validate;
+
+#[cfg(feature = "cluster")]
+pub mod driver;
+#[cfg(feature = "cluster")]
+pub mod tasks;
 
 pub use gensort::{
     generate, generate_format, generate_parallel, generate_parallel_format, record_key, Format, KEY_LEN, RECORD_LEN,

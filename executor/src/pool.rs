@@ -20,9 +20,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tern_scheduler::SchedulerClient;
 use tokio::process::{Child, Command};
-
-use crate::client::SchedulerClient;
 
 /// An executor this young may not have registered or taken tasks yet.
 pub const STARTUP_GRACE: Duration = Duration::from_millis(500);

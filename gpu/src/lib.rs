@@ -3,9 +3,10 @@
 //! * [`discovery`]: an executor's GPU [`Inventory`], from `--gpus N` ([`declared`]), from a discovery
 //!   script printing Spark's `{"name":"gpu","addresses":[...]}` ([`from_discovery_script`]), or
 //!   from the CUDA driver ([`detect`]); [`resolve`] applies that order of precedence.
-//! * [`sort`]: [`GpuSorter`] sorts 100-byte records by their 10-byte keys on one GPU, in place in a
-//!   [`PinnedBuffer`] (page-locked host memory the caller fills), with a radix-sort kernel compiled
-//!   at run time by NVRTC (`src/sort.cu`). Its output is byte-identical to the CPU sort's.
+//! * [`sort`]: [`GpuSorter`] sorts TeraSort records (`tern_terasort`'s layout: 100 bytes, a
+//!   10-byte key first) on one GPU, in place in a [`PinnedBuffer`] (page-locked host memory the
+//!   caller fills), with a radix-sort kernel compiled at run time by NVRTC (`src/sort.cu`). Its
+//!   output is byte-identical to the CPU sort's.
 //!
 //! The CUDA path is the `cuda` cargo feature (on by default). cudarc loads the driver and NVRTC
 //! libraries at run time, so the crate builds with no CUDA toolkit installed; with no driver, no
@@ -24,11 +25,6 @@ pub use sort::{GpuError, GpuSorter, PinnedBuffer, SortStats};
 use std::path::PathBuf;
 
 use serde::Serialize;
-
-/// Bytes in one TeraSort record (the layout of `tern_bench::terasort`; a test checks they agree).
-pub const RECORD_LEN: usize = 100;
-/// Bytes of a record's key, at its start.
-pub const KEY_LEN: usize = 10;
 
 /// One GPU an executor can hand to tasks.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -7,9 +7,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::{MultiProgress, ProgressDrawTarget};
 use serde::Serialize;
-use tern_bench::cluster::EmbeddedCluster;
-use tern_bench::terasort::gensort::RECORD_LEN;
-use tern_bench::terasort_run::{self, Location};
+use tern_terasort::tasks::{self, Location};
+use tern_terasort::RECORD_LEN;
+
+use crate::cluster::EmbeddedCluster;
 
 pub struct SparkTerasortOptions {
     pub tern: PathBuf,
@@ -97,8 +98,8 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
     });
     let input = work.path().join("input");
     let records = options.size_bytes / RECORD_LEN as u64;
-    let parts = terasort_run::default_tasks(options.size_bytes);
-    let generated = terasort_run::teragen(
+    let parts = tasks::default_tasks(options.size_bytes);
+    let generated = tasks::teragen(
         None,
         records,
         parts,
@@ -154,7 +155,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
             );
         };
         let run: SparkRun = serde_json::from_str(line).with_context(|| format!("parsing {line}"))?;
-        let summary = terasort_run::teravalidate(None, &Location::Local(out.clone()), &progress).await?;
+        let summary = tasks::teravalidate(None, &Location::Local(out.clone()), &progress).await?;
         let valid = summary.sorted() && summary.checksum == generated.checksum && summary.records == generated.records;
         std::fs::remove_dir_all(&out).ok();
         if !options.quiet {

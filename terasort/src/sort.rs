@@ -153,8 +153,8 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::terasort::gensort::{gen, generate, generate_parallel};
-    use crate::terasort::validate::{checksum, validate_parallel};
+    use crate::gensort::{gen, generate, generate_parallel};
+    use crate::validate::{checksum, validate_parallel};
 
     fn check_sorted_permutation(input: &[u8], out: &[u8]) {
         let s = validate_parallel(out).unwrap();

@@ -1,15 +1,15 @@
 //! Sorting TeraSort records on one GPU.
 //!
 //! [`GpuSorter::sort`] orders 100-byte records by the `memcmp` order of their 10-byte keys, records
-//! with equal keys in input order: byte for byte what the CPU sort (`tern_bench::terasort::
-//! sort_records`) produces. The records sit in a [`PinnedBuffer`] (page-locked host memory that a
+//! with equal keys in input order: byte for byte what the CPU sort (`tern_terasort::sort_records`)
+//! produces. The records sit in a [`PinnedBuffer`] (page-locked host memory that a
 //! reduce fills straight from its shuffle reader), are copied to the device, sorted there by an
 //! LSD radix sort over the key bytes (`src/sort.cu`, compiled at run time by NVRTC), permuted on the
 //! device, and copied back into the same pinned buffer, from which the output is written.
 
 use serde::Serialize;
 
-use crate::RECORD_LEN;
+use tern_terasort::RECORD_LEN;
 
 /// Why a GPU sort could not run. Callers tell [`GpuError::NoGpu`] (take the CPU path) and
 /// [`GpuError::OutOfMemory`] (the task ran out of memory) from the rest.
@@ -174,14 +174,10 @@ fn check_records(records: &[u8]) -> Result<(), GpuError> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::{detect, KEY_LEN};
+    use tern_terasort::KEY_LEN;
 
-    #[test]
-    fn record_layout_matches_tern_bench() {
-        assert_eq!(RECORD_LEN, tern_bench::terasort::RECORD_LEN);
-        assert_eq!(KEY_LEN, tern_bench::terasort::KEY_LEN);
-    }
+    use super::*;
+    use crate::detect;
 
     #[test]
     fn open_fails_cleanly_without_a_gpu_and_names_bad_addresses() {
@@ -241,11 +237,11 @@ mod tests {
                     tricky_records(n, seed as u64)
                 } else {
                     let mut v = vec![0u8; n * RECORD_LEN];
-                    tern_bench::terasort::generate(seed as u64 * 1_000_000, n as u64, &mut v);
+                    tern_terasort::generate(seed as u64 * 1_000_000, n as u64, &mut v);
                     v
                 };
                 let mut cpu = Vec::new();
-                tern_bench::terasort::sort_records(&input, &mut cpu);
+                tern_terasort::sort_records(&input, &mut cpu);
                 let (gpu, stats) = sorter.sort(&input).unwrap();
                 assert!(gpu == cpu, "GPU and CPU sorts differ for {n} records");
                 assert_eq!((stats.records, stats.bytes), (n as u64, input.len() as u64));

@@ -15,9 +15,10 @@ use cudarc::driver::{
     PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc;
+use tern_terasort::{KEY_LEN, RECORD_LEN};
 
 use crate::sort::{GpuError, SortStats};
-use crate::{GpuDevice, Inventory, Source, RECORD_LEN};
+use crate::{GpuDevice, Inventory, Source};
 
 /// The kernels, compiled at run time (see the file for the algorithm).
 const KERNEL_SOURCE: &str = include_str!("sort.cu");
@@ -26,7 +27,9 @@ const RADIX: u32 = 256;
 const TILE: u32 = 2048;
 const SCAN_THREADS: u32 = 1024;
 /// Key bytes, one radix pass each.
-const PASSES: u32 = crate::KEY_LEN as u32;
+const PASSES: u32 = KEY_LEN as u32;
+// sort.cu holds a key as 8 + 2 bytes and moves records as 4-byte words.
+const _: () = assert!(KEY_LEN == 10 && RECORD_LEN.is_multiple_of(4), "sort.cu's key split and word copy");
 /// Threads per block of the grid-stride kernels, and a cap on their grids.
 const STRIDE_THREADS: u32 = 256;
 const MAX_STRIDE_BLOCKS: u32 = 1 << 16;
@@ -110,7 +113,12 @@ fn driver_err(what: &str) -> impl Fn(DriverError) -> GpuError + '_ {
 pub(crate) fn compile_kernels() -> Result<nvrtc::Ptx, GpuError> {
     nvrtc_present().map_err(GpuError::NoGpu)?;
     let compiled = catch_unwind(|| {
-        let opts = nvrtc::CompileOptions { name: Some("tern_sort.cu".into()), ..Default::default() };
+        let opts = nvrtc::CompileOptions {
+            name: Some("tern_sort.cu".into()),
+            // The record layout is tern-terasort's, handed to the kernels rather than copied.
+            options: vec![format!("-DRECORD_LEN={RECORD_LEN}")],
+            ..Default::default()
+        };
         nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts)
     });
     match compiled {

@@ -477,7 +477,7 @@ mod tests {
             let n = CHUNK.min(count - first);
             let chunk = &mut out[..n as usize * RECORD_LEN];
             generate_parallel_format(format, first, n, chunk);
-            sum = sum.wrapping_add(crate::terasort::validate::checksum(chunk).1);
+            sum = sum.wrapping_add(crate::validate::checksum(chunk).1);
         }
         sum
     }

@@ -15,11 +15,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use tern_bench::cluster::EmbeddedCluster;
+use tern_common::percentile;
 use tern_proto::sched as pb;
+use tern_scheduler::{spec, SchedulerClient};
+use tern_terasort::{driver, tasks};
 use tokio::io::AsyncBufReadExt;
 
-use crate::client::SchedulerClient;
+use crate::cluster::EmbeddedCluster;
 
 /// How to run the benchmark.
 #[derive(Debug, Clone)]
@@ -281,7 +283,7 @@ pub struct JobTerasortReport {
     /// Seconds of each of the job's stages in the last run (first task started to last finished).
     pub job_stage_seconds: std::collections::BTreeMap<String, f64>,
     /// `tern terasort`'s phases in the last run.
-    pub terasort_phases: tern_bench::terasort_run::Phases,
+    pub terasort_phases: driver::Phases,
     pub job_valid: bool,
     pub terasort_valid: bool,
 }
@@ -290,7 +292,6 @@ pub struct JobTerasortReport {
 /// cluster (`tern up --executors E`, two storage servers), the same size and task count;
 /// validates both outputs.
 pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTerasortReport> {
-    use tern_bench::terasort_run;
     if options.runs == 0 || options.tasks == 0 || options.executors == 0 {
         bail!("--runs, --tasks and --executors must each be at least 1");
     }
@@ -326,12 +327,12 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
     let mut phases = None;
     for run in 1..=options.runs {
         say(format!("run {run}: tern terasort..."));
-        let report = terasort_run::terasort(&terasort_run::TerasortOptions {
+        let report = driver::terasort(&driver::TerasortOptions {
             size_bytes: options.size_bytes,
-            metadata: Some(cluster.metadata_addr.clone()),
+            metadata: cluster.metadata_addr.clone(),
             maps: options.tasks as usize,
             reduces: options.tasks as usize,
-            tern: options.tern.clone(),
+            started: Instant::now(),
             progress: false,
             replicas: 1,
         })
@@ -344,7 +345,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
 
         say(format!("run {run}: tern job terasort..."));
         let out = format!("/bench-job-terasort-{}-{run}", std::process::id());
-        let spec = crate::spec::terasort_job(&crate::spec::TerasortJob {
+        let spec = spec::terasort_job(&spec::TerasortJob {
             size_bytes: options.size_bytes,
             tasks: options.tasks,
             gpu: false,
@@ -366,8 +367,8 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
         say(format!("  {seconds:.2} s; stages: {stage_seconds:?}"));
         job_runs.push(seconds);
         let hidden = indicatif::MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden());
-        let output = terasort_run::Location::Store(format!("{out}/output"));
-        let summary = terasort_run::teravalidate(Some(&client), &output, &hidden).await?;
+        let output = tasks::Location::Store(format!("{out}/output"));
+        let summary = tasks::teravalidate(Some(&client), &output, &hidden).await?;
         job_valid &= summary.sorted()
             && summary.records == options.size_bytes / 100
             && format!("{:x}", summary.checksum) == report.input_checksum;
@@ -407,33 +408,14 @@ pub fn print_job_terasort(report: &JobTerasortReport) {
     println!("  ratio job / terasort               {:>8.2}     (target <= 1.2)", report.ratio);
 }
 
-/// The `p`th percentile (nearest rank) of sorted `values`.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn percentiles_take_the_nearest_rank() {
-        let values: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&values, 50.0), 50.0);
-        assert_eq!(percentile(&values, 99.0), 99.0);
-        assert_eq!(percentile(&[7.0], 99.0), 7.0);
-        assert_eq!(percentile(&[1.0, 2.0, 3.0], 50.0), 2.0);
-        assert_eq!(percentile(&[], 50.0), 0.0);
-    }
-
-    #[test]
     fn noop_jobs_are_valid_jobs() {
-        let limits = crate::spec::SpecLimits::default();
-        crate::spec::validate(&noop_job("x", 10, 0, NOOP_CPU_MILLI), &limits).unwrap();
-        crate::spec::validate(&noop_job("y", 10, 1000, 1000), &limits).unwrap();
+        let limits = spec::SpecLimits::default();
+        spec::validate(&noop_job("x", 10, 0, NOOP_CPU_MILLI), &limits).unwrap();
+        spec::validate(&noop_job("y", 10, 1000, 1000), &limits).unwrap();
     }
 }

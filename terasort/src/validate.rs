@@ -248,7 +248,7 @@ pub fn checksum_exact(bytes: &[u8]) -> Result<(u64, u128), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::terasort::gensort::gen;
+    use crate::gensort::gen;
 
     fn validate(bytes: &[u8]) -> Result<Summary, String> {
         let mut v = Validator::new();

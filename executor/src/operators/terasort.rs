@@ -1,6 +1,6 @@
 //! The TeraSort built-ins: `teragen`, `terasort-map`, `terasort-reduce` and
 //! `terasort-reduce-gpu`. Each is a thin wrapper around the per-task function `tern terasort`
-//! itself runs (`tern_bench::terasort_run`), with the task's index, attempt and data from its
+//! itself runs (`tern_terasort::tasks`), with the task's index, attempt and data from its
 //! assignment.
 //!
 //! Tasks and parts: teragen task i of N writes part i; map task i of N reads the input parts
@@ -13,11 +13,11 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use indicatif::ProgressBar;
-use tern_bench::terasort::gensort::RECORD_LEN;
-use tern_bench::terasort_run::{self, Location};
-use tern_common::ByteSize;
+use tern_common::{ByteSize, OutOfMemory};
 use tern_gpu::GpuError;
 use tern_proto::sched as pb;
+use tern_terasort::tasks::{self, Location};
+use tern_terasort::RECORD_LEN;
 
 use super::{param, Report, Services};
 
@@ -30,14 +30,14 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         _ => bail!("teragen needs exactly one of the parameters records and size"),
     };
     let dir = output_dir(task)?;
-    let (first, count) = terasort_run::split_records(records, task.task_count.max(1) as usize)
+    let (first, count) = tasks::split_records(records, task.task_count.max(1) as usize)
         .get(task.task_index as usize)
         .copied()
         .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
     let client = services.client_for(task).await?;
-    let target = Location::Store(terasort_run::store_part(&dir, task.task_index as usize));
+    let target = Location::Store(tasks::store_part(&dir, task.task_index as usize));
     let summary =
-        terasort_run::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
+        tasks::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
     Ok(Report::succeeded(format!("{} records, checksum {:x}", summary.records, summary.checksum)))
 }
 
@@ -50,7 +50,7 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
         bail!("terasort-map writes a shuffle, but the stage's output is {:?}", task.output_path);
     }
     let client = services.client_for(task).await?;
-    let parts = terasort_run::list_parts(Some(&client), &Location::Store(input.clone())).await?;
+    let parts = tasks::list_parts(Some(&client), &Location::Store(input.clone())).await?;
     if parts.is_empty() {
         bail!("terasort-map: no part-* files in {input}");
     }
@@ -66,7 +66,7 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
         .collect();
     let shuffle = client.open_shuffle(task.output_shuffle_id.into()).await?;
     let outcome =
-        terasort_run::map_part(&client, &shuffle, task.task_index, task.attempt, &mine, &ProgressBar::hidden()).await?;
+        tasks::map_part(&client, &shuffle, task.task_index, task.attempt, &mine, &ProgressBar::hidden()).await?;
     Ok(Report::succeeded(if outcome.committed {
         format!("{} parts mapped", mine.len())
     } else {
@@ -107,18 +107,18 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
     let (mut bytes, mut partitions) = (0u64, 0u32);
     let (mut read_seconds, mut sort_seconds) = (0.0, 0.0);
     for partition in (task.task_index..shuffle.partitions()).step_by(count as usize) {
-        let path = terasort_run::store_part(&dir, partition as usize);
+        let path = tasks::store_part(&dir, partition as usize);
         let Some((address, sorter)) = &sorter else {
-            let records = terasort_run::read_partition(&shuffle, partition, limit).await?;
+            let records = tasks::read_partition(&shuffle, partition, limit).await?;
             bytes += records.len() as u64;
-            let sorted = terasort_run::sort_partition(records).await?;
-            terasort_run::write_part(&client, &path, task.attempt, Bytes::from(sorted)).await?;
+            let sorted = tasks::sort_partition(records).await?;
+            tasks::write_part(&client, &path, task.attempt, Bytes::from(sorted)).await?;
             partitions += 1;
             continue;
         };
         // The GPU path reads the partition straight into pinned memory, sorts it there in place
         // and writes the output from it: no host copy besides the one out of the shuffle reader.
-        let input = terasort_run::PartitionInput::open(&shuffle, partition).await?;
+        let input = tasks::PartitionInput::open(&shuffle, partition).await?;
         input.check_memory(1, limit)?;
         let len = input.bytes() as usize;
         // Off the async threads: the lock waits while another task sorts on this GPU.
@@ -126,7 +126,8 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
             let sorter = sorter.clone();
             move || sorter.lock().pinned_buffer(len)
         })
-        .await??;
+        .await?
+        .map_err(gpu_error)?;
         let started = Instant::now();
         input.read_into(buf.as_mut()).await?;
         read_seconds += started.elapsed().as_secs_f64();
@@ -136,7 +137,8 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
             let stats = sorter.lock().sort_pinned(&mut buf)?;
             Ok::<_, GpuError>((buf, stats))
         })
-        .await??;
+        .await?
+        .map_err(gpu_error)?;
         tracing::info!(
             job = %task.job_id, task = task.task_index, partition, gpu = %address, device = %stats.device,
             records = stats.records, h2d_s = stats.h2d_seconds, sort_s = stats.sort_seconds,
@@ -144,7 +146,7 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
         );
         sort_seconds += stats.sort_seconds;
         // Sent from the pinned buffer itself, which goes back to the sorter's pool once written.
-        terasort_run::write_part(&client, &path, task.attempt, Bytes::from_owner(buf)).await?;
+        tasks::write_part(&client, &path, task.attempt, Bytes::from_owner(buf)).await?;
         partitions += 1;
     }
     let path = match &sorter {
@@ -165,6 +167,15 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
         message = format!("{message}; {note}");
     }
     Ok(Report { path, ..Report::succeeded(message) })
+}
+
+/// A GPU's error as the executor's contract has it: out of GPU (or pinned) memory is
+/// [`OutOfMemory`], so the task is retried with more memory; the rest stay what they are.
+pub(super) fn gpu_error(e: GpuError) -> anyhow::Error {
+    match e {
+        GpuError::OutOfMemory(why) => OutOfMemory(format!("GPU: {why}")).into(),
+        e => e.into(),
+    }
 }
 
 /// A stage's path in the store: absolute as given, relative to the job's root otherwise

@@ -1,28 +1,28 @@
-//! TeraSort through Tern: `tern teragen`, `tern teravalidate` and `tern terasort`.
+//! TeraSort's per-task functions on a Tern cluster, one definition for `tern teragen`,
+//! `tern teravalidate`, the in-process driver ([`crate::driver`]) and the executor's TeraSort
+//! operators: generate a part, map a part into the shuffle, read a reduce partition, sort it,
+//! write an output part, and publish a part once whole (an attempt writes under its own name and
+//! is renamed into place, so the first whole attempt wins). Also the whole-dataset steps built on
+//! them: [`teragen`] and [`teravalidate`] over every part, in parallel.
 //!
-//! The sort is the classic two-stage job on the shuffle service: M map tasks each read one input
-//! part, range-partition its records by key and push them into R reduce partitions; R reduce
-//! tasks each read their partition (exactly the committed map outputs), sort it in memory and
-//! write one output part. Output part i holds keys below those of part i+1, so the parts in
-//! order are the sorted data, which validation checks as valsort would.
+//! Memory: a reduce partition too large for the task, or an allocation the system refuses, fails
+//! with [`tern_common::OutOfMemory`], which the executor reports as OOM (the scheduler then retries
+//! with more memory).
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use serde::Serialize;
-use tern_client::{Client, CommitOutcome, CreateOptions, MapWriterOptions, Shuffle, ShuffleOptions, ShuffleReader};
+use tern_client::{Client, CommitOutcome, CreateOptions, MapWriterOptions, Shuffle, ShuffleReader};
+use tern_common::OutOfMemory;
 use tokio::sync::Semaphore;
 
-use crate::cluster::EmbeddedCluster;
-use crate::terasort::gensort::{self, RECORD_LEN};
-use crate::terasort::partition::RangePartitioner;
-use crate::terasort::sort::try_sort_records;
-use crate::terasort::validate::{Summary, Validator};
+use crate::gensort::{self, RECORD_LEN};
+use crate::partition::RangePartitioner;
+use crate::sort::try_sort_records;
+use crate::validate::{Summary, Validator};
 
 /// Records generated per call into the generator (about 8 MB).
 const GENERATE_CHUNK_RECORDS: u64 = 80_000;
@@ -31,12 +31,6 @@ const MAP_CHUNK_BYTES: usize = 4 << 20;
 /// Records per shuffle write: a batch closes when the next write would not fit, so with 64 KB
 /// writes a 1 MiB batch is at least 94% full.
 const WRITE_RECORDS: usize = 655;
-/// Attempts of one map or reduce task (a failure after a storage server died is retried) before
-/// the job fails; retries back off from 250 ms to 2 s, about 10 s in all: longer than the
-/// metadata server takes to declare a silent server dead (5 s by default).
-const TASK_ATTEMPTS: u32 = 8;
-const RETRY_BACKOFF_START: Duration = Duration::from_millis(250);
-const RETRY_BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// Where a dataset lives: a directory in the store, or on local disk.
 #[derive(Debug, Clone)]
@@ -55,7 +49,7 @@ impl Location {
 }
 
 /// Runs `tasks`, as many at once as this machine has cores, and returns their results in order.
-async fn run_all<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> anyhow::Result<Vec<T>>
+pub(crate) async fn run_all<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> anyhow::Result<Vec<T>>
 where
     F: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
     T: Send + 'static,
@@ -64,7 +58,7 @@ where
 }
 
 /// As [`run_all`], but every task runs to its end whatever the others do: each one's result.
-async fn run_all_settled<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> Vec<anyhow::Result<T>>
+pub(crate) async fn run_all_settled<T, F>(what: &str, tasks: impl IntoIterator<Item = F>) -> Vec<anyhow::Result<T>>
 where
     F: std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
     T: Send + 'static,
@@ -103,7 +97,7 @@ pub fn split_records(records: u64, parts: usize) -> Vec<(u64, u64)> {
     (0..parts).map(|i| (records * i / parts, records * (i + 1) / parts - records * i / parts)).collect()
 }
 
-fn bar(progress: &MultiProgress, total: u64, phase: &str) -> ProgressBar {
+pub(crate) fn bar(progress: &MultiProgress, total: u64, phase: &str) -> ProgressBar {
     let bar = progress.add(ProgressBar::new(total));
     bar.set_style(
         ProgressStyle::with_template("{msg:>10} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}")
@@ -189,7 +183,7 @@ pub async fn generate_part_with(
         let (chunk, part_summary) = tokio::task::spawn_blocking(move || {
             let mut chunk = vec![0u8; n as usize * RECORD_LEN];
             gensort::generate_parallel(start, n, &mut chunk);
-            let (records, checksum) = crate::terasort::validate::checksum(&chunk);
+            let (records, checksum) = crate::validate::checksum(&chunk);
             (chunk, Summary { records, checksum, ..Summary::default() })
         })
         .await?;
@@ -334,260 +328,6 @@ async fn validate_part(client: Option<Client>, part: Location, bar: ProgressBar)
     validator.finish().map_err(|e| anyhow::anyhow!("{part:?}: {e}"))
 }
 
-/// How to run `tern terasort`.
-#[derive(Debug, Clone)]
-pub struct TerasortOptions {
-    pub size_bytes: u64,
-    /// A running cluster; `None` starts an embedded one.
-    pub metadata: Option<String>,
-    pub maps: usize,
-    pub reduces: usize,
-    /// The `tern` binary, to start an embedded cluster.
-    pub tern: PathBuf,
-    /// Show progress bars.
-    pub progress: bool,
-    /// Copies of the input and output parts' blocks and of the shuffle's segments (1 or 2). With
-    /// 2, a storage server lost mid-job costs no recomputation.
-    pub replicas: u32,
-}
-
-/// Seconds per phase.
-#[derive(Debug, Clone, Serialize)]
-pub struct Phases {
-    pub teragen: f64,
-    pub map: f64,
-    pub reduce: f64,
-    pub validate: f64,
-}
-
-/// The result `tern terasort --json` prints.
-#[derive(Debug, Clone, Serialize)]
-pub struct TerasortReport {
-    pub records: u64,
-    pub bytes: u64,
-    pub input_checksum: String,
-    pub output_checksum: String,
-    pub sorted: bool,
-    pub duplicates: u64,
-    pub maps: usize,
-    pub reduces: usize,
-    pub phases: Phases,
-    pub total_seconds: f64,
-    /// Bytes sorted per second over the map and reduce phases (teragen and validation excluded).
-    pub sort_mb_per_s: f64,
-    /// Copies of the data, as asked.
-    pub replicas: u32,
-    /// Maps run again because their committed output lost every copy (a storage server died).
-    pub maps_recomputed: usize,
-    /// Map and reduce attempts that failed and were retried.
-    pub task_retries: usize,
-}
-
-impl TerasortReport {
-    /// The output is valid: in order, every input record present (same count and checksum).
-    pub fn valid(&self) -> bool {
-        self.sorted && self.input_checksum == self.output_checksum
-    }
-}
-
-/// Each storage server's DRAM tier when terasort starts its own cluster: room for the input and
-/// the shuffle, or the shuffle and the output, with a margin for partly filled blocks.
-fn embedded_dram_per_server(size_bytes: u64, replicas: u32) -> String {
-    // Every copy takes room: with 2 replicas, twice the data on the same two servers.
-    let copies = u64::from(replicas.max(1));
-    let size_bytes = size_bytes * copies;
-    let per_server = (size_bytes + size_bytes / 4).max(copies * (256 << 20)).div_ceil(1 << 20);
-    format!("{per_server}MiB")
-}
-
-pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortReport> {
-    let started = Instant::now();
-    let records = options.size_bytes / RECORD_LEN as u64;
-    if records == 0 {
-        bail!("--size {} is less than one 100-byte record", options.size_bytes);
-    }
-    let embedded = match &options.metadata {
-        Some(_) => None,
-        None => Some(
-            EmbeddedCluster::start(&options.tern, 2, &embedded_dram_per_server(options.size_bytes, options.replicas))
-                .await?,
-        ),
-    };
-    let metadata = options
-        .metadata
-        .clone()
-        .or_else(|| embedded.as_ref().map(|c| c.metadata_addr.clone()))
-        .context("no cluster")?;
-    let client = Client::connect(&metadata).await?;
-    let job = client
-        .start_job(
-            Some(&format!("terasort-{}-{}", std::process::id(), tern_common::unix_ms())),
-            Duration::from_secs(60),
-        )
-        .await?;
-    let input = Location::Store(format!("{}/input", job.root()));
-    let output = Location::Store(format!("{}/output", job.root()));
-    let progress = if options.progress {
-        MultiProgress::new()
-    } else {
-        MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
-    };
-
-    let create = CreateOptions { replicas: options.replicas, ..CreateOptions::default() };
-    let say = |line: String| progress.suspend(|| eprintln!("terasort: {line}"));
-
-    let phase = Instant::now();
-    let input_summary = teragen(Some(&client), records, options.maps, &input, create, &progress).await?;
-    let teragen_seconds = phase.elapsed().as_secs_f64();
-
-    let phase = Instant::now();
-    let shuffle = client
-        .register_shuffle(
-            job.id(),
-            options.reduces as u32,
-            ShuffleOptions { maps: options.maps as u32, replicas: options.replicas, ..Default::default() },
-        )
-        .await?;
-    say(format!("map phase: {} maps, shuffle {} with {} copies", options.maps, shuffle.id(), options.replicas));
-    let Location::Store(input_dir) = &input else { bail!("map input must be in the store") };
-    let maps = Maps {
-        client: client.clone(),
-        shuffle: shuffle.clone(),
-        input: input_dir.clone(),
-        recompute: format!("{}/recompute", job.root()),
-        splits: split_records(records, options.maps),
-        create,
-        next_attempt: Arc::new(std::sync::Mutex::new(vec![0; options.maps])),
-        retries: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-        say: {
-            let progress = progress.clone();
-            Arc::new(move |line: String| progress.suspend(|| eprintln!("terasort: {line}")))
-        },
-    };
-    let bytes = records * RECORD_LEN as u64;
-    maps.run(&(0..options.maps as u32).collect::<Vec<_>>(), bar(&progress, bytes, "map")).await?;
-    // The input is no longer needed: give its memory to the output. A map recomputed later
-    // regenerates its part (gensort records are a function of their numbers alone).
-    client.delete(input_dir, true).await?;
-    let map_seconds = phase.elapsed().as_secs_f64();
-
-    let phase = Instant::now();
-    say(format!("reduce phase: {} reduces", options.reduces));
-    let recomputed = run_reduces(&maps, &output, options.reduces, bytes, &progress).await?;
-    shuffle.unregister().await?;
-    let reduce_seconds = phase.elapsed().as_secs_f64();
-    if !recomputed.is_empty() {
-        say(format!("recomputed {} maps whose output was lost: {recomputed:?}", recomputed.len()));
-    }
-
-    let phase = Instant::now();
-    let output_summary = teravalidate(Some(&client), &output, &progress).await?;
-    let validate_seconds = phase.elapsed().as_secs_f64();
-    job.end().await?;
-    drop(embedded);
-
-    let bytes = records * RECORD_LEN as u64;
-    Ok(TerasortReport {
-        records: output_summary.records,
-        bytes,
-        input_checksum: format!("{:x}", input_summary.checksum),
-        output_checksum: format!("{:x}", output_summary.checksum),
-        sorted: output_summary.sorted() && output_summary.records == input_summary.records,
-        duplicates: output_summary.duplicates,
-        maps: options.maps,
-        reduces: options.reduces,
-        phases: Phases {
-            teragen: teragen_seconds,
-            map: map_seconds,
-            reduce: reduce_seconds,
-            validate: validate_seconds,
-        },
-        total_seconds: started.elapsed().as_secs_f64(),
-        sort_mb_per_s: bytes as f64 / (map_seconds + reduce_seconds) / 1e6,
-        replicas: options.replicas,
-        maps_recomputed: recomputed.len(),
-        task_retries: maps.retries.load(std::sync::atomic::Ordering::Relaxed),
-    })
-}
-
-/// What map tasks need, to run the first time or again: each map's input is the gensort records
-/// `splits[map]`, in part `map` of `input` or, once that is gone, regenerated under `recompute`.
-#[derive(Clone)]
-struct Maps {
-    client: Client,
-    shuffle: Shuffle,
-    input: String,
-    recompute: String,
-    splits: Vec<(u64, u64)>,
-    create: CreateOptions,
-    /// Per map, the attempt number its next attempt takes (attempts are never reused, so a
-    /// dead attempt's batches are never mistaken for a new one's).
-    next_attempt: Arc<std::sync::Mutex<Vec<u32>>>,
-    retries: Arc<std::sync::atomic::AtomicUsize>,
-    say: Arc<dyn Fn(String) + Send + Sync>,
-}
-
-impl Maps {
-    /// Runs the maps `which`, as many at once as there are cores, each retried (with a new
-    /// attempt) until it commits or runs out of attempts.
-    async fn run(&self, which: &[u32], bar: ProgressBar) -> anyhow::Result<()> {
-        let tasks = which.iter().map(|&map| {
-            let (maps, bar) = (self.clone(), bar.clone());
-            async move { maps.run_one(map, &bar).await }
-        });
-        run_all("map", tasks).await?;
-        bar.finish();
-        Ok(())
-    }
-
-    async fn run_one(&self, map: u32, bar: &ProgressBar) -> anyhow::Result<()> {
-        let mut backoff = RETRY_BACKOFF_START;
-        for tries in 1..=TASK_ATTEMPTS {
-            let attempt = {
-                let mut next = self.next_attempt.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                next[map as usize] += 1;
-                next[map as usize] - 1
-            };
-            match self.attempt(map, attempt, bar).await {
-                // Another attempt's commit won (a retry after a lost reply): the map's output is there.
-                Ok(_) => {
-                    (self.say)(format!("map {map} committed (attempt {attempt})"));
-                    return Ok(());
-                }
-                Err(e) if tries < TASK_ATTEMPTS => {
-                    (self.say)(format!("map {map} attempt {attempt} failed, retrying in {backoff:?}: {e:#}"));
-                    self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
-                }
-                Err(e) => return Err(e.context(format!("map {map}: {TASK_ATTEMPTS} attempts failed"))),
-            }
-        }
-        unreachable!("the last attempt returns")
-    }
-
-    /// One attempt: the first reads the input part; later ones regenerate it first, since it may
-    /// have been lost with a storage server or deleted after the map phase.
-    async fn attempt(&self, map: u32, attempt: u32, bar: &ProgressBar) -> anyhow::Result<CommitOutcome> {
-        let path = if attempt == 0 {
-            store_part(&self.input, map as usize)
-        } else {
-            let (first, count) = self.splits[map as usize];
-            let path = format!("{}/part-{map:05}.attempt-{attempt}", self.recompute);
-            let hidden = ProgressBar::hidden();
-            let target = Location::Store(path.clone());
-            generate_part_with(Some(&self.client), first, count, &target, 0, &hidden, self.create).await?;
-            path
-        };
-        let shown = if attempt == 0 { bar.clone() } else { ProgressBar::hidden() };
-        let outcome = map_part(&self.client, &self.shuffle, map, attempt, std::slice::from_ref(&path), &shown).await;
-        if attempt > 0 {
-            let _ = self.client.delete(&path, false).await;
-        }
-        outcome
-    }
-}
-
 /// One map attempt: read the input parts at `paths`, bucket records by reduce partition, push,
 /// commit. One definition for `tern terasort` and the executor's terasort-map operator. The
 /// outcome says whether this attempt's output is the map's output (another attempt may have
@@ -648,81 +388,6 @@ fn bucket(records: &[u8], partitioner: &RangePartitioner) -> Vec<Vec<u8>> {
     }
     buckets
 }
-
-/// Runs the reduce tasks, as many at once as there are cores. A reduce that fails is run again
-/// with a new attempt; when the shuffle has lost maps (every copy of some committed output is
-/// gone with its storage server), exactly those maps are invalidated and recomputed first.
-/// Returns the maps recomputed.
-async fn run_reduces(
-    maps: &Maps,
-    output: &Location,
-    reduces: usize,
-    bytes: u64,
-    progress: &MultiProgress,
-) -> anyhow::Result<BTreeSet<u32>> {
-    let bar = bar(progress, bytes, "reduce");
-    let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
-    maps.client.mkdir(dir, true).await?;
-    let mut recomputed = BTreeSet::new();
-    let mut todo: Vec<usize> = (0..reduces).collect();
-    let mut backoff = RETRY_BACKOFF_START;
-    for attempt in 0..TASK_ATTEMPTS {
-        let tasks = todo.iter().map(|&reduce| {
-            let (client, shuffle, bar, path) =
-                (maps.client.clone(), maps.shuffle.clone(), bar.clone(), store_part(dir, reduce));
-            let create = maps.create;
-            async move {
-                let records = read_partition(&shuffle, reduce as u32, None).await?;
-                let sorted = sort_partition(records).await?;
-                let len = sorted.len() as u64;
-                write_part_with(&client, &path, attempt, Bytes::from(sorted), create).await?;
-                bar.inc(len);
-                Ok(())
-            }
-        });
-        let results = run_all_settled("reduce", tasks).await;
-        let failed: Vec<(usize, anyhow::Error)> =
-            todo.iter().zip(results).filter_map(|(&reduce, result)| result.err().map(|e| (reduce, e))).collect();
-        let Some((reduce, error)) = failed.first() else {
-            bar.finish();
-            return Ok(recomputed);
-        };
-        if attempt + 1 == TASK_ATTEMPTS {
-            return Err(
-                anyhow::anyhow!("{error:#}").context(format!("reduce {reduce}: {TASK_ATTEMPTS} attempts failed"))
-            );
-        }
-        maps.retries.fetch_add(failed.len(), std::sync::atomic::Ordering::Relaxed);
-        (maps.say)(format!("{} reduces failed (reduce {reduce}: {error:#})", failed.len()));
-        let lost = maps.shuffle.lost_maps(0..maps.shuffle.partitions(), 0..u32::MAX).await?;
-        if lost.is_empty() {
-            // Nothing the metadata server knows to be lost: a server may be dying but not yet
-            // declared dead. Wait, then try again.
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
-        } else {
-            (maps.say)(format!("maps {lost:?} lost their output; recomputing them"));
-            maps.shuffle.invalidate_maps(&lost).await?;
-            maps.run(&lost, ProgressBar::hidden()).await?;
-            recomputed.extend(lost);
-        }
-        todo = failed.into_iter().map(|(reduce, _)| reduce).collect();
-    }
-    unreachable!("the last round returns")
-}
-
-/// A partition too large for the memory a task may use, or an allocation the system refused:
-/// the task should be retried with more memory.
-#[derive(Debug)]
-pub struct OutOfMemory(pub String);
-
-impl std::fmt::Display for OutOfMemory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "out of memory: {}", self.0)
-    }
-}
-
-impl std::error::Error for OutOfMemory {}
 
 /// The committed records of one reduce partition (every map's winning attempt), located and
 /// ready to read: [`PartitionInput::bytes`] says how many there are before any is read, so the
