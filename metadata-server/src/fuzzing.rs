@@ -233,10 +233,9 @@ impl Harness {
     /// Feeds the journal to the replica, as a restart replays the log.
     fn replay(&mut self) {
         for record in self.state.take_journal() {
-            if let Err(refusal) = self.replica.apply(&record, self.now) {
+            if let Err(refusal) = self.replica.replay(&record, self.now) {
                 panic!("a journaled change does not replay: {record:?}: {} ({:?})", refusal.reason, refusal.kind);
             }
         }
-        self.replica.take_journal();
     }
 }

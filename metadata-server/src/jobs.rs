@@ -11,7 +11,7 @@ use std::hash::BuildHasher;
 use std::time::{Duration, Instant};
 
 use tern_proto::v1::{JobStatus, TenantStatus};
-use tern_proto::{ErrorKind, Tier};
+use tern_proto::{BlockId, ErrorKind, Tier};
 
 use crate::config::TenantQuota;
 use crate::error::{already_exists, invalid, not_found, Refusal};
@@ -80,6 +80,15 @@ impl Jobs {
         self
     }
 
+    /// Checks a registration of a job named `name` (generated when empty) for `tenant` ("" = the
+    /// default) against the bounds and the tenant's quota, and chooses its serial; returns the
+    /// name and the serial. Registers nothing: [`Jobs::register`] does, with what this chose.
+    pub fn prepare(&mut self, name: &str, tenant: &str) -> Result<(String, u64), Refusal> {
+        let name = if name.is_empty() { self.generate_name() } else { name.to_string() };
+        self.admit(&name, tenant, Quota::Enforce)?;
+        Ok((name, new_serial()))
+    }
+
     /// Registers a job named `name` (generated when empty) for `tenant` ("" = the default) with a
     /// lease of `lease_ms` (0: the default; clamped to the maximum) and registration `serial`
     /// (0: a new random one); returns the name, the lease granted and the serial.
@@ -93,10 +102,33 @@ impl Jobs {
         now: Instant,
     ) -> Result<(String, Duration, u64), Refusal> {
         let name = if name.is_empty() { self.generate_name() } else { name.to_string() };
-        validate_name(&name)?;
+        self.admit(&name, tenant, quota)?;
+        let tenant = if tenant.is_empty() { DEFAULT_TENANT } else { tenant };
+        let lease = match lease_ms {
+            0 => self.default_lease,
+            ms => Duration::from_millis(ms).min(self.max_lease),
+        };
+        let serial = if serial != 0 { serial } else { new_serial() };
+        let job = Job {
+            lease,
+            expires_at: now + lease,
+            files: 0,
+            bytes: 0,
+            serial,
+            tenant: tenant.to_string(),
+            blocks: [0; 2],
+        };
+        self.jobs.insert(name.clone(), job);
+        Ok((name, lease, serial))
+    }
+
+    /// Ok when job `name` of `tenant` may be registered: valid names, not registered yet, within
+    /// the bound on jobs and (with `Quota::Enforce`) the tenant's quota of jobs.
+    fn admit(&self, name: &str, tenant: &str, quota: Quota) -> Result<(), Refusal> {
+        validate_name(name)?;
         let tenant = if tenant.is_empty() { DEFAULT_TENANT } else { tenant };
         validate_tenant(tenant)?;
-        if self.jobs.contains_key(&name) {
+        if self.jobs.contains_key(name) {
             return Err(already_exists(format!("job {name} is already registered")));
         }
         if self.jobs.len() >= self.max_jobs {
@@ -115,22 +147,7 @@ impl Jobs {
                 ));
             }
         }
-        let lease = match lease_ms {
-            0 => self.default_lease,
-            ms => Duration::from_millis(ms).min(self.max_lease),
-        };
-        let serial = if serial != 0 { serial } else { new_serial() };
-        let job = Job {
-            lease,
-            expires_at: now + lease,
-            files: 0,
-            bytes: 0,
-            serial,
-            tenant: tenant.to_string(),
-            blocks: [0; 2],
-        };
-        self.jobs.insert(name.clone(), job);
-        Ok((name, lease, serial))
+        Ok(())
     }
 
     fn quota(&self, tenant: &str) -> TenantQuota {
@@ -175,12 +192,12 @@ impl Jobs {
     }
 
     /// Counts blocks allocated to (`delta` > 0) or released from a job's files, by their ids' tier.
-    pub fn count_blocks(&mut self, name: &str, block_ids: impl IntoIterator<Item = u64>, delta: i64) {
+    pub fn count_blocks(&mut self, name: &str, block_ids: impl IntoIterator<Item = BlockId>, delta: i64) {
         let Some(job) = self.jobs.get_mut(name) else {
             return;
         };
         for id in block_ids {
-            let slot = &mut job.blocks[tier_index(Tier::of_block(id))];
+            let slot = &mut job.blocks[tier_index(id.tier())];
             *slot = slot.saturating_add_signed(delta);
         }
     }
@@ -411,7 +428,7 @@ mod tests {
         // A replay is not refused, and keeps its serial; other tenants are unlimited.
         assert_eq!(jobs.register("c", 0, "etl", 77, Quota::Skip, now).unwrap().2, 77);
         jobs.register("d", 0, "", 0, Quota::Enforce, now).unwrap();
-        jobs.count_blocks("a", [1, 2], 1);
+        jobs.count_blocks("a", [BlockId::from(1), BlockId::from(2)], 1);
         jobs.check_blocks("b", Tier::Dram, 1).unwrap();
         let err = jobs.check_blocks("b", Tier::Dram, 2).unwrap_err();
         assert_eq!(err.kind, ErrorKind::QuotaExceeded);
@@ -420,7 +437,7 @@ mod tests {
         jobs.check_blocks("d", Tier::Dram, 1000).unwrap();
         let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
         assert_eq!((etl.jobs, etl.dram_bytes, etl.dram_limit_bytes), (3, 8192, 12288));
-        jobs.count_blocks("a", [1], -1);
+        jobs.count_blocks("a", [BlockId::from(1)], -1);
         jobs.remove("a").unwrap();
         let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
         assert_eq!((etl.jobs, etl.dram_bytes), (2, 0));

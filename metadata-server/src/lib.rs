@@ -7,9 +7,10 @@
 //! details); every change is logged and synced before it is acknowledged (see `wal`).
 //!
 //! Modules: `config` (the typed configuration), `path` (path normalisation and the `/jobs` tree),
-//! `namespace` (the directory tree), `placement` (storage servers, placement, frees), `jobs` (jobs
-//! and leases), `shuffles` (shuffles, their segments and map commits), `state` (one method per RPC
-//! over all of them), `service` (the gRPC services), `metrics`, `server` (start, run, shutdown),
+//! `namespace` (the directory tree), `servers` (the storage-server registry, liveness and frees),
+//! `planner` (where new blocks and segments go: pure), `jobs` (jobs and leases), `shuffles`
+//! (shuffles, their segments and map commits), `state` (one method per RPC over all of them, each
+//! change committed through one apply that log replay runs too), `service` (the gRPC services), `metrics`, `server` (start, run, shutdown),
 //! `conn_limit` (the bound on gRPC connections), `dirlock` (one server per directory), `fuzzing`
 //! (request validation under arbitrary input, for fuzzing and tests), `error` (refusals and their
 //! context), `wal` (the write-ahead log and snapshots in `--dir` that make the state survive
@@ -26,8 +27,9 @@ mod keyfile;
 mod metrics;
 mod namespace;
 mod path;
-mod placement;
+mod planner;
 mod server;
+mod servers;
 mod service;
 mod shuffles;
 mod state;

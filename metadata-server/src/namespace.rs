@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
 use tern_proto::v1::{EntryKind, FileInfo};
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::{BlockId, ErrorKind, ServerId, StorageClass};
 
 use crate::error::{already_exists, invalid, not_found, Refusal};
 use crate::path::{self, Place};
@@ -26,8 +26,8 @@ const ROOT: NodeId = 0;
 /// One block of a file and the storage server holding it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockRef {
-    pub block_id: u64,
-    pub server_id: u64,
+    pub block_id: BlockId,
+    pub server_id: ServerId,
 }
 
 /// A file's metadata. Files are written once: blocks are appended while unsealed, then fixed.
@@ -512,7 +512,8 @@ mod tests {
         let a = ns.create_file("/d/a", true, StorageClass::Any, 0).unwrap();
         ns.create_file("/d/sub/b", true, StorageClass::Any, 0).unwrap();
         let meta = ns.file_mut(a).unwrap();
-        meta.blocks = vec![BlockRef { block_id: 1, server_id: 1 }, BlockRef { block_id: 2, server_id: 2 }];
+        let block = |id| BlockRef { block_id: BlockId::from(id), server_id: ServerId(id) };
+        meta.blocks = vec![block(1), block(2)];
         meta.sealed = true;
         meta.length = 10;
         let refusal = ns.remove("/d", false).unwrap_err();

@@ -27,16 +27,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use prost::Message;
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{
-    AdvanceSegmentRequest, AdvanceSegmentResponse, CommitMapRequest, CommitMapResponse, InvalidateMapsRequest,
-    InvalidateMapsResponse, LocateShuffleRequest, LocateShuffleResponse, LogLostSegments, LogSegment, LogShuffle,
-    MapOutput, RegisterShuffleRequest, RegisterShuffleResponse, Segment,
+    AdvanceSegmentRequest, CommitMapRequest, CommitMapResponse, InvalidateMapsRequest, InvalidateMapsResponse,
+    LocateShuffleRequest, LocateShuffleResponse, LogLostSegments, LogSegment, LogShuffle, MapOutput,
+    RegisterShuffleRequest, RegisterShuffleResponse, Segment,
 };
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, ServerId, ShuffleId};
 use tracing::debug;
 
 use crate::error::{invalid, not_found, Refusal};
-use crate::placement::parse_storage_class;
-use crate::placement::Servers;
+use crate::planner::{parse_storage_class, Copies};
+use crate::servers::Servers;
 use tern_proto::StorageClass;
 
 /// Most reduce partitions of one shuffle.
@@ -60,17 +60,46 @@ pub const MAX_LOCATE_ENTRIES: u64 = 1 << 20;
 /// Most segments one LocateShuffle reply may carry.
 pub const MAX_LOCATE_SEGMENTS: u64 = 1 << 20;
 
-/// The servers of a segment's copies: the first, and the second's (0 = no second copy).
-type Copies = (u64, u64);
-
-/// Whether one of the copies is on `server_id`.
-fn on(copies: Copies, server_id: u64) -> bool {
-    copies.0 == server_id || (copies.1 != 0 && copies.1 == server_id)
+/// What a change to the registry asks of the storage-server registry, which the caller applies:
+/// segment copies placed (each counts in its server's load) and shuffles freed (each queued on
+/// the servers holding its segments).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SegmentChanges {
+    /// The server of each segment copy placed.
+    pub placed: Vec<ServerId>,
+    pub freed: Vec<FreedShuffle>,
 }
 
-/// The servers of the copies, without the absent second.
-fn copy_servers(copies: Copies) -> impl Iterator<Item = u64> {
-    [copies.0, copies.1].into_iter().filter(|&id| id != 0)
+/// A shuffle taken out of the registry, and where its segments were.
+#[derive(Debug, PartialEq, Eq)]
+pub struct FreedShuffle {
+    pub shuffle_id: ShuffleId,
+    /// Segments per server.
+    pub holders: BTreeMap<ServerId, u64>,
+}
+
+/// What a registration asks for, checked: see [`Shuffles::check_register`].
+#[derive(Debug, Clone, Copy)]
+pub struct Registration {
+    pub shuffle_id: ShuffleId,
+    /// Copies of each segment (1 or 2).
+    pub replicas: u32,
+    pub split_size_bytes: u64,
+}
+
+/// What placing a partition's next segment needs: see [`Shuffles::check_advance`].
+#[derive(Debug)]
+pub struct NextSegment {
+    /// The servers of the full (or failed) segment's copies.
+    pub avoid: Vec<ServerId>,
+    pub replicas: u32,
+}
+
+/// Partitions whose last segment has a copy on a dead server: see [`Shuffles::tails_on`].
+#[derive(Debug)]
+pub struct Tails {
+    pub partitions: Vec<u32>,
+    pub replicas: u32,
 }
 
 /// A partition's segments, by index: the servers holding each. Most partitions never split, so
@@ -122,14 +151,25 @@ struct Shuffle {
     replicas: u32,
     partitions: Vec<Partition>,
     /// Segments per server, so an unregistration reaches exactly the servers holding some.
-    holders: BTreeMap<u64, u64>,
+    holders: BTreeMap<ServerId, u64>,
     commits: BTreeMap<u32, MapCommit>,
     /// (partition, index, server) of segment copies whose data is gone although their server
     /// lives on: the server restarted and lost its DRAM. Few, so kept aside from the partitions.
-    lost: BTreeSet<(u32, u32, u64)>,
+    lost: BTreeSet<(u32, u32, ServerId)>,
 }
 
 impl Shuffle {
+    /// Counts a new segment's copies among its holders and in `changes`; returns how many.
+    fn hold(&mut self, copies: Copies, changes: &mut SegmentChanges) -> u64 {
+        let mut held = 0;
+        for server_id in copies.servers() {
+            *self.holders.entry(server_id).or_default() += 1;
+            changes.placed.push(server_id);
+            held += 1;
+        }
+        held
+    }
+
     /// Lengths held by its commits.
     fn committed_lengths(&self) -> u64 {
         self.commits.len() as u64 * self.partitions.len() as u64
@@ -138,9 +178,9 @@ impl Shuffle {
 
 #[derive(Debug)]
 pub struct Shuffles {
-    shuffles: BTreeMap<u64, Shuffle>,
+    shuffles: BTreeMap<ShuffleId, Shuffle>,
     /// The shuffles of each job, so ending a job frees them all.
-    by_job: BTreeMap<String, BTreeSet<u64>>,
+    by_job: BTreeMap<String, BTreeSet<ShuffleId>>,
     next_shuffle_id: u64,
     /// Segments of all shuffles, bounded by MAX_SEGMENTS.
     segments: u64,
@@ -165,22 +205,17 @@ impl Shuffles {
         self.shuffles.len()
     }
 
-    /// Registers a shuffle for job `req.job_id` (the caller checked that it is live) and places
-    /// each partition's first segment. The reply lists them all, so a shuffle has at most as many
-    /// partitions as one gRPC message can name (some 700,000 with addresses like 10.0.0.1:7000).
-    pub fn register(
-        &mut self,
-        req: &RegisterShuffleRequest,
-        block_size: u32,
-        servers: &mut Servers,
-    ) -> Result<RegisterShuffleResponse, Refusal> {
+    /// Checks a registration for job `req.job_id` (the caller checked that it is live) and
+    /// chooses its id; changes nothing. The caller places the first segments, checks the reply
+    /// with [`Shuffles::first_segments`], and applies the logged record ([`Shuffles::register`]).
+    pub fn check_register(&self, req: &RegisterShuffleRequest, block_size: u32) -> Result<Registration, Refusal> {
         if !(1..=MAX_PARTITIONS).contains(&req.partitions) {
             return Err(invalid(format!("partitions must be 1 to {MAX_PARTITIONS}, not {}", req.partitions)));
         }
         if req.maps > MAX_MAPS {
             return Err(invalid(format!("maps must be at most {MAX_MAPS} (or 0: unknown), not {}", req.maps)));
         }
-        let storage_class = parse_storage_class(&req.storage_class)?;
+        parse_storage_class(&req.storage_class)?;
         if req.replicas > tern_proto::MAX_REPLICAS {
             return Err(invalid(format!("replicas must be 1 to {}, not {}", tern_proto::MAX_REPLICAS, req.replicas)));
         }
@@ -199,32 +234,40 @@ impl Shuffles {
             ));
         }
         self.check_room_for_segments(u64::from(req.partitions) * u64::from(replicas))?;
-        let plan = servers.plan_segment_copies(req.partitions as usize, &[], replicas)?;
+        Ok(Registration { shuffle_id: ShuffleId(self.next_shuffle_id), replicas, split_size_bytes })
+    }
+
+    /// The reply to a registration whose partitions' first segments go to `firsts`. The reply
+    /// lists them all, so a shuffle has at most as many partitions as one gRPC message can name
+    /// (some 700,000 with addresses like 10.0.0.1:7000): refused when it cannot travel.
+    pub fn first_segments(
+        registration: Registration,
+        firsts: &[Copies],
+        servers: &Servers,
+    ) -> Result<RegisterShuffleResponse, Refusal> {
         let no_loss = BTreeSet::new();
-        let segments: Vec<Segment> = plan
-            .iter()
-            .enumerate()
-            .map(|(partition, &copies)| segment(servers, &no_loss, partition as u32, 0, copies))
-            .collect();
-        let shuffle_id = self.next_shuffle_id;
-        let response = RegisterShuffleResponse { shuffle_id, segments, split_size_bytes, grant: Vec::new() };
-        // The reply names every partition's segment: refuse before registering if it cannot travel.
+        let segments: Vec<Segment> =
+            (0..).zip(firsts).map(|(partition, &copies)| segment(servers, &no_loss, partition, 0, copies)).collect();
+        let response = RegisterShuffleResponse {
+            shuffle_id: registration.shuffle_id.get(),
+            segments,
+            split_size_bytes: registration.split_size_bytes,
+            grant: Vec::new(),
+        };
         let reply_bytes = response.encoded_len();
         if reply_bytes > tern_proto::MAX_GRPC_MESSAGE_BYTES {
             return Err(invalid(format!(
                 "the first segments of {} partitions take {reply_bytes} bytes, more than one reply may carry \
                  ({} bytes); register fewer partitions",
-                req.partitions,
+                firsts.len(),
                 tern_proto::MAX_GRPC_MESSAGE_BYTES
             )));
         }
-        let req = RegisterShuffleRequest { replicas, ..req.clone() };
-        self.insert(shuffle_id, &req, storage_class, split_size_bytes, plan, servers);
         Ok(response)
     }
 
-    /// Registers a shuffle as logged (replaying the log): no checks, the first segments given.
-    pub fn restore(&mut self, log: &LogShuffle, servers: &mut Servers) -> Result<(), Refusal> {
+    /// Registers a shuffle as logged, its first segments given.
+    pub fn register(&mut self, log: &LogShuffle) -> Result<SegmentChanges, Refusal> {
         let req = log.request.clone().unwrap_or_default();
         let storage_class = parse_storage_class(&req.storage_class)?;
         if log.first_servers.len() != req.partitions as usize {
@@ -236,9 +279,13 @@ impl Shuffles {
             )));
         }
         let plan: Vec<Copies> = if log.first_replicas.is_empty() {
-            log.first_servers.iter().map(|&first| (first, 0)).collect()
+            log.first_servers.iter().map(|&first| Copies::from_wire(first, 0)).collect()
         } else if log.first_replicas.len() == log.first_servers.len() {
-            log.first_servers.iter().copied().zip(log.first_replicas.iter().copied()).collect()
+            log.first_servers
+                .iter()
+                .zip(&log.first_replicas)
+                .map(|(&first, &second)| Copies::from_wire(first, second))
+                .collect()
         } else {
             return Err(invalid(format!(
                 "logged shuffle {} has {} second copies for {} first segments",
@@ -247,82 +294,61 @@ impl Shuffles {
                 log.first_servers.len()
             )));
         };
-        self.insert(log.shuffle_id, &req, storage_class, log.split_size_bytes, plan, servers);
-        Ok(())
-    }
-
-    fn insert(
-        &mut self,
-        shuffle_id: u64,
-        req: &RegisterShuffleRequest,
-        storage_class: StorageClass,
-        split_size_bytes: u64,
-        plan: Vec<Copies>,
-        servers: &mut Servers,
-    ) {
-        self.next_shuffle_id = self.next_shuffle_id.max(shuffle_id + 1);
-        let mut holders = BTreeMap::new();
-        let mut copies = 0;
-        for &segment in &plan {
-            for server_id in copy_servers(segment) {
-                servers.add_segments(&[server_id]);
-                *holders.entry(server_id).or_default() += 1;
-                copies += 1;
-            }
-        }
-        let partitions = plan.into_iter().map(|first| Partition { first, later: Vec::new() }).collect();
-        let shuffle = Shuffle {
+        let shuffle_id = ShuffleId(log.shuffle_id);
+        self.next_shuffle_id = self.next_shuffle_id.max(log.shuffle_id + 1);
+        let mut shuffle = Shuffle {
             job: req.job_id.clone(),
             maps: req.maps,
             storage_class,
-            split_size_bytes,
+            split_size_bytes: log.split_size_bytes,
             replicas: req.replicas.max(1),
-            partitions,
-            holders,
+            partitions: Vec::with_capacity(plan.len()),
+            holders: BTreeMap::new(),
             commits: BTreeMap::new(),
             lost: BTreeSet::new(),
         };
-        self.segments += copies;
+        let mut changes = SegmentChanges::default();
+        for first in plan {
+            shuffle.partitions.push(Partition { first, later: Vec::new() });
+            self.segments += shuffle.hold(first, &mut changes);
+        }
         self.shuffles.insert(shuffle_id, shuffle);
-        self.by_job.entry(req.job_id.clone()).or_default().insert(shuffle_id);
+        self.by_job.entry(req.job_id).or_default().insert(shuffle_id);
+        Ok(changes)
     }
 
-    /// Adds a segment to the end of a partition (AdvanceSegment, a server's death, or the log),
-    /// its copies on `copies` (second 0 = none).
+    /// Adds a segment to the end of a partition (AdvanceSegment or a server's death, live or
+    /// logged), its copies on `copies`.
     pub fn push_segment(
         &mut self,
-        shuffle_id: u64,
+        shuffle_id: ShuffleId,
         partition: u32,
         copies: Copies,
-        servers: &mut Servers,
-    ) -> Result<(), Refusal> {
+    ) -> Result<SegmentChanges, Refusal> {
         let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let partitions = shuffle.partitions.len();
         let p = shuffle.partitions.get_mut(partition as usize).ok_or_else(|| no_partition(partition, partitions))?;
         p.later.push(copies);
-        for server_id in copy_servers(copies) {
-            servers.add_segments(&[server_id]);
-            *shuffle.holders.entry(server_id).or_default() += 1;
-            self.segments += 1;
-        }
-        Ok(())
+        let mut changes = SegmentChanges::default();
+        self.segments += shuffle.hold(copies, &mut changes);
+        Ok(changes)
     }
 
-    /// Marks every segment on `server_id` lost (the server restarted and lost its DRAM); returns
-    /// the log records saying so.
-    pub fn lose_segments_on(&mut self, server_id: u64) -> Vec<LogLostSegments> {
+    /// The records that mark every segment copy on `server_id` lost (the server restarted and
+    /// lost its DRAM), one per shuffle with copies there not yet marked; changes nothing.
+    pub fn lost_on(&self, server_id: ServerId) -> Vec<LogLostSegments> {
         let mut records = Vec::new();
-        for (&shuffle_id, shuffle) in &mut self.shuffles {
+        for (&shuffle_id, shuffle) in &self.shuffles {
             if !shuffle.holders.contains_key(&server_id) {
                 continue;
             }
-            let mut record = LogLostSegments { shuffle_id, ..LogLostSegments::default() };
+            let mut record = LogLostSegments { shuffle_id: shuffle_id.get(), ..LogLostSegments::default() };
             for (p, partition) in (0..).zip(&shuffle.partitions) {
                 for (index, copies) in (0..).zip(partition.servers()) {
-                    if on(copies, server_id) && shuffle.lost.insert((p, index, server_id)) {
+                    if copies.on(server_id) && !shuffle.lost.contains(&(p, index, server_id)) {
                         record.partitions.push(p);
                         record.indexes.push(index);
-                        record.server_ids.push(server_id);
+                        record.server_ids.push(server_id.get());
                     }
                 }
             }
@@ -335,20 +361,35 @@ impl Shuffles {
 
     /// Marks segment copies lost as logged (a record without servers names each segment's first
     /// copy, as logs from before replication do).
-    pub fn restore_lost(&mut self, log: &LogLostSegments) {
-        if let Some(shuffle) = self.shuffles.get_mut(&log.shuffle_id) {
+    pub fn mark_lost(&mut self, log: &LogLostSegments) {
+        if let Some(shuffle) = self.shuffles.get_mut(&ShuffleId(log.shuffle_id)) {
             for (i, (&p, &index)) in log.partitions.iter().zip(&log.indexes).enumerate() {
-                let first = || shuffle.partitions.get(p as usize)?.servers().nth(index as usize).map(|c| c.0);
-                if let Some(server_id) = log.server_ids.get(i).copied().or_else(first) {
+                let first = || shuffle.partitions.get(p as usize)?.servers().nth(index as usize).map(|c| c.first);
+                if let Some(server_id) = log.server_ids.get(i).map(|&id| ServerId(id)).or_else(first) {
                     shuffle.lost.insert((p, index, server_id));
                 }
             }
         }
     }
 
+    /// A registered shuffle, or the refusal that says it is not.
+    fn shuffle(&self, shuffle_id: ShuffleId) -> Result<&Shuffle, Refusal> {
+        self.shuffles.get(&shuffle_id).ok_or_else(|| unknown(shuffle_id))
+    }
+
     /// Whether `shuffle_id` is registered.
-    pub fn is_registered(&self, shuffle_id: u64) -> bool {
+    pub fn is_registered(&self, shuffle_id: ShuffleId) -> bool {
         self.shuffles.contains_key(&shuffle_id)
+    }
+
+    /// Ok when `shuffle_id` is registered, else the refusal that says it is not.
+    pub fn check_registered(&self, shuffle_id: ShuffleId) -> Result<(), Refusal> {
+        self.shuffle(shuffle_id).map(drop)
+    }
+
+    /// The registered shuffles' ids, in order.
+    pub fn ids(&self) -> Vec<ShuffleId> {
+        self.shuffles.keys().copied().collect()
     }
 
     pub fn next_shuffle_id(&self) -> u64 {
@@ -370,34 +411,29 @@ impl Shuffles {
                 split_size_bytes: shuffle.split_size_bytes,
                 replicas: shuffle.replicas,
             };
-            let replicated = shuffle.replicas > 1;
-            out.push(Change::RegisterShuffle(LogShuffle {
-                request: Some(request),
+            let firsts: Vec<Copies> = shuffle.partitions.iter().map(|p| p.first).collect();
+            out.push(Change::RegisterShuffle(registration_record(
                 shuffle_id,
-                first_servers: shuffle.partitions.iter().map(|p| p.first.0).collect(),
-                split_size_bytes: shuffle.split_size_bytes,
-                first_replicas: if replicated {
-                    shuffle.partitions.iter().map(|p| p.first.1).collect()
-                } else {
-                    Vec::new()
-                },
-            }));
+                request,
+                shuffle.split_size_bytes,
+                &firsts,
+            )));
             for (partition, p) in (0..).zip(&shuffle.partitions) {
-                for &(server_id, replica_server_id) in &p.later {
-                    out.push(Change::AddSegment(LogSegment { shuffle_id, partition, server_id, replica_server_id }));
+                for &copies in &p.later {
+                    out.push(Change::AddSegment(segment_record(shuffle_id, partition, copies)));
                 }
             }
             if !shuffle.lost.is_empty() {
                 out.push(Change::LostSegments(LogLostSegments {
-                    shuffle_id,
+                    shuffle_id: shuffle_id.get(),
                     partitions: shuffle.lost.iter().map(|&(p, _, _)| p).collect(),
                     indexes: shuffle.lost.iter().map(|&(_, i, _)| i).collect(),
-                    server_ids: shuffle.lost.iter().map(|&(_, _, server)| server).collect(),
+                    server_ids: shuffle.lost.iter().map(|&(_, _, server)| server.get()).collect(),
                 }));
             }
             for (&map_index, commit) in &shuffle.commits {
                 out.push(Change::CommitMap(CommitMapRequest {
-                    shuffle_id,
+                    shuffle_id: shuffle_id.get(),
                     map_index,
                     attempt: commit.attempt,
                     partition_bytes: commit.partition_bytes.clone(),
@@ -408,30 +444,19 @@ impl Shuffles {
         }
     }
 
-    /// The segment after `req.full_segment`: the partition's last segment when it is already
-    /// later (many writers report the same full segment at once, and all get the one successor),
-    /// else a new one, on other live servers when there are enough (with 2 replicas, two).
-    /// Also returns the new segment's servers when one was placed (for the log).
-    pub fn advance(
-        &mut self,
-        req: &AdvanceSegmentRequest,
-        servers: &mut Servers,
-    ) -> Result<(AdvanceSegmentResponse, Option<Copies>), Refusal> {
-        // Every copy of the new segment counts against the bound.
-        let replicas = self.shuffles.get(&req.shuffle_id).map_or(1, |s| s.replicas);
-        let room = self.check_room_for_segments(u64::from(replicas));
-        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
-        let partitions = shuffle.partitions.len();
+    /// Checks an advance past `req.full_segment`; changes nothing. `None` when the partition's
+    /// last segment is already later (many writers report the same full segment at once, and all
+    /// get the one successor: [`Shuffles::last_segment`]), else what placing the successor needs:
+    /// it goes to other live servers when there are enough (with 2 replicas, two).
+    pub fn check_advance(&self, req: &AdvanceSegmentRequest) -> Result<Option<NextSegment>, Refusal> {
+        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
         let partition = shuffle
             .partitions
-            .get_mut(req.partition as usize)
-            .ok_or_else(|| no_partition(req.partition, partitions))?;
+            .get(req.partition as usize)
+            .ok_or_else(|| no_partition(req.partition, shuffle.partitions.len()))?;
         let (last, last_copies) = partition.last();
         if last > req.full_segment {
-            let reply = AdvanceSegmentResponse {
-                segment: Some(segment(servers, &shuffle.lost, req.partition, last, last_copies)),
-            };
-            return Ok((reply, None));
+            return Ok(None);
         }
         if last < req.full_segment {
             return Err(invalid(format!(
@@ -449,28 +474,27 @@ impl Shuffles {
                 ),
             ));
         }
-        room?;
+        // Every copy of the new segment counts against the bound.
+        self.check_room_for_segments(u64::from(shuffle.replicas))?;
         // The last segment is the full one (or a copy of it failed): its successor goes elsewhere.
-        let avoid: Vec<u64> = copy_servers(last_copies).collect();
-        let copies = servers.plan_segment_copies(1, &avoid, shuffle.replicas)?[0];
-        self.push_segment(req.shuffle_id, req.partition, copies, servers)?;
-        let shuffle = self.shuffles.get(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
-        let reply =
-            AdvanceSegmentResponse { segment: Some(segment(servers, &shuffle.lost, req.partition, last + 1, copies)) };
-        Ok((reply, Some(copies)))
+        Ok(Some(NextSegment { avoid: last_copies.servers().collect(), replicas: shuffle.replicas }))
     }
 
-    /// Records a map attempt's output.
-    ///
-    /// Exactly once: the first commit of a map to reach the metadata server wins, and is recorded
-    /// whole (attempt, bytes and segment range of every partition) in one step, under the state's
-    /// lock. A later commit of the same map by another attempt (a speculative duplicate, or a
-    /// retry after a timeout whose first try did land) is answered `committed = false` with the
-    /// winner's attempt, and changes nothing: its batches stay on the servers, unread, until the
-    /// shuffle is freed. The winner committing again (a retry of a lost reply) is answered
-    /// `committed = true`; the first record stands. Only InvalidateMaps forgets a commit.
-    pub fn commit(&mut self, req: CommitMapRequest) -> Result<CommitMapResponse, Refusal> {
-        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+    /// A partition's last segment, as clients see it.
+    pub fn last_segment(&self, shuffle_id: ShuffleId, partition: u32, servers: &Servers) -> Result<Segment, Refusal> {
+        let shuffle = self.shuffle(shuffle_id)?;
+        let p = shuffle
+            .partitions
+            .get(partition as usize)
+            .ok_or_else(|| no_partition(partition, shuffle.partitions.len()))?;
+        let (index, copies) = p.last();
+        Ok(segment(servers, &shuffle.lost, partition, index, copies))
+    }
+
+    /// Checks a map attempt's commit; changes nothing. The answer when the map is committed
+    /// already, `None` when this commit would record it (see [`Shuffles::commit`]).
+    pub fn check_commit(&self, req: &CommitMapRequest) -> Result<Option<CommitMapResponse>, Refusal> {
+        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
         let map_bound = if shuffle.maps > 0 { shuffle.maps } else { MAX_MAPS };
         if req.map_index >= map_bound {
             let what = if shuffle.maps > 0 { "the shuffle's declared maps" } else { "the most map indexes" };
@@ -502,10 +526,9 @@ impl Shuffles {
             }
         }
         if let Some(winner) = shuffle.commits.get(&req.map_index) {
-            return Ok(CommitMapResponse { committed: winner.attempt == req.attempt, winning_attempt: winner.attempt });
+            return Ok(Some(commit_answer(winner.attempt, req.attempt)));
         }
-        let lengths = partitions as u64;
-        if self.committed_lengths + lengths > MAX_COMMITTED_LENGTHS {
+        if self.committed_lengths + partitions as u64 > MAX_COMMITTED_LENGTHS {
             return Err(Refusal::new(
                 ErrorKind::OutOfSpace,
                 format!(
@@ -515,20 +538,38 @@ impl Shuffles {
                 ),
             ));
         }
+        Ok(None)
+    }
+
+    /// Records a map attempt's output.
+    ///
+    /// Exactly once: the first commit of a map to reach the metadata server wins, and is recorded
+    /// whole (attempt, bytes and segment range of every partition) in one step, under the state's
+    /// lock. A later commit of the same map by another attempt (a speculative duplicate, or a
+    /// retry after a timeout whose first try did land) is answered `committed = false` with the
+    /// winner's attempt, and changes nothing: its batches stay on the servers, unread, until the
+    /// shuffle is freed. The winner committing again (a retry of a lost reply) is answered
+    /// `committed = true`; the first record stands. Only InvalidateMaps forgets a commit.
+    pub fn commit(&mut self, req: &CommitMapRequest) -> Result<CommitMapResponse, Refusal> {
+        if let Some(answer) = self.check_commit(req)? {
+            return Ok(answer);
+        }
+        let shuffle =
+            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
         let commit = MapCommit {
             attempt: req.attempt,
-            partition_bytes: req.partition_bytes,
-            first_segment: unless_all_zero(req.first_segment),
-            last_segment: unless_all_zero(req.last_segment),
+            partition_bytes: req.partition_bytes.clone(),
+            first_segment: unless_all_zero(&req.first_segment),
+            last_segment: unless_all_zero(&req.last_segment),
         };
         shuffle.commits.insert(req.map_index, commit);
-        self.committed_lengths += lengths;
-        Ok(CommitMapResponse { committed: true, winning_attempt: req.attempt })
+        self.committed_lengths += shuffle.partitions.len() as u64;
+        Ok(commit_answer(req.attempt, req.attempt))
     }
 
     /// The segments of a partition range and the committed outputs of a map range.
     pub fn locate(&self, req: &LocateShuffleRequest, servers: &Servers) -> Result<LocateShuffleResponse, Refusal> {
-        let shuffle = self.shuffles.get(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
         let partitions = shuffle.partitions.len() as u32;
         if req.start_partition > req.end_partition || req.start_map > req.end_map {
             return Err(invalid(format!(
@@ -609,9 +650,18 @@ impl Shuffles {
         Ok(response)
     }
 
+    /// How many of `req.map_indexes` have a commit to forget; changes nothing.
+    pub fn check_invalidate(&self, req: &InvalidateMapsRequest) -> Result<u32, Refusal> {
+        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let maps: BTreeSet<u32> =
+            req.map_indexes.iter().copied().filter(|map| shuffle.commits.contains_key(map)).collect();
+        Ok(maps.len() as u32)
+    }
+
     /// Forgets the commits of `req.map_indexes` (their data was lost), so new attempts can commit.
     pub fn invalidate(&mut self, req: &InvalidateMapsRequest) -> Result<InvalidateMapsResponse, Refusal> {
-        let shuffle = self.shuffles.get_mut(&req.shuffle_id).ok_or_else(|| unknown(req.shuffle_id))?;
+        let shuffle =
+            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
         let mut invalidated = 0u32;
         for map in &req.map_indexes {
             if shuffle.commits.remove(map).is_some() {
@@ -622,8 +672,8 @@ impl Shuffles {
         Ok(InvalidateMapsResponse { invalidated })
     }
 
-    /// Forgets a shuffle and queues its frees on the servers holding its segments.
-    pub fn unregister(&mut self, shuffle_id: u64, servers: &mut Servers) -> Result<(), Refusal> {
+    /// Forgets a shuffle; its servers are to drop it.
+    pub fn unregister(&mut self, shuffle_id: ShuffleId) -> Result<SegmentChanges, Refusal> {
         let shuffle = self.shuffles.remove(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         if let Some(ids) = self.by_job.get_mut(&shuffle.job) {
             ids.remove(&shuffle_id);
@@ -631,57 +681,40 @@ impl Shuffles {
                 self.by_job.remove(&shuffle.job);
             }
         }
-        self.release(shuffle_id, &shuffle, servers);
-        Ok(())
+        let mut changes = SegmentChanges::default();
+        changes.freed.push(self.release(shuffle_id, shuffle));
+        Ok(changes)
     }
 
-    /// Unregisters every shuffle of `job` (ended, or its lease lapsed); returns how many.
-    pub fn end_job(&mut self, job: &str, servers: &mut Servers) -> usize {
+    /// Unregisters every shuffle of `job` (ended, or its lease lapsed).
+    pub fn end_job(&mut self, job: &str) -> SegmentChanges {
         let ids = self.by_job.remove(job).unwrap_or_default();
-        for &id in &ids {
+        let mut changes = SegmentChanges::default();
+        for id in ids {
             if let Some(shuffle) = self.shuffles.remove(&id) {
-                self.release(id, &shuffle, servers);
+                changes.freed.push(self.release(id, shuffle));
             }
         }
-        ids.len()
+        changes
     }
 
-    /// After storage server `dead` died: gives every partition whose last segment had a copy there
-    /// a new last segment on live servers (two for a replicated shuffle), so map attempts can push
-    /// again. Returns those placed (none when too few servers are live, or a bound is reached).
-    pub fn server_died(&mut self, dead: u64, servers: &mut Servers) -> Vec<LogSegment> {
-        let mut placed = Vec::new();
-        for (&shuffle_id, shuffle) in self.shuffles.iter_mut() {
-            let tails: Vec<usize> = (0..shuffle.partitions.len())
-                .filter(|&p| {
-                    let partition = &shuffle.partitions[p];
-                    on(partition.last().1, dead) && partition.len() < MAX_SEGMENTS_PER_PARTITION
-                })
-                .collect();
-            let room = (MAX_SEGMENTS.saturating_sub(self.segments) / u64::from(shuffle.replicas)) as usize;
-            if tails.is_empty() || room == 0 {
-                continue;
-            }
-            let Ok(plan) = servers.plan_segment_copies(tails.len().min(room), &[dead], shuffle.replicas) else {
-                continue;
-            };
-            for (&p, &copies) in tails.iter().zip(&plan) {
-                shuffle.partitions[p].later.push(copies);
-                for server_id in copy_servers(copies) {
-                    servers.add_segments(&[server_id]);
-                    *shuffle.holders.entry(server_id).or_default() += 1;
-                    self.segments += 1;
-                }
-                let (server_id, replica_server_id) = copies;
-                placed.push(LogSegment { shuffle_id, partition: p as u32, server_id, replica_server_id });
-            }
-        }
-        placed
+    /// After storage server `dead` died: the partitions of `shuffle_id` whose last segment had a
+    /// copy there, as many as the bounds let have a new last segment (none when there are none,
+    /// or no room), so map attempts can push again; changes nothing.
+    pub fn tails_on(&self, shuffle_id: ShuffleId, dead: ServerId) -> Option<Tails> {
+        let shuffle = self.shuffles.get(&shuffle_id)?;
+        let room = (MAX_SEGMENTS.saturating_sub(self.segments) / u64::from(shuffle.replicas)) as usize;
+        let partitions: Vec<u32> = (0..)
+            .zip(&shuffle.partitions)
+            .filter(|(_, p)| p.last().1.on(dead) && p.len() < MAX_SEGMENTS_PER_PARTITION)
+            .map(|(index, _)| index)
+            .take(room)
+            .collect();
+        (!partitions.is_empty()).then_some(Tails { partitions, replicas: shuffle.replicas })
     }
 
     /// Frees a shuffle already taken out of the registry.
-    fn release(&mut self, shuffle_id: u64, shuffle: &Shuffle, servers: &mut Servers) {
-        servers.free_shuffle(shuffle_id, &shuffle.holders);
+    fn release(&mut self, shuffle_id: ShuffleId, shuffle: Shuffle) -> FreedShuffle {
         let segments: u64 = shuffle.holders.values().sum();
         self.segments -= segments;
         self.committed_lengths -= shuffle.committed_lengths();
@@ -692,6 +725,7 @@ impl Shuffles {
             shuffle.partitions.len(),
             shuffle.commits.len()
         );
+        FreedShuffle { shuffle_id, holders: shuffle.holders }
     }
 
     fn check_room_for_segments(&self, count: u64) -> Result<(), Refusal> {
@@ -709,25 +743,65 @@ impl Shuffles {
     }
 }
 
+/// The log record of a registration whose partitions' first segments are on `firsts` (second
+/// copies listed only for a replicated shuffle, as logs from before replication have none).
+pub fn registration_record(
+    shuffle_id: ShuffleId,
+    request: RegisterShuffleRequest,
+    split_size_bytes: u64,
+    firsts: &[Copies],
+) -> LogShuffle {
+    let replicated = request.replicas > 1;
+    LogShuffle {
+        request: Some(request),
+        shuffle_id: shuffle_id.get(),
+        first_servers: firsts.iter().map(|c| c.first.get()).collect(),
+        split_size_bytes,
+        first_replicas: if replicated { firsts.iter().map(|c| c.second_on_wire()).collect() } else { Vec::new() },
+    }
+}
+
+/// The log record of a segment added to a partition.
+pub fn segment_record(shuffle_id: ShuffleId, partition: u32, copies: Copies) -> LogSegment {
+    LogSegment {
+        shuffle_id: shuffle_id.get(),
+        partition,
+        server_id: copies.first.get(),
+        replica_server_id: copies.second_on_wire(),
+    }
+}
+
+/// The answer to a commit of `attempt` when `winner` holds the map.
+fn commit_answer(winner: u32, attempt: u32) -> CommitMapResponse {
+    CommitMapResponse { committed: winner == attempt, winning_attempt: winner }
+}
+
 /// A segment as clients see it. A copy is lost when its server is dead or no longer known, or
 /// restarted since (`lost`); the segment is lost when every copy is. A live copy comes first.
-fn segment(servers: &Servers, lost: &BTreeSet<(u32, u32, u64)>, partition: u32, index: u32, copies: Copies) -> Segment {
-    let gone = |server_id: u64| lost.contains(&(partition, index, server_id)) || !servers.is_alive(server_id);
-    let (mut first, mut second) = copies;
-    if second != 0 && gone(first) && !gone(second) {
-        std::mem::swap(&mut first, &mut second);
+fn segment(
+    servers: &Servers,
+    lost: &BTreeSet<(u32, u32, ServerId)>,
+    partition: u32,
+    index: u32,
+    copies: Copies,
+) -> Segment {
+    let gone = |server_id: ServerId| lost.contains(&(partition, index, server_id)) || !servers.is_alive(server_id);
+    let (mut first, mut second) = (copies.first, copies.second);
+    if let Some(other) = second.filter(|&other| gone(first) && !gone(other)) {
+        second = Some(first);
+        first = other;
     }
-    let replica_lost = second != 0 && gone(second);
+    let replica_lost = second.is_some_and(gone);
     Segment {
         partition,
         index,
-        server_id: first,
+        server_id: first.get(),
         address: servers.address(first),
         quic_address: servers.quic_address(first),
-        lost: gone(first) && (second == 0 || replica_lost),
-        replica_server_id: second,
-        replica_address: if second == 0 { String::new() } else { servers.address(second) },
-        replica_quic_address: if second == 0 { String::new() } else { servers.quic_address(second) },
+        lost: gone(first) && (second.is_none() || replica_lost),
+        replica_server_id: second.map_or(0, ServerId::get),
+        replica_address: second.map(|id| servers.address(id)).unwrap_or_default(),
+        replica_quic_address: second.map(|id| servers.quic_address(id)).unwrap_or_default(),
         replica_lost,
     }
 }
@@ -736,15 +810,15 @@ fn no_partition(partition: u32, partitions: usize) -> Refusal {
     invalid(format!("partition {partition} is out of range: the shuffle has {partitions}"))
 }
 
-fn unknown(shuffle_id: u64) -> Refusal {
+fn unknown(shuffle_id: ShuffleId) -> Refusal {
     not_found(format!("shuffle {shuffle_id} is not registered (unregistered, or its job ended)"))
 }
 
 /// Segment indexes as stored: empty when all are 0.
-fn unless_all_zero(indexes: Vec<u32>) -> Vec<u32> {
+fn unless_all_zero(indexes: &[u32]) -> Vec<u32> {
     if indexes.iter().all(|&i| i == 0) {
         Vec::new()
     } else {
-        indexes
+        indexes.to_vec()
     }
 }

@@ -1,5 +1,9 @@
 //! The metadata server's whole state and one method per RPC.
 //!
+//! Each method that changes the state prepares the change (checks the request, chooses ids and
+//! placements, changing nothing) and commits it through the one [`State::apply`] that log replay
+//! runs too (`commit`); `durable` replays and snapshots.
+//!
 //! The namespace, the storage-server registry, the job table and the shuffle registry each keep
 //! their own invariants; this module enforces the rules that span them (a job's files live under
 //! its directory and die with it, as do its shuffles; deleted files free their blocks, reads fail
@@ -13,18 +17,20 @@ use tern_common::unix_ms;
 use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
-use tern_proto::{ErrorKind, Tier};
+use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, Tier};
 use tonic::Status;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::error::{invalid, not_found, Context, Refusal};
-use crate::jobs::{Jobs, Quota};
+use crate::jobs::{Jobs, DEFAULT_TENANT};
 use crate::metrics::Gauges;
-use crate::namespace::{FileMeta, Namespace, Removed};
+use crate::namespace::{FileMeta, Namespace};
 use crate::path::{self, Place, JOBS_DIR};
-use crate::placement::{parse_storage_class, Servers};
-use crate::shuffles::Shuffles;
+use crate::planner::{self, parse_storage_class};
+use crate::servers::Servers;
+use crate::shuffles::{registration_record, segment_record, Shuffles};
+use commit::Applied;
 
 #[derive(Debug)]
 pub struct State {
@@ -38,7 +44,7 @@ pub struct State {
     shuffles: Shuffles,
     /// Signs job tokens and grants (kept in the server's directory: `keyfile`).
     key: TokenKey,
-    /// Changes made since the caller last took them, for the write-ahead log (see `durable`).
+    /// Changes committed since the caller last took them, for the write-ahead log.
     journal: Vec<LogRecord>,
 }
 
@@ -129,11 +135,6 @@ impl State {
         Ok(RefreshTokenResponse { token: self.token_for(&job, now) })
     }
 
-    /// Records a change for the log.
-    fn log(&mut self, change: Change) {
-        self.journal.push(LogRecord { unix_ms: unix_ms(), change: Some(change) });
-    }
-
     /// The changes made since the last call, in order.
     pub fn take_journal(&mut self) -> Vec<LogRecord> {
         std::mem::take(&mut self.journal)
@@ -143,8 +144,7 @@ impl State {
         let context = format!("mkdir {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, true, req.parents, now).context(&context)?;
-        self.namespace.mkdir(&path, req.parents, unix_ms()).context(&context)?;
-        self.log(Change::Mkdir(MkdirRequest { path, parents: req.parents }));
+        self.commit(Change::Mkdir(MkdirRequest { path, parents: req.parents }), now).context(&context)?;
         Ok(MkdirResponse {})
     }
 
@@ -154,23 +154,17 @@ impl State {
         let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
         let replicas = parse_replicas(req.replicas).context(&context)?;
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
-        let file_id = self.namespace.create_file(&path, req.parents, storage_class, unix_ms()).context(&context)?;
-        let file = self.namespace.file_mut(file_id).context(&context)?;
-        file.replicas = replicas;
-        file.sealed = req.sealed;
+        let file_id = self.namespace.next_file_id();
         let job = Place::of(&path).job().unwrap_or_default().to_string();
-        if !job.is_empty() {
-            self.jobs.add_usage(&job, 1, 0);
-        }
         let request = CreateRequest { path, storage_class: storage_class.to_string(), replicas, ..req };
-        self.log(Change::Create(LogCreate { request: Some(request), file_id }));
+        self.commit(Change::Create(LogCreate { request: Some(request), file_id }), now).context(&context)?;
         Ok(CreateResponse { file_id, block_size: self.block_size, job })
     }
 
     pub fn allocate_blocks(
         &mut self,
         req: AllocateBlocksRequest,
-        _now: Instant,
+        now: Instant,
     ) -> Result<AllocateBlocksResponse, Status> {
         let path =
             self.namespace.file_path(req.file_id).context(format_args!("allocate blocks for file {}", req.file_id))?;
@@ -182,65 +176,37 @@ impl State {
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
-        let blocks = self
-            .servers
-            .allocate_copies(req.count, &req.client_host, file.storage_class, file.replicas)
+        let (class, replicas) = (file.storage_class, file.replicas);
+        let plan = planner::place_blocks(&self.servers.rooms(), req.count, &req.client_host, class, replicas)
             .context(&context)?;
         // Placement picks the tiers; a batch taking the job's tenant past a tier's quota is
-        // given back (never written, so freeing costs the servers nothing) and refused. Every
-        // copy counts: each takes a block of its tier.
+        // refused, and nothing is placed. Every copy counts: each takes a block of its tier.
         if let Some(job) = Place::of(&path).job() {
-            let nvme = blocks.iter().filter(|b| Tier::of_block(b.block_id) == Tier::Nvme).count() as u64;
-            let dram = blocks.len() as u64 - nvme;
-            let within = self
-                .jobs
+            let nvme = plan.iter().filter(|place| place.tier == Tier::Nvme).count() as u64;
+            let dram = plan.len() as u64 - nvme;
+            self.jobs
                 .check_blocks(job, Tier::Dram, dram)
-                .and_then(|()| self.jobs.check_blocks(job, Tier::Nvme, nvme));
-            if let Err(refusal) = within {
-                self.servers.free(&blocks);
-                return Err(refusal.status(context));
-            }
-            self.jobs.count_blocks(job, blocks.iter().map(|b| b.block_id), 1);
+                .and_then(|()| self.jobs.check_blocks(job, Tier::Nvme, nvme))
+                .context(&context)?;
         }
-        let file = self.namespace.file_mut(req.file_id).context(&context)?;
-        let locations: Vec<BlockLocation> = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
-        file.blocks.extend(blocks.iter().copied());
-        self.log(Change::Allocate(LogAllocate {
+        let blocks = self.servers.name_blocks(&plan);
+        let change = Change::Allocate(LogAllocate {
             file_id: req.file_id,
-            block_ids: blocks.iter().map(|b| b.block_id).collect(),
-            server_ids: blocks.iter().map(|b| b.server_id).collect(),
-        }));
+            block_ids: blocks.iter().map(|b| b.block_id.get()).collect(),
+            server_ids: blocks.iter().map(|b| b.server_id.get()).collect(),
+        });
+        self.commit(change, now).context(&context)?;
+        let locations = blocks.iter().map(|block| self.servers.location(block, 0)).collect();
         let serial = self.serial_of_path(&path);
         Ok(AllocateBlocksResponse { blocks: self.with_grants(locations, serial) })
     }
 
-    pub fn seal(&mut self, req: SealRequest, _now: Instant) -> Result<SealResponse, Status> {
+    pub fn seal(&mut self, req: SealRequest, now: Instant) -> Result<SealResponse, Status> {
         let path = self.namespace.file_path(req.file_id).context(format_args!("seal file {}", req.file_id))?;
         let context = format!("seal {path}");
-        let file = self.namespace.file_mut(req.file_id).context(&context)?;
-        if file.sealed {
-            return Err(invalid("the file is already sealed").status(context));
-        }
-        let needed = req.length.div_ceil(u64::from(self.block_size));
-        let allocated = file.block_count();
-        if allocated < needed {
-            let why = format!(
-                "length {} needs {needed} blocks of {} bytes, but only {allocated} are allocated",
-                req.length, self.block_size
-            );
-            return Err(invalid(why).status(context));
-        }
-        // Writers allocate ahead; what they did not fill goes back to the servers.
-        let unused = file.blocks.split_off(needed as usize * file.replicas.max(1) as usize);
-        file.sealed = true;
-        file.length = req.length;
-        self.servers.free(&unused);
-        if let Some(job) = Place::of(&path).job() {
-            self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
-            self.jobs.count_blocks(job, unused.iter().map(|b| b.block_id), -1);
-        }
-        let info = self.namespace.file_info(req.file_id).context(&context)?;
-        self.log(Change::Seal(req));
+        let file_id = req.file_id;
+        self.commit(Change::Seal(req), now).context(&context)?;
+        let info = self.namespace.file_info(file_id).context(&context)?;
         Ok(SealResponse { info: Some(info) })
     }
 
@@ -299,7 +265,7 @@ impl State {
         Ok(ListResponse { entries, truncated })
     }
 
-    pub fn delete(&mut self, req: DeleteRequest, _now: Instant) -> Result<DeleteResponse, Status> {
+    pub fn delete(&mut self, req: DeleteRequest, now: Instant) -> Result<DeleteResponse, Status> {
         let context = format!("delete {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         match Place::of(&path) {
@@ -311,16 +277,12 @@ impl State {
             }
             _ => {}
         }
-        let removed = self.namespace.remove(&path, req.recursive).context(&context)?;
-        if let Some(job) = Place::of(&path).job() {
-            self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
-            self.jobs.count_blocks(job, removed.blocks.iter().map(|b| b.block_id), -1);
-        }
-        self.log(Change::Delete(DeleteRequest { path, recursive: req.recursive }));
-        Ok(self.release(removed))
+        let change = Change::Delete(DeleteRequest { path, recursive: req.recursive });
+        let applied = self.commit(change, now).context(&context)?;
+        Ok(DeleteResponse { files_deleted: applied.files_deleted, blocks_freed: applied.blocks_freed })
     }
 
-    pub fn rename(&mut self, req: RenameRequest, _now: Instant) -> Result<RenameResponse, Status> {
+    pub fn rename(&mut self, req: RenameRequest, now: Instant) -> Result<RenameResponse, Status> {
         let context = format!("rename {} to {}", req.from, req.to);
         let from = path::normalize(&req.from).context(&context)?;
         let to = path::normalize(&req.to).context(&context)?;
@@ -336,8 +298,7 @@ impl State {
             let why = format!("cannot move entries across jobs ({} to {})", owner(from_job), owner(to_job));
             return Err(invalid(why).status(context));
         }
-        self.namespace.rename(&from, &to).context(&context)?;
-        self.log(Change::Rename(RenameRequest { from, to }));
+        self.commit(Change::Rename(RenameRequest { from, to }), now).context(&context)?;
         Ok(RenameResponse {})
     }
 
@@ -345,29 +306,16 @@ impl State {
         let context = format!("register job {:?}", req.name);
         // A lapsed job the reaper has not reached yet still holds its name: end it now.
         if self.jobs.is_registered(&req.name) && self.jobs.check_live(&req.name, now).is_err() {
-            self.end(&req.name, "lease lapsed");
+            self.end(&req.name, "lease lapsed", now).context(&context)?;
         }
-        let (name, lease, serial) =
-            self.jobs.register(&req.name, req.lease_ms, &req.tenant, 0, Quota::Enforce, now).context(&context)?;
-        let root = path::job_root(&name);
-        let made = self
-            .namespace
-            .mkdir(JOBS_DIR, true, unix_ms())
-            .and_then(|()| self.namespace.mkdir(&root, false, unix_ms()));
-        if let Err(refusal) = made {
-            // Undo the registration: a job without its directory is of no use.
-            let _ = self.jobs.remove(&name);
-            return Err(refusal.status(context));
-        }
-        let tenant = if req.tenant.is_empty() { crate::jobs::DEFAULT_TENANT.to_string() } else { req.tenant };
-        self.log(Change::RegisterJob(RegisterJobRequest {
-            name: name.clone(),
-            lease_ms: req.lease_ms,
-            tenant,
-            serial,
-        }));
+        let (name, serial) = self.jobs.prepare(&req.name, &req.tenant).context(&context)?;
+        let tenant = if req.tenant.is_empty() { DEFAULT_TENANT.to_string() } else { req.tenant };
+        let change =
+            Change::RegisterJob(RegisterJobRequest { name: name.clone(), lease_ms: req.lease_ms, tenant, serial });
+        self.commit(change, now).context(&context)?;
+        let lease = self.jobs.lease_of(&name, now).map_or(0, |(_, lease, _)| lease.as_millis() as u64);
         let token = self.token_for(&name, now);
-        Ok(RegisterJobResponse { job_id: name, lease_ms: lease.as_millis() as u64, root, token })
+        Ok(RegisterJobResponse { root: path::job_root(&name), job_id: name, lease_ms: lease, token })
     }
 
     pub fn renew_job(&mut self, req: RenewJobRequest, now: Instant) -> Result<RenewJobResponse, Status> {
@@ -375,12 +323,13 @@ impl State {
         Ok(RenewJobResponse { lease_ms: lease.as_millis() as u64, token: self.token_for(&req.job_id, now) })
     }
 
-    pub fn end_job(&mut self, req: EndJobRequest, _now: Instant) -> Result<EndJobResponse, Status> {
+    pub fn end_job(&mut self, req: EndJobRequest, now: Instant) -> Result<EndJobResponse, Status> {
+        let context = format!("end job {}", req.job_id);
         if !self.jobs.is_registered(&req.job_id) {
             let refusal = not_found(format!("job {} is not registered (ended or lease lapsed)", req.job_id));
-            return Err(refusal.status(format_args!("end job {}", req.job_id)));
+            return Err(refusal.status(context));
         }
-        let released = self.end(&req.job_id, "ended");
+        let released = self.end(&req.job_id, "ended", now).context(&context)?;
         Ok(EndJobResponse { files_deleted: released.files_deleted, blocks_freed: released.blocks_freed })
     }
 
@@ -402,49 +351,48 @@ impl State {
     ) -> Result<RegisterShuffleResponse, Status> {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
-        let mut response = self.shuffles.register(&req, self.block_size, &mut self.servers).context(&context)?;
-        let replicated = req.replicas > 1;
+        let registration = self.shuffles.check_register(&req, self.block_size).context(&context)?;
+        let loads = self.servers.segment_loads();
+        let firsts =
+            planner::place_segments(&loads, req.partitions as usize, &[], registration.replicas).context(&context)?;
+        let mut response = Shuffles::first_segments(registration, &firsts, &self.servers).context(&context)?;
         let serial = self.jobs.serial(&req.job_id).unwrap_or(u64::MAX);
         response.grant = self.key.grant(GrantKind::Shuffle, response.shuffle_id, serial).to_vec();
-        self.log(Change::RegisterShuffle(LogShuffle {
-            request: Some(req),
-            shuffle_id: response.shuffle_id,
-            first_servers: response.segments.iter().map(|s| s.server_id).collect(),
-            split_size_bytes: response.split_size_bytes,
-            first_replicas: if replicated {
-                response.segments.iter().map(|s| s.replica_server_id).collect()
-            } else {
-                Vec::new()
-            },
-        }));
+        let record = registration_record(registration.shuffle_id, req, registration.split_size_bytes, &firsts);
+        self.commit(Change::RegisterShuffle(record), now).context(&context)?;
         Ok(response)
     }
 
     pub fn advance_segment(
         &mut self,
         req: AdvanceSegmentRequest,
-        _now: Instant,
+        now: Instant,
     ) -> Result<AdvanceSegmentResponse, Status> {
         let context = format!(
             "advance past segment {} of partition {} of shuffle {}",
             req.full_segment, req.partition, req.shuffle_id
         );
-        let (response, placed) = self.shuffles.advance(&req, &mut self.servers).context(context)?;
-        if let Some((server_id, replica_server_id)) = placed {
-            let (shuffle_id, partition) = (req.shuffle_id, req.partition);
-            self.log(Change::AddSegment(LogSegment { shuffle_id, partition, server_id, replica_server_id }));
+        let shuffle_id = ShuffleId(req.shuffle_id);
+        // Many writers report the same full segment at once: all get the one successor.
+        if let Some(next) = self.shuffles.check_advance(&req).context(&context)? {
+            let loads = self.servers.segment_loads();
+            let copies = planner::place_segments(&loads, 1, &next.avoid, next.replicas).context(&context)?[0];
+            let change = Change::AddSegment(segment_record(shuffle_id, req.partition, copies));
+            self.commit(change, now).context(&context)?;
         }
-        Ok(response)
+        let segment = self.shuffles.last_segment(shuffle_id, req.partition, &self.servers).context(&context)?;
+        Ok(AdvanceSegmentResponse { segment: Some(segment) })
     }
 
-    pub fn commit_map(&mut self, req: CommitMapRequest, _now: Instant) -> Result<CommitMapResponse, Status> {
+    pub fn commit_map(&mut self, req: CommitMapRequest, now: Instant) -> Result<CommitMapResponse, Status> {
         let context = format!("commit map {} attempt {} of shuffle {}", req.map_index, req.attempt, req.shuffle_id);
-        let response = self.shuffles.commit(req.clone()).context(context)?;
-        if response.committed {
-            // A winner's retry changes nothing, and replays as a no-op just the same.
-            self.log(Change::CommitMap(req));
+        // A map committed already (a winner's retry, or another attempt) changes nothing.
+        if let Some(answer) = self.shuffles.check_commit(&req).context(&context)? {
+            return Ok(answer);
         }
-        Ok(response)
+        let attempt = req.attempt;
+        self.commit(Change::CommitMap(req), now).context(&context)?;
+        Ok(CommitMapResponse { committed: true, winning_attempt: attempt })
     }
 
     pub fn locate_shuffle(
@@ -462,24 +410,24 @@ impl State {
     pub fn invalidate_maps(
         &mut self,
         req: InvalidateMapsRequest,
-        _now: Instant,
+        now: Instant,
     ) -> Result<InvalidateMapsResponse, Status> {
         let context = format!("invalidate {} maps of shuffle {}", req.map_indexes.len(), req.shuffle_id);
-        let response = self.shuffles.invalidate(&req).context(context)?;
-        if response.invalidated > 0 {
-            self.log(Change::InvalidateMaps(req));
+        let invalidated = self.shuffles.check_invalidate(&req).context(&context)?;
+        if invalidated > 0 {
+            self.commit(Change::InvalidateMaps(req), now).context(&context)?;
         }
-        Ok(response)
+        Ok(InvalidateMapsResponse { invalidated })
     }
 
     pub fn unregister_shuffle(
         &mut self,
         req: UnregisterShuffleRequest,
-        _now: Instant,
+        now: Instant,
     ) -> Result<UnregisterShuffleResponse, Status> {
         let context = format!("unregister shuffle {}", req.shuffle_id);
-        self.shuffles.unregister(req.shuffle_id, &mut self.servers).context(context)?;
-        self.log(Change::UnregisterShuffle(req));
+        self.shuffles.check_registered(ShuffleId(req.shuffle_id)).context(&context)?;
+        self.commit(Change::UnregisterShuffle(req), now).context(&context)?;
         Ok(UnregisterShuffleResponse {})
     }
 
@@ -499,28 +447,29 @@ impl State {
             }
         }
         let (server_id, previous) =
-            self.servers.register(&req.address, tiers, req.instance_id, now).context(&context)?;
-        self.servers.set_quic_address(server_id, &req.quic_address).context(&context)?;
-        self.log(Change::Server(LogServer {
-            server_id,
+            self.servers.check_registration(&req.address, &req.quic_address).context(&context)?;
+        let change = Change::Server(LogServer {
+            server_id: server_id.get(),
             address: req.address.clone(),
             quic_address: req.quic_address.clone(),
             instance_id: req.instance_id,
-        }));
+        });
+        self.commit(change, now).context(&context)?;
+        self.servers.take_registration(server_id, tiers, previous != Some(req.instance_id), now);
         match previous {
             Some(old) if old != req.instance_id => {
                 warn!(
                     "storage server {server_id} ({}) restarted; its DRAM blocks and shuffle segments are lost",
                     req.address
                 );
-                self.lose_server(server_id);
+                self.lose_server(server_id, now);
             }
             Some(_) => info!("storage server {server_id} registered again from {}", req.address),
             None if req.quic_address.is_empty() => info!("storage server {server_id} registered from {}", req.address),
             None => info!("storage server {server_id} registered from {} (QUIC {})", req.address, req.quic_address),
         }
         Ok(RegisterServerResponse {
-            server_id,
+            server_id: server_id.get(),
             block_size: self.block_size,
             heartbeat_interval_ms: self.heartbeat_interval.as_millis() as u64,
             token_key: self.key.as_bytes().to_vec(),
@@ -535,13 +484,13 @@ impl State {
         _now: Instant,
     ) -> Result<ReportInventoryResponse, Status> {
         let context = format!("inventory of storage server {}", req.server_id);
-        self.servers
-            .inventory_page(req.server_id, &req.block_ids, &req.shuffle_ids, self.block_size)
-            .context(&context)?;
+        let server_id = ServerId(req.server_id);
+        let blocks: Vec<BlockId> = req.block_ids.iter().map(|&id| BlockId::from(id)).collect();
+        let shuffles: Vec<ShuffleId> = req.shuffle_ids.iter().map(|&id| ShuffleId(id)).collect();
+        self.servers.inventory_page(server_id, &blocks, &shuffles, self.block_size).context(&context)?;
         if !req.last {
             return Ok(ReportInventoryResponse::default());
         }
-        let server_id = req.server_id;
         let mut referenced = std::collections::HashMap::new();
         for (file, block) in self.namespace.blocks() {
             if block.server_id == server_id {
@@ -562,17 +511,19 @@ impl State {
     }
 
     pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Instant) -> Result<HeartbeatResponse, Status> {
-        Ok(self.servers.heartbeat(req.server_id, req.tiers, req.freed_through_seq, now))
+        Ok(self.servers.heartbeat(ServerId(req.server_id), req.tiers, req.freed_through_seq, now))
     }
 
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
     pub fn reap(&mut self, now: Instant) {
         for job in self.jobs.lapsed(now) {
-            self.end(&job, "lease lapsed");
+            if let Err(refusal) = self.end(&job, "lease lapsed", now) {
+                error!("ending job {job}, whose lease lapsed: {} ({:?})", refusal.reason, refusal.kind);
+            }
         }
         for (server_id, dead) in self.servers.expire(now, self.server_timeout) {
             warn!("{dead}; its blocks are lost");
-            self.lose_server(server_id);
+            self.lose_server(server_id, now);
         }
     }
 
@@ -588,43 +539,53 @@ impl State {
         }
     }
 
-    /// After a storage server died: shuffle partitions whose last segment was there get a new one
-    /// on a live server, so map attempts can push again (readers see the lost segments as lost).
-    fn lose_server(&mut self, server_id: u64) {
+    /// After a storage server died (or restarted, losing its DRAM): its segments are lost, and
+    /// shuffle partitions whose last segment was there get a new one on a live server, so map
+    /// attempts can push again (readers see the lost segments as lost).
+    fn lose_server(&mut self, server_id: ServerId, now: Instant) {
         if self.servers.is_alive(server_id) {
             // Alive, but restarted: what it held in DRAM is gone, though the server is not.
-            for lost in self.shuffles.lose_segments_on(server_id) {
-                self.log(Change::LostSegments(lost));
+            for lost in self.shuffles.lost_on(server_id) {
+                self.commit_own(Change::LostSegments(lost), now);
             }
         }
-        let placed = self.shuffles.server_died(server_id, &mut self.servers);
-        if !placed.is_empty() {
-            info!("placed {} shuffle segments anew after storage server {server_id} was lost", placed.len());
+        let mut placed = 0;
+        for shuffle_id in self.shuffles.ids() {
+            // Placed shuffle by shuffle, each seeing the load the ones before it added.
+            let Some(tails) = self.shuffles.tails_on(shuffle_id, server_id) else {
+                continue;
+            };
+            let loads = self.servers.segment_loads();
+            let Ok(plan) = planner::place_segments(&loads, tails.partitions.len(), &[server_id], tails.replicas) else {
+                continue;
+            };
+            for (&partition, &copies) in tails.partitions.iter().zip(&plan) {
+                self.commit_own(Change::AddSegment(segment_record(shuffle_id, partition, copies)), now);
+                placed += 1;
+            }
         }
-        for segment in placed {
-            self.log(Change::AddSegment(segment));
+        if placed > 0 {
+            info!("placed {placed} shuffle segments anew after storage server {server_id} was lost");
+        }
+    }
+
+    /// Commits a change the state chose itself (not a request's), which its own checks allow:
+    /// a refusal is a bug, logged rather than answered.
+    fn commit_own(&mut self, change: Change, now: Instant) {
+        if let Err(refusal) = self.commit(change.clone(), now) {
+            error!("an internal change was refused: {change:?}: {} ({:?})", refusal.reason, refusal.kind);
         }
     }
 
     /// Ends a registered job: forgets it, deletes its directory, frees its blocks and shuffles.
-    fn end(&mut self, job: &str, why: &str) -> DeleteResponse {
-        self.log(Change::EndJob(EndJobRequest { job_id: job.to_string(), ..Default::default() }));
-        let _ = self.jobs.remove(job);
-        // The directory exists while the job is registered; tolerate its absence all the same.
-        let removed = self.namespace.remove(&path::job_root(job), true).unwrap_or_default();
-        let released = self.release(removed);
-        let shuffles = self.shuffles.end_job(job, &mut self.servers);
+    fn end(&mut self, job: &str, why: &str, now: Instant) -> Result<Applied, Refusal> {
+        let change = Change::EndJob(EndJobRequest { job_id: job.to_string(), ..Default::default() });
+        let released = self.commit(change, now)?;
         info!(
-            "job {job} {why}: deleted {} files, freeing {} blocks and {shuffles} shuffles",
-            released.files_deleted, released.blocks_freed
+            "job {job} {why}: deleted {} files, freeing {} blocks and {} shuffles",
+            released.files_deleted, released.blocks_freed, released.shuffles_freed
         );
-        released
-    }
-
-    /// Queues the blocks of removed files for freeing.
-    fn release(&mut self, removed: Removed) -> DeleteResponse {
-        self.servers.free(&removed.blocks);
-        DeleteResponse { files_deleted: removed.files, blocks_freed: removed.blocks.len() as u64 }
+        Ok(released)
     }
 
     /// Rules for new entries under `/jobs`, which belongs to the jobs: `/jobs/<job>` is made only
@@ -672,6 +633,7 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
     }
 }
 
+mod commit;
 mod durable;
 
 #[cfg(test)]

@@ -1,11 +1,10 @@
-//! The state as log records: replaying them ([`State::apply`]) and writing the state out as the
+//! The state as log records: replaying them ([`State::restore`], each record through the one
+//! [`State::apply`] live calls commit through, see `commit`) and writing the state out as the
 //! records that rebuild it ([`State::snapshot`]).
 //!
 //! Each live method records what it changed, with whatever it chose (file and shuffle ids,
 //! placements, a generated job name), so a replay makes the same changes without choosing
-//! anything. A replay skips the checks the live call made (they passed then) and time-bound rules:
-//! jobs come back with fresh leases, counted from the restart; storage servers come back
-//! restored, awaiting their registration and inventory.
+//! anything.
 
 use std::time::Instant;
 
@@ -14,114 +13,20 @@ use tern_proto::v1::*;
 
 use super::State;
 use crate::error::{invalid, Refusal};
-use crate::jobs::Quota;
-use crate::namespace::BlockRef;
-use crate::path::{self, Place, JOBS_DIR};
-use crate::placement::parse_storage_class;
 
 impl State {
     /// Replays one logged change.
-    pub fn apply(&mut self, record: &LogRecord, now: Instant) -> Result<(), Refusal> {
-        let ms = record.unix_ms;
+    pub fn replay(&mut self, record: &LogRecord, now: Instant) -> Result<(), Refusal> {
         let Some(change) = &record.change else {
             return Err(invalid("a log record without a change"));
         };
-        match change {
-            Change::Mkdir(req) => self.namespace.mkdir(&req.path, req.parents, ms)?,
-            Change::Create(log) => {
-                let req = log.request.clone().unwrap_or_default();
-                let class = parse_storage_class(&req.storage_class)?;
-                self.namespace.create_file_as(log.file_id, &req.path, req.parents, class, ms)?;
-                let file = self.namespace.file_mut(log.file_id)?;
-                file.sealed = req.sealed;
-                file.replicas = req.replicas.max(1);
-                if let Some(job) = Place::of(&req.path).job() {
-                    self.jobs.add_usage(job, 1, 0);
-                }
-            }
-            Change::Allocate(log) => {
-                if log.block_ids.len() != log.server_ids.len() {
-                    return Err(invalid("a logged allocation with unpaired block and server ids"));
-                }
-                let blocks: Vec<BlockRef> = log
-                    .block_ids
-                    .iter()
-                    .zip(&log.server_ids)
-                    .map(|(&block_id, &server_id)| BlockRef { block_id, server_id })
-                    .collect();
-                self.namespace.file_mut(log.file_id)?.blocks.extend(blocks.iter().copied());
-                self.servers.restore_blocks(&blocks);
-                let path = self.namespace.file_path(log.file_id)?;
-                if let Some(job) = Place::of(&path).job() {
-                    self.jobs.count_blocks(job, log.block_ids.iter().copied(), 1);
-                }
-            }
-            Change::Seal(req) => {
-                let path = self.namespace.file_path(req.file_id)?;
-                let block_size = u64::from(self.block_size);
-                let file = self.namespace.file_mut(req.file_id)?;
-                let needed = req.length.div_ceil(block_size) as usize * file.replicas.max(1) as usize;
-                let unused = file.blocks.split_off(needed.min(file.blocks.len()));
-                file.sealed = true;
-                file.length = req.length;
-                self.servers.free(&unused);
-                if let Some(job) = Place::of(&path).job() {
-                    self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
-                    self.jobs.count_blocks(job, unused.iter().map(|b| b.block_id), -1);
-                }
-            }
-            Change::Delete(req) => {
-                let removed = self.namespace.remove(&req.path, req.recursive)?;
-                if let Some(job) = Place::of(&req.path).job() {
-                    self.jobs.add_usage(job, -(removed.files as i64), -(removed.sealed_bytes as i64));
-                    self.jobs.count_blocks(job, removed.blocks.iter().map(|b| b.block_id), -1);
-                }
-                self.release(removed);
-            }
-            Change::Rename(req) => self.namespace.rename(&req.from, &req.to)?,
-            Change::RegisterJob(req) => {
-                // Logs from before serials (0) get a new one: their tokens no longer verify.
-                self.jobs.register(&req.name, req.lease_ms, &req.tenant, req.serial, Quota::Skip, now)?;
-                self.namespace.mkdir(JOBS_DIR, true, ms)?;
-                // Present already when a snapshot listed the job's directory first.
-                self.namespace.mkdir(&path::job_root(&req.name), true, ms)?;
-            }
-            Change::EndJob(req) => {
-                if self.jobs.is_registered(&req.job_id) {
-                    self.end(&req.job_id, "ended (replayed)");
-                }
-            }
-            Change::RegisterShuffle(log) => self.shuffles.restore(log, &mut self.servers)?,
-            Change::AddSegment(log) => self.shuffles.push_segment(
-                log.shuffle_id,
-                log.partition,
-                (log.server_id, log.replica_server_id),
-                &mut self.servers,
-            )?,
-            Change::CommitMap(req) => {
-                self.shuffles.commit(req.clone())?;
-            }
-            Change::InvalidateMaps(req) => {
-                self.shuffles.invalidate(req)?;
-            }
-            Change::UnregisterShuffle(req) => self.shuffles.unregister(req.shuffle_id, &mut self.servers)?,
-            Change::Server(log) => {
-                self.servers.restore(log.server_id, &log.address, &log.quic_address, log.instance_id, now)
-            }
-            Change::LostSegments(log) => self.shuffles.restore_lost(log),
-            Change::Counters(log) => {
-                self.namespace.raise_next_file_id(log.next_file_id);
-                self.servers.raise_counters(log.next_server_id, log.next_block_id);
-                self.shuffles.raise_next_shuffle_id(log.next_shuffle_id);
-            }
-        }
-        Ok(())
+        self.apply(change, record.unix_ms, now).map(drop)
     }
 
     /// Replays `records` into this (fresh) state, naming the first that does not apply.
     pub fn restore(&mut self, records: &[LogRecord], now: Instant) -> anyhow::Result<()> {
         for (index, record) in records.iter().enumerate() {
-            if let Err(refusal) = self.apply(record, now) {
+            if let Err(refusal) = self.replay(record, now) {
                 anyhow::bail!(
                     "metadata log record {index} ({:?}) does not apply: {} ({:?})",
                     record.change,
@@ -130,8 +35,6 @@ impl State {
                 );
             }
         }
-        // Replays record again what they replay; none of it is new.
-        self.journal.clear();
         Ok(())
     }
 
@@ -146,9 +49,7 @@ impl State {
             next_server_id,
             next_shuffle_id: self.shuffles.next_shuffle_id(),
         }));
-        for (server_id, address, quic_address, instance_id) in self.servers.identities() {
-            changes.push(Change::Server(LogServer { server_id, address, quic_address, instance_id }));
-        }
+        changes.extend(self.servers.identities().into_iter().map(Change::Server));
         let mut records: Vec<LogRecord> =
             changes.drain(..).map(|change| LogRecord { unix_ms: 0, change: Some(change) }).collect();
         // Directories first (with their creation times), then the jobs (whose directories exist
@@ -178,8 +79,8 @@ impl State {
             if !file.blocks.is_empty() {
                 let change = Change::Allocate(LogAllocate {
                     file_id: file.file_id,
-                    block_ids: file.blocks.iter().map(|b| b.block_id).collect(),
-                    server_ids: file.blocks.iter().map(|b| b.server_id).collect(),
+                    block_ids: file.blocks.iter().map(|b| b.block_id.get()).collect(),
+                    server_ids: file.blocks.iter().map(|b| b.server_id.get()).collect(),
                 });
                 records.push(LogRecord { unix_ms, change: Some(change) });
             }

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use super::tests::{add_server, allocate, create, refused, register_job, state, BLOCK};
 use super::*;
-use crate::placement::DRAM_TIER;
+use crate::servers::DRAM_TIER;
 use crate::shuffles::{DEFAULT_SPLIT_SIZE_BYTES, MAX_LOCATE_ENTRIES, MAX_SEGMENTS_PER_PARTITION};
 
 fn register_request(job: &str, partitions: u32, maps: u32) -> RegisterShuffleRequest {
@@ -569,7 +569,7 @@ fn replicated_segments_survive_a_log_replay() {
     let before = locate(&mut state, shuffle, (0, 2), (0, 1), now);
     let mut rebuilt = State::new(&super::tests::config());
     for record in state.take_journal() {
-        rebuilt.apply(&record, now).unwrap();
+        rebuilt.replay(&record, now).unwrap();
     }
     let after = locate(&mut rebuilt, shuffle, (0, 2), (0, 1), now);
     assert_eq!(after.segments, before.segments);

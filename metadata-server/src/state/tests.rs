@@ -5,7 +5,7 @@ use std::fmt::Debug;
 use tern_common::ByteSize;
 
 use super::*;
-use crate::placement::DRAM_TIER;
+use crate::servers::DRAM_TIER;
 
 pub(super) const BLOCK: u64 = 4096;
 
@@ -603,7 +603,7 @@ fn replicas_survive_a_log_replay() {
     let before = open(&mut state, "/r/f", now).unwrap();
     let mut rebuilt = State::new(&config());
     for record in state.take_journal() {
-        rebuilt.apply(&record, now).unwrap();
+        rebuilt.replay(&record, now).unwrap();
     }
     let after = open(&mut rebuilt, "/r/f", now).unwrap();
     assert_eq!(after.info.as_ref().unwrap().replicas, 2);

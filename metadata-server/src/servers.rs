@@ -1,35 +1,39 @@
-//! The storage-server registry, block and shuffle-segment placement, and the queues of blocks and
-//! shuffles waiting to be freed.
+//! The storage-server registry: registrations, heartbeats and liveness, inventory
+//! reconciliation, and the queues of blocks and shuffles waiting to be freed. Where new blocks and
+//! segments go is the planner's choice (`planner`), over the view of room this registry gives.
 //!
 //! Storage servers register, then heartbeat. A server whose heartbeats stop is declared dead: the
 //! blocks on it are lost (files keep them, and reading them reports DataLost) and nothing more is
 //! placed there. Dead servers are remembered, up to a bound, so that messages can say why a block
 //! was lost.
 //!
+//! Which servers exist (id, address, instance) is logged state, changed through
+//! [`Servers::record`]; liveness, reports and free queues are rebuilt by registrations and
+//! heartbeats, and are not logged.
+//!
 //! Frees travel on heartbeat replies: each server has one queue of (seq, block or shuffle) with
 //! its own increasing sequence numbers; a reply carries a prefix of the queue, and the next
 //! heartbeat acknowledges it with `freed_through_seq`. Unacknowledged frees are sent again, so a
 //! lost reply costs nothing but a repeat (frees are idempotent on the storage server).
 //!
-//! Each server has a DRAM tier and may have an NVMe tier; placement counts capacity and blocks
-//! placed per tier, and a file's storage class says which tiers its blocks may use (`any`: DRAM
-//! first, cluster-wide, NVMe only when no live server has DRAM room). NVMe block ids carry
-//! [`NVME_BLOCK_BIT`], so a storage server knows a block's tier from its id.
+//! Each server has a DRAM tier and may have an NVMe tier; the registry counts capacity and blocks
+//! placed per tier. Block ids name their tier ([`BlockId`]), so a storage server knows a block's
+//! tier from its id.
 //!
 //! A server's DRAM holds file blocks and shuffle segments side by side, and the server reports
 //! only the total in use. The metadata server knows the blocks it placed there; shuffle data
 //! grows as maps push, so it is known only through those reports (see `Server::used_blocks`).
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, VecDeque};
-use std::net::{IpAddr, SocketAddr};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tern_proto::v1::{BlockLocation, HeartbeatResponse, ServerStatus, TierUsage};
-use tern_proto::{ErrorKind, StorageClass, Tier, NVME_BLOCK_BIT};
+use tern_proto::v1::{BlockLocation, HeartbeatResponse, LogServer, ServerStatus, TierUsage};
+use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, Tier};
 
 use crate::error::{invalid, Refusal};
 use crate::namespace::BlockRef;
+use crate::planner::{BlockPlace, Room, SegmentLoad, TierRoom};
 
 /// Most frees one heartbeat reply carries (8 bytes each: 512 KiB, well under a gRPC message).
 pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
@@ -38,21 +42,12 @@ pub const MAX_DEAD_SERVERS: usize = 1024;
 /// The DRAM tier's name in usage reports.
 pub const DRAM_TIER: &str = Tier::Dram.name();
 
-/// A storage class named in a request: "dram", "nvme" or "any" ("" = "any").
-pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
-    name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
-}
-
-/// A server placement may choose for a block: (not on the client's host, blocks of the tier in
-/// use, server id, the tier's capacity); the smallest is the best.
-type Candidate = (bool, u64, u64, u64);
-
 /// One entry of a server's free queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Free {
-    Block(u64),
+    Block(BlockId),
     /// Every segment the server holds of this shuffle.
-    Shuffle(u64),
+    Shuffle(ShuffleId),
 }
 
 #[derive(Debug)]
@@ -76,7 +71,7 @@ struct Server {
     /// Inventory pages received since it registered.
     inventory: Option<Inventory>,
     /// Blocks referenced here that its last inventory did not report, and why they are lost.
-    lost_blocks: HashMap<u64, String>,
+    lost_blocks: HashMap<BlockId, String>,
     /// Why the server was declared dead (empty while alive).
     death: String,
     tiers: Vec<TierUsage>,
@@ -101,8 +96,8 @@ struct Server {
 /// What a storage server reported holding, gathered over its inventory pages.
 #[derive(Debug, Default)]
 struct Inventory {
-    blocks: HashSet<u64>,
-    shuffles: HashSet<u64>,
+    blocks: HashSet<BlockId>,
+    shuffles: HashSet<ShuffleId>,
 }
 
 /// What reconciling an inventory did.
@@ -187,9 +182,9 @@ impl Server {
 
     /// What segment placement orders servers by: full ones last, then blocks in use plus the
     /// segments placed here.
-    fn segment_load(&self) -> (bool, u64) {
+    fn segment_load(&self, server_id: ServerId) -> SegmentLoad {
         let used = self.used_blocks();
-        (used >= self.capacity_blocks(), used + self.segments)
+        SegmentLoad { full: used >= self.capacity_blocks(), load: used + self.segments, server_id }
     }
 
     fn queue_free(&mut self, free: Free) {
@@ -197,7 +192,7 @@ impl Server {
         self.next_free_seq += 1;
         match free {
             Free::Shuffle(_) => self.shuffle_frees += 1,
-            Free::Block(id) if Tier::of_block(id) == Tier::Nvme => self.nvme_frees += 1,
+            Free::Block(id) if id.tier() == Tier::Nvme => self.nvme_frees += 1,
             Free::Block(_) => {}
         }
     }
@@ -228,14 +223,14 @@ impl Server {
         }
     }
 
-    fn describe(&self, server_id: u64) -> String {
+    fn describe(&self, server_id: ServerId) -> String {
         format!("storage server {server_id} ({})", self.address)
     }
 }
 
 #[derive(Debug)]
 pub struct Servers {
-    servers: BTreeMap<u64, Server>,
+    servers: BTreeMap<ServerId, Server>,
     next_server_id: u64,
     next_block_id: u64,
 }
@@ -248,62 +243,100 @@ impl Default for Servers {
 }
 
 impl Servers {
-    /// Registers a server instance. A server registering from the address of a known one (alive,
-    /// dead, or restored from the log) is that server again and keeps its id, so the blocks the
-    /// namespace places there stay its own; returns the id and the instance id it had before
-    /// (`None` for a new server). Nothing is placed there until its inventory is reconciled.
-    pub fn register(
-        &mut self,
-        address: &str,
-        tiers: Vec<TierUsage>,
-        instance_id: u64,
-        now: Instant,
-    ) -> Result<(u64, Option<u64>), Refusal> {
-        let host = host_of_address(address)?;
-        if let Some((&server_id, server)) = self.servers.iter_mut().find(|(_, s)| s.address == address) {
-            let previous = server.instance_id;
-            server.alive = true;
-            server.restored = false;
-            server.reconciled = false;
-            server.restarted = previous != instance_id;
-            server.instance_id = instance_id;
-            server.inventory = Some(Inventory::default());
-            server.death.clear();
-            server.last_seen = now;
-            server.take_report(tiers);
-            return Ok((server_id, Some(previous)));
+    /// Checks a registration from `address` (and `quic_address`, "" for none) and chooses its
+    /// id: a server registering from the address of a known one (alive, dead, or restored from
+    /// the log) is that server again and keeps its id, so the blocks the namespace places there
+    /// stay its own. Returns the id and the instance id it had before (`None` for a new server).
+    /// Changes nothing: see [`Servers::record`] and [`Servers::take_registration`].
+    pub fn check_registration(&self, address: &str, quic_address: &str) -> Result<(ServerId, Option<u64>), Refusal> {
+        host_of_address(address)?;
+        if !quic_address.is_empty() {
+            host_of_address(quic_address)?;
         }
-        let server_id = self.next_server_id;
-        self.next_server_id += 1;
-        let mut server = Server::new(address, host, instance_id, now);
-        server.alive = true;
-        server.inventory = Some(Inventory::default());
-        server.take_report(tiers);
-        self.servers.insert(server_id, server);
-        Ok((server_id, None))
+        Ok(match self.servers.iter().find(|(_, s)| s.address == address) {
+            Some((&server_id, server)) => (server_id, Some(server.instance_id)),
+            None => (ServerId(self.next_server_id), None),
+        })
     }
 
-    /// A server known from the log (after a restart): readable, but nothing is placed there until
-    /// it registers again; declared dead if it does not within the server timeout.
-    pub fn restore(&mut self, server_id: u64, address: &str, quic_address: &str, instance_id: u64, now: Instant) {
+    /// Records a server's identity (a registration, live or replayed). A server new to this
+    /// registry comes in restored: readable, but nothing is placed there until it registers (see
+    /// [`Servers::take_registration`]), and declared dead if it does not within the server
+    /// timeout. A known one keeps its state and counts.
+    pub fn record(&mut self, server_id: ServerId, address: &str, quic_address: &str, instance_id: u64, now: Instant) {
         let host = host_of_address(address).unwrap_or_default();
-        let mut server = Server::new(address, host, instance_id, now);
-        server.quic_address = quic_address.to_string();
-        server.restored = true;
         // Another server known at this address is an older record of the same one.
-        self.servers.retain(|_, s| s.address != address);
-        self.servers.insert(server_id, server);
-        self.next_server_id = self.next_server_id.max(server_id + 1);
+        self.servers.retain(|&id, s| id == server_id || s.address != address);
+        let server = self.servers.entry(server_id).or_insert_with(|| {
+            let mut server = Server::new(address, host.clone(), instance_id, now);
+            server.restored = true;
+            server
+        });
+        server.address = address.to_string();
+        server.host = host;
+        server.quic_address = quic_address.to_string();
+        server.instance_id = instance_id;
+        self.next_server_id = self.next_server_id.max(server_id.get() + 1);
     }
 
-    /// Counts blocks placed before a restart (replaying the log).
-    pub fn restore_blocks(&mut self, blocks: &[BlockRef]) {
+    /// A recorded server registered (not logged: liveness is rebuilt by registrations): alive
+    /// with the usage it reported, and awaiting its inventory; nothing is placed there until the
+    /// inventory is reconciled. `restarted`: the registration came from a new process.
+    pub fn take_registration(&mut self, server_id: ServerId, tiers: Vec<TierUsage>, restarted: bool, now: Instant) {
+        let Some(server) = self.servers.get_mut(&server_id) else {
+            return;
+        };
+        server.alive = true;
+        server.restored = false;
+        server.reconciled = false;
+        server.restarted = restarted;
+        server.inventory = Some(Inventory::default());
+        server.death.clear();
+        server.last_seen = now;
+        server.take_report(tiers);
+    }
+
+    /// Names the blocks of a placement plan, in order, from the next block ids. Changes nothing:
+    /// [`Servers::count_placed`] does, when the allocation is applied.
+    pub fn name_blocks(&self, plan: &[BlockPlace]) -> Vec<BlockRef> {
+        (self.next_block_id..)
+            .zip(plan)
+            .map(|(index, place)| BlockRef { block_id: BlockId::new(place.tier, index), server_id: place.server_id })
+            .collect()
+    }
+
+    /// Counts placed blocks on their servers, and moves the block ids past them.
+    pub fn count_placed(&mut self, blocks: &[BlockRef]) {
         for block in blocks {
-            self.next_block_id = self.next_block_id.max((block.block_id & !NVME_BLOCK_BIT) + 1);
+            self.next_block_id = self.next_block_id.max(block.block_id.index() + 1);
             if let Some(server) = self.servers.get_mut(&block.server_id) {
-                *server.allocated_mut(Tier::of_block(block.block_id)) += 1;
+                *server.allocated_mut(block.block_id.tier()) += 1;
             }
         }
+    }
+
+    /// What the planner places blocks by: the room of each server that takes new blocks.
+    pub fn rooms(&self) -> Vec<Room> {
+        let room = |server: &Server, tier| TierRoom {
+            capacity_blocks: server.tier_capacity(tier),
+            used_blocks: server.tier_used(tier),
+            being_freed_blocks: server.tier_being_freed(tier),
+        };
+        self.servers
+            .iter()
+            .filter(|(_, s)| s.placeable())
+            .map(|(&server_id, s)| Room {
+                server_id,
+                host: s.host.clone(),
+                dram: room(s, Tier::Dram),
+                nvme: room(s, Tier::Nvme),
+            })
+            .collect()
+    }
+
+    /// What the planner places segments by: the load of each server that takes new segments.
+    pub fn segment_loads(&self) -> Vec<SegmentLoad> {
+        self.servers.iter().filter(|(_, s)| s.placeable()).map(|(&server_id, s)| s.segment_load(server_id)).collect()
     }
 
     /// The id counters (next server id, next block id), for snapshots.
@@ -317,13 +350,21 @@ impl Servers {
         self.next_block_id = self.next_block_id.max(next_block_id);
     }
 
-    /// Every known server's identity: (id, address, QUIC address, instance id).
-    pub fn identities(&self) -> Vec<(u64, String, String, u64)> {
-        self.servers.iter().map(|(&id, s)| (id, s.address.clone(), s.quic_address.clone(), s.instance_id)).collect()
+    /// Every known server's identity, as the log records it.
+    pub fn identities(&self) -> Vec<LogServer> {
+        self.servers
+            .iter()
+            .map(|(&id, s)| LogServer {
+                server_id: id.get(),
+                address: s.address.clone(),
+                quic_address: s.quic_address.clone(),
+                instance_id: s.instance_id,
+            })
+            .collect()
     }
 
     /// Whether the server's last registration came from a new process.
-    pub fn restarted_since_log(&self, server_id: u64) -> bool {
+    pub fn restarted_since_log(&self, server_id: ServerId) -> bool {
         self.servers.get(&server_id).is_none_or(|s| s.restarted)
     }
 
@@ -331,9 +372,9 @@ impl Servers {
     /// reconciliation (the caller runs it on the last page).
     pub fn inventory_page(
         &mut self,
-        server_id: u64,
-        blocks: &[u64],
-        shuffles: &[u64],
+        server_id: ServerId,
+        blocks: &[BlockId],
+        shuffles: &[ShuffleId],
         block_size: u32,
     ) -> Result<(), Refusal> {
         let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
@@ -378,10 +419,10 @@ impl Servers {
     /// on, blocks and segments may be placed there.
     pub fn reconcile(
         &mut self,
-        server_id: u64,
-        referenced: &HashMap<u64, bool>,
+        server_id: ServerId,
+        referenced: &HashMap<BlockId, bool>,
         restarted: bool,
-        registered_shuffle: impl Fn(u64) -> bool,
+        registered_shuffle: impl Fn(ShuffleId) -> bool,
     ) -> Reconciled {
         let Some(server) = self.servers.get_mut(&server_id) else {
             return Reconciled::default();
@@ -397,25 +438,27 @@ impl Servers {
         let describe = server.describe(server_id);
         for (&block_id, &sealed) in referenced {
             if inventory.blocks.contains(&block_id) {
-                *server.allocated_mut(Tier::of_block(block_id)) += 1;
+                *server.allocated_mut(block_id.tier()) += 1;
             } else if sealed || restarted {
-                let why = format!("block {block_id} on {describe} is lost: the server registered again without it");
+                let why =
+                    format!("block {} on {describe} is lost: the server registered again without it", block_id.get());
                 server.lost_blocks.insert(block_id, why);
                 done.lost += 1;
             } else {
                 // Placed for a file still being written, and not written yet.
-                *server.allocated_mut(Tier::of_block(block_id)) += 1;
+                *server.allocated_mut(block_id.tier()) += 1;
             }
         }
-        let mut unreferenced: Vec<u64> =
+        let mut unreferenced: Vec<BlockId> =
             inventory.blocks.iter().copied().filter(|id| !referenced.contains_key(id)).collect();
         unreferenced.sort_unstable();
         for block_id in unreferenced {
-            *server.allocated_mut(Tier::of_block(block_id)) += 1;
+            *server.allocated_mut(block_id.tier()) += 1;
             server.queue_free(Free::Block(block_id));
             done.unreferenced += 1;
         }
-        let mut unknown: Vec<u64> = inventory.shuffles.iter().copied().filter(|&id| !registered_shuffle(id)).collect();
+        let mut unknown: Vec<ShuffleId> =
+            inventory.shuffles.iter().copied().filter(|&id| !registered_shuffle(id)).collect();
         unknown.sort_unstable();
         for shuffle_id in unknown {
             server.queue_free(Free::Shuffle(shuffle_id));
@@ -428,7 +471,7 @@ impl Servers {
     /// Records a heartbeat, drops the frees it acknowledges, and answers with the frees still due.
     pub fn heartbeat(
         &mut self,
-        server_id: u64,
+        server_id: ServerId,
         tiers: Vec<TierUsage>,
         freed_through_seq: u64,
         now: Instant,
@@ -445,7 +488,7 @@ impl Servers {
             // A freed shuffle gives its space back through the server's usage reports instead.
             match free {
                 Free::Block(id) => {
-                    let tier = Tier::of_block(id);
+                    let tier = id.tier();
                     if tier == Tier::Nvme {
                         server.nvme_frees -= 1;
                     }
@@ -462,8 +505,8 @@ impl Servers {
         let mut reply = HeartbeatResponse { free_seq: freed_through_seq, ..HeartbeatResponse::default() };
         for &(seq, free) in server.frees.iter().take(MAX_FREES_PER_HEARTBEAT) {
             match free {
-                Free::Block(block_id) => reply.free_block_ids.push(block_id),
-                Free::Shuffle(shuffle_id) => reply.free_shuffle_ids.push(shuffle_id),
+                Free::Block(block_id) => reply.free_block_ids.push(block_id.get()),
+                Free::Shuffle(shuffle_id) => reply.free_shuffle_ids.push(shuffle_id.get()),
             }
             reply.free_seq = seq;
         }
@@ -472,8 +515,8 @@ impl Servers {
 
     /// Declares dead every live server silent for longer than `timeout`; returns their ids and
     /// descriptions.
-    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(u64, String)> {
-        let silent: Vec<(u64, Duration)> = self
+    pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(ServerId, String)> {
+        let silent: Vec<(ServerId, Duration)> = self
             .servers
             .iter()
             .filter(|(_, s)| s.alive || s.restored)
@@ -496,157 +539,6 @@ impl Servers {
             .collect()
     }
 
-    /// Places `count` new blocks of storage class `class`: tier by tier in the class's order (DRAM
-    /// first for `any`, across the whole cluster), on live servers with room in that tier, those on
-    /// `client_host` first, then the least used (so a batch spreads across equal servers
-    /// round-robin). A batch may span tiers when the first fills up.
-    #[cfg(test)]
-    pub fn allocate(&mut self, count: u32, client_host: &str, class: StorageClass) -> Result<Vec<BlockRef>, Refusal> {
-        self.allocate_copies(count, client_host, class, 1)
-    }
-
-    /// [`Servers::allocate`] with `replicas` copies of each block, each copy on a different
-    /// server; the result is grouped by block (block i's copies at `i * replicas ..`). Refused
-    /// (`Unavailable`) with fewer live servers than copies, and `OutOfSpace` when the room left
-    /// is not on enough different servers; nothing is placed then.
-    pub fn allocate_copies(
-        &mut self,
-        count: u32,
-        client_host: &str,
-        class: StorageClass,
-        replicas: u32,
-    ) -> Result<Vec<BlockRef>, Refusal> {
-        let replicas = replicas.max(1);
-        let client_host = normalize_host(client_host);
-        let live = self.live_count();
-        if live == 0 {
-            return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
-        }
-        if live < u64::from(replicas) {
-            return Err(Refusal::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "{replicas} copies of each block need {replicas} live storage servers, and only {live} is live \
-                     and registered"
-                ),
-            ));
-        }
-        let tiers = class.tiers();
-        let mut free = Vec::with_capacity(tiers.len());
-        let mut being_freed: u64 = 0;
-        for &tier in tiers {
-            let mut tier_free = 0;
-            for server in self.servers.values().filter(|s| s.placeable()) {
-                tier_free += server.tier_capacity(tier).saturating_sub(server.tier_used(tier));
-                being_freed += server.tier_being_freed(tier);
-            }
-            free.push((tier, tier_free));
-        }
-        let free_total: u64 = free.iter().map(|(_, f)| f).sum();
-        // Every copy takes a block of room.
-        let count64 = u64::from(count) * u64::from(replicas);
-        let asked =
-            if replicas == 1 { format!("{count} blocks") } else { format!("{count} blocks x {replicas} copies") };
-        let free_list = || free.iter().map(|(tier, f)| format!("{f} {tier}")).collect::<Vec<_>>().join(" and ");
-        if free_total < count64 && free_total + being_freed >= count64 {
-            // Space that deletes gave back is still held until the servers' next heartbeats
-            // carry the frees out: worth a retry in a moment, unlike a full cluster.
-            return Err(Refusal::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "{asked} of class {class} asked; {} blocks free and {being_freed} being freed on the \
-                     {live} live storage servers: retry after their next heartbeat",
-                    free_list()
-                ),
-            ));
-        }
-        if free_total < count64 {
-            return Err(Refusal::new(
-                ErrorKind::OutOfSpace,
-                format!(
-                    "{asked} of class {class} asked, but the {live} live storage servers have {} blocks free \
-                     between them",
-                    free_list()
-                ),
-            ));
-        }
-        // Plan first, then apply: a refusal leaves no trace. One heap of candidates per tier,
-        // ordered by (remote, used); a block's later copies skip the servers its earlier copies took.
-        let mut heaps: Vec<(Tier, BinaryHeap<Reverse<Candidate>>)> = free
-            .iter()
-            .map(|&(tier, _)| {
-                let mut candidates = BinaryHeap::new();
-                for (&id, server) in self.servers.iter().filter(|(_, s)| s.placeable()) {
-                    let (capacity, used) = (server.tier_capacity(tier), server.tier_used(tier));
-                    if used < capacity {
-                        let remote = client_host.is_empty() || server.host != client_host;
-                        candidates.push(Reverse((remote, used, id, capacity)));
-                    }
-                }
-                (tier, candidates)
-            })
-            .collect();
-        let mut plan = Vec::with_capacity(count64 as usize);
-        for block in 0..count {
-            let mut taken: Vec<u64> = Vec::with_capacity(replicas as usize);
-            for copy in 0..replicas {
-                let mut placed = None;
-                for (tier, candidates) in &mut heaps {
-                    let mut skipped = Vec::new();
-                    while let Some(Reverse(candidate)) = candidates.pop() {
-                        if taken.contains(&candidate.2) {
-                            skipped.push(candidate);
-                        } else {
-                            placed = Some((*tier, candidate));
-                            break;
-                        }
-                    }
-                    candidates.extend(skipped.into_iter().map(Reverse));
-                    if placed.is_some() {
-                        break;
-                    }
-                }
-                let Some((tier, (remote, used, id, capacity))) = placed else {
-                    if replicas == 1 {
-                        return Err(Refusal::new(
-                            ErrorKind::Internal,
-                            "placement ran out of servers despite free space",
-                        ));
-                    }
-                    return Err(Refusal::new(
-                        ErrorKind::OutOfSpace,
-                        format!(
-                            "{asked} of class {class} asked: copy {} of block {block} has no room on a server other \
-                             than storage server(s) {taken:?}, which hold its other copies",
-                            copy + 1
-                        ),
-                    ));
-                };
-                plan.push((tier, id));
-                taken.push(id);
-                if used + 1 < capacity {
-                    let heap = &mut heaps.iter_mut().find(|(t, _)| *t == tier).expect("the tier's heap").1;
-                    heap.push(Reverse((remote, used + 1, id, capacity)));
-                }
-            }
-        }
-        let blocks = plan
-            .into_iter()
-            .map(|(tier, server_id)| {
-                if let Some(server) = self.servers.get_mut(&server_id) {
-                    *server.allocated_mut(tier) += 1;
-                }
-                let mut block_id = self.next_block_id;
-                self.next_block_id += 1;
-                if tier == Tier::Nvme {
-                    block_id |= NVME_BLOCK_BIT;
-                }
-                BlockRef { block_id, server_id }
-            })
-            .collect();
-        Ok(blocks)
-    }
-
     /// Queues blocks the namespace no longer references for freeing on their servers. Blocks on
     /// dead or forgotten servers are gone already and are simply dropped.
     pub fn free(&mut self, blocks: &[BlockRef]) {
@@ -661,55 +553,15 @@ impl Servers {
             if server.alive {
                 server.queue_free(Free::Block(block.block_id));
             } else {
-                let allocated = server.allocated_mut(Tier::of_block(block.block_id));
+                let allocated = server.allocated_mut(block.block_id.tier());
                 *allocated = allocated.saturating_sub(1);
             }
         }
     }
 
-    /// Chooses live servers for `count` new shuffle segments: round-robin over the live servers
-    /// ordered by load (those with room first), so the least loaded take one more when `count`
-    /// does not divide evenly. `avoid` (the server of a full segment) is skipped unless it is the
-    /// only live server. Nothing changes until [`Servers::add_segments`]. Segments go to DRAM:
-    /// it is the only tier storage servers have today, whatever a shuffle's storage class.
-    #[cfg(test)]
-    pub fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
-        let avoid: Vec<u64> = avoid.into_iter().collect();
-        Ok(self.plan_segment_copies(count, &avoid, 1)?.into_iter().map(|(first, _)| first).collect())
-    }
-
-    /// As [`Servers::plan_segments`] for segments of `replicas` copies (1 or 2): each segment's
-    /// second copy goes to the next server in the same order, so never beside its first copy, and
-    /// pairs spread as evenly as single copies do. Returns (first copy's server, second copy's
-    /// server or 0). The servers in `avoid` (those of a full or failed segment) are skipped while
-    /// enough others are live. Refused (`Unavailable`) with fewer live servers than copies.
-    pub fn plan_segment_copies(&self, count: usize, avoid: &[u64], replicas: u32) -> Result<Vec<(u64, u64)>, Refusal> {
-        let replicas = replicas.clamp(1, tern_proto::MAX_REPLICAS) as usize;
-        let mut live: Vec<((bool, u64), u64)> =
-            self.servers.iter().filter(|(_, s)| s.placeable()).map(|(&id, s)| (s.segment_load(), id)).collect();
-        if live.iter().filter(|(_, id)| !avoid.contains(id)).count() >= replicas {
-            live.retain(|(_, id)| !avoid.contains(id));
-        }
-        if live.is_empty() {
-            return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
-        }
-        if live.len() < replicas {
-            return Err(Refusal::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "{replicas} copies of each segment need {replicas} live storage servers, and only {} is live",
-                    live.len()
-                ),
-            ));
-        }
-        live.sort_unstable();
-        let n = live.len();
-        Ok((0..count).map(|i| (live[i % n].1, if replicas > 1 { live[(i + 1) % n].1 } else { 0 })).collect())
-    }
-
-    /// Counts newly placed segments in their servers' load (0 names no server: no second copy).
-    pub fn add_segments(&mut self, server_ids: &[u64]) {
-        for id in server_ids.iter().filter(|&&id| id != 0) {
+    /// Counts newly placed segments in their servers' load.
+    pub fn add_segments(&mut self, server_ids: &[ServerId]) {
+        for id in server_ids {
             if let Some(server) = self.servers.get_mut(id) {
                 server.segments += 1;
             }
@@ -718,7 +570,7 @@ impl Servers {
 
     /// Queues a shuffle free on each live server holding segments of it (`holders`: server id →
     /// segments there), and takes those segments out of the servers' load.
-    pub fn free_shuffle(&mut self, shuffle_id: u64, holders: &BTreeMap<u64, u64>) {
+    pub fn free_shuffle(&mut self, shuffle_id: ShuffleId, holders: &BTreeMap<ServerId, u64>) {
         for (id, &segments) in holders {
             let Some(server) = self.servers.get_mut(id) else {
                 continue;
@@ -737,20 +589,21 @@ impl Servers {
             Some(server) if server.readable() => server.lost_blocks.get(&block.block_id).cloned(),
             Some(server) => Some(format!(
                 "block {} on {} is lost: {}",
-                block.block_id,
+                block.block_id.get(),
                 server.describe(block.server_id),
                 server.death
             )),
             None => Some(format!(
                 "block {} on storage server {} is lost: the server is no longer known (long dead)",
-                block.block_id, block.server_id
+                block.block_id.get(),
+                block.server_id
             )),
         }
     }
 
     /// Whether blocks and segments there can be read: the server is alive, or restored from the
     /// log and not yet declared dead.
-    pub fn is_alive(&self, server_id: u64) -> bool {
+    pub fn is_alive(&self, server_id: ServerId) -> bool {
         self.servers.get(&server_id).is_some_and(|s| s.readable())
     }
 
@@ -760,23 +613,12 @@ impl Servers {
     }
 
     /// A server's block-service address; empty for a server no longer known.
-    pub fn address(&self, server_id: u64) -> String {
+    pub fn address(&self, server_id: ServerId) -> String {
         self.servers.get(&server_id).map(|s| s.address.clone()).unwrap_or_default()
     }
 
-    /// Records where a server serves the block protocol over QUIC ("" for nowhere).
-    pub fn set_quic_address(&mut self, server_id: u64, quic_address: &str) -> Result<(), Refusal> {
-        if !quic_address.is_empty() {
-            host_of_address(quic_address)?;
-        }
-        if let Some(server) = self.servers.get_mut(&server_id) {
-            server.quic_address = quic_address.to_string();
-        }
-        Ok(())
-    }
-
     /// A server's QUIC address; empty for a server without one or no longer known.
-    pub fn quic_address(&self, server_id: u64) -> String {
+    pub fn quic_address(&self, server_id: ServerId) -> String {
         self.servers.get(&server_id).map(|s| s.quic_address.clone()).unwrap_or_default()
     }
 
@@ -785,8 +627,8 @@ impl Servers {
         let (address, quic_address) =
             self.servers.get(&block.server_id).map(|s| (s.address.clone(), s.quic_address.clone())).unwrap_or_default();
         BlockLocation {
-            block_id: block.block_id,
-            server_id: block.server_id,
+            block_id: block.block_id.get(),
+            server_id: block.server_id.get(),
             address,
             length,
             quic_address,
@@ -798,7 +640,7 @@ impl Servers {
         self.servers
             .iter()
             .map(|(&server_id, s)| ServerStatus {
-                server_id,
+                server_id: server_id.get(),
                 address: s.address.clone(),
                 quic_address: s.quic_address.clone(),
                 alive: s.alive,
@@ -825,7 +667,7 @@ impl Servers {
 
     /// Marks a server dead, drops its pending frees, and forgets the oldest dead servers beyond
     /// the bound; returns a description for the log.
-    fn mark_dead(&mut self, server_id: u64, reason: String) -> String {
+    fn mark_dead(&mut self, server_id: ServerId, reason: String) -> String {
         let mut description = String::new();
         if let Some(server) = self.servers.get_mut(&server_id) {
             description = format!("{}: {reason}", server.describe(server_id));
@@ -842,7 +684,7 @@ impl Servers {
             server.shuffle_frees = 0;
             server.nvme_frees = 0;
         }
-        let dead: Vec<u64> = self.servers.iter().filter(|(_, s)| !s.readable()).map(|(&id, _)| id).collect();
+        let dead: Vec<ServerId> = self.servers.iter().filter(|(_, s)| !s.readable()).map(|(&id, _)| id).collect();
         for id in dead.iter().take(dead.len().saturating_sub(MAX_DEAD_SERVERS)) {
             self.servers.remove(id);
         }
@@ -872,25 +714,77 @@ fn host_of_address(address: &str) -> Result<String, Refusal> {
     Ok(host.to_ascii_lowercase())
 }
 
-/// One spelling per host, so that "[::1]" and "::1", or "HOST" and "host", compare equal.
-fn normalize_host(host: &str) -> String {
-    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    match bare.parse::<IpAddr>() {
-        Ok(ip) => ip.to_string(),
-        Err(_) => bare.to_ascii_lowercase(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use tern_proto::{StorageClass, NVME_BLOCK_BIT};
+
     use super::*;
+    use crate::planner::{place_blocks, place_segments};
+
+    /// What the state does with the registry and the planner, for tests of what the registry
+    /// counts: a registration, allocations and segment plans.
+    trait Placement {
+        fn register(
+            &mut self,
+            address: &str,
+            tiers: Vec<TierUsage>,
+            instance_id: u64,
+            now: Instant,
+        ) -> Result<(ServerId, Option<u64>), Refusal>;
+        fn allocate(&mut self, count: u32, client_host: &str, class: StorageClass) -> Result<Vec<BlockRef>, Refusal>;
+        fn allocate_copies(
+            &mut self,
+            count: u32,
+            client_host: &str,
+            class: StorageClass,
+            replicas: u32,
+        ) -> Result<Vec<BlockRef>, Refusal>;
+        fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal>;
+    }
+
+    impl Placement for Servers {
+        fn register(
+            &mut self,
+            address: &str,
+            tiers: Vec<TierUsage>,
+            instance_id: u64,
+            now: Instant,
+        ) -> Result<(ServerId, Option<u64>), Refusal> {
+            let (id, previous) = self.check_registration(address, "")?;
+            self.record(id, address, "", instance_id, now);
+            self.take_registration(id, tiers, previous != Some(instance_id), now);
+            Ok((id, previous))
+        }
+
+        fn allocate(&mut self, count: u32, client_host: &str, class: StorageClass) -> Result<Vec<BlockRef>, Refusal> {
+            self.allocate_copies(count, client_host, class, 1)
+        }
+
+        fn allocate_copies(
+            &mut self,
+            count: u32,
+            client_host: &str,
+            class: StorageClass,
+            replicas: u32,
+        ) -> Result<Vec<BlockRef>, Refusal> {
+            let plan = place_blocks(&self.rooms(), count, client_host, class, replicas)?;
+            let blocks = self.name_blocks(&plan);
+            self.count_placed(&blocks);
+            Ok(blocks)
+        }
+
+        fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
+            let avoid: Vec<ServerId> = avoid.into_iter().map(ServerId).collect();
+            Ok(place_segments(&self.segment_loads(), count, &avoid, 1)?.into_iter().map(|c| c.first.get()).collect())
+        }
+    }
 
     fn dram(capacity_blocks: u64) -> Vec<TierUsage> {
         vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }]
     }
 
     /// Registers a server (as instance 1) and reconciles its empty inventory: ready for placement.
-    fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> u64 {
+    fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> ServerId {
         let (id, _) = servers.register(address, tiers, 1, now).unwrap();
         servers.inventory_page(id, &[], &[], 4096).unwrap();
         servers.reconcile(id, &HashMap::new(), false, |_| false);
@@ -909,7 +803,7 @@ mod tests {
     fn per_server(blocks: &[BlockRef]) -> BTreeMap<u64, usize> {
         let mut counts = BTreeMap::new();
         for block in blocks {
-            *counts.entry(block.server_id).or_default() += 1;
+            *counts.entry(block.server_id.get()).or_default() += 1;
         }
         counts
     }
@@ -922,17 +816,15 @@ mod tests {
         for bad in ["", "127.0.0.1", "host:", "host:0", "host:99999", ":9000", "a b:1", "::1"] {
             assert_eq!(host_of_address(bad).unwrap_err().kind, ErrorKind::Invalid, "{bad:?}");
         }
-        assert_eq!(normalize_host("[::1]"), "::1");
-        assert_eq!(normalize_host("HOST"), "host");
     }
 
     #[test]
     fn spreads_evenly_across_equal_servers() {
         let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 1000);
         let blocks = servers.allocate(6, "", StorageClass::Any).unwrap();
-        let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
+        let order: Vec<u64> = blocks.iter().map(|b| b.server_id.get()).collect();
         assert_eq!(order, [1, 2, 3, 1, 2, 3]);
-        let ids: Vec<u64> = blocks.iter().map(|b| b.block_id).collect();
+        let ids: Vec<u64> = blocks.iter().map(|b| b.block_id.get()).collect();
         assert_eq!(ids, [1, 2, 3, 4, 5, 6]);
         let blocks = servers.allocate(1024, "", StorageClass::Any).unwrap();
         let counts = per_server(&blocks);
@@ -944,7 +836,7 @@ mod tests {
     fn prefers_the_client_host_then_spills() {
         let (mut servers, _) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.2:2"], 4);
         let blocks = servers.allocate(8, "10.0.0.2", StorageClass::Any).unwrap();
-        let order: Vec<u64> = blocks.iter().map(|b| b.server_id).collect();
+        let order: Vec<u64> = blocks.iter().map(|b| b.server_id.get()).collect();
         assert_eq!(order, [2, 3, 2, 3, 2, 3, 2, 3]);
         // The local servers are full now: the remote one takes the rest.
         let blocks = servers.allocate(2, "10.0.0.2", StorageClass::Any).unwrap();
@@ -958,12 +850,12 @@ mod tests {
         servers.allocate(2, "", StorageClass::Any).unwrap();
         // Server 2 keeps heartbeating; server 1 (and 3) go silent.
         let later = start + Duration::from_secs(10);
-        servers.heartbeat(2, Vec::new(), 0, later);
+        servers.heartbeat(ServerId(2), Vec::new(), 0, later);
         let dead = servers.expire(later, Duration::from_secs(5));
         assert_eq!(dead.len(), 2);
         assert!(dead[0].1.contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
         let blocks = servers.allocate(1, "10.0.0.1", StorageClass::Any).unwrap();
-        assert_eq!(blocks[0].server_id, 2);
+        assert_eq!(blocks[0].server_id, ServerId(2));
         let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
         assert_eq!((servers.live_count(), servers.dead_count()), (1, 2));
@@ -1004,7 +896,7 @@ mod tests {
         assert_eq!(servers.allocated_blocks(), 2, "a refusal places nothing");
         assert_eq!(servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap().len(), 2);
         // One live server cannot hold two copies.
-        servers.mark_dead(1, "test".into());
+        servers.mark_dead(ServerId(1), "test".into());
         let refusal = servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::Unavailable);
         assert!(refusal.reason.contains("need 2 live storage servers"), "{}", refusal.reason);
@@ -1028,8 +920,8 @@ mod tests {
         assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
         assert_eq!(servers.allocate(3, "", StorageClass::Any).unwrap_err().kind, ErrorKind::OutOfSpace);
         // Once the server acknowledges the frees, the space is there.
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
-        servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+        servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
         assert_eq!(servers.allocate(2, "", StorageClass::Any).unwrap().len(), 2);
     }
 
@@ -1038,18 +930,18 @@ mod tests {
         let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
         let blocks = servers.allocate(3, "", StorageClass::Any).unwrap();
         servers.free(&blocks[..2]);
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids.clone(), reply.free_seq, reply.reregister), (vec![1, 2], 2, false));
         // Not acknowledged: sent again, and new frees follow.
         servers.free(&blocks[2..]);
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![1, 2, 3], 3));
         assert_eq!(servers.allocated_blocks(), 3);
         // Acknowledged in part, then in full.
-        let reply = servers.heartbeat(1, Vec::new(), 2, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 2, now);
         assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![3], 3));
         assert_eq!(servers.allocated_blocks(), 1);
-        let reply = servers.heartbeat(1, Vec::new(), 3, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 3, now);
         assert_eq!((reply.free_block_ids.len(), reply.free_seq), (0, 3));
         assert_eq!(servers.allocated_blocks(), 0);
     }
@@ -1058,20 +950,20 @@ mod tests {
     fn shuffle_frees_share_the_queue_but_not_the_block_count() {
         let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
         let blocks = servers.allocate(4, "", StorageClass::Any).unwrap();
-        servers.add_segments(&[1, 1, 2]);
+        servers.add_segments(&[ServerId(1), ServerId(1), ServerId(2)]);
         servers.free(&blocks[..1]);
-        servers.free_shuffle(7, &BTreeMap::from([(1, 2), (2, 1)]));
+        servers.free_shuffle(ShuffleId(7), &BTreeMap::from([(ServerId(1), 2), (ServerId(2), 1)]));
         servers.free(&blocks[2..3]);
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![1, 3], vec![7], 3));
-        assert_eq!(servers.heartbeat(2, Vec::new(), 0, now).free_shuffle_ids, [7]);
+        assert_eq!(servers.heartbeat(ServerId(2), Vec::new(), 0, now).free_shuffle_ids, [7]);
         // Acknowledging the first two frees gives back one block; the shuffle's space shows in reports.
-        let reply = servers.heartbeat(1, Vec::new(), 2, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 2, now);
         assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![3], vec![], 3));
         assert_eq!(servers.allocated_blocks(), 3);
         // A server that dies with frees queued drops them, and the freed blocks from its count.
         servers.free(&blocks[1..2]);
-        servers.mark_dead(2, "test".into());
+        servers.mark_dead(ServerId(2), "test".into());
         assert_eq!(servers.status(now)[1].allocated_blocks, 1);
     }
 
@@ -1080,19 +972,19 @@ mod tests {
         let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 10);
         servers.allocate(1, "", StorageClass::Any).unwrap();
         assert_eq!(servers.plan_segments(5, None).unwrap(), [2, 3, 1, 2, 3]);
-        servers.add_segments(&[2, 2]);
+        servers.add_segments(&[ServerId(2), ServerId(2)]);
         assert_eq!(servers.plan_segments(1, None).unwrap(), [3]);
         assert_eq!(servers.plan_segments(1, Some(3)).unwrap(), [1]);
         // Full servers come last, whatever their segments.
         let full =
             vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 10, used_blocks: 10, ..TierUsage::default() }];
-        servers.heartbeat(3, full, 0, now);
+        servers.heartbeat(ServerId(3), full, 0, now);
         assert_eq!(servers.plan_segments(3, None).unwrap(), [1, 2, 3]);
         // The only live server takes even its own full segment's successor.
-        servers.mark_dead(1, "test".into());
-        servers.mark_dead(2, "test".into());
+        servers.mark_dead(ServerId(1), "test".into());
+        servers.mark_dead(ServerId(2), "test".into());
         assert_eq!(servers.plan_segments(2, Some(3)).unwrap(), [3, 3]);
-        servers.mark_dead(3, "test".into());
+        servers.mark_dead(ServerId(3), "test".into());
         assert_eq!(servers.plan_segments(1, None).unwrap_err().kind, ErrorKind::Unavailable);
     }
 
@@ -1108,7 +1000,7 @@ mod tests {
     }
 
     fn tiers_of(blocks: &[BlockRef]) -> Vec<Tier> {
-        blocks.iter().map(|b| Tier::of_block(b.block_id)).collect()
+        blocks.iter().map(|b| b.block_id.tier()).collect()
     }
 
     #[test]
@@ -1124,8 +1016,8 @@ mod tests {
         // A batch spans tiers once DRAM is full; NVMe ids carry the tier bit.
         let blocks = servers.allocate(2, "", StorageClass::Any).unwrap();
         assert_eq!(tiers_of(&blocks), [Tier::Nvme; 2]);
-        assert!(blocks.iter().all(|b| b.block_id & NVME_BLOCK_BIT != 0 && b.server_id == 1));
-        assert_eq!(blocks[0].block_id & !NVME_BLOCK_BIT, 4);
+        assert!(blocks.iter().all(|b| b.block_id.get() & NVME_BLOCK_BIT != 0 && b.server_id == ServerId(1)));
+        assert_eq!(blocks[0].block_id.get() & !NVME_BLOCK_BIT, 4);
         assert_eq!(servers.allocated_blocks(), 5);
         // Only DRAM asked: none left, so OutOfSpace naming the class and free counts.
         let refusal = servers.allocate(1, "", StorageClass::Dram).unwrap_err();
@@ -1168,14 +1060,14 @@ mod tests {
         assert_eq!(refusal.kind, ErrorKind::Unavailable, "{}", refusal.reason);
         assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
         assert_eq!(servers.allocate(1, "", StorageClass::Dram).unwrap_err().kind, ErrorKind::OutOfSpace);
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
-        assert_eq!(reply.free_block_ids, nvme_blocks.iter().map(|b| b.block_id).collect::<Vec<_>>());
-        servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+        assert_eq!(reply.free_block_ids, nvme_blocks.iter().map(|b| b.block_id.get()).collect::<Vec<_>>());
+        servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
         assert_eq!(servers.allocated_blocks(), 1);
         assert_eq!(servers.allocate(2, "", StorageClass::Nvme).unwrap().len(), 2);
         // A server that dies with NVMe and DRAM frees queued drops both from its counts.
         servers.free(&dram_block);
-        servers.mark_dead(1, "test".into());
+        servers.mark_dead(ServerId(1), "test".into());
         assert_eq!(servers.status(now)[0].allocated_blocks, 2);
     }
 
@@ -1187,10 +1079,10 @@ mod tests {
             blocks.extend(servers.allocate(1024, "", StorageClass::Any).unwrap());
         }
         servers.free(&blocks);
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!(reply.free_block_ids.len(), MAX_FREES_PER_HEARTBEAT);
         assert_eq!(reply.free_seq, MAX_FREES_PER_HEARTBEAT as u64);
-        let reply = servers.heartbeat(1, Vec::new(), reply.free_seq, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
         assert_eq!(reply.free_block_ids.len(), 70 * 1024 - MAX_FREES_PER_HEARTBEAT);
     }
 
@@ -1201,48 +1093,48 @@ mod tests {
         // The same process again (the metadata server lost track of it): nothing placed there
         // until its inventory is in.
         let (id, previous) = servers.register("10.0.0.1:1", dram(10), 1, now).unwrap();
-        assert_eq!((id, previous), (1, Some(1)));
+        assert_eq!((id, previous), (ServerId(1), Some(1)));
         assert!(servers.allocate(1, "", StorageClass::Any).is_err());
-        let page = [blocks[0].block_id, blocks[1].block_id, 99];
-        servers.inventory_page(1, &page, &[7], 4096).unwrap();
+        let page = [blocks[0].block_id, blocks[1].block_id, BlockId::from(99)];
+        servers.inventory_page(ServerId(1), &page, &[ShuffleId(7)], 4096).unwrap();
         // Blocks 1 and 2 belong to sealed files, block 3 to a file still being written.
         let referenced =
             HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
-        let done = servers.reconcile(1, &referenced, servers.restarted_since_log(1), |_| false);
+        let done = servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false);
         assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1 });
         assert!(blocks.iter().all(|b| servers.lost(b).is_none()));
-        let reply = servers.heartbeat(1, Vec::new(), 0, now);
+        let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids, reply.free_shuffle_ids), (vec![99], vec![7]));
-        assert_eq!(servers.allocate(1, "", StorageClass::Any).unwrap()[0].server_id, 1);
+        assert_eq!(servers.allocate(1, "", StorageClass::Any).unwrap()[0].server_id, ServerId(1));
 
         // A new process (it restarted): what it does not report is lost, even unsealed.
         let (id, previous) = servers.register("10.0.0.1:1", dram(10), 2, now).unwrap();
-        assert_eq!((id, previous), (1, Some(1)));
-        assert!(servers.restarted_since_log(1));
-        servers.inventory_page(1, &[blocks[1].block_id], &[], 4096).unwrap();
-        let done = servers.reconcile(1, &referenced, true, |_| false);
+        assert_eq!((id, previous), (ServerId(1), Some(1)));
+        assert!(servers.restarted_since_log(ServerId(1)));
+        servers.inventory_page(ServerId(1), &[blocks[1].block_id], &[], 4096).unwrap();
+        let done = servers.reconcile(ServerId(1), &referenced, true, |_| false);
         assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0 });
         let lost = servers.lost(&blocks[0]).unwrap();
         assert!(lost.contains("registered again without it"), "{lost}");
         assert!(servers.lost(&blocks[1]).is_none() && servers.lost(&blocks[2]).is_some());
         // Freeing a lost block queues nothing: the server does not have it.
         servers.free(&[blocks[0]]);
-        assert!(servers.heartbeat(1, Vec::new(), 0, now).free_block_ids.is_empty());
+        assert!(servers.heartbeat(ServerId(1), Vec::new(), 0, now).free_block_ids.is_empty());
         // An inventory is taken once per registration, and bounded.
-        assert!(servers.inventory_page(1, &[1], &[], 4096).is_err());
-        assert!(servers.heartbeat(99, Vec::new(), 0, now).reregister);
+        assert!(servers.inventory_page(ServerId(1), &[BlockId::from(1)], &[], 4096).is_err());
+        assert!(servers.heartbeat(ServerId(99), Vec::new(), 0, now).reregister);
     }
 
     #[test]
     fn restored_servers_are_readable_until_the_timeout_then_dead() {
         let now = Instant::now();
         let mut servers = Servers::default();
-        servers.restore(4, "10.0.0.1:1", "", 9, now);
-        let block = BlockRef { block_id: 1, server_id: 4 };
-        servers.restore_blocks(&[block]);
-        assert!(servers.lost(&block).is_none() && servers.is_alive(4));
+        servers.record(ServerId(4), "10.0.0.1:1", "", 9, now);
+        let block = BlockRef { block_id: BlockId::from(1), server_id: ServerId(4) };
+        servers.count_placed(&[block]);
+        assert!(servers.lost(&block).is_none() && servers.is_alive(ServerId(4)));
         assert_eq!(servers.live_count(), 0, "nothing is placed on a server before it registers again");
-        assert!(servers.heartbeat(4, Vec::new(), 0, now).reregister);
+        assert!(servers.heartbeat(ServerId(4), Vec::new(), 0, now).reregister);
         let dead = servers.expire(now + Duration::from_secs(10), Duration::from_secs(5));
         assert!(dead[0].1.contains("did not register again"), "{dead:?}");
         assert!(servers.lost(&block).is_some());
@@ -1258,7 +1150,7 @@ mod tests {
         }
         servers.expire(now + Duration::from_secs(10), Duration::from_secs(1));
         assert_eq!((servers.live_count(), servers.dead_count()), (0, MAX_DEAD_SERVERS as u64));
-        let lost = servers.lost(&BlockRef { block_id: 5, server_id: 1 }).unwrap();
+        let lost = servers.lost(&BlockRef { block_id: BlockId::from(5), server_id: ServerId(1) }).unwrap();
         assert!(lost.contains("no longer known"), "{lost}");
     }
 }
