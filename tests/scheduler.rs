@@ -8,10 +8,11 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{free_port, spawn_logged, Cluster, TERN};
+use tern_local::Daemon;
 use tern_proto::sched as pb;
 use tern_scheduler::SchedulerClient;
 
@@ -19,11 +20,12 @@ use tern_scheduler::SchedulerClient;
 const HEARTBEAT_MS: u64 = 200;
 const EXECUTOR_TIMEOUT_MS: u64 = 1500;
 
-/// A scheduler beside a test cluster, and executors started one by one.
+/// A scheduler beside a test cluster, and executors started one by one (dropped, hence killed,
+/// before the scheduler).
 struct Scheduler {
     addr: String,
-    child: Child,
-    executors: Vec<Option<Child>>,
+    executors: Vec<Option<Daemon>>,
+    child: Daemon,
 }
 
 impl Scheduler {
@@ -95,15 +97,6 @@ impl Scheduler {
             cluster.logs()
         );
         String::from_utf8(out.stdout).unwrap()
-    }
-}
-
-impl Drop for Scheduler {
-    fn drop(&mut self) {
-        for child in self.executors.iter_mut().flatten().chain(std::iter::once(&mut self.child)) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -440,5 +433,5 @@ async fn check_done(client: &SchedulerClient, job_id: &str) -> bool {
 
 /// The first of `len` consecutive free loopback ports.
 fn free_port_range(len: u16) -> u16 {
-    tern_bench::cluster::free_port_range(len).unwrap()
+    tern_local::free_port_range(len).unwrap()
 }
