@@ -25,7 +25,8 @@ const EXECUTOR_TIMEOUT_MS: u64 = 1500;
 struct Scheduler {
     addr: String,
     executors: Vec<Option<Daemon>>,
-    child: Daemon,
+    /// Held so that dropping the struct stops the scheduler.
+    _scheduler: Daemon,
 }
 
 impl Scheduler {
@@ -44,7 +45,7 @@ impl Scheduler {
         .unwrap();
         let child =
             spawn_logged(cluster.dir.path(), "scheduler", &["scheduler", "--config", &config.to_string_lossy()]);
-        Scheduler { addr, child, executors: Vec::new() }
+        Scheduler { addr, executors: Vec::new(), _scheduler: child }
     }
 
     /// Starts an executor offering `cpus` and `memory`; returns its index.

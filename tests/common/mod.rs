@@ -109,7 +109,7 @@ impl Cluster {
         }
         // Storage servers are told by the scheme whether the control plane is TLS.
         let metadata_url = match tls {
-            Tls::Off => metadata_addr.clone(),
+            Tls::Off => metadata_addr.to_string(),
             Tls::Quic => format!("http://{metadata_addr}"),
             Tls::Full => format!("https://{metadata_addr}"),
         };
