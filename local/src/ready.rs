@@ -163,7 +163,8 @@ mod tests {
         let deadline = Deadline::after(Duration::from_millis(300));
         let check = || async { Err::<(), _>(anyhow!("connection refused")) };
         let text = format!("{:#}", wait_ready(&mut daemons, 0, &deadline, "it to answer", check).await.unwrap_err());
-        for part in ["metadata (127.0.0.1:9060)", "within 300ms", "it to answer", "connection refused", "binding the port"]
+        for part in
+            ["metadata (127.0.0.1:9060)", "within 300ms", "it to answer", "connection refused", "binding the port"]
         {
             assert!(text.contains(part), "{part:?} in {text}");
         }
