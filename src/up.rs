@@ -4,14 +4,13 @@
 //! Ctrl-C or SIGTERM stops them all; so does any one of them dying.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use tern_common::ByteSize;
 use tern_executor::pool::{Pool, PoolConfig};
-use tokio::process::{Child, Command};
+use tern_local::{Daemon, DaemonSpec, Deadline, Host, PortLayout, Stopped};
 
 #[derive(Args)]
 pub struct UpArgs {
@@ -120,12 +119,6 @@ const POOL_TICK: Duration = Duration::from_millis(200);
 /// How long a daemon gets to exit after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-struct Daemon {
-    name: String,
-    log: PathBuf,
-    child: Child,
-}
-
 pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // From here on Ctrl-C stops the cluster cleanly, even while it is still starting.
     let shutdown = tern_common::shutdown_signal();
@@ -135,22 +128,26 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let tls_dir = args.dir.join("tls");
     ensure_tls(&tls_dir)?;
     let tls_dir_arg = tls_dir.to_string_lossy().to_string();
-    let metadata_addr = format!("127.0.0.1:{}", args.port);
+    let ports = PortLayout::new(args.port, args.storage_servers)
+        .context("--port is too high for the ports the cluster needs")?;
+    let host = Host::local();
+    let metadata_addr = host.addr(ports.metadata()).to_string();
     // The scheme tells storage servers (which have TLS material for QUIC either way) whether the
     // control plane is TLS.
     let metadata_url = format!("{}://{metadata_addr}", if args.tls { "https" } else { "http" });
-    let port = |offset: u32| -> anyhow::Result<u16> {
-        u16::try_from(args.port as u32 + offset).context("--port is too high for the ports the cluster needs")
-    };
     // The pool's settings are checked before anything starts.
-    let scheduler_addr = format!("127.0.0.1:{}", port(2)?);
+    let scheduler_addr = host.addr(ports.scheduler()).to_string();
     let scheduler_tls = args.tls.then_some(tls_dir.as_path());
     let pool_config = match args.pool.wanted() {
         true => Some(args.pool.config(&scheduler_addr, scheduler_tls, &logs)?),
         false => None,
     };
+    let tern = std::env::current_exe().context("locating the tern binary")?;
+    let daemon = |name: &str, port: u16| {
+        DaemonSpec::new(name, &tern, logs.join(format!("{name}.log"))).on(host.clone()).serving(host.addr(port))
+    };
     let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
-    let (admin, block_size) = (format!("127.0.0.1:{}", port(1)?), args.block_size.to_string());
+    let (admin, block_size) = (host.addr(ports.metadata_admin()).to_string(), args.block_size.to_string());
     let mut metadata_args = vec![
         "metadata-server",
         "--listen",
@@ -165,15 +162,16 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.tls {
         metadata_args.extend(["--tls-dir", &tls_dir_arg]);
     }
-    let mut daemons = vec![spawn("metadata", &logs, &metadata_args)?];
+    let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     let nvme_dir = args.dir.join("nvme");
     if args.nvme_size.is_some() {
         std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
     }
-    for i in 0..args.storage_servers as u32 {
+    let mut storage = Vec::new();
+    for i in 0..args.storage_servers {
         let (listen, admin, dram) = (
-            format!("127.0.0.1:{}", port(10 + 2 * i)?),
-            format!("127.0.0.1:{}", port(11 + 2 * i)?),
+            host.addr(ports.storage(i)).to_string(),
+            host.addr(ports.storage_admin(i)).to_string(),
             args.dram.to_string(),
         );
         let mut storage_args = vec![
@@ -194,10 +192,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         if args.nvme_size.is_some() {
             storage_args.extend(["--nvme", &nvme_path, "--nvme-size", &nvme_size, "--io-engine", &args.io_engine]);
         }
-        daemons.push(spawn(&format!("storage-{i}"), &logs, &storage_args)?);
+        daemons.push(daemon(&format!("storage-{i}"), ports.storage(i)).args(storage_args).spawn()?);
+        storage.push((daemons.len() - 1, host.addr(ports.storage(i))));
     }
+    let options = tern_client::ClientOptions { tls_dir: Some(tls_dir.clone()), ..Default::default() };
+    let deadline = Deadline::after(STARTUP_TIMEOUT);
     let ready = tokio::select! {
-        ready = wait_until_ready(&metadata_url, &tls_dir, args.storage_servers as usize, &mut daemons) => Some(ready),
+        ready = tern_local::cluster_ready(&mut daemons, 0, &metadata_url, &options, &storage, &deadline) => {
+            Some(ready.map(drop))
+        }
         _ = &mut shutdown => None,
     };
     // The scheduler and its pool come up once the storage is there, so the first jobs find it.
@@ -205,7 +208,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let mut pool = None;
     let ready = match (ready, pool_config) {
         (Some(Ok(())), Some(pool_config)) => {
-            let scheduler_admin = format!("127.0.0.1:{}", port(3)?);
+            let scheduler_admin = host.addr(ports.scheduler_admin()).to_string();
             let mut scheduler_args = vec![
                 "scheduler",
                 "--listen",
@@ -218,9 +221,17 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             if args.tls {
                 scheduler_args.extend(["--tls-dir", &tls_dir_arg]);
             }
-            daemons.push(spawn("scheduler", &logs, &scheduler_args)?);
+            daemons.push(daemon("scheduler", ports.scheduler()).args(scheduler_args).spawn()?);
+            let scheduler = daemons.len() - 1;
+            let deadline = Deadline::after(STARTUP_TIMEOUT);
+            let addr = scheduler_addr.as_str();
+            let answers = move || async move {
+                let client = tern_scheduler::SchedulerClient::connect(addr, scheduler_tls).await?;
+                client.pool_status().await?;
+                Ok::<_, anyhow::Error>(())
+            };
             let up = tokio::select! {
-                up = wait_for_scheduler(&scheduler_addr, scheduler_tls, &mut daemons) => Some(up),
+                up = tern_local::wait_ready(&mut daemons, scheduler, &deadline, "the scheduler to answer", answers) => Some(up),
                 _ = &mut shutdown => None,
             };
             if let Some(Ok(())) = up {
@@ -236,10 +247,10 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     let outcome = match ready {
         Some(Ok(())) => {
-            print_banner(&args, &metadata_addr, &tls_dir, &logs);
+            print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs);
             tokio::select! {
                 _ = &mut shutdown => Ok(()),
-                died = first_exit(&mut daemons) => Err(died),
+                died = tern_local::first_exit(&mut daemons) => Err(died),
                 ended = wait_pool(&mut pool) => Err(ended),
             }
         }
@@ -254,25 +265,6 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     stop_all(&mut daemons).await;
     outcome
-}
-
-/// Waits until the scheduler answers.
-async fn wait_for_scheduler(addr: &str, tls_dir: Option<&Path>, daemons: &mut [Daemon]) -> anyhow::Result<()> {
-    let started = Instant::now();
-    loop {
-        if let Some(died) = exited(daemons) {
-            return Err(died);
-        }
-        if let Ok(client) = tern_scheduler::SchedulerClient::connect(addr, tls_dir).await {
-            if client.pool_status().await.is_ok() {
-                return Ok(());
-            }
-        }
-        if started.elapsed() > STARTUP_TIMEOUT {
-            bail!("the scheduler did not come up within {STARTUP_TIMEOUT:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Resolves when the pool's task ends (only on an error: it runs until told to stop).
@@ -291,24 +283,6 @@ async fn wait_pool(pool: &mut Option<tokio::task::JoinHandle<anyhow::Result<()>>
     }
 }
 
-fn spawn(name: &str, logs: &Path, args: &[&str]) -> anyhow::Result<Daemon> {
-    let log = logs.join(format!("{name}.log"));
-    let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-    let exe = std::env::current_exe().context("locating the tern binary")?;
-    let mut command = Command::new(exe);
-    command.args(args).stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).kill_on_drop(true);
-    // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGTERM the child if
-    // `tern up` dies, so no daemon outlives the cluster it belongs to.
-    unsafe {
-        command.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-            Ok(())
-        });
-    }
-    let child = command.spawn().with_context(|| format!("starting {name}"))?;
-    Ok(Daemon { name: name.to_string(), log, child })
-}
-
 /// Makes the cluster's CA and node certificate in `dir` on first start; reuses them later.
 fn ensure_tls(dir: &Path) -> anyhow::Result<()> {
     if !dir.join(tern_transport::tls::CA_CERT).exists() {
@@ -320,77 +294,17 @@ fn ensure_tls(dir: &Path) -> anyhow::Result<()> {
     })
 }
 
-async fn wait_until_ready(
-    metadata_url: &str,
-    tls_dir: &Path,
-    servers: usize,
-    daemons: &mut [Daemon],
-) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let options = tern_client::ClientOptions { tls_dir: Some(tls_dir.to_path_buf()), ..Default::default() };
-    loop {
-        if let Some(died) = exited(daemons) {
-            return Err(died);
-        }
-        if let Ok(client) = tern_client::Client::connect_with(metadata_url, options.clone()).await {
-            if let Ok(status) = client.status().await {
-                if status.servers.iter().filter(|s| s.alive).count() >= servers {
-                    return Ok(());
-                }
-            }
-        }
-        if started.elapsed() > STARTUP_TIMEOUT {
-            bail!(
-                "the cluster did not come up within {STARTUP_TIMEOUT:?}; see the logs in {}",
-                daemons[0].log.parent().unwrap_or(Path::new(".")).display()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// The error describing the first daemon found to have exited, if any.
-fn exited(daemons: &mut [Daemon]) -> Option<anyhow::Error> {
-    daemons.iter_mut().find_map(|d| match d.child.try_wait() {
-        Ok(Some(status)) => Some(died(d, status)),
-        _ => None,
-    })
-}
-
-async fn first_exit(daemons: &mut [Daemon]) -> anyhow::Error {
-    loop {
-        if let Some(e) = exited(daemons) {
-            return e;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn died(daemon: &Daemon, status: std::process::ExitStatus) -> anyhow::Error {
-    let log = std::fs::read_to_string(&daemon.log).unwrap_or_default();
-    let tail: Vec<&str> = log.lines().rev().take(5).collect();
-    let tail: Vec<&str> = tail.into_iter().rev().collect();
-    anyhow::anyhow!("{} exited ({status}); last lines of {}:\n{}", daemon.name, daemon.log.display(), tail.join("\n"))
-}
-
-/// SIGTERM to storage servers first, then the metadata server; SIGKILL after a grace period.
+/// The scheduler first, then storage servers, then the metadata server, each stopped in turn:
+/// SIGTERM, then SIGKILL after a grace period.
 async fn stop_all(daemons: &mut [Daemon]) {
     for daemon in daemons.iter_mut().rev() {
-        if let Some(pid) = daemon.child.id() {
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGTERM);
-            }
-        }
-        if tokio::time::timeout(STOP_GRACE, daemon.child.wait()).await.is_err() {
-            eprintln!("{} did not stop within {STOP_GRACE:?}; killing it", daemon.name);
-            let _ = daemon.child.kill().await;
+        if daemon.stop(STOP_GRACE).await == Stopped::Killed {
+            eprintln!("{} did not stop within {STOP_GRACE:?}; killing it", daemon.name());
         }
     }
 }
 
-fn print_banner(args: &UpArgs, metadata_addr: &str, tls_dir: &Path, logs: &Path) {
-    let admin_port = args.port as u32 + 1;
+fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path) {
     println!(
         "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
         args.storage_servers, args.dram, args.block_size
@@ -418,19 +332,20 @@ fn print_banner(args: &UpArgs, metadata_addr: &str, tls_dir: &Path, logs: &Path)
     }
     println!();
     println!(
-        "Metrics: http://127.0.0.1:{admin_port}/metrics (metadata), storage server i on port {}+2i",
-        args.port as u32 + 11
+        "Metrics: http://127.0.0.1:{}/metrics (metadata), storage server i on port {}+2i",
+        ports.metadata_admin(),
+        ports.storage_admin(0)
     );
     if args.pool.wanted() {
         let min = args.pool.min_executors.or(args.pool.executors).unwrap_or(0);
         let max = args.pool.max_executors.or(args.pool.executors).unwrap_or(min);
         println!(
             "Scheduler: 127.0.0.1:{} (metrics on {}), executors: {min} to {max}, idle ones leave after {:?}",
-            args.port as u32 + 2,
-            args.port as u32 + 3,
+            ports.scheduler(),
+            ports.scheduler_admin(),
             args.pool.executor_idle_timeout
         );
-        println!("  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", args.port as u32 + 2);
+        println!("  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
     println!("Logs:    {}", logs.display());
     println!("Ctrl-C stops the cluster.");

@@ -3,19 +3,9 @@
 
 mod common;
 
-use std::process::Child;
 use std::time::Duration;
 
 use serde_json::Value;
-
-struct Scheduler(Child);
-
-impl Drop for Scheduler {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
@@ -48,7 +38,7 @@ async fn job_commands_submit_show_list_and_cancel() {
     let cluster = common::Cluster::start(1, "64MiB").await;
     let (port, admin) = (common::free_port(), common::free_port());
     let addr = format!("127.0.0.1:{port}");
-    let _scheduler = Scheduler(common::spawn_logged(
+    let _scheduler = common::spawn_logged(
         cluster.dir.path(),
         "scheduler",
         &[
@@ -62,7 +52,7 @@ async fn job_commands_submit_show_list_and_cancel() {
             "--set",
             "queues.batch=2",
         ],
-    ));
+    );
     let tern = |args: &[&str]| {
         let mut all = vec!["job", "--scheduler", &addr];
         all.extend_from_slice(args);

@@ -11,10 +11,11 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{free_port, spawn_logged, Cluster, TERN};
+use tern_local::Daemon;
 use tern_proto::sched as pb;
 use tern_scheduler::SchedulerClient;
 
@@ -22,11 +23,13 @@ use tern_scheduler::SchedulerClient;
 const HEARTBEAT_MS: u64 = 200;
 const EXECUTOR_TIMEOUT_MS: u64 = 1500;
 
-/// A scheduler beside a test cluster, and executors started one by one.
+/// A scheduler beside a test cluster, and executors started one by one (dropped, hence killed,
+/// before the scheduler).
 struct Scheduler {
     addr: String,
-    child: Child,
-    executors: Vec<Option<Child>>,
+    executors: Vec<Option<Daemon>>,
+    /// Held so that dropping the struct stops the scheduler.
+    _scheduler: Daemon,
 }
 
 impl Scheduler {
@@ -45,7 +48,7 @@ impl Scheduler {
         .unwrap();
         let child =
             spawn_logged(cluster.dir.path(), "scheduler", &["scheduler", "--config", &config.to_string_lossy()]);
-        Scheduler { addr, child, executors: Vec::new() }
+        Scheduler { addr, executors: Vec::new(), _scheduler: child }
     }
 
     /// Starts an executor offering `cpus` and `memory`; returns its index.
@@ -98,15 +101,6 @@ impl Scheduler {
             cluster.logs()
         );
         String::from_utf8(out.stdout).unwrap()
-    }
-}
-
-impl Drop for Scheduler {
-    fn drop(&mut self) {
-        for child in self.executors.iter_mut().flatten().chain(std::iter::once(&mut self.child)) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -443,5 +437,5 @@ async fn check_done(client: &SchedulerClient, job_id: &str) -> bool {
 
 /// The first of `len` consecutive free loopback ports.
 fn free_port_range(len: u16) -> u16 {
-    tern_bench::cluster::free_port_range(len).unwrap()
+    tern_local::free_port_range(len).unwrap()
 }

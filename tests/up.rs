@@ -42,7 +42,7 @@ fn start_up(dir: &std::path::Path, port: u16, extra: &[&str]) -> (std::process::
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
     let dir = tempfile::tempdir().unwrap();
-    let port = tern_bench::cluster::free_port_range(14).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
     let (mut up, banner) = start_up(dir.path(), port, &[]);
     let addr = format!("127.0.0.1:{port}");
     assert!(banner.contains(&format!("TERN_METADATA={addr}")), "the banner says how to use it:\n{banner}");
@@ -74,7 +74,7 @@ async fn up_runs_a_cluster_and_ctrl_c_stops_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_tls_serves_the_control_plane_over_tls() {
     let dir = tempfile::tempdir().unwrap();
-    let port = tern_bench::cluster::free_port_range(14).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
     let (mut up, banner) = start_up(dir.path(), port, &["--tls"]);
     let tls_dir = dir.path().join("tls");
     assert!(banner.contains(&format!("TERN_TLS_DIR={}", tls_dir.display())), "the banner names the TLS dir:\n{banner}");

@@ -1,16 +1,21 @@
-//! A throwaway cluster for benchmarks: `tern up` started as a child process in a temp dir.
+//! A throwaway cluster for benchmarks: `tern up` started as a child process in a temp dir, on a
+//! free port range laid out as `tern up` lays it out.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
+use tern_local::{Daemon, DaemonSpec, Deadline, Host, PortLayout};
+
+/// How long `tern up` may take to bring the cluster up.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
 pub struct EmbeddedCluster {
-    child: Child,
+    up: Daemon,
     dir: tempfile::TempDir,
+    host: Host,
+    ports: PortLayout,
     pub metadata_addr: String,
-    pub port: u16,
 }
 
 impl EmbeddedCluster {
@@ -38,43 +43,26 @@ impl EmbeddedCluster {
             .prefix("tern-up-")
             .tempdir_in(parent)
             .with_context(|| format!("making a temp dir in {}", parent.display()))?;
-        let port = free_port_range(12 + 2 * servers)?;
-        let log = std::fs::File::create(dir.path().join("up.log"))?;
-        let child = Command::new(tern)
-            .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &port.to_string()])
+        let ports = PortLayout::free(servers)?;
+        let host = Host::local();
+        let metadata = host.addr(ports.metadata());
+        let mut up = [DaemonSpec::new("tern up", tern, dir.path().join("up.log"))
+            .on(host.clone())
+            .serving(metadata)
+            .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &ports.metadata().to_string()])
             .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
             .args(nvme.map(|size| ["--nvme-size", size]).into_iter().flatten())
             .args(extra)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting tern up")?;
-        let mut cluster = EmbeddedCluster { child, dir, metadata_addr: format!("127.0.0.1:{port}"), port };
-        let started = Instant::now();
-        loop {
-            if let Some(status) = cluster.child.try_wait()? {
-                bail!("tern up exited ({status}):\n{}", std::fs::read_to_string(cluster.log()).unwrap_or_default());
-            }
-            if let Ok(client) = tern_client::Client::connect(&cluster.metadata_addr).await {
-                if let Ok(status) = client.status().await {
-                    if status.servers.iter().filter(|s| s.alive).count() == servers as usize {
-                        return Ok(cluster);
-                    }
-                }
-            }
-            if started.elapsed() > Duration::from_secs(60) {
-                bail!("the embedded cluster did not come up in 60 s; see {}", cluster.log().display());
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            .spawn()?];
+        // `tern up` runs every daemon, so it is the one to blame for any of them.
+        let storage: Vec<_> = (0..servers).map(|i| (0, host.addr(ports.storage(i)))).collect();
+        let options = tern_client::ClientOptions::default();
+        let deadline = Deadline::after(STARTUP_TIMEOUT);
+        tern_local::cluster_ready(&mut up, 0, &metadata.to_string(), &options, &storage, &deadline).await?;
+        let [up] = up;
+        Ok(EmbeddedCluster { up, dir, host, ports, metadata_addr: metadata.to_string() })
     }
 
-    fn log(&self) -> PathBuf {
-        self.dir.path().join("up.log")
-    }
-
-    /// Storage server `i`'s block-service address (as `tern up` assigns ports).
     /// The cluster's own TLS material (`tern up` makes it): what QUIC clients need.
     pub fn tls_dir(&self) -> PathBuf {
         self.dir.path().join("tls")
@@ -82,41 +70,20 @@ impl EmbeddedCluster {
 
     /// The task scheduler's address, when `tern up` was given executor flags.
     pub fn scheduler_addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port + 2)
+        self.host.addr(self.ports.scheduler()).to_string()
     }
 
+    /// Storage server `i`'s block-service address.
     pub fn storage_addr(&self, i: u16) -> String {
-        format!("127.0.0.1:{}", self.port + 10 + 2 * i)
+        self.host.addr(self.ports.storage(i)).to_string()
     }
 }
 
 impl Drop for EmbeddedCluster {
     fn drop(&mut self) {
-        // SIGTERM lets `tern up` stop its daemons; they also die with it (PDEATHSIG).
-        // SAFETY: plain kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        let _ = self.child.wait();
+        // SIGTERM lets `tern up` stop its daemons (they would die with it anyway: PDEATHSIG);
+        // waiting for it keeps the temp dir until they have.
+        let _ = self.up.terminate();
+        let _ = self.up.wait();
     }
-}
-
-/// The first port of `len` consecutive free loopback ports. Probed below Linux's ephemeral range
-/// (32768 up), so a port the kernel hands to some other socket meanwhile cannot land in it, and
-/// from a random start, so clusters started at the same moment (parallel tests) rarely probe
-/// the same ports: a probed port is only free until somebody binds it.
-pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
-    const LOW: u16 = 20_000;
-    const HIGH: u16 = 32_000;
-    anyhow::ensure!(len > 0 && len < HIGH - LOW, "a range of {len} ports");
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos()
-        ^ std::process::id().rotate_left(16);
-    let slots = (HIGH - LOW) / len;
-    for i in 0..u32::from(slots) {
-        let start = LOW + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
-        if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
-            return Ok(start);
-        }
-    }
-    bail!("no {len} consecutive free ports on 127.0.0.1 between {LOW} and {HIGH}")
 }

@@ -16,12 +16,11 @@
 //! it may not have registered or pulled its tasks yet, and the backlog would count them twice.
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tern_local::{Daemon, DaemonSpec};
 use tern_scheduler::SchedulerClient;
-use tokio::process::{Child, Command};
 
 /// An executor this young may not have registered or taken tasks yet.
 pub const STARTUP_GRACE: Duration = Duration::from_millis(500);
@@ -79,7 +78,7 @@ struct Member {
     slot: u32,
     pinned: bool,
     started: Instant,
-    child: Child,
+    daemon: Daemon,
 }
 
 /// The pool's processes.
@@ -202,7 +201,7 @@ impl Pool {
     /// Forgets executors that exited; returns how many.
     fn reap(&mut self) -> u32 {
         let before = self.members.len();
-        self.members.retain_mut(|member| match member.child.try_wait() {
+        self.members.retain_mut(|member| match member.daemon.try_wait() {
             Ok(Some(status)) => {
                 if !status.success() {
                     tracing::warn!(
@@ -220,64 +219,36 @@ impl Pool {
 
     fn start(&mut self, pinned: bool) -> anyhow::Result<()> {
         let slot = (0..).find(|slot| self.members.iter().all(|m| m.slot != *slot)).unwrap_or(0);
-        let log = log_path(&self.config.logs, slot);
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .with_context(|| format!("opening {}", log.display()))?;
         let config = &self.config;
-        let mut command = Command::new(&config.tern);
-        command
-            .arg("executor")
-            .args(["--scheduler", &config.scheduler])
+        let mut spec = DaemonSpec::new(format!("executor-{slot}"), &config.tern, log_path(&config.logs, slot))
+            .append_log()
+            .args(["executor", "--scheduler", &config.scheduler])
             .args(["--cpus", &format!("{}", config.executor_cpu_milli as f64 / 1000.0)])
             .args(["--memory", &config.executor_memory_bytes.to_string()])
             .args(["--name", &format!("pool-{slot}")]);
         if let Some(metadata) = &config.metadata {
-            command.args(["--metadata", metadata]);
+            spec = spec.args(["--metadata", metadata]);
         }
         if let Some(dir) = &config.tls_dir {
-            command.arg("--tls-dir").arg(dir);
+            spec = spec.args([std::ffi::OsStr::new("--tls-dir"), dir.as_os_str()]);
         }
         if let Some(gpus) = config.executor_gpus {
-            command.args(["--gpus", &gpus.to_string()]);
+            spec = spec.args(["--gpus", &gpus.to_string()]);
         }
         if !pinned {
-            command.args(["--idle-exit-after", &format!("{}ms", config.idle_timeout.as_millis())]);
+            spec = spec.args(["--idle-exit-after", &format!("{}ms", config.idle_timeout.as_millis())]);
         }
-        command.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).kill_on_drop(true);
-        // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGTERM the executor if
-        // the pool's process dies, so no executor outlives its pool.
-        unsafe {
-            command.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
-        let child = command.spawn().with_context(|| format!("starting an executor ({})", config.tern.display()))?;
+        let daemon = spec.spawn().context("starting an executor")?;
         self.started_total += 1;
-        self.members.push(Member { slot, pinned, started: Instant::now(), child });
+        self.members.push(Member { slot, pinned, started: Instant::now(), daemon });
         Ok(())
     }
 
     /// SIGTERM to every executor (they leave, reporting their tasks lost); SIGKILL after a grace.
     pub async fn stop_all(&mut self) {
-        for member in &self.members {
-            if let Some(pid) = member.child.id() {
-                // SAFETY: plain kill(2) on our own child's pid.
-                unsafe {
-                    libc::kill(pid as libc::pid_t, libc::SIGTERM);
-                }
-            }
-        }
-        let deadline = Instant::now() + STOP_GRACE;
-        for member in &mut self.members {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if tokio::time::timeout(left, member.child.wait()).await.is_err() {
-                tracing::warn!(slot = member.slot, "pool: executor did not leave within {STOP_GRACE:?}; killing it");
-                let _ = member.child.kill().await;
-            }
+        let killed = tern_local::stop_together(self.members.iter_mut().map(|m| &mut m.daemon), STOP_GRACE).await;
+        for name in killed {
+            tracing::warn!("pool: {name} did not leave within {STOP_GRACE:?}; killed it");
         }
         self.members.clear();
     }

@@ -3,17 +3,19 @@
 
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Duration;
 
 use tern_client::{Client, ClientOptions, TransportKind};
+use tern_local::{Daemon, DaemonSpec, Deadline, Host};
 
 pub const TERN: &str = env!("CARGO_BIN_EXE_tern");
 /// Heartbeats are fast in tests so that deaths and frees show within a second or two.
 pub const HEARTBEAT_MS: u64 = 200;
 pub const SERVER_TIMEOUT_MS: u64 = 1500;
+/// How long a cluster may take to come up.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How a test cluster uses TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,37 +35,20 @@ pub struct Cluster {
     /// The cluster's TLS material (`tern cert init`), unless started with `Tls::Off`.
     pub tls_dir: Option<PathBuf>,
     pub tls: Tls,
-    metadata: Child,
-    /// How the metadata server was started, to start it again on the same --dir and port.
-    metadata_args: Vec<String>,
-    storage: Vec<Option<Child>>,
-    /// How each storage server was started, to start it again.
-    storage_args: Vec<Vec<String>>,
+    /// The metadata server, then storage server `i` at `1 + i`; each keeps how it was started,
+    /// to start it again on the same --dir and addresses.
+    daemons: Vec<Daemon>,
 }
 
-/// A loopback port that was free a moment ago.
+/// A loopback port that was free a moment ago, never the same one twice in this test.
 pub fn free_port() -> u16 {
-    // A port is only probed here, not held, so until its daemon binds it the kernel may offer
-    // it again: never hand out the same port twice in one test process.
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    loop {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        if GIVEN.lock().unwrap().insert(port) {
-            return port;
-        }
-    }
+    tern_local::free_port().unwrap()
 }
 
-pub fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Child {
-    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
-    Command::new(TERN)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {name}: {e}"))
+/// Starts `tern ARGS`, its output in `DIR/NAME.log`.
+pub fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Daemon {
+    let spec = DaemonSpec::new(name, TERN, dir.join(format!("{name}.log"))).args(args);
+    spec.spawn().unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// An NVMe tier for each storage server: a file of `size` in the cluster's directory (on the
@@ -105,7 +90,7 @@ impl Cluster {
     ) -> Cluster {
         // O_DIRECT needs a disk filesystem: the target dir is on the real disk, /tmp may be tmpfs.
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let metadata_addr = format!("127.0.0.1:{}", free_port());
+        let metadata_addr = Host::local().addr(free_port());
         let tls_dir = (tls != Tls::Off).then(|| dir.path().join("tls"));
         if let Some(tls_dir) = &tls_dir {
             let out = Command::new(TERN).args(["cert", "init", "--dir"]).arg(tls_dir).output().unwrap();
@@ -124,73 +109,63 @@ impl Cluster {
         }
         // Storage servers are told by the scheme whether the control plane is TLS.
         let metadata_url = match tls {
-            Tls::Off => metadata_addr.clone(),
+            Tls::Off => metadata_addr.to_string(),
             Tls::Quic => format!("http://{metadata_addr}"),
             Tls::Full => format!("https://{metadata_addr}"),
         };
-        let metadata_args: Vec<String> = [
-            &[
-                "metadata-server",
-                "--listen",
-                &metadata_addr,
-                "--dir",
-                &dir.path().join("metadata").to_string_lossy(),
-                "--admin",
-                "127.0.0.1:0",
-                "--set",
-                &format!("heartbeat_interval_ms={HEARTBEAT_MS}"),
-                "--set",
-                &format!("server_timeout_ms={SERVER_TIMEOUT_MS}"),
-            ][..],
-            &metadata_tls,
-        ]
-        .concat()
-        .into_iter()
-        .map(String::from)
-        .collect();
-        let args: Vec<&str> = metadata_args.iter().map(String::as_str).collect();
-        let metadata = spawn_logged(dir.path(), "metadata", &args);
-        let mut cluster = Cluster {
-            dir,
-            metadata_addr,
-            storage_addrs: Vec::new(),
-            tls_dir,
-            tls,
-            metadata,
-            metadata_args,
-            storage: Vec::new(),
-            storage_args: Vec::new(),
-        };
+        let host = Host::local();
+        let metadata_dir = dir.path().join("metadata").to_string_lossy().into_owned();
+        let metadata = DaemonSpec::new("metadata", TERN, dir.path().join("metadata.log"))
+            .on(host.clone())
+            .serving(metadata_addr)
+            .args(["metadata-server", "--listen", &metadata_addr.to_string(), "--dir", &metadata_dir])
+            .args(["--admin", "127.0.0.1:0"])
+            .args(["--set", &format!("heartbeat_interval_ms={HEARTBEAT_MS}")])
+            .args(["--set", &format!("server_timeout_ms={SERVER_TIMEOUT_MS}")])
+            .args(&metadata_tls);
+        let mut daemons = vec![metadata.spawn().unwrap_or_else(|e| panic!("{e:#}"))];
+        let mut storage = Vec::new();
         for i in 0..servers {
-            let addr = format!("127.0.0.1:{}", free_port());
-            let nvme_path = cluster.dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
+            let addr = host.addr(free_port());
+            let nvme_path = dir.path().join(format!("storage-{i}.nvme")).to_string_lossy().into_owned();
             let mut args = vec![
                 "storage-server",
                 "--metadata",
                 &metadata_url,
                 "--listen",
-                &addr,
+                &addr.to_string(),
                 "--admin",
                 "127.0.0.1:0",
                 "--dram",
                 dram,
-            ];
-            args.extend(&storage_tls);
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect::<Vec<_>>();
+            args.extend(storage_tls.iter().map(|a| a.to_string()));
             if let Some(nvme) = &nvme {
-                args.extend(["--nvme", &nvme_path, "--nvme-size", nvme.size, "--io-engine", nvme.engine]);
+                args.extend(
+                    ["--nvme", &nvme_path, "--nvme-size", nvme.size, "--io-engine", nvme.engine].map(String::from),
+                );
             }
-            let child = spawn_logged(cluster.dir.path(), &format!("storage-{i}"), &args);
-            cluster.storage.push(Some(child));
-            cluster.storage_args.push(args.iter().map(|a| a.to_string()).collect());
-            cluster.storage_addrs.push(addr);
+            let name = format!("storage-{i}");
+            let spec = DaemonSpec::new(&name, TERN, dir.path().join(format!("{name}.log"))).on(host.clone());
+            daemons.push(spec.serving(addr).args(args).spawn().unwrap_or_else(|e| panic!("{e:#}")));
+            storage.push((daemons.len() - 1, addr));
         }
-        let client = cluster.client().await;
-        cluster
-            .wait_for("every storage server to register", Duration::from_secs(30), || async {
-                let status = client.status().await.ok()?;
-                (status.servers.iter().filter(|s| s.alive).count() == servers).then_some(())
-            })
-            .await;
+        let mut cluster = Cluster {
+            dir,
+            metadata_addr: metadata_addr.to_string(),
+            storage_addrs: storage.iter().map(|(_, addr)| addr.to_string()).collect(),
+            tls_dir,
+            tls,
+            daemons,
+        };
+        let (url, options) = (cluster.metadata_url(), cluster.options(TransportKind::Tcp));
+        let deadline = Deadline::after(STARTUP_TIMEOUT);
+        if let Err(e) = tern_local::cluster_ready(&mut cluster.daemons, 0, &url, &options, &storage, &deadline).await {
+            panic!("{e:#}\n{}", cluster.logs());
+        }
         cluster
     }
 
@@ -214,13 +189,12 @@ impl Cluster {
 
     /// A client whose block traffic goes over `transport`.
     pub async fn client_over(&self, transport: TransportKind) -> Client {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            match Client::connect_with(&self.metadata_url(), self.options(transport)).await {
-                Ok(client) => return client,
-                Err(e) if Instant::now() > deadline => panic!("metadata server never answered: {e}\n{}", self.logs()),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
+        let deadline = Deadline::after(Duration::from_secs(20));
+        let url = self.metadata_url();
+        let connect = || Client::connect_with(&url, self.options(transport));
+        match tern_local::poll_until(&deadline, connect).await {
+            Ok(client) => client,
+            Err(e) => panic!("metadata server never answered: {e}\n{}", self.logs()),
         }
     }
 
@@ -245,33 +219,37 @@ impl Cluster {
     /// Kills the metadata server with SIGKILL and starts it again on the same --dir and port;
     /// `n` names its log file (`metadata-<n>.log`).
     pub fn restart_metadata(&mut self, n: usize) {
-        let _ = self.metadata.kill();
-        let _ = self.metadata.wait();
-        let args: Vec<&str> = self.metadata_args.iter().map(String::as_str).collect();
-        self.metadata = spawn_logged(self.dir.path(), &format!("metadata-{n}"), &args);
+        let log = self.dir.path().join(format!("metadata-{n}.log"));
+        self.respawn(0, log);
     }
 
     /// Kills storage server `i` with SIGKILL (unless it is dead already) and starts it again with
     /// the same flags (same address, same NVMe path); its log is `storage-<i>-again.log`.
     pub fn restart_storage(&mut self, i: usize) {
-        if let Some(mut child) = self.storage[i].take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let args: Vec<&str> = self.storage_args[i].iter().map(String::as_str).collect();
-        self.storage[i] = Some(spawn_logged(self.dir.path(), &format!("storage-{i}-again"), &args));
+        let log = self.dir.path().join(format!("storage-{i}-again.log"));
+        self.respawn(1 + i, log);
+    }
+
+    /// SIGKILLs daemon `d` (unless it is dead already) and starts it again as it was, logging to `log`.
+    fn respawn(&mut self, d: usize, log: PathBuf) {
+        let daemon = &mut self.daemons[d];
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+        let spec = daemon.spec().clone().log_to(log);
+        *daemon = spec.spawn().unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     /// The process id of storage server `i` (for a test that kills it from another process).
     pub fn storage_pid(&self, i: usize) -> u32 {
-        self.storage[i].as_ref().expect("storage server already killed").id()
+        self.daemons[1 + i].id()
     }
 
     /// SIGKILLs storage server `i`.
     pub fn kill_storage(&mut self, i: usize) {
-        let mut child = self.storage[i].take().expect("storage server already killed");
-        child.kill().unwrap();
-        child.wait().unwrap();
+        let daemon = &mut self.daemons[1 + i];
+        assert!(daemon.try_wait().unwrap().is_none(), "storage server already killed");
+        daemon.kill().unwrap();
+        daemon.wait().unwrap();
     }
 
     /// Polls `check` until it yields a value, or fails the test after `timeout`.
@@ -280,14 +258,13 @@ impl Cluster {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Option<T>>,
     {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(value) = check().await {
-                return value;
-            }
-            assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}\n{}", self.logs());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let deadline = Deadline::after(timeout);
+        let found = tern_local::poll_until(&deadline, || {
+            let check = check();
+            async move { check.await.ok_or(()) }
+        })
+        .await;
+        found.unwrap_or_else(|()| panic!("timed out after {timeout:?} waiting for {what}\n{}", self.logs()))
     }
 
     /// Every daemon's log, to print when a test fails.
@@ -305,15 +282,6 @@ impl Cluster {
             .iter()
             .map(|p| format!("--- {} ---\n{}", p.display(), std::fs::read_to_string(p).unwrap_or_default()))
             .collect()
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for child in self.storage.iter_mut().flatten().chain(std::iter::once(&mut self.metadata)) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 

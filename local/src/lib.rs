@@ -1,0 +1,20 @@
+//! The one way to start Tern's daemons on this machine, for `tern up`, the benchmarks' embedded
+//! clusters, the black-box test harness and the executor pool alike.
+//!
+//! - [`ports`]: the port layout of a local cluster, and free loopback ports to put it on;
+//! - [`host`]: where a daemon runs and which address it serves on;
+//! - [`process`]: a daemon process with its log file, parent-death signal, graceful stop and kill;
+//! - [`ready`]: waiting with a deadline and a bounded backoff, never a fixed sleep;
+//! - [`probe`]: the readiness checks a cluster's daemons answer.
+
+pub mod host;
+pub mod ports;
+pub mod probe;
+pub mod process;
+pub mod ready;
+
+pub use host::Host;
+pub use ports::{free_port, free_port_range, PortLayout};
+pub use probe::{cluster_ready, metadata_answers, storage_registered};
+pub use process::{first_exit, stop_together, Daemon, DaemonSpec, Stopped};
+pub use ready::{poll_until, wait_ready, Deadline};

@@ -1,0 +1,138 @@
+//! The ports of a local cluster, defined once: given a base port and a number of storage servers,
+//! [`PortLayout`] names every daemon's ports. Also free loopback ports to put a cluster on.
+
+use anyhow::{bail, Context};
+
+/// A cluster's ports from `base`: the metadata server on `base` with its admin (metrics)
+/// endpoint on `base+1`; the task scheduler on `base+2`, admin `base+3`; storage server `i` on
+/// `base+10+2i`, admin `base+11+2i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortLayout {
+    base: u16,
+    storage_servers: u16,
+}
+
+/// Offset of storage server 0's port from the base; each storage server takes two ports.
+const STORAGE_OFFSET: u16 = 10;
+
+impl PortLayout {
+    /// The layout from `base` for `storage_servers`; an error when its ports pass 65535.
+    pub fn new(base: u16, storage_servers: u16) -> anyhow::Result<PortLayout> {
+        let span = PortLayout::span(storage_servers).context("too many storage servers for one port range")?;
+        if u32::from(base) + u32::from(span) - 1 > u32::from(u16::MAX) {
+            bail!("ports {base} to {base}+{} pass 65535", span - 1);
+        }
+        Ok(PortLayout { base, storage_servers })
+    }
+
+    /// A layout on a range of loopback ports that was free a moment ago ([`free_port_range`]).
+    pub fn free(storage_servers: u16) -> anyhow::Result<PortLayout> {
+        let span = PortLayout::span(storage_servers).context("too many storage servers for one port range")?;
+        PortLayout::new(free_port_range(span)?, storage_servers)
+    }
+
+    /// How many consecutive ports a layout with `storage_servers` takes (the two past the last
+    /// storage server's admin port are kept free too).
+    fn span(storage_servers: u16) -> Option<u16> {
+        storage_servers.checked_mul(2)?.checked_add(STORAGE_OFFSET + 2)
+    }
+
+    pub fn storage_servers(&self) -> u16 {
+        self.storage_servers
+    }
+
+    pub fn metadata(&self) -> u16 {
+        self.base
+    }
+
+    pub fn metadata_admin(&self) -> u16 {
+        self.base + 1
+    }
+
+    pub fn scheduler(&self) -> u16 {
+        self.base + 2
+    }
+
+    pub fn scheduler_admin(&self) -> u16 {
+        self.base + 3
+    }
+
+    /// Storage server `i`'s block-service port.
+    pub fn storage(&self, i: u16) -> u16 {
+        assert!(i < self.storage_servers, "storage server {i} of {}", self.storage_servers);
+        self.base + STORAGE_OFFSET + 2 * i
+    }
+
+    /// Storage server `i`'s admin (metrics) port.
+    pub fn storage_admin(&self, i: u16) -> u16 {
+        self.storage(i) + 1
+    }
+}
+
+/// A loopback port that was free a moment ago, never the same one twice in this process.
+pub fn free_port() -> anyhow::Result<u16> {
+    // A port is only probed here, not held, so until its daemon binds it the kernel may offer
+    // it again: never hand out the same port twice in one process.
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?.local_addr()?.port();
+        if GIVEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(port) {
+            return Ok(port);
+        }
+    }
+}
+
+/// The first port of `len` consecutive free loopback ports. Probed below Linux's ephemeral range
+/// (32768 up), so a port the kernel hands to some other socket meanwhile cannot land in it, and
+/// from a random start, so clusters started at the same moment (parallel tests) rarely probe
+/// the same ports: a probed port is only free until somebody binds it.
+pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
+    const LOW: u16 = 20_000;
+    const HIGH: u16 = 32_000;
+    anyhow::ensure!(len > 0 && len < HIGH - LOW, "a range of {len} ports");
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos()
+        ^ std::process::id().rotate_left(16);
+    let slots = (HIGH - LOW) / len;
+    for i in 0..u32::from(slots) {
+        let start = LOW + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
+        if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
+            return Ok(start);
+        }
+    }
+    bail!("no {len} consecutive free ports on 127.0.0.1 between {LOW} and {HIGH}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_names_every_daemons_ports() {
+        let layout = PortLayout::new(9060, 2).unwrap();
+        assert_eq!((layout.metadata(), layout.metadata_admin()), (9060, 9061));
+        assert_eq!((layout.scheduler(), layout.scheduler_admin()), (9062, 9063));
+        assert_eq!((layout.storage(0), layout.storage_admin(0)), (9070, 9071));
+        assert_eq!((layout.storage(1), layout.storage_admin(1)), (9072, 9073));
+    }
+
+    #[test]
+    fn a_layout_past_the_last_port_is_refused() {
+        assert!(PortLayout::new(65_520, 2).is_ok());
+        assert!(PortLayout::new(65_530, 2).is_err());
+    }
+
+    #[test]
+    fn a_free_layout_is_bindable() {
+        let layout = PortLayout::free(3).unwrap();
+        for port in [layout.metadata(), layout.scheduler_admin(), layout.storage_admin(2)] {
+            std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
+    }
+
+    #[test]
+    fn free_ports_are_not_handed_out_twice() {
+        let ports: std::collections::BTreeSet<u16> = (0..50).map(|_| free_port().unwrap()).collect();
+        assert_eq!(ports.len(), 50);
+    }
+}
