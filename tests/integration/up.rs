@@ -3,7 +3,7 @@
 // kill(2): Ctrl-C to the `tern up` under test.
 #![allow(unsafe_code)]
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! QUIC and TLS through real `tern` processes: block data over QUIC, the control plane over
 //! mutual TLS, refusals of strangers, and the errors of missing, broken or expired material.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

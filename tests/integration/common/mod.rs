@@ -1,8 +1,6 @@
 //! A real cluster for black-box tests: the `tern` binary started as separate processes (one
 //! metadata server, N storage servers) on loopback ports, state and logs in a temp dir.
 
-#![allow(dead_code)] // each test binary uses a different part of the harness
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;

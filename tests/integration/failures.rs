@@ -1,6 +1,6 @@
 //! Failures through a real cluster: lost servers, lapsed jobs, hostile frames.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Replication through a real cluster: files with 2 copies of each block survive a storage
 //! server's SIGKILL; single-copy files on it report DataLost.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

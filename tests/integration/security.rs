@@ -3,7 +3,7 @@
 //! expired and missing tokens are refused; quotas on jobs and DRAM bytes are enforced, exact
 //! across frees, job ends and a metadata restart.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

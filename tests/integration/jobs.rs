@@ -1,7 +1,7 @@
 //! `tern scheduler` and the `tern job` commands as processes, with no executor: submit, status,
 //! list, cancel, refusals. Running jobs on real executors is tested with `tern executor`.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

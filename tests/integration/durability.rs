@@ -2,7 +2,7 @@
 //! again under concurrent file and shuffle load, and restarted on the same --dir and port; every
 //! operation acknowledged before a kill must be there, byte for byte, afterwards.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -2,7 +2,7 @@
 //! sends the next `any` file to NVMe, `nvme` goes straight there, and filling everything gives
 //! OutOfSpace while earlier files stay readable.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{random_bytes, Cluster, Nvme};

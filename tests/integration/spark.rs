@@ -8,7 +8,7 @@
 //!
 //! Needs python3 and a JDK (javac, jar); installs pyspark==3.5.3 with pip if it is missing.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -1,6 +1,6 @@
 //! Files through a real cluster: round trips, namespace operations, and the errors users see.
 
-mod common;
+use crate::common;
 
 use bytes::Bytes;
 use common::{random_bytes, Cluster};

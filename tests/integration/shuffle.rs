@@ -1,7 +1,7 @@
 //! The shuffle service through a real cluster: exactly-once commits, ranges, splits, frees and
 //! lost servers.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

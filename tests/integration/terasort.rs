@@ -1,6 +1,6 @@
 //! Native TeraSort end to end: gensort layout, valsort checks, and a whole sort that validates.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

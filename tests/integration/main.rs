@@ -1,0 +1,21 @@
+//! Tern's black-box tests, one binary with a module per area (it links once): each starts the
+//! real `tern` binary as separate processes through [`common`], the harness on `tern-local`.
+//! Run one area with `cargo nextest run --test integration -E 'test(/^files::/)'`.
+
+mod common;
+
+mod bench_io;
+mod durability;
+mod failures;
+mod files;
+mod jobs;
+mod quic;
+mod replication;
+mod scheduler;
+mod security;
+mod shuffle;
+mod soak;
+mod spark;
+mod terasort;
+mod tiers;
+mod up;
