@@ -11,8 +11,6 @@ mod job;
 mod show;
 mod status;
 mod terasort;
-// prctl(2) and kill(2) on the daemons `tern up` starts.
-#[allow(unsafe_code)]
 mod up;
 
 use clap::Parser;

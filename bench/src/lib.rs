@@ -2,11 +2,11 @@
 //! reports figures with their ratio to the peer, because these machines are shared and noisy and
 //! only figures taken side by side compare.
 
-// kill(2) on the cluster's `tern up` child.
-#[allow(unsafe_code)]
 pub mod cluster;
 pub mod core;
 pub mod io;
+// kill(2) on the cold-start benchmark's executor.
+#[allow(unsafe_code)]
 pub mod scheduler;
 pub mod shuffle;
 pub mod soak;

@@ -7,6 +7,8 @@
 //!   [`tern_common::OutOfMemory`] is reported as OOM, so the scheduler retries with more memory;
 //! - [`pool`]: the local autoscaler `tern up` runs, starting and stopping executors.
 
+// kill(2) on a command's process group, sysconf(3) for its memory use.
+#[allow(unsafe_code)]
 pub mod operators;
 pub mod pool;
 pub mod process;

@@ -13,10 +13,14 @@
 //! device or no NVRTC at run time nothing panics: [`detect`] reports no GPU with a note saying why
 //! and [`GpuSorter::open`] fails with [`GpuError::NoGpu`], so callers take their CPU path.
 
+// kill(2) on a discovery script's process group that overran its time limit.
+#[allow(unsafe_code)]
 pub mod discovery;
 pub mod sort;
 
 #[cfg(feature = "cuda")]
+// The CUDA driver API through cudarc: device memory, pinned host memory, async copies.
+#[allow(unsafe_code)]
 mod cuda;
 
 pub use discovery::{declared, detect, from_discovery_script, from_discovery_script_with_timeout, resolve};

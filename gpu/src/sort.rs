@@ -198,17 +198,17 @@ mod tests {
     /// Needs a GPU, so only with the `cuda` feature (without it no sorter can exist).
     #[cfg(feature = "cuda")]
     mod gpu_present {
-        use rand::{Rng, SeedableRng};
-
         use super::*;
 
         /// Random records whose keys collide often: a few share whole keys, many share the first 8
         /// bytes, so the last two key bytes and the tie order (input order) are exercised too.
         fn tricky_records(n: usize, seed: u64) -> Vec<u8> {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut rng = tern_common::SplitMix64(seed);
             let mut out = vec![0u8; n * RECORD_LEN];
             for (i, rec) in out.chunks_exact_mut(RECORD_LEN).enumerate() {
-                rng.fill(&mut rec[..]);
+                for word in rec.chunks_mut(8) {
+                    word.copy_from_slice(&rng.next_u64().to_le_bytes()[..word.len()]);
+                }
                 match i % 4 {
                     0 => rec[..KEY_LEN].copy_from_slice(&[7; KEY_LEN]),
                     1 => rec[..8].copy_from_slice(&[0xAB; 8]),

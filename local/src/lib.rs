@@ -10,6 +10,8 @@
 pub mod host;
 pub mod ports;
 pub mod probe;
+// prctl(2) for the parent-death signal, kill(2) for graceful stops.
+#[allow(unsafe_code)]
 pub mod process;
 pub mod ready;
 

@@ -93,8 +93,9 @@ fn preallocate(file: &File, size: u64) -> std::io::Result<()> {
 /// The larger of the memory and offset alignments statx reports for direct I/O, or
 /// [`FALLBACK_ALIGN`] when it reports none.
 fn dio_align(file: &File) -> u64 {
-    // SAFETY: statx fills the zeroed struct; the empty path with AT_EMPTY_PATH names the fd.
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx fills the struct; the empty path with AT_EMPTY_PATH names the fd.
     let rc =
         unsafe { libc::statx(file.as_raw_fd(), c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx) };
     if rc != 0 || stx.stx_mask & libc::STATX_DIOALIGN == 0 {

@@ -258,7 +258,7 @@ fn sqe(op: &mut Op, fd: i32, user_data: u64) -> io_uring::squeue::Entry {
     let offset = op.offset + op.done as u64;
     match op.kind {
         Kind::Read => {
-            // SAFETY (for the pointer): within the buffer, which the op owns until completion.
+            // SAFETY: the pointer stays within the buffer, which the op owns until completion.
             let ptr = unsafe { op.buf.as_mut_ptr().add(op.done) };
             opcode::Read::new(types::Fd(fd), ptr, remaining).offset(offset).build().user_data(user_data)
         }
