@@ -37,6 +37,12 @@ const SCHEDULER_PATIENCE: Duration = Duration::from_secs(60);
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(2);
 
+/// Pauses between calls to the scheduler that failed; bounded by [`SCHEDULER_PATIENCE`] at the
+/// call sites.
+fn retry_backoff() -> tern_common::Backoff {
+    tern_common::Backoff::new(FIRST_RETRY_PAUSE, MAX_RETRY_PAUSE)
+}
+
 /// How `tern executor` runs.
 #[derive(Debug, Clone)]
 pub struct ExecutorConfig {
@@ -167,7 +173,7 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
 
     let mut idle_since = Instant::now();
     let mut failing_since: Option<Instant> = None;
-    let mut pause = FIRST_RETRY_PAUSE;
+    let mut backoff = retry_backoff();
     let mut news_queue = Vec::new();
     let exit = loop {
         executor.collect_finished();
@@ -232,7 +238,7 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
         match reply {
             Ok(reply) => {
                 failing_since = None;
-                pause = FIRST_RETRY_PAUSE;
+                backoff = retry_backoff();
                 executor.cancel(&reply.cancel);
                 if !reply.assignments.is_empty() {
                     idle_since = Instant::now();
@@ -254,12 +260,12 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
                     executor.stop_all();
                     bail!("the scheduler at {} has not answered for {SCHEDULER_PATIENCE:?}: {e}", config.scheduler);
                 }
+                let pause = backoff.next().expect("an unbounded backoff always has a next delay");
                 tracing::warn!(executor = %executor.executor_id, "poll failed ({e}); retrying in {pause:?}");
                 tokio::select! {
                     _ = tokio::time::sleep(pause) => {}
                     _ = &mut shutdown => break Exit::Shutdown,
                 }
-                pause = (pause * 2).min(MAX_RETRY_PAUSE);
             }
         }
     };
@@ -302,14 +308,14 @@ async fn heartbeats(
 
 async fn connect(addr: &str, tls_dir: Option<&std::path::Path>) -> anyhow::Result<SchedulerClient> {
     let started = Instant::now();
-    let mut pause = FIRST_RETRY_PAUSE;
+    let mut backoff = retry_backoff();
     loop {
         match SchedulerClient::connect(addr, tls_dir).await {
             Ok(client) => return Ok(client),
             Err(e) if e.kind() == ErrorKind::Unavailable && started.elapsed() < SCHEDULER_PATIENCE => {
+                let pause = backoff.next().expect("an unbounded backoff always has a next delay");
                 tracing::warn!("cannot reach the scheduler yet ({e}); retrying in {pause:?}");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(MAX_RETRY_PAUSE);
             }
             Err(e) => return Err(e).with_context(|| format!("connecting to the scheduler at {addr}")),
         }
@@ -530,16 +536,12 @@ fn lost(assignment_id: u64, why: &str) -> pb::TaskResult {
 }
 
 /// Results carry at most 4 KiB of message (the scheduler keeps no more).
-fn truncate(mut message: String) -> String {
+fn truncate(message: String) -> String {
     const MAX: usize = 4096;
-    if message.len() > MAX {
-        let mut cut = MAX;
-        while !message.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        message.truncate(cut);
+    match tern_proto::cut_message(&message, MAX) {
+        cut if cut.len() == message.len() => message,
+        cut => cut.to_owned(),
     }
-    message
 }
 
 /// Memory this machine has (MemTotal), for an executor's default `--memory`.

@@ -35,20 +35,19 @@ impl Deadline {
     }
 }
 
-/// Pauses between polls: doubling from [`FIRST_PAUSE`] up to [`MAX_PAUSE`].
-pub(crate) struct Backoff {
-    next: Duration,
-}
+/// Pauses between polls: doubling from [`FIRST_PAUSE`] up to [`MAX_PAUSE`], with the jitter of
+/// the one retry backoff ([`tern_common::Backoff`]).
+pub(crate) struct Backoff(tern_common::Backoff);
 
 impl Backoff {
     pub(crate) fn new() -> Backoff {
-        Backoff { next: FIRST_PAUSE }
+        Backoff(tern_common::Backoff::new(FIRST_PAUSE, MAX_PAUSE))
     }
 
     /// Sleeps for the next pause, but not past `until`.
     pub(crate) async fn pause(&mut self, until: Option<&Deadline>) {
-        let pause = until.map_or(self.next, |deadline| self.next.min(deadline.left()));
-        self.next = (self.next * 2).min(MAX_PAUSE);
+        let next = self.0.next().expect("an unbounded backoff always has a next delay");
+        let pause = until.map_or(next, |deadline| next.min(deadline.left()));
         tokio::time::sleep(pause).await;
     }
 }

@@ -238,7 +238,7 @@ impl Maps {
     }
 
     async fn run_one(&self, map: u32, bar: &ProgressBar) -> anyhow::Result<()> {
-        let mut backoff = RETRY_BACKOFF_START;
+        let mut backoff = tern_common::Backoff::new(RETRY_BACKOFF_START, RETRY_BACKOFF_MAX);
         for tries in 1..=TASK_ATTEMPTS {
             let attempt = {
                 let mut next = self.next_attempt.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -252,10 +252,10 @@ impl Maps {
                     return Ok(());
                 }
                 Err(e) if tries < TASK_ATTEMPTS => {
-                    (self.say)(format!("map {map} attempt {attempt} failed, retrying in {backoff:?}: {e:#}"));
+                    let pause = backoff.next().expect("an unbounded backoff always has a next delay");
+                    (self.say)(format!("map {map} attempt {attempt} failed, retrying in {pause:?}: {e:#}"));
                     self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+                    tokio::time::sleep(pause).await;
                 }
                 Err(e) => return Err(e.context(format!("map {map}: {TASK_ATTEMPTS} attempts failed"))),
             }
@@ -301,7 +301,7 @@ async fn run_reduces(
     maps.client.mkdir(dir, true).await?;
     let mut recomputed = BTreeSet::new();
     let mut todo: Vec<usize> = (0..reduces).collect();
-    let mut backoff = RETRY_BACKOFF_START;
+    let mut backoff = tern_common::Backoff::new(RETRY_BACKOFF_START, RETRY_BACKOFF_MAX);
     for attempt in 0..TASK_ATTEMPTS {
         let tasks = todo.iter().map(|&reduce| {
             let (client, shuffle, bar, path) =
@@ -334,8 +334,7 @@ async fn run_reduces(
         if lost.is_empty() {
             // Nothing the metadata server knows to be lost: a server may be dying but not yet
             // declared dead. Wait, then try again.
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(RETRY_BACKOFF_MAX);
+            tokio::time::sleep(backoff.next().expect("an unbounded backoff always has a next delay")).await;
         } else {
             (maps.say)(format!("maps {lost:?} lost their output; recomputing them"));
             maps.shuffle.invalidate_maps(&lost).await?;
