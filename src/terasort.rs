@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use clap::Args;
 use indicatif::MultiProgress;
-use tern_bench::cluster::EmbeddedCluster;
 use tern_common::ByteSize;
+use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
 use tern_terasort::tasks;
 use tern_terasort::RECORD_LEN;

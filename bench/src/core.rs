@@ -18,7 +18,7 @@ use tern_proto::frame::{self, Frame};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::cluster::EmbeddedCluster;
+use tern_local::cluster::EmbeddedCluster;
 
 pub struct CoreOptions {
     /// The `tern` binary to run (usually the running one).

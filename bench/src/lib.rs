@@ -2,7 +2,6 @@
 //! reports figures with their ratio to the peer, because these machines are shared and noisy and
 //! only figures taken side by side compare.
 
-pub mod cluster;
 pub mod core;
 pub mod io;
 // kill(2) on the cold-start benchmark's executor.

@@ -21,7 +21,7 @@ use tern_scheduler::{spec, SchedulerClient};
 use tern_terasort::{driver, tasks};
 use tokio::io::AsyncBufReadExt;
 
-use crate::cluster::EmbeddedCluster;
+use tern_local::cluster::EmbeddedCluster;
 
 /// How to run the benchmark.
 #[derive(Debug, Clone)]

@@ -17,7 +17,7 @@ use tern_common::median;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{CommitMapRequest, LocateShuffleRequest, RegisterShuffleRequest, StatRequest};
 
-use crate::cluster::EmbeddedCluster;
+use tern_local::cluster::EmbeddedCluster;
 
 pub struct ShuffleBenchOptions {
     pub tern: std::path::PathBuf,

@@ -28,7 +28,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use tern_client::{Client, ErrorKind, MapWriterOptions, ShuffleOptions, StorageClass};
 
-use crate::cluster::EmbeddedCluster;
+use tern_local::cluster::EmbeddedCluster;
 
 /// What a storage server may hold beyond its DRAM tier: its code, runtime and connection buffers
 /// for every client at once. 64 clients x 2 connections with a 64 KiB write buffer and a

@@ -10,7 +10,7 @@ use serde::Serialize;
 use tern_terasort::tasks::{self, Location};
 use tern_terasort::RECORD_LEN;
 
-use crate::cluster::EmbeddedCluster;
+use tern_local::cluster::EmbeddedCluster;
 
 pub struct SparkTerasortOptions {
     pub tern: PathBuf,

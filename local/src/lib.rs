@@ -5,8 +5,10 @@
 //! - [`host`]: where a daemon runs and which address it serves on;
 //! - [`process`]: a daemon process with its log file, parent-death signal, graceful stop and kill;
 //! - [`ready`]: waiting with a deadline and a bounded backoff, never a fixed sleep;
-//! - [`probe`]: the readiness checks a cluster's daemons answer.
+//! - [`probe`]: the readiness checks a cluster's daemons answer;
+//! - [`cluster`]: a throwaway `tern up` cluster in a temp dir, for benchmarks and `tern terasort`.
 
+pub mod cluster;
 pub mod host;
 pub mod ports;
 pub mod probe;

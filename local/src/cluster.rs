@@ -1,11 +1,11 @@
-//! A throwaway cluster for benchmarks: `tern up` started as a child process in a temp dir, on a
+//! A throwaway cluster for benchmarks and `tern terasort`: `tern up` started as a child process in a temp dir, on a
 //! free port range laid out as `tern up` lays it out.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::{Daemon, DaemonSpec, Deadline, Host, PortLayout};
 use anyhow::Context;
-use tern_local::{Daemon, DaemonSpec, Deadline, Host, PortLayout};
 
 /// How long `tern up` may take to bring the cluster up.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -58,7 +58,7 @@ impl EmbeddedCluster {
         let storage: Vec<_> = (0..servers).map(|i| (0, host.addr(ports.storage(i)))).collect();
         let options = tern_client::ClientOptions::default();
         let deadline = Deadline::after(STARTUP_TIMEOUT);
-        tern_local::cluster_ready(&mut up, 0, &metadata.to_string(), &options, &storage, &deadline).await?;
+        crate::cluster_ready(&mut up, 0, &metadata.to_string(), &options, &storage, &deadline).await?;
         let [up] = up;
         Ok(EmbeddedCluster { up, dir, host, ports, metadata_addr: metadata.to_string() })
     }
