@@ -146,6 +146,7 @@ pub(crate) struct PinnedBuffer {
 // SAFETY: `ptr` is the memory `slice` owns, reached only through `&self` / `&mut self`, so the
 // buffer can move between threads as the slice itself can (cudarc declares it Send and Sync).
 unsafe impl Send for PinnedBuffer {}
+// SAFETY: as for Send just above: the buffer is reached only through `&self` / `&mut self`.
 unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
@@ -313,20 +314,27 @@ impl Engine {
 
         // Sort the keys, then permute the records.
         let t = Instant::now();
-        // SAFETY (all allocations below): each is written by a kernel before it is read.
         let mut hi: [CudaSlice<u64>; 2] = [
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
         ];
         let mut lo: [CudaSlice<u16>; 2] = [
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
         ];
         let mut idx: [CudaSlice<u32>; 2] = [
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
+            // SAFETY: device scratch memory, written by a kernel before it is read.
             unsafe { s.alloc(n) }.map_err(err("allocating GPU memory"))?,
         ];
+        // SAFETY: device scratch memory, written by a kernel before it is read.
         let mut hist: CudaSlice<u32> = unsafe { s.alloc(hist_len) }.map_err(err("allocating GPU memory"))?;
+        // SAFETY: device scratch memory, written by a kernel before it is read.
         let mut d_out: CudaSlice<u8> = unsafe { s.alloc(bytes) }.map_err(err("allocating GPU memory"))?;
         let stride = |items: u64| LaunchConfig {
             grid_dim: (items.div_ceil(STRIDE_THREADS as u64).clamp(1, MAX_STRIDE_BLOCKS as u64) as u32, 1, 1),
@@ -370,8 +378,10 @@ impl Engine {
                     .launch(per_tile)
             }
             .map_err(err("launching radix_histogram"))?;
+            // SAFETY: `exclusive_scan` takes the histogram and its length, as passed.
             unsafe { s.launch_builder(&self.exclusive_scan).arg(&mut hist).arg(&hist_len32).launch(scan) }
                 .map_err(err("launching exclusive_scan"))?;
+            // SAFETY: `radix_scatter`'s arguments match its signature in sort.cu; every slice holds `n` items.
             unsafe {
                 s.launch_builder(&self.radix_scatter)
                     .arg(&*hi_src)
