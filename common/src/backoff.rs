@@ -45,6 +45,8 @@ pub enum Jitter {
 /// spent. Without [`Backoff::attempts`] or [`Backoff::deadline`] it never ends.
 #[derive(Debug, Clone)]
 pub struct Backoff {
+    /// The first delay, where [`Backoff::reset`] starts over.
+    initial: Duration,
     /// The next delay before jitter.
     ceiling: Duration,
     max: Duration,
@@ -66,6 +68,7 @@ impl Backoff {
         // A seed that differs per process and per backoff, so peers do not draw the same jitter.
         let seed = std::collections::hash_map::RandomState::new().build_hasher().finish();
         Backoff {
+            initial,
             ceiling: initial,
             max,
             factor: 2,
@@ -103,6 +106,13 @@ impl Backoff {
     /// How many delays were handed out: the attempts that failed so far.
     pub fn failures(&self) -> u32 {
         self.failures
+    }
+
+    /// Starts over from the first delay after a success, keeping the bounds and the generator
+    /// (no new seed on a caller's hot path).
+    pub fn reset(&mut self) {
+        self.ceiling = self.initial;
+        self.failures = 0;
     }
 
     fn jittered(&mut self, delay: Duration) -> Duration {
@@ -151,6 +161,14 @@ mod tests {
         assert_eq!(delays[1], FIRST * 2);
         assert_eq!(*delays.last().unwrap(), MAX);
         assert!(delays.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn reset_starts_over_from_the_first_delay() {
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(80)).jitter(Jitter::None);
+        assert_eq!(backoff.by_ref().take(3).collect::<Vec<_>>(), [10, 20, 40].map(Duration::from_millis));
+        backoff.reset();
+        assert_eq!((backoff.failures(), backoff.next()), (0, Some(Duration::from_millis(10))));
     }
 
     #[test]

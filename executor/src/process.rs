@@ -238,7 +238,7 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
         match reply {
             Ok(reply) => {
                 failing_since = None;
-                backoff = retry_backoff();
+                backoff.reset();
                 executor.cancel(&reply.cancel);
                 if !reply.assignments.is_empty() {
                     idle_since = Instant::now();
