@@ -220,12 +220,16 @@ mod tests {
             out
         }
 
-        /// The one test that needs a GPU: skipped, saying so, when [`detect`] finds none.
+        /// The one test that needs a GPU: skipped, saying so, when [`detect`] finds none, unless
+        /// `TERN_TEST_REQUIRE_GPU=1` says this run must exercise a GPU (then a missing one fails).
         #[test]
         fn gpu_sort_matches_cpu_sort_when_a_gpu_is_present() {
             let inv = detect();
             let Some(dev) = inv.devices.first() else {
-                println!("skipped: no GPU ({})", inv.note.as_deref().unwrap_or("detect() found none"));
+                let why = inv.note.as_deref().unwrap_or("detect() found none");
+                let required = std::env::var("TERN_TEST_REQUIRE_GPU").is_ok_and(|v| v == "1");
+                assert!(!required, "TERN_TEST_REQUIRE_GPU=1 but no GPU runs this test: {why}");
+                println!("skipped: no GPU ({why}); set TERN_TEST_REQUIRE_GPU=1 to make that a failure");
                 return;
             };
             let mut sorter = GpuSorter::open(&dev.address).expect("detect() found this GPU");
