@@ -216,15 +216,17 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
             }
             continue;
         }
-        let wait = if want == 0 {
+        let batch = executor.results.len().min(executor.max_batch as usize);
+        let results: Vec<pb::TaskResult> = executor.results.drain(..batch).collect();
+        // Results that did not fit this poll go with the next one at once: a long poll here would
+        // hold them back for up to max_poll_wait, and the job's end with them.
+        let wait = if want == 0 || !executor.results.is_empty() {
             Duration::ZERO
         } else if executor.held.is_empty() {
             idle_left.map_or(executor.max_poll_wait, |left| left.min(executor.max_poll_wait))
         } else {
             RESULT_DELAY
         };
-        let batch = executor.results.len().min(executor.max_batch as usize);
-        let results: Vec<pb::TaskResult> = executor.results.drain(..batch).collect();
         let poll = executor.client.poll(&executor.executor_id, results.clone(), want, wait);
         let reply = tokio::select! {
             reply = poll => reply,

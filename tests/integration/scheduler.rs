@@ -34,6 +34,11 @@ struct Scheduler {
 
 impl Scheduler {
     fn start(cluster: &Cluster) -> Scheduler {
+        Scheduler::start_with(cluster, "")
+    }
+
+    /// A scheduler whose config file ends with `extra` (TOML lines).
+    fn start_with(cluster: &Cluster, extra: &str) -> Scheduler {
         let addr = format!("127.0.0.1:{}", free_port());
         let config = cluster.dir.path().join("scheduler.toml");
         std::fs::write(
@@ -41,7 +46,7 @@ impl Scheduler {
             format!(
                 "listen = \"{addr}\"\nadmin_listen = \"127.0.0.1:0\"\nmetadata = \"{}\"\n\
                  heartbeat_interval_ms = {HEARTBEAT_MS}\nexecutor_timeout_ms = {EXECUTOR_TIMEOUT_MS}\n\
-                 default_backoff_ms = 50\n",
+                 default_backoff_ms = 50\n{extra}",
                 cluster.metadata_addr
             ),
         )
@@ -264,6 +269,31 @@ async fn a_job_survives_kill_9_of_an_executor_mid_job() {
     assert_eq!(summary["sorted"], true, "{summary}");
     assert_eq!(summary["records"], bytes / 100);
     assert_eq!(summary["checksum"], expected_checksum(&cluster, bytes).as_str());
+}
+
+/// More results than one poll may carry (max_batch) go with the next poll at once, not after a
+/// long poll: 40 tasks finish together on an executor that may report 8 per poll, with nothing
+/// left to run, so a long poll (30 s here) would hold 32 results and the job's end back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_beyond_one_poll_are_reported_without_a_long_poll() {
+    let cluster = Cluster::start(1, "64MiB").await;
+    let mut scheduler = Scheduler::start_with(&cluster, "max_batch = 8\nmax_poll_wait_ms = 30000\n");
+    scheduler.executor(&cluster, "4", "1GiB");
+    let client = scheduler.client(&cluster).await;
+    let job = r#"
+name = "together"
+[[stages]]
+name = "sleep"
+operator = "noop"
+params = { sleep_ms = "300" }
+tasks = 40
+needs = { cpus = 0.01, memory = "1MiB" }
+"#;
+    let job_id = submit(&cluster, &scheduler, "together", job);
+    let status = finish(&cluster, &client, &job_id, Duration::from_secs(60)).await;
+    assert_eq!(status.state(), pb::JobState::Succeeded, "{status:?}\n{}", cluster.logs());
+    let took = status.finished_unix_ms.saturating_sub(status.submitted_unix_ms);
+    assert!(took < 10_000, "the job took {took} ms: results waited for a 30 s long poll\n{}", cluster.logs());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
