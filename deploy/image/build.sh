@@ -109,6 +109,8 @@ fi
 log "building $tag ($profile tern on $base)"
 "${buildah[@]}" bud --quiet --isolation chroot --build-arg "BASE=$base" -t "$tag" -f "$context/Containerfile" "$context" >/dev/null
 rm -rf "$context"
+# The image this tag named before is now unnamed: drop it, so repeated builds do not pile up.
+"${podman[@]}" image prune -f >/dev/null
 size=$("${podman[@]}" image inspect --format '{{.Size}}' "$tag")
 mib=$((size / 1048576))
 log "built $tag, $mib MiB"
