@@ -4,10 +4,14 @@
 #               (deploy/kubernetes/validate.py: Kubernetes 1.30 schemas, and the CRDs' own
 #               schemas for ServiceMonitor and ScaledObject);
 #   systemd     `systemd-analyze verify` every unit; any output at all fails (it reports typos
-#               as warnings with exit status 0).
-# With no argument it runs both. The systemd check needs target/debug/tern (the binary the
+#               as warnings with exit status 0);
+#   monitoring  promtool parses the alert rules and every query of the Grafana dashboard, and
+#               runs the rules' unit tests (deploy/monitoring/alerts-test.yaml). That the metrics
+#               they name exist is the black-box test tests/integration/monitoring.rs.
+# With no argument it runs all three. The systemd check needs target/debug/tern (the binary the
 # units start is checked to exist): build it first (`cargo build --bin tern`).
-# Installs what it needs (a Python venv in target/deploy-venv; systemd via apt) when missing.
+# Installs what it needs when missing: a Python venv in target/deploy-venv, systemd via apt,
+# promtool unpacked from Debian's package into target/deploy-tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,11 +24,12 @@ python_packages=(
     cloudcoil-models-keda==2.16.1.0
 )
 
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+apt_update() { $sudo apt-get update; }
 apt_install() {
-    local sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update
-    $sudo apt-get install -y "$@"
+    apt_update
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y "$@"
 }
 
 check_kubernetes() {
@@ -69,9 +74,36 @@ check_systemd() {
     echo "systemd: ${#units[@]} units verify with no output: ${units[*]}"
 }
 
+# promtool from Debian's prometheus package, unpacked under target/ rather than installed (the
+# package would also install and start a Prometheus server).
+run_promtool() {
+    local tools=target/deploy-tools
+    if type -P promtool >/dev/null; then
+        promtool "$@"
+        return
+    fi
+    if [ ! -x "$tools/usr/bin/promtool" ]; then
+        echo "unpacking promtool from Debian's prometheus package into $tools..." >&2
+        mkdir -p "$tools"
+        (cd "$tools" && { apt-get download prometheus 2>/dev/null || { apt_update && apt-get download prometheus; }; })
+        dpkg-deb -x "$tools"/prometheus_*.deb "$tools"
+        rm -f "$tools"/prometheus_*.deb
+    fi
+    "$tools/usr/bin/promtool" "$@"
+}
+
+check_monitoring() {
+    mkdir -p "$work"
+    run_promtool check rules deploy/monitoring/alerts.yaml
+    python3 deploy/monitoring/dashboard_rules.py deploy/monitoring/grafana-dashboard.json > "$work/dashboard-rules.json"
+    run_promtool check rules "$work/dashboard-rules.json"
+    run_promtool test rules deploy/monitoring/alerts-test.yaml
+}
+
 case "${1:-all}" in
     kubernetes) check_kubernetes ;;
     systemd) check_systemd ;;
-    all) check_kubernetes && check_systemd ;;
-    *) echo "usage: deploy/check.sh [kubernetes|systemd|all]" >&2; exit 2 ;;
+    monitoring) check_monitoring ;;
+    all) check_kubernetes && check_systemd && check_monitoring ;;
+    *) echo "usage: deploy/check.sh [kubernetes|systemd|monitoring|all]" >&2; exit 2 ;;
 esac
