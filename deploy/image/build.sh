@@ -156,12 +156,14 @@ fail() {
 }
 "${run[@]}" -d --name "$name" "$tag" up --port "$port" --storage-servers 1 --dram 64MiB >/dev/null
 log "tern up in container $name on 127.0.0.1:$port"
+# (The log is read whole, not piped into `grep -q`, which would cut podman off mid-write.)
+up_said_so() { grep -q '^Tern is up' <<<"$("${podman[@]}" logs "$name" 2>&1)"; }
 for _ in $(seq 120); do
-    "${podman[@]}" logs "$name" 2>/dev/null | grep -q '^Tern is up' && break
+    up_said_so && break
     [ "$("${podman[@]}" inspect --format '{{.State.Running}}' "$name")" = true ] || fail "tern up exited"
     sleep 0.5
 done
-"${podman[@]}" logs "$name" 2>/dev/null | grep -q '^Tern is up' || fail "not up within 60 s"
+up_said_so || fail "not up within 60 s"
 
 # From a second container, as a client would: status, then a 3 MB file there and back.
 "${run[@]}" --rm -e "TERN_METADATA=127.0.0.1:$port" --entrypoint sh "$tag" -euc '
