@@ -22,4 +22,13 @@ export TERN_TEST_REQUIRE_REDIS=1
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+
+# deploy/: manifests rendered and validated, systemd units verified, and the container image
+# built from the debug binary (the tests build it anyway) and smoke-tested.
+cargo build --bin tern
+bash deploy/check.sh
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+$sudo bash deploy/image/build.sh --profile debug
+
 cargo nextest run --workspace --profile ci

@@ -9,6 +9,7 @@ mod durability;
 mod failures;
 mod files;
 mod jobs;
+mod monitoring;
 mod quic;
 mod replication;
 mod scheduler;
