@@ -238,3 +238,22 @@ async fn end_job_and_unregister_shuffle_free_what_they_held() {
     let again = cluster.tern(&["admin", "end-job", job.id()]);
     assert!(String::from_utf8_lossy(&again.stderr).contains("not registered"), "{again:?}");
 }
+
+#[tokio::test]
+async fn admin_commands_take_the_control_planes_authentication() {
+    let cluster = Cluster::start_with(1, "16MiB", crate::common::Tls::Full).await;
+    // The harness hands the cluster's TLS material to the command line (TERN_TLS_DIR).
+    let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+    assert_eq!(servers.as_array().unwrap().len(), 1, "{servers}");
+    cluster.tern_ok(&["admin", "cordon", &cluster.storage_addrs[0]]);
+    // Without it, the metadata server's mutual TLS lets nothing through.
+    let out = Command::new(TERN)
+        .args(["admin", "uncordon", &cluster.storage_addrs[0]])
+        .env("TERN_METADATA", &cluster.metadata_addr)
+        .env_remove("TERN_TLS_DIR")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an admin call without TLS material went through");
+    let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+    assert_eq!(servers[0]["state"], "cordoned", "{servers}");
+}
