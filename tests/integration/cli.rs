@@ -30,12 +30,12 @@ async fn a_put_of_a_missing_local_file_leaves_nothing() {
     assert_eq!(cluster.tern_ok(&["fs", "ls", "/"]), "", "nothing at all is created");
 }
 
-/// A writer lease of 1 s: `tern fs put -` fed through a pipe holds its file unsealed while it
+/// A writer lease of 2 s (renewed every 667 ms, with room for a loaded machine): `tern fs put -` fed through a pipe holds its file unsealed while it
 /// waits for more input. Alive, it renews the lease and keeps the file; SIGKILLed, it cannot
 /// delete the file itself, and the metadata server reaps it.
 #[tokio::test]
 async fn a_killed_writer_is_reaped_and_a_live_one_is_not() {
-    let cluster = Cluster::start_with_metadata_config(1, "16MiB", "writer_lease_ms = 1000").await;
+    let cluster = Cluster::start_with_metadata_config(1, "16MiB", "writer_lease_ms = 2000").await;
     let client = cluster.client().await;
     let mut put = Command::new(TERN)
         .args(["fs", "put", "-", "/data/slow"])
@@ -54,8 +54,8 @@ async fn a_killed_writer_is_reaped_and_a_live_one_is_not() {
             (!info.sealed && !blocks.is_empty()).then_some(blocks.len())
         })
         .await;
-    // Three leases: a live writer keeps its file by renewing.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Two leases: a live writer keeps its file by renewing.
+    tokio::time::sleep(Duration::from_secs(4)).await;
     let (info, _) = client.stat_with_blocks("/data/slow", true).await.expect("a live writer's file was reaped");
     assert!(!info.sealed);
 
