@@ -366,16 +366,16 @@ impl State {
         req: SetServerModeRequest,
         now: Instant,
     ) -> Result<SetServerModeResponse, Status> {
-        let mode = ServerMode::try_from(req.mode).unwrap_or(ServerMode::Active);
+        let Ok(mode) = ServerMode::try_from(req.mode) else {
+            let context = format!("set the mode of storage server {}", req.server);
+            return Err(invalid(format!("unknown server mode {}", req.mode)).status(context));
+        };
         let verb = match mode {
             ServerMode::Active => "uncordon",
             ServerMode::Cordoned => "cordon",
             ServerMode::Draining => "drain",
         };
         let context = format!("{verb} storage server {}", req.server);
-        if ServerMode::try_from(req.mode).is_err() {
-            return Err(invalid(format!("unknown server mode {}", req.mode)).status(context));
-        }
         let server_id = self.servers.find(&req.server).context(&context)?;
         if !self.servers.is_alive(server_id) {
             return Err(Refusal::new(ErrorKind::NotFound, "the server is dead").status(context));
@@ -624,7 +624,8 @@ impl State {
     /// holds nothing a live job or file still needs, or when its deadline passes. Needed: blocks
     /// of files that no other readable copy on a server taking placements backs, and segments of
     /// registered shuffles. Nothing is moved: single-copy data keeps the server until its owner
-    /// frees it (jobs end; files are deleted) or the deadline.
+    /// frees it (jobs end; files are deleted) or the deadline. While a drain is under way this
+    /// is one pass over every block each reap period; with none, nothing.
     fn check_drains(&mut self, now: Instant) {
         let drains = self.servers.drains();
         if drains.is_empty() {
@@ -632,11 +633,7 @@ impl State {
         }
         let draining: Vec<ServerId> = drains.iter().map(|d| d.server_id).collect();
         let mut sole: HashMap<ServerId, (u64, u64)> = HashMap::new();
-        let mut files_seen: std::collections::HashSet<u64> = std::collections::HashSet::new();
-        for (file, _) in self.namespace.blocks() {
-            if !files_seen.insert(file.file_id) {
-                continue;
-            }
+        for file in self.namespace.file_metas() {
             for copies in file.copies() {
                 for block in copies.iter().filter(|b| draining.contains(&b.server_id)) {
                     let backed = copies
