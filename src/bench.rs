@@ -225,7 +225,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::core::run(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::core::print_table(&report);
             }
@@ -260,7 +260,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::soak::run(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::soak::print_table(&report);
             }
@@ -288,7 +288,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::scheduler::run(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::scheduler::print_table(&report);
             }
@@ -306,7 +306,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::scheduler::job_terasort(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::scheduler::print_job_terasort(&report);
             }
@@ -324,7 +324,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::shuffle::run(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::shuffle::print_table(&report);
             }
@@ -401,7 +401,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             };
             let report = tern_bench::spark::run(&options).await?;
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
                 tern_bench::spark::print_table(&report);
             }

@@ -40,16 +40,14 @@ pub fn run(args: CertArgs) -> anyhow::Result<()> {
             let options = tern_transport::tls::InitOptions { hosts: args.hosts, days: args.days, force: args.force };
             let names = tern_transport::tls::init(&args.dir, &options)?;
             let dir = args.dir.display();
-            println!("Made a cluster CA and a node certificate in {dir} (valid {} days).", args.days);
-            println!("The node certificate is valid for: {}", names.join(", "));
-            println!(
-                "Keys (ca.key, node.key) are readable by their owner only; keep ca.key off the nodes if you like:"
-            );
-            println!("daemons and clients need ca.pem, node.pem and node.key.");
-            println!();
-            println!("  tern metadata-server --tls-dir {dir} ...");
-            println!("  tern storage-server --tls-dir {dir} ...   # also serves QUIC");
-            println!("  tern fs --tls-dir {dir} --transport quic ls /");
+            outln!("Made a cluster CA and a node certificate in {dir} (valid {} days).", args.days);
+            outln!("The node certificate is valid for: {}", names.join(", "));
+            outln!("Keys (ca.key, node.key) are readable by their owner only; keep ca.key off the nodes if you like:");
+            outln!("daemons and clients need ca.pem, node.pem and node.key.");
+            outln!();
+            outln!("  tern metadata-server --tls-dir {dir} ...");
+            outln!("  tern storage-server --tls-dir {dir} ...   # also serves QUIC");
+            outln!("  tern fs --tls-dir {dir} --transport quic ls /");
             Ok(())
         }
     }

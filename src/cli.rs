@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use tern_client::{ClientOptions, TransportKind};
 
-use crate::{bench, cert, daemons, executor, fs, job, status, terasort, up};
+use crate::{admin, bench, cert, daemons, executor, fs, job, status, terasort, up};
 
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
@@ -43,6 +43,13 @@ pub enum Command {
     Cert(cert::CertArgs),
     /// Run an executor: offers CPUs, memory and GPUs to the scheduler and runs the tasks it hands out.
     Executor(executor::ExecutorArgs),
+    /// Operators: storage servers (show, cordon, uncordon, drain), jobs (list, end), shuffles.
+    Admin(admin::AdminArgs),
+    /// Print a shell completion script: `tern completions bash > /etc/bash_completion.d/tern`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
 }
 
 impl Command {
@@ -100,5 +107,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Teravalidate(args) => terasort::teravalidate(args).await,
         Command::Cert(args) => cert::run(args),
         Command::Executor(args) => executor::run(args).await,
+        Command::Admin(args) => admin::run(args).await,
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut command, "tern", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)?;
+            Ok(())
+        }
     }
 }

@@ -109,20 +109,26 @@ pub async fn run(args: FsArgs) -> anyhow::Result<()> {
 }
 
 async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions, json: bool) -> anyhow::Result<()> {
+    // The local side first: a file that cannot be opened must leave nothing behind in the store.
+    let source = LocalSource::open(local)?;
     let name = local.file_name().and_then(|n| n.to_str()).filter(|_| local != Path::new("-"));
     let remote = match name {
         Some(name) if remote_is_dir(client, remote).await? => format!("{}/{name}", remote.trim_end_matches('/')),
         _ => remote.to_string(),
     };
     let started = Instant::now();
-    if local_len(local) == Some(0) {
-        client.create_empty(&remote, true).await?;
-        report("put", &remote, 0, started, json);
-        return Ok(());
-    }
+    let (whole, chunks) = match source {
+        LocalSource::Empty => {
+            client.create_empty(&remote, true).await?;
+            report("put", &remote, 0, started, json);
+            return Ok(());
+        }
+        LocalSource::Mapped(whole) => (Some(whole), None),
+        LocalSource::Stream(chunks) => (None, Some(chunks)),
+    };
     let mut writer = client.create_with_options(&remote, true, options).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
-    if let Some(whole) = map_local(local)? {
+    if let Some(whole) = whole {
         // A regular file goes out straight from the page cache: the writer slices blocks off
         // the mapping without a copy.
         let mut at = 0;
@@ -132,8 +138,8 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
             progress.inc((end - at) as u64);
             at = end;
         }
-    } else {
-        let mut chunks = spawn_local_reader(local)?;
+    }
+    if let Some(mut chunks) = chunks {
         while let Some(chunk) = chunks.recv().await {
             let chunk = chunk.with_context(|| format!("reading {}", local.display()))?;
             progress.inc(chunk.len() as u64);
@@ -144,6 +150,28 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
     progress.finish_and_clear();
     report("put", &remote, info.length, started, json);
     Ok(())
+}
+
+/// What `put` uploads, opened before anything is created in the store.
+enum LocalSource {
+    /// An empty regular file.
+    Empty,
+    /// A whole regular file, memory-mapped.
+    Mapped(Bytes),
+    /// Stdin, a pipe or a device, read in chunks on a thread.
+    Stream(tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>),
+}
+
+impl LocalSource {
+    fn open(local: &Path) -> anyhow::Result<LocalSource> {
+        if local_len(local) == Some(0) {
+            return Ok(LocalSource::Empty);
+        }
+        Ok(match map_local(local)? {
+            Some(whole) => LocalSource::Mapped(whole),
+            None => LocalSource::Stream(spawn_local_reader(local)?),
+        })
+    }
 }
 
 async fn get(client: &Client, remote: &str, local: &Path, json: bool) -> anyhow::Result<()> {
@@ -306,7 +334,7 @@ fn report(op: &str, path: &str, bytes: u64, started: Instant, json: bool) {
     let seconds = started.elapsed().as_secs_f64();
     let mib_per_s = bytes as f64 / (1 << 20) as f64 / seconds.max(1e-9);
     if json {
-        println!("{}", json!({ "op": op, "path": path, "bytes": bytes, "seconds": seconds, "mib_per_s": mib_per_s }));
+        outln!("{}", json!({ "op": op, "path": path, "bytes": bytes, "seconds": seconds, "mib_per_s": mib_per_s }));
     } else {
         eprintln!("{op} {path}: {} in {seconds:.2}s ({mib_per_s:.0} MiB/s)", show::size(bytes));
     }
@@ -314,6 +342,10 @@ fn report(op: &str, path: &str, bytes: u64, started: Instant, json: bool) {
 
 async fn ls(client: &Client, path: &str, long: bool, json: bool) -> anyhow::Result<()> {
     let entries = client.list(path).await?;
+    if json {
+        show::print_json(&serde_json::Value::Array(entries.iter().map(show::file_json).collect()));
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
     for entry in &entries {
         let name = if entry.path == path.trim_end_matches('/') && entry.kind() == EntryKind::File {
@@ -322,9 +354,7 @@ async fn ls(client: &Client, path: &str, long: bool, json: bool) -> anyhow::Resu
             entry.path.rsplit('/').next().unwrap_or_default()
         };
         let slash = if entry.kind() == EntryKind::Directory { "/" } else { "" };
-        if json {
-            writeln!(out, "{}", show::file_json(entry))?;
-        } else if long {
+        if long {
             writeln!(
                 out,
                 "{:<7} {:>10} {:>6} {}  {name}{slash}",
@@ -356,33 +386,30 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
                 block
             })
             .collect();
-        println!("{value}");
+        outln!("{value}");
         return Ok(());
     }
-    println!("path:     {}", info.path);
-    println!("kind:     {}", show::kind_name(&info));
+    outln!("path:     {}", info.path);
+    outln!("kind:     {}", show::kind_name(&info));
     if info.kind() == EntryKind::File {
-        println!("length:   {} ({} bytes)", show::size(info.length), info.length);
-        println!("file id:  {}", info.file_id);
-        println!("blocks:   {}", info.block_count);
-        println!("class:    {}", info.storage_class);
-        println!("replicas: {}", info.replicas.max(1));
+        outln!("length:   {} ({} bytes)", show::size(info.length), info.length);
+        outln!("file id:  {}", info.file_id);
+        outln!("blocks:   {}", info.block_count);
+        outln!("class:    {}", info.storage_class);
+        outln!("replicas: {}", info.replicas.max(1));
     }
-    println!("created:  {} UTC", show::utc_time(info.created_unix_ms));
+    outln!("created:  {} UTC", show::utc_time(info.created_unix_ms));
     if !info.job.is_empty() {
-        println!("job:      {}", info.job);
+        outln!("job:      {}", info.job);
     }
     if !blocks.is_empty() {
         let replicas = info.replicas.max(1) as usize;
-        println!(
-            "{:>7} {:>20} {:<5} {:>7} {:<22} {:>10} STATE",
-            "INDEX", "BLOCK", "TIER", "SERVER", "ADDRESS", "LENGTH"
-        );
+        outln!("{:>7} {:>20} {:<5} {:>7} {:<22} {:>10} STATE", "INDEX", "BLOCK", "TIER", "SERVER", "ADDRESS", "LENGTH");
         for (i, (block, alive)) in blocks.iter().enumerate() {
             let state = if *alive { "ok" } else { "lost" };
             // Copies of one block share its index: "3" alone, or "3.0", "3.1" with 2 replicas.
             let index = if replicas == 1 { format!("{i}") } else { format!("{}.{}", i / replicas, i % replicas) };
-            println!(
+            outln!(
                 "{index:>7} {:>20} {:<5} {:>7} {:<22} {:>10} {state}",
                 block.block_id,
                 Tier::of_block(block.block_id),

@@ -96,7 +96,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
         JobCommand::Status { job_id, json } => {
             let status = client.job(&job_id).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&job_json(&status))?);
+                outln!("{}", serde_json::to_string(&job_json(&status))?);
             } else {
                 print_status(&status);
             }
@@ -105,17 +105,11 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
         JobCommand::List { active, json } => {
             let jobs = client.list_jobs(active).await?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&Value::Array(jobs.iter().map(job_json).collect()))?);
+                outln!("{}", serde_json::to_string(&Value::Array(jobs.iter().map(job_json).collect()))?);
             } else {
-                println!("{:<32} {:<10} {:<12} {:>8}", "JOB", "STATE", "QUEUE", "PRIORITY");
+                outln!("{:<32} {:<10} {:<12} {:>8}", "JOB", "STATE", "QUEUE", "PRIORITY");
                 for job in &jobs {
-                    println!(
-                        "{:<32} {:<10} {:<12} {:>8}",
-                        job.job_id,
-                        state_name(job.state()),
-                        job.queue,
-                        job.priority
-                    );
+                    outln!("{:<32} {:<10} {:<12} {:>8}", job.job_id, state_name(job.state()), job.queue, job.priority);
                 }
             }
             Ok(())
@@ -123,9 +117,9 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
         JobCommand::Cancel { job_id, json } => {
             let state = client.cancel(&job_id).await?;
             if json {
-                println!("{}", json!({ "job_id": job_id, "state": state_name(state) }));
+                outln!("{}", json!({ "job_id": job_id, "state": state_name(state) }));
             } else {
-                println!("job {job_id}: {}", state_name(state));
+                outln!("job {job_id}: {}", state_name(state));
             }
             Ok(())
         }
@@ -158,9 +152,9 @@ async fn submit(client: &SchedulerClient, spec: pb::JobSpec, wait: bool, json: b
     let job_id = client.submit(spec).await?;
     if !wait {
         if json {
-            println!("{}", json!({ "job_id": job_id }));
+            outln!("{}", json!({ "job_id": job_id }));
         } else {
-            println!("{job_id}");
+            outln!("{job_id}");
         }
         return Ok(());
     }
@@ -181,7 +175,7 @@ async fn submit(client: &SchedulerClient, spec: pb::JobSpec, wait: bool, json: b
         })
         .await?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&job_json(&status))?);
+        outln!("{}", serde_json::to_string(&job_json(&status))?);
     } else {
         print_status(&status);
     }
@@ -257,14 +251,14 @@ fn job_json(job: &pb::JobStatus) -> Value {
             "paths": s.paths,
             "errors": s.errors,
             "blocked": s.blocked,
-            "input_shuffle_id": s.input_shuffle_id,
-            "output_shuffle_id": s.output_shuffle_id,
+            "input_shuffle_id": crate::show::id(s.input_shuffle_id),
+            "output_shuffle_id": crate::show::id(s.output_shuffle_id),
         })).collect::<Vec<_>>(),
     })
 }
 
 fn print_status(job: &pb::JobStatus) {
-    println!(
+    outln!(
         "job {} ({}): {}  queue {}  priority {}  tern job {}",
         job.job_id,
         job.name,
@@ -274,15 +268,24 @@ fn print_status(job: &pb::JobStatus) {
         if job.tern_job_id.is_empty() { "-" } else { &job.tern_job_id }
     );
     if !job.error.is_empty() {
-        println!("error: {}", job.error);
+        outln!("error: {}", job.error);
     }
-    println!(
+    outln!(
         "{:<16} {:<10} {:>6} {:>7} {:>6} {:>7} {:>9} {:>6} {:>9} {:>8}  PATHS",
-        "STAGE", "STATE", "TASKS", "WAITING", "QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "ATTEMPTS"
+        "STAGE",
+        "STATE",
+        "TASKS",
+        "WAITING",
+        "QUEUED",
+        "RUNNING",
+        "SUCCEEDED",
+        "FAILED",
+        "CANCELLED",
+        "ATTEMPTS"
     );
     for s in &job.stages {
         let paths: Vec<String> = s.paths.iter().map(|(path, n)| format!("{path}={n}")).collect();
-        println!(
+        outln!(
             "{:<16} {:<10} {:>6} {:>7} {:>6} {:>7} {:>9} {:>6} {:>9} {:>8}  {}",
             s.name,
             stage_state_name(s.state()),
@@ -297,10 +300,10 @@ fn print_status(job: &pb::JobStatus) {
             paths.join(" ")
         );
         if !s.blocked.is_empty() {
-            println!("    waiting: {}", s.blocked);
+            outln!("    waiting: {}", s.blocked);
         }
         for error in &s.errors {
-            println!("    {error}");
+            outln!("    {error}");
         }
     }
 }

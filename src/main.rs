@@ -1,6 +1,11 @@
 //! `tern`: every Tern role in one binary. Each subcommand lives in its own module; this file
 //! only parses the command line and reports errors.
 
+// First: the `outln!` macro every command prints with.
+#[macro_use]
+mod out;
+
+mod admin;
 mod bench;
 mod cert;
 mod cli;
@@ -27,6 +32,8 @@ fn main() -> std::process::ExitCode {
     };
     match runtime.block_on(cli::run(cli)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // The reader of stdout went away (`tern fs cat F | head`): nothing is left to tell.
+        Err(e) if out::is_broken_pipe(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tern: {e:#}");
             std::process::ExitCode::FAILURE

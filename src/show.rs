@@ -1,8 +1,57 @@
 //! Turning cluster answers into text for people and JSON for programs.
+//!
+//! The `--json` convention, the same for every command (README, "JSON output"): stdout carries
+//! one JSON document on one line and nothing else; a list is an array of objects, anything else
+//! one object; ids are strings ([`id`]), counts, bytes and times numbers.
 
 use serde_json::{json, Value};
-use tern_client::{BlockLocation, EntryKind, FileInfo, StatusResponse};
+use tern_client::{BlockLocation, EntryKind, FileInfo, ServerStatus, StatusResponse};
 use tern_common::ByteSize;
+
+/// An id in JSON: a string, since ids reach past 2^53 (NVMe block ids carry a high bit, shuffle
+/// ids start from the clock), beyond the integers JavaScript and jq hold exactly.
+pub fn id(id: u64) -> Value {
+    Value::String(id.to_string())
+}
+
+/// Prints a `--json` answer: one document, one line.
+pub fn print_json(value: &Value) {
+    outln!("{value}");
+}
+
+/// A storage server's state as `tern status` and `tern admin` show it.
+pub fn server_state(server: &ServerStatus) -> &str {
+    match server.state.as_str() {
+        "" if server.alive => "alive",
+        "" => "dead",
+        state => state,
+    }
+}
+
+pub fn server_json(s: &ServerStatus) -> Value {
+    json!({
+        "server_id": id(s.server_id),
+        "address": s.address,
+        "quic_address": s.quic_address,
+        "alive": s.alive,
+        "state": server_state(s),
+        "allocated_blocks": s.allocated_blocks,
+        "segments": s.segments,
+        "last_heartbeat_ms_ago": s.last_heartbeat_ms_ago,
+        "drain_waiting_for": s.drain_waiting_for,
+        "drain_deadline_ms": s.drain_deadline_ms,
+        "drained": s.drained,
+        "sole_copy_blocks": s.sole_copy_blocks,
+        "tiers": s.tiers.iter().map(|t| json!({
+            "tier": t.tier,
+            "capacity_bytes": t.capacity_bytes,
+            "used_bytes": t.used_bytes,
+            "capacity_blocks": t.capacity_blocks,
+            "used_blocks": t.used_blocks,
+            "engine": t.engine,
+        })).collect::<Vec<_>>(),
+    })
+}
 
 pub fn size(bytes: u64) -> String {
     ByteSize(bytes).human()
@@ -23,7 +72,7 @@ pub fn file_json(info: &FileInfo) -> Value {
         "kind": kind_name(info),
         "length": info.length,
         "sealed": info.sealed,
-        "file_id": info.file_id,
+        "file_id": id(info.file_id),
         "block_count": info.block_count,
         "created_unix_ms": info.created_unix_ms,
         "job": info.job,
@@ -34,9 +83,9 @@ pub fn file_json(info: &FileInfo) -> Value {
 
 pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
     json!({
-        "block_id": block.block_id,
+        "block_id": id(block.block_id),
         "tier": tern_client::Tier::of_block(block.block_id).name(),
-        "server_id": block.server_id,
+        "server_id": id(block.server_id),
         "address": block.address,
         "quic_address": block.quic_address,
         "length": block.length,
@@ -49,30 +98,8 @@ pub fn status_json(status: &StatusResponse) -> Value {
         "block_size": status.block_size,
         "files": status.files,
         "directories": status.directories,
-        "servers": status.servers.iter().map(|s| json!({
-            "server_id": s.server_id,
-            "address": s.address,
-            "quic_address": s.quic_address,
-            "alive": s.alive,
-            "allocated_blocks": s.allocated_blocks,
-            "last_heartbeat_ms_ago": s.last_heartbeat_ms_ago,
-            "tiers": s.tiers.iter().map(|t| json!({
-                "tier": t.tier,
-                "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes,
-                "capacity_blocks": t.capacity_blocks,
-                "used_blocks": t.used_blocks,
-                "engine": t.engine,
-            })).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "jobs": status.jobs.iter().map(|j| json!({
-            "job_id": j.job_id,
-            "lease_ms": j.lease_ms,
-            "expires_in_ms": j.expires_in_ms,
-            "files": j.files,
-            "bytes": j.bytes,
-            "tenant": j.tenant,
-        })).collect::<Vec<_>>(),
+        "servers": status.servers.iter().map(server_json).collect::<Vec<_>>(),
+        "jobs": status.jobs.iter().map(job_json).collect::<Vec<_>>(),
         // Limits of 0 are unlimited.
         "tenants": status.tenants.iter().map(|t| json!({
             "tenant": t.tenant,
@@ -83,6 +110,17 @@ pub fn status_json(status: &StatusResponse) -> Value {
             "nvme_bytes": t.nvme_bytes,
             "nvme_limit_bytes": t.nvme_limit_bytes,
         })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn job_json(j: &tern_client::JobStatus) -> Value {
+    json!({
+        "job_id": j.job_id,
+        "tenant": j.tenant,
+        "lease_ms": j.lease_ms,
+        "expires_in_ms": j.expires_in_ms,
+        "files": j.files,
+        "bytes": j.bytes,
     })
 }
 

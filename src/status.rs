@@ -17,11 +17,11 @@ pub struct StatusArgs {
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     let status = args.metadata.connect().await?.status().await?;
     if args.json {
-        println!("{}", show::status_json(&status));
+        show::print_json(&show::status_json(&status));
         return Ok(());
     }
     let alive = status.servers.iter().filter(|s| s.alive).count();
-    println!(
+    outln!(
         "cluster: block size {}, {} storage servers ({alive} alive), {} files, {} directories, {} jobs",
         show::size(status.block_size as u64),
         status.servers.len(),
@@ -29,13 +29,23 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         status.directories,
         status.jobs.len()
     );
-    println!();
-    println!(
-        "{:<6} {:<22} {:<6} {:<5} {:<6} {:>10} {:>10} {:>5} {:>15} {:>10}",
-        "SERVER", "ADDRESS", "STATE", "TIER", "ENGINE", "USED", "CAPACITY", "USE%", "BLOCKS", "HEARTBEAT"
+    outln!();
+    outln!(
+        "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>5} {:>15} {:>10}",
+        "SERVER",
+        "ADDRESS",
+        "STATE",
+        "TIER",
+        "ENGINE",
+        "USED",
+        "CAPACITY",
+        "USE%",
+        "BLOCKS",
+        "HEARTBEAT"
     );
     for server in &status.servers {
-        let state = if server.alive { "alive" } else { "dead" };
+        // Cordoned and draining servers are alive, and take nothing new.
+        let state = show::server_state(server);
         let heartbeat = format!("{:.1}s ago", server.last_heartbeat_ms_ago as f64 / 1000.0);
         for tier in &server.tiers {
             let percent = if tier.capacity_bytes == 0 {
@@ -43,8 +53,8 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             } else {
                 100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64
             };
-            println!(
-                "{:<6} {:<22} {:<6} {:<5} {:<6} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
+            outln!(
+                "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
                 server.server_id,
                 server.address,
                 state,
@@ -59,10 +69,10 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
     }
     if !status.jobs.is_empty() {
-        println!();
-        println!("{:<40} {:<16} {:>8} {:>10} {:>12}", "JOB", "TENANT", "FILES", "BYTES", "EXPIRES IN");
+        outln!();
+        outln!("{:<40} {:<16} {:>8} {:>10} {:>12}", "JOB", "TENANT", "FILES", "BYTES", "EXPIRES IN");
         for job in &status.jobs {
-            println!(
+            outln!(
                 "{:<40} {:<16} {:>8} {:>10} {:>11.1}s",
                 job.job_id,
                 job.tenant,
@@ -77,14 +87,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             0 => format!("{}/-", show::size(used)),
             limit => format!("{}/{}", show::size(used), show::size(limit)),
         };
-        println!();
-        println!("{:<24} {:>10} {:>22} {:>22}", "TENANT", "JOBS", "DRAM", "NVME");
+        outln!();
+        outln!("{:<24} {:>10} {:>22} {:>22}", "TENANT", "JOBS", "DRAM", "NVME");
         for t in &status.tenants {
             let jobs = match t.max_jobs {
                 0 => format!("{}/-", t.jobs),
                 max => format!("{}/{max}", t.jobs),
             };
-            println!(
+            outln!(
                 "{:<24} {:>10} {:>22} {:>22}",
                 t.tenant,
                 jobs,

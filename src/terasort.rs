@@ -87,8 +87,8 @@ pub async fn teragen(args: TeragenArgs) -> anyhow::Result<()> {
         &MultiProgress::new(),
     )
     .await?;
-    println!("Records: {}", summary.records);
-    println!("Checksum: {:x}", summary.checksum);
+    outln!("Records: {}", summary.records);
+    outln!("Checksum: {:x}", summary.checksum);
     Ok(())
 }
 
@@ -102,7 +102,7 @@ pub async fn teravalidate(args: TeravalidateArgs) -> anyhow::Result<()> {
     };
     let summary = tasks::teravalidate(client.as_ref(), &dir, &progress).await?;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "records": summary.records,
@@ -112,11 +112,11 @@ pub async fn teravalidate(args: TeravalidateArgs) -> anyhow::Result<()> {
             })
         );
     } else {
-        println!("Records: {}", summary.records);
-        println!("Checksum: {:x}", summary.checksum);
-        println!("Duplicate keys: {}", summary.duplicates);
+        outln!("Records: {}", summary.records);
+        outln!("Checksum: {:x}", summary.checksum);
+        outln!("Duplicate keys: {}", summary.duplicates);
         if summary.sorted() {
-            println!("SUCCESS - all records are in order");
+            outln!("SUCCESS - all records are in order");
         }
     }
     anyhow::ensure!(summary.sorted(), "{} records are out of order", summary.unsorted);
@@ -147,35 +147,39 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
     };
     let report = driver::terasort(&options).await?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
         let phases = &report.phases;
-        println!(
+        outln!(
             "sorted {} records ({}) with {} maps and {} reduces",
             report.records,
             ByteSize(report.bytes).human(),
             report.maps,
             report.reduces
         );
-        println!("  teragen   {:>8.2} s", phases.teragen);
-        println!("  map       {:>8.2} s", phases.map);
-        println!("  reduce    {:>8.2} s", phases.reduce);
-        println!("  validate  {:>8.2} s", phases.validate);
-        println!("  total     {:>8.2} s", report.total_seconds);
-        println!(
+        outln!("  teragen   {:>8.2} s", phases.teragen);
+        outln!("  map       {:>8.2} s", phases.map);
+        outln!("  reduce    {:>8.2} s", phases.reduce);
+        outln!("  validate  {:>8.2} s", phases.validate);
+        outln!("  total     {:>8.2} s", report.total_seconds);
+        outln!(
             "replicas: {}  maps recomputed: {}  task retries: {}",
-            report.replicas, report.maps_recomputed, report.task_retries
+            report.replicas,
+            report.maps_recomputed,
+            report.task_retries
         );
-        println!(
+        outln!(
             "sort rate: {:.0} MB/s ({:.2} GB/min), map and reduce phases",
             report.sort_mb_per_s,
             report.sort_mb_per_s * 60.0 / 1000.0
         );
-        println!(
+        outln!(
             "input checksum {}  output checksum {}  duplicates {}",
-            report.input_checksum, report.output_checksum, report.duplicates
+            report.input_checksum,
+            report.output_checksum,
+            report.duplicates
         );
-        println!("{}", if report.valid() { "output is VALID" } else { "output is INVALID" });
+        outln!("{}", if report.valid() { "output is VALID" } else { "output is INVALID" });
     }
     anyhow::ensure!(
         report.valid(),

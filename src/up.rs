@@ -131,6 +131,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let ports = PortLayout::new(args.port, args.storage_servers)
         .context("--port is too high for the ports the cluster needs")?;
     let host = Host::local();
+    // Before anything starts: a daemon that cannot bind its port would otherwise fail only after
+    // another cluster on these ports had answered for it.
+    ports.check_free(host.ip(), args.pool.wanted())?;
     let metadata_addr = host.addr(ports.metadata()).to_string();
     // The scheme tells storage servers (which have TLS material for QUIC either way) whether the
     // control plane is TLS.
@@ -186,6 +189,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             &admin,
             "--dram",
             &dram,
+            // The whole cluster stops together: there is nowhere to drain to.
+            "--set",
+            "drain_grace_ms=0",
         ];
         let nvme_path = nvme_dir.join(format!("storage-{i}.nvme")).to_string_lossy().to_string();
         let nvme_size = args.nvme_size.map(|size| size.to_string()).unwrap_or_default();
@@ -246,14 +252,18 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         (ready, _) => ready,
     };
     let outcome = match ready {
-        Some(Ok(())) => {
-            print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs);
-            tokio::select! {
-                _ = &mut shutdown => Ok(()),
-                died = tern_local::first_exit(&mut daemons) => Err(died),
-                ended = wait_pool(&mut pool) => Err(ended),
+        // Whatever answered on the cluster's ports, a daemon that exited means it is not up.
+        Some(Ok(())) => match tern_local::first_exited(&mut daemons) {
+            Some(died) => Err(died),
+            None => {
+                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs);
+                tokio::select! {
+                    _ = &mut shutdown => Ok(()),
+                    died = tern_local::first_exit(&mut daemons) => Err(died),
+                    ended = wait_pool(&mut pool) => Err(ended),
+                }
             }
-        }
+        },
         Some(Err(e)) => Err(e),
         None => Ok(()),
     };
@@ -304,34 +314,41 @@ async fn stop_all(daemons: &mut [Daemon]) {
     }
 }
 
+/// The banner goes to stdout; a stdout that went away costs the banner, not the cluster.
 fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path) {
-    println!(
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
         "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
         args.storage_servers, args.dram, args.block_size
     );
-    println!();
-    println!("In another shell:");
-    println!("  export TERN_METADATA={metadata_addr}");
+    let _ = writeln!(out);
+    let _ = writeln!(out, "In another shell:");
+    let _ = writeln!(out, "  export TERN_METADATA={metadata_addr}");
     if args.tls {
-        println!(
+        let _ = writeln!(
+            out,
             "  export TERN_TLS_DIR={}   # the control plane is TLS: clients need the cluster's certificates",
             tls_dir.display()
         );
     }
-    println!("  tern fs put ./some-file /data/some-file");
-    println!("  tern fs get /data/some-file ./copy");
-    println!("  tern fs ls -l /data");
-    println!("  tern status");
+    let _ = writeln!(out, "  tern fs put ./some-file /data/some-file");
+    let _ = writeln!(out, "  tern fs get /data/some-file ./copy");
+    let _ = writeln!(out, "  tern fs ls -l /data");
+    let _ = writeln!(out, "  tern status");
     if args.tls {
-        println!("  tern fs --transport quic get /data/some-file ./copy   # block data over QUIC");
+        let _ = writeln!(out, "  tern fs --transport quic get /data/some-file ./copy   # block data over QUIC");
     } else {
-        println!(
+        let _ = writeln!(
+        out,
             "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport quic ls /data   # block data over QUIC",
             tls_dir.display()
         );
     }
-    println!();
-    println!(
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
         "Metrics: http://127.0.0.1:{}/metrics (metadata), storage server i on port {}+2i",
         ports.metadata_admin(),
         ports.storage_admin(0)
@@ -339,14 +356,15 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     if args.pool.wanted() {
         let min = args.pool.min_executors.or(args.pool.executors).unwrap_or(0);
         let max = args.pool.max_executors.or(args.pool.executors).unwrap_or(min);
-        println!(
+        let _ = writeln!(
+            out,
             "Scheduler: 127.0.0.1:{} (metrics on {}), executors: {min} to {max}, idle ones leave after {:?}",
             ports.scheduler(),
             ports.scheduler_admin(),
             args.pool.executor_idle_timeout
         );
-        println!("  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
+        let _ = writeln!(out, "  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
-    println!("Logs:    {}", logs.display());
-    println!("Ctrl-C stops the cluster.");
+    let _ = writeln!(out, "Logs:    {}", logs.display());
+    let _ = writeln!(out, "Ctrl-C stops the cluster.");
 }

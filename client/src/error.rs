@@ -49,8 +49,17 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// What tonic says when an HTTP server that is not gRPC answers (e.g. an admin endpoint's 404).
+const NOT_GRPC: &str = "grpc-status header missing";
+
 impl From<tonic::Status> for Error {
     fn from(status: tonic::Status) -> Error {
+        if status.message().starts_with(NOT_GRPC) {
+            let why = status.message().rsplit(", ").next().unwrap_or_default();
+            return Error::invalid(format!(
+                "this port is not a Tern metadata server (is it the admin port?): it answers HTTP, not gRPC ({why})"
+            ));
+        }
         let kind = ErrorKind::of_status(&status);
         let message = if status.message().is_empty() { status.code().description() } else { status.message() };
         Error::new(kind, message)

@@ -16,6 +16,7 @@
 //! with read-ahead. A [`JobSession`] owns `/jobs/<job>/` and keeps its lease alive; its token
 //! (held by the client, see [`Client::job_token`]) is what lets the job's data frames through.
 
+mod admin;
 mod auth;
 mod conn;
 mod error;
@@ -30,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
 use tern_transport::tls::TlsMaterial;
@@ -40,7 +42,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
 pub use reader::FileReader;
 pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
-pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, StatusResponse};
+pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, JobStatus, ServerMode, ServerStatus, StatusResponse};
 pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
@@ -114,6 +116,8 @@ pub struct Client {
 struct Inner {
     metadata_addr: String,
     metadata: MetadataClient<Channel>,
+    /// Operators' calls, on the same channel.
+    admin: AdminClient<Channel>,
     blocks: conn::BlockPool,
     options: ClientOptions,
     /// This host's address as the cluster sees it, so placement can prefer a local server.
@@ -138,11 +142,7 @@ impl Client {
         let given = addr;
         let addr =
             addr.trim().trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string();
-        let socket_addr = addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| Error::invalid(format!("metadata address {addr:?} is not host:port")))?;
+        let socket_addr = resolve(&addr).map_err(|e| e.context("metadata server"))?;
         let channel = grpc_channel(given, tls.as_ref(), "the metadata server", |endpoint| {
             endpoint
                 .connect_timeout(options.connect_timeout)
@@ -164,6 +164,7 @@ impl Client {
             };
         let tokens = auth::Tokens::default();
         tokens.add_from_env()?;
+        let admin = AdminClient::new(channel.clone());
         let metadata = MetadataClient::new(channel)
             .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
@@ -178,6 +179,7 @@ impl Client {
             inner: Arc::new(Inner {
                 metadata_addr: addr,
                 metadata,
+                admin,
                 blocks,
                 host: local_host_towards(socket_addr),
                 options,
@@ -258,6 +260,7 @@ impl Client {
             created.file_id,
             created.block_size,
             options.replicas,
+            Duration::from_millis(created.writer_lease_ms),
         ))
     }
 
@@ -383,6 +386,24 @@ impl Client {
         let mut writer = self.create_with_options(path, true, options).await?;
         writer.write_bytes(data).await?;
         writer.close().await.map(|_| ())
+    }
+}
+
+/// The first address `addr` (`host:port`) resolves to; the error says whether it is not
+/// host:port at all or its host does not resolve.
+pub fn resolve(addr: &str) -> Result<SocketAddr> {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(Error::invalid(format!("address {addr:?} is not host:port (no port)")));
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(Error::invalid(format!("address {addr:?} is not host:port ({port:?} is not a port)")));
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match addr.to_socket_addrs() {
+        Ok(mut found) => {
+            found.next().ok_or_else(|| Error::unavailable(format!("cannot resolve host {host}: it has no address")))
+        }
+        Err(e) => Err(Error::unavailable(format!("cannot resolve host {host}: {e}"))),
     }
 }
 

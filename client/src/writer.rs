@@ -55,6 +55,10 @@ pub struct FileWriter {
     in_flight: FuturesUnordered<JoinHandle<Result<()>>>,
     written: u64,
     closed: bool,
+    /// Renews the writer lease while the writer lives (see `renew_lease`); stopped on close and
+    /// on drop. A writer whose process dies stops renewing, and the metadata server deletes
+    /// the file when the lease lapses.
+    lease: Option<tokio::task::AbortHandle>,
 }
 
 impl FileWriter {
@@ -65,7 +69,10 @@ impl FileWriter {
         file_id: u64,
         block_size: u32,
         replicas: u32,
+        writer_lease: std::time::Duration,
     ) -> FileWriter {
+        let lease = (!writer_lease.is_zero())
+            .then(|| tokio::spawn(renew_lease(client.clone(), file_id, writer_lease)).abort_handle());
         FileWriter {
             client,
             path,
@@ -81,6 +88,7 @@ impl FileWriter {
             in_flight: FuturesUnordered::new(),
             written: 0,
             closed: false,
+            lease,
         }
     }
 
@@ -239,6 +247,14 @@ impl FileWriter {
     /// Writes what is buffered, waits for every block, and seals the file. Blocks allocated but
     /// unused are freed by the seal.
     pub async fn close(mut self) -> Result<FileInfo> {
+        let result = self.seal().await;
+        if let Some(lease) = self.lease.take() {
+            lease.abort();
+        }
+        result
+    }
+
+    async fn seal(&mut self) -> Result<FileInfo> {
         if !self.buffer.is_empty() {
             // Only this block remains: allocate no more than it needs.
             self.next_batch = 1;
@@ -262,6 +278,9 @@ impl FileWriter {
 
 impl Drop for FileWriter {
     fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            lease.abort();
+        }
         if self.closed {
             return;
         }
@@ -274,6 +293,23 @@ impl Drop for FileWriter {
                     tracing::warn!("could not delete unfinished file {path}: {e}");
                 }
             });
+        }
+    }
+}
+
+/// Renews a writer's lease every third of it until aborted. A renewal that fails is retried at
+/// the next tick: the lease has two more in it.
+async fn renew_lease(client: Client, file_id: u64, lease: std::time::Duration) {
+    let period = lease / 3;
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        match client.metadata().renew_writer(pb::RenewWriterRequest { file_id }).await {
+            Ok(_) => {}
+            // Sealed or deleted: nothing left to keep.
+            Err(status) if matches!(ErrorKind::of_status(&status), ErrorKind::NotFound | ErrorKind::Invalid) => return,
+            Err(status) => tracing::warn!("renewing the writer lease of file {file_id}: {}", status.message()),
         }
     }
 }

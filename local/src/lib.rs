@@ -20,5 +20,5 @@ pub mod ready;
 pub use host::Host;
 pub use ports::{free_port, free_port_range, PortLayout};
 pub use probe::{cluster_ready, metadata_answers, storage_registered};
-pub use process::{first_exit, stop_together, Daemon, DaemonSpec, Stopped};
+pub use process::{first_exit, first_exited, stop_together, Daemon, DaemonSpec, Stopped};
 pub use ready::{poll_until, wait_ready, Deadline};

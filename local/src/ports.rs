@@ -67,6 +67,41 @@ impl PortLayout {
     pub fn storage_admin(&self, i: u16) -> u16 {
         self.storage(i) + 1
     }
+
+    /// Every port the cluster will bind on `ip` (`scheduler`: with the task scheduler), named.
+    pub fn ports(&self, scheduler: bool) -> Vec<(String, u16)> {
+        let mut ports = vec![
+            ("the metadata server".to_string(), self.metadata()),
+            ("the metadata server's admin endpoint".to_string(), self.metadata_admin()),
+        ];
+        if scheduler {
+            ports.push(("the scheduler".to_string(), self.scheduler()));
+            ports.push(("the scheduler's admin endpoint".to_string(), self.scheduler_admin()));
+        }
+        for i in 0..self.storage_servers {
+            ports.push((format!("storage server {i}"), self.storage(i)));
+            ports.push((format!("storage server {i}'s admin endpoint"), self.storage_admin(i)));
+        }
+        ports
+    }
+
+    /// Fails, naming the port and who needs it, when a port of the cluster (TCP, and UDP for a
+    /// storage server's QUIC endpoint) cannot be bound on `ip` now: checked before anything
+    /// starts, so a busy port fails the start instead of a daemon after it.
+    pub fn check_free(&self, ip: std::net::IpAddr, scheduler: bool) -> anyhow::Result<()> {
+        for (who, port) in self.ports(scheduler) {
+            std::net::TcpListener::bind((ip, port))
+                .with_context(|| format!("port {port} on {ip} (for {who}) is not free: is a cluster running there?"))?;
+            if who.starts_with("storage server") && !who.ends_with("endpoint") {
+                std::net::UdpSocket::bind((ip, port)).with_context(|| {
+                    format!(
+                        "UDP port {port} on {ip} (for storage server QUIC) is not free: is a cluster running there?"
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A loopback port that was free a moment ago, never the same one twice in this process.
@@ -128,6 +163,19 @@ mod tests {
         for port in [layout.metadata(), layout.scheduler_admin(), layout.storage_admin(2)] {
             std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
         }
+    }
+
+    #[test]
+    fn a_busy_port_is_named() {
+        let layout = PortLayout::free(1).unwrap();
+        let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+        layout.check_free(ip, true).unwrap();
+        let _held = std::net::TcpListener::bind((ip, layout.storage_admin(0))).unwrap();
+        let err = format!("{:#}", layout.check_free(ip, true).unwrap_err());
+        assert!(
+            err.contains(&format!("port {}", layout.storage_admin(0))) && err.contains("storage server 0"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl Drop for Daemon {
 }
 
 /// The error describing the first of `daemons` found to have exited, if any.
-pub(crate) fn first_exited(daemons: &mut [Daemon]) -> Option<anyhow::Error> {
+pub fn first_exited(daemons: &mut [Daemon]) -> Option<anyhow::Error> {
     daemons.iter_mut().find_map(Daemon::exit_error)
 }
 

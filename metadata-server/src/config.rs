@@ -31,6 +31,13 @@ pub struct Config {
     pub default_lease_ms: u64,
     /// Longest lease a job may hold; longer requests are clamped.
     pub max_lease_ms: u64,
+    /// Writer lease of an unsealed file: one whose writer neither allocated blocks nor renewed
+    /// for this long (the writer died) is deleted and its blocks freed. Writers renew at a third
+    /// of it.
+    pub writer_lease_ms: u64,
+    /// Deadline of a drain that names none (`tern admin drain` without --timeout): the server is
+    /// told to exit then even if data it holds is still needed.
+    pub drain_timeout_ms: u64,
     /// Most entries one List call returns.
     pub max_list_entries: u32,
     /// Most jobs registered at once.
@@ -81,6 +88,8 @@ impl Default for Config {
             server_timeout_ms: 5000,
             default_lease_ms: 30_000,
             max_lease_ms: 3_600_000,
+            writer_lease_ms: 60_000,
+            drain_timeout_ms: 600_000,
             max_list_entries: 10_000,
             max_jobs: 10_000,
             max_entries: 10_000_000,
@@ -109,6 +118,14 @@ impl Config {
                  or live servers would be declared dead",
                 self.heartbeat_interval_ms,
                 self.server_timeout_ms
+            );
+        }
+        // Writers renew at a third of the lease: shorter ones would be lost to an RPC's latency.
+        if self.writer_lease_ms < 1000 || self.drain_timeout_ms == 0 {
+            bail!(
+                "writer_lease_ms = {} must be at least 1000, and drain_timeout_ms = {} above 0",
+                self.writer_lease_ms,
+                self.drain_timeout_ms
             );
         }
         if self.default_lease_ms == 0 || self.default_lease_ms > self.max_lease_ms {
@@ -158,6 +175,14 @@ impl Config {
 
     pub fn server_timeout(&self) -> Duration {
         Duration::from_millis(self.server_timeout_ms)
+    }
+
+    pub fn writer_lease(&self) -> Duration {
+        Duration::from_millis(self.writer_lease_ms)
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
     }
 
     pub fn snapshot_interval(&self) -> Duration {

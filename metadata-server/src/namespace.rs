@@ -179,13 +179,15 @@ impl Namespace {
 
     /// Every file's blocks.
     pub fn blocks(&self) -> impl Iterator<Item = (&FileMeta, &BlockRef)> {
-        self.nodes
-            .values()
-            .filter_map(|node| match &node.body {
-                Body::File(meta) => Some(meta),
-                Body::Dir(_) => None,
-            })
-            .flat_map(|meta| meta.blocks.iter().map(move |block| (meta, block)))
+        self.file_metas().flat_map(|meta| meta.blocks.iter().map(move |block| (meta, block)))
+    }
+
+    /// Every file.
+    pub fn file_metas(&self) -> impl Iterator<Item = &FileMeta> {
+        self.nodes.values().filter_map(|node| match &node.body {
+            Body::File(meta) => Some(meta),
+            Body::Dir(_) => None,
+        })
     }
 
     /// Every entry below the root, parents before children: (path, creation time, file metadata

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use parking_lot::Mutex;
+use tern_proto::v1::admin_server::AdminServer as AdminService;
 use tern_proto::v1::metadata_server::MetadataServer as MetadataService;
 use tern_proto::v1::registry_server::RegistryServer as RegistryService;
 use tokio::sync::watch;
@@ -145,12 +146,15 @@ async fn serve(
     let limit = limits.max_message_bytes;
     let metadata =
         MetadataService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
-    let registry = RegistryService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
+    let registry =
+        RegistryService::from_arc(service.clone()).max_decoding_message_size(limit).max_encoding_message_size(limit);
+    let admin = AdminService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let incoming = crate::conn_limit::limit(incoming, limits.max_connections, limits.refused);
     let result = grpc
         .add_service(metadata)
         .add_service(registry)
+        .add_service(admin)
         .serve_with_incoming_shutdown(incoming, async move {
             // Stop when told to, or when the MetadataServer handle is dropped.
             let _ = stopped.wait_for(|&stop| stop).await;

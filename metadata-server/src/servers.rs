@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tern_proto::v1::{BlockLocation, HeartbeatResponse, LogServer, ServerStatus, TierUsage};
+use tern_proto::v1::{BlockLocation, HeartbeatResponse, LogServer, LogServerMode, ServerMode, ServerStatus, TierUsage};
 use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, Tier};
 
 use crate::error::{invalid, Refusal};
@@ -91,6 +91,24 @@ struct Server {
     /// How many of `frees` are NVMe blocks.
     nvme_frees: u64,
     next_free_seq: u64,
+    /// What an operator allows the planner to do here (logged: survives restarts).
+    mode: ServerMode,
+    /// Draining: when the server is told to exit even if data it holds is still needed.
+    drain_deadline: Option<Instant>,
+    /// Draining: what the drain still waits for, as last checked ("" = nothing).
+    drain_waiting_for: String,
+    /// Draining, and nothing is needed here any more (or the deadline passed): heartbeat replies
+    /// tell the server to exit.
+    drained: bool,
+    /// Blocks here that no other readable copy backs, as last counted.
+    sole_copy_blocks: u64,
+}
+
+/// A storage server's drain as the registry sees it, for the state to check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drain {
+    pub server_id: ServerId,
+    pub deadline: Instant,
 }
 
 /// What a storage server reported holding, gathered over its inventory pages.
@@ -114,9 +132,24 @@ impl Server {
         self.alive || self.restored
     }
 
-    /// New blocks and segments may go there.
+    /// Up and reconciled: could take new blocks and segments.
     fn placeable(&self) -> bool {
         self.alive && self.reconciled
+    }
+
+    /// New blocks and segments go there: placeable, and not cordoned or draining.
+    fn takes_placements(&self) -> bool {
+        self.placeable() && self.mode == ServerMode::Active
+    }
+
+    /// "alive", "dead", "cordoned" or "draining".
+    fn state_name(&self) -> &'static str {
+        match (self.readable(), self.mode) {
+            (false, _) => "dead",
+            (true, ServerMode::Active) => "alive",
+            (true, ServerMode::Cordoned) => "cordoned",
+            (true, ServerMode::Draining) => "draining",
+        }
     }
 
     fn tier(&self, tier: &str) -> Option<&TierUsage> {
@@ -220,7 +253,19 @@ impl Server {
             shuffle_frees: 0,
             nvme_frees: 0,
             next_free_seq: 1,
+            mode: ServerMode::Active,
+            drain_deadline: None,
+            drain_waiting_for: String::new(),
+            drained: false,
+            sole_copy_blocks: 0,
         }
+    }
+
+    fn set_mode(&mut self, mode: ServerMode, drain_deadline: Option<Instant>) {
+        self.mode = mode;
+        self.drain_deadline = drain_deadline.filter(|_| mode == ServerMode::Draining);
+        self.drain_waiting_for.clear();
+        self.drained = false;
     }
 
     fn describe(&self, server_id: ServerId) -> String {
@@ -272,6 +317,11 @@ impl Servers {
             server.restored = true;
             server
         });
+        // A drained server that comes back as a new process (a restarted pod) is not drained
+        // again: the drain was of the process that exited. A cordon is the operator's and stays.
+        if server.instance_id != instance_id && server.mode == ServerMode::Draining {
+            server.set_mode(ServerMode::Active, None);
+        }
         server.address = address.to_string();
         server.host = host;
         server.quic_address = quic_address.to_string();
@@ -324,7 +374,7 @@ impl Servers {
         };
         self.servers
             .iter()
-            .filter(|(_, s)| s.placeable())
+            .filter(|(_, s)| s.takes_placements())
             .map(|(&server_id, s)| Room {
                 server_id,
                 host: s.host.clone(),
@@ -336,7 +386,11 @@ impl Servers {
 
     /// What the planner places segments by: the load of each server that takes new segments.
     pub fn segment_loads(&self) -> Vec<SegmentLoad> {
-        self.servers.iter().filter(|(_, s)| s.placeable()).map(|(&server_id, s)| s.segment_load(server_id)).collect()
+        self.servers
+            .iter()
+            .filter(|(_, s)| s.takes_placements())
+            .map(|(&server_id, s)| s.segment_load(server_id))
+            .collect()
     }
 
     /// The id counters (next server id, next block id), for snapshots.
@@ -361,6 +415,78 @@ impl Servers {
                 instance_id: s.instance_id,
             })
             .collect()
+    }
+
+    /// The servers not active (cordoned or draining), as the log records them.
+    pub fn modes(&self) -> Vec<LogServerMode> {
+        self.servers
+            .iter()
+            .filter(|(_, s)| s.mode != ServerMode::Active)
+            .map(|(&id, s)| LogServerMode {
+                server_id: id.get(),
+                mode: s.mode as i32,
+                drain_deadline_unix_ms: s.drain_deadline.map_or(0, |deadline| {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    tern_common::unix_ms().saturating_add(left.as_millis() as u64)
+                }),
+            })
+            .collect()
+    }
+
+    /// The server `name` names: its id ("7") or its block-service address ("host:port").
+    pub fn find(&self, name: &str) -> Result<ServerId, Refusal> {
+        let name = name.trim();
+        let found = match name.parse::<u64>() {
+            Ok(id) => self.servers.contains_key(&ServerId(id)).then_some(ServerId(id)),
+            Err(_) => self.servers.iter().find(|(_, s)| s.address == name).map(|(&id, _)| id),
+        };
+        found.ok_or_else(|| {
+            Refusal::new(
+                ErrorKind::NotFound,
+                format!("no storage server {name:?} (give its id or its address host:port, as `tern admin servers` lists them)"),
+            )
+        })
+    }
+
+    /// Sets a server's mode (a logged change, live or replayed). A server no longer known (long
+    /// dead, forgotten) is left alone.
+    pub fn set_mode(&mut self, server_id: ServerId, mode: ServerMode, drain_deadline: Option<Instant>) {
+        if let Some(server) = self.servers.get_mut(&server_id) {
+            server.set_mode(mode, drain_deadline);
+        }
+    }
+
+    /// Servers draining and still up, with their deadlines.
+    pub fn drains(&self) -> Vec<Drain> {
+        self.servers
+            .iter()
+            .filter(|(_, s)| s.mode == ServerMode::Draining && s.readable())
+            .map(|(&server_id, s)| Drain { server_id, deadline: s.drain_deadline.unwrap_or_else(Instant::now) })
+            .collect()
+    }
+
+    /// Records how a drain stands: what it still waits for ("" = nothing), and whether the
+    /// server is to exit now. Returns true when the server was newly told to exit.
+    pub fn settle_drain(&mut self, server_id: ServerId, waiting_for: String, exit: bool) -> bool {
+        let Some(server) = self.servers.get_mut(&server_id) else {
+            return false;
+        };
+        server.drain_waiting_for = waiting_for;
+        let newly = exit && !server.drained;
+        server.drained = exit;
+        newly
+    }
+
+    /// Records how many blocks on the server no other readable copy backs.
+    pub fn set_sole_copy_blocks(&mut self, server_id: ServerId, blocks: u64) {
+        if let Some(server) = self.servers.get_mut(&server_id) {
+            server.sole_copy_blocks = blocks;
+        }
+    }
+
+    /// Shuffle segments placed on the server (of registered shuffles).
+    pub fn segments_on(&self, server_id: ServerId) -> u64 {
+        self.servers.get(&server_id).map_or(0, |s| s.segments)
     }
 
     /// Whether the server's last registration came from a new process.
@@ -502,7 +628,8 @@ impl Servers {
         if !tiers.is_empty() {
             server.take_report(tiers);
         }
-        let mut reply = HeartbeatResponse { free_seq: freed_through_seq, ..HeartbeatResponse::default() };
+        let mut reply =
+            HeartbeatResponse { free_seq: freed_through_seq, drained: server.drained, ..HeartbeatResponse::default() };
         for &(seq, free) in server.frees.iter().take(MAX_FREES_PER_HEARTBEAT) {
             match free {
                 Free::Block(block_id) => reply.free_block_ids.push(block_id.get()),
@@ -637,18 +764,26 @@ impl Servers {
     }
 
     pub fn status(&self, now: Instant) -> Vec<ServerStatus> {
-        self.servers
-            .iter()
-            .map(|(&server_id, s)| ServerStatus {
-                server_id: server_id.get(),
-                address: s.address.clone(),
-                quic_address: s.quic_address.clone(),
-                alive: s.alive,
-                tiers: s.tiers.clone(),
-                allocated_blocks: s.allocated + s.nvme_allocated,
-                last_heartbeat_ms_ago: now.saturating_duration_since(s.last_seen).as_millis() as u64,
-            })
-            .collect()
+        self.servers.keys().filter_map(|&id| self.status_of(id, now)).collect()
+    }
+
+    /// One server's status; `None` for a server not known.
+    pub fn status_of(&self, server_id: ServerId, now: Instant) -> Option<ServerStatus> {
+        self.servers.get(&server_id).map(|s| ServerStatus {
+            server_id: server_id.get(),
+            address: s.address.clone(),
+            quic_address: s.quic_address.clone(),
+            alive: s.alive,
+            tiers: s.tiers.clone(),
+            allocated_blocks: s.allocated + s.nvme_allocated,
+            last_heartbeat_ms_ago: now.saturating_duration_since(s.last_seen).as_millis() as u64,
+            state: s.state_name().to_string(),
+            segments: s.segments,
+            drain_waiting_for: s.drain_waiting_for.clone(),
+            drain_deadline_ms: s.drain_deadline.map_or(0, |d| d.saturating_duration_since(now).as_millis() as u64),
+            sole_copy_blocks: s.sole_copy_blocks,
+            drained: s.drained,
+        })
     }
 
     /// Servers that take new blocks and segments.

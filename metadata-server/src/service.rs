@@ -1,4 +1,5 @@
-//! The gRPC services (Metadata for clients, Registry for storage servers) over the shared state.
+//! The gRPC services (Metadata for clients, Registry for storage servers, Admin for operators)
+//! over the shared state.
 //!
 //! Every RPC goes through [`Service::call`]: lock the state, run the state's method for it, hand
 //! the changes it made to the write-ahead log, unlock, wait until the log is durable that far,
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use tern_proto::v1::admin_server::Admin;
 use tern_proto::v1::metadata_server::Metadata;
 use tern_proto::v1::registry_server::Registry;
 use tern_proto::v1::*;
@@ -80,6 +82,13 @@ impl Metadata for Service {
 
     async fn seal(&self, request: Request<SealRequest>) -> Result<Response<SealResponse>, Status> {
         self.call("seal", |state, now| state.seal(request.into_inner(), now)).await
+    }
+
+    async fn renew_writer(
+        &self,
+        request: Request<RenewWriterRequest>,
+    ) -> Result<Response<RenewWriterResponse>, Status> {
+        self.call("renew_writer", |state, now| state.renew_writer(request.into_inner(), now)).await
     }
 
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
@@ -196,5 +205,19 @@ impl Registry for Service {
         request: Request<ReportInventoryRequest>,
     ) -> Result<Response<ReportInventoryResponse>, Status> {
         self.call("report_inventory", |state, now| state.report_inventory(request.into_inner(), now)).await
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for Service {
+    async fn set_server_mode(
+        &self,
+        request: Request<SetServerModeRequest>,
+    ) -> Result<Response<SetServerModeResponse>, Status> {
+        self.call("set_server_mode", |state, now| state.set_server_mode(request.into_inner(), now)).await
+    }
+
+    async fn end_job(&self, request: Request<AdminEndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
+        self.call("admin_end_job", |state, now| state.admin_end_job(request.into_inner(), now)).await
     }
 }

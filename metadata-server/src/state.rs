@@ -11,6 +11,7 @@
 //! turns refusals into statuses that name the operation. Methods take the time as an
 //! argument so tests can move it; they never block, so the service can call them under one mutex.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tern_common::unix_ms;
@@ -37,6 +38,11 @@ pub struct State {
     block_size: u32,
     heartbeat_interval: Duration,
     server_timeout: Duration,
+    writer_lease: Duration,
+    drain_timeout: Duration,
+    /// Unsealed files and when their writer last allocated or renewed (not logged: after a
+    /// restart every writer's lease starts again).
+    writers: HashMap<u64, Instant>,
     max_list_entries: u32,
     namespace: Namespace,
     servers: Servers,
@@ -55,6 +61,9 @@ impl State {
             block_size: config.block_size_bytes(),
             heartbeat_interval: config.heartbeat_interval(),
             server_timeout: config.server_timeout(),
+            writer_lease: config.writer_lease(),
+            drain_timeout: config.drain_timeout(),
+            writers: HashMap::new(),
             max_list_entries: config.max_list_entries,
             namespace: Namespace::new(config.max_entries),
             servers: Servers::default(),
@@ -157,8 +166,10 @@ impl State {
         let file_id = self.namespace.next_file_id();
         let job = Place::of(&path).job().unwrap_or_default().to_string();
         let request = CreateRequest { path, storage_class: storage_class.to_string(), replicas, ..req };
+        let sealed = request.sealed;
         self.commit(Change::Create(LogCreate { request: Some(request), file_id }), now).context(&context)?;
-        Ok(CreateResponse { file_id, block_size: self.block_size, job })
+        let writer_lease_ms = if sealed { 0 } else { self.writer_lease.as_millis() as u64 };
+        Ok(CreateResponse { file_id, block_size: self.block_size, job, writer_lease_ms })
     }
 
     pub fn allocate_blocks(
@@ -208,6 +219,17 @@ impl State {
         self.commit(Change::Seal(req), now).context(&context)?;
         let info = self.namespace.file_info(file_id).context(&context)?;
         Ok(SealResponse { info: Some(info) })
+    }
+
+    /// Keeps an unsealed file's writer lease from lapsing.
+    pub fn renew_writer(&mut self, req: RenewWriterRequest, now: Instant) -> Result<RenewWriterResponse, Status> {
+        let context = format!("renew the writer of file {}", req.file_id);
+        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        if file.sealed {
+            return Err(invalid("the file is already sealed").status(context));
+        }
+        self.writers.insert(req.file_id, now);
+        Ok(RenewWriterResponse {})
     }
 
     pub fn open(&mut self, req: OpenRequest, _now: Instant) -> Result<OpenResponse, Status> {
@@ -331,6 +353,46 @@ impl State {
         }
         let released = self.end(&req.job_id, "ended", now).context(&context)?;
         Ok(EndJobResponse { files_deleted: released.files_deleted, blocks_freed: released.blocks_freed })
+    }
+
+    /// An operator ends a job (no token: the caller passed the control plane's authentication).
+    pub fn admin_end_job(&mut self, req: AdminEndJobRequest, now: Instant) -> Result<EndJobResponse, Status> {
+        self.end_job(EndJobRequest { job_id: req.job_id, token: String::new() }, now)
+    }
+
+    /// Cordons, uncordons or drains a storage server.
+    pub fn set_server_mode(
+        &mut self,
+        req: SetServerModeRequest,
+        now: Instant,
+    ) -> Result<SetServerModeResponse, Status> {
+        let Ok(mode) = ServerMode::try_from(req.mode) else {
+            let context = format!("set the mode of storage server {}", req.server);
+            return Err(invalid(format!("unknown server mode {}", req.mode)).status(context));
+        };
+        let verb = match mode {
+            ServerMode::Active => "uncordon",
+            ServerMode::Cordoned => "cordon",
+            ServerMode::Draining => "drain",
+        };
+        let context = format!("{verb} storage server {}", req.server);
+        let server_id = self.servers.find(&req.server).context(&context)?;
+        if !self.servers.is_alive(server_id) {
+            return Err(Refusal::new(ErrorKind::NotFound, "the server is dead").status(context));
+        }
+        let timeout = match req.drain_timeout_ms {
+            0 => self.drain_timeout,
+            ms => Duration::from_millis(ms),
+        };
+        let drain_deadline_unix_ms =
+            if mode == ServerMode::Draining { unix_ms().saturating_add(timeout.as_millis() as u64) } else { 0 };
+        let change =
+            Change::ServerMode(LogServerMode { server_id: server_id.get(), mode: mode as i32, drain_deadline_unix_ms });
+        self.commit(change, now).context(&context)?;
+        info!("storage server {server_id} ({}): {verb}", self.servers.address(server_id));
+        self.check_drains(now);
+        let server = self.servers.status_of(server_id, now);
+        Ok(SetServerModeResponse { server })
     }
 
     pub fn status(&mut self, _req: StatusRequest, now: Instant) -> Result<StatusResponse, Status> {
@@ -516,6 +578,8 @@ impl State {
 
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
     pub fn reap(&mut self, now: Instant) {
+        self.reap_writers(now);
+        self.check_drains(now);
         for job in self.jobs.lapsed(now) {
             if let Err(refusal) = self.end(&job, "lease lapsed", now) {
                 error!("ending job {job}, whose lease lapsed: {} ({:?})", refusal.reason, refusal.kind);
@@ -524,6 +588,95 @@ impl State {
         for (server_id, dead) in self.servers.expire(now, self.server_timeout) {
             warn!("{dead}; its blocks are lost");
             self.lose_server(server_id, now);
+        }
+    }
+
+    /// Deletes unsealed files whose writer's lease lapsed: the writer died (a killed process
+    /// cannot delete what it left), and the blocks it held go back.
+    fn reap_writers(&mut self, now: Instant) {
+        let lease = self.writer_lease;
+        let lapsed: Vec<u64> = self
+            .writers
+            .iter()
+            .filter(|(_, &renewed)| now.saturating_duration_since(renewed) > lease)
+            .map(|(&file_id, _)| file_id)
+            .collect();
+        for file_id in lapsed {
+            self.writers.remove(&file_id);
+            // Gone or sealed already (deleted, or its job ended): nothing to reap.
+            let Ok(path) = self.namespace.file_path(file_id) else { continue };
+            if self.namespace.file_mut(file_id).map_or(true, |file| file.sealed) {
+                continue;
+            }
+            let change = Change::Delete(DeleteRequest { path: path.clone(), recursive: false });
+            match self.commit(change, now) {
+                Ok(applied) => warn!(
+                    "deleted unsealed {path}: its writer neither wrote nor renewed for {lease:?} (it died); {} blocks \
+                     freed",
+                    applied.blocks_freed
+                ),
+                Err(refusal) => error!("reaping unsealed {path}: {} ({:?})", refusal.reason, refusal.kind),
+            }
+        }
+    }
+
+    /// Checks every drain: a draining server is told to exit (in its heartbeat replies) once it
+    /// holds nothing a live job or file still needs, or when its deadline passes. Needed: blocks
+    /// of files that no other readable copy on a server taking placements backs, and segments of
+    /// registered shuffles. Nothing is moved: single-copy data keeps the server until its owner
+    /// frees it (jobs end; files are deleted) or the deadline. While a drain is under way this
+    /// is one pass over every block each reap period; with none, nothing.
+    fn check_drains(&mut self, now: Instant) {
+        let drains = self.servers.drains();
+        if drains.is_empty() {
+            return;
+        }
+        let draining: Vec<ServerId> = drains.iter().map(|d| d.server_id).collect();
+        let mut sole: HashMap<ServerId, (u64, u64)> = HashMap::new();
+        for file in self.namespace.file_metas() {
+            for copies in file.copies() {
+                for block in copies.iter().filter(|b| draining.contains(&b.server_id)) {
+                    let backed = copies
+                        .iter()
+                        .any(|other| !draining.contains(&other.server_id) && self.servers.block_readable(other));
+                    if !backed {
+                        let entry = sole.entry(block.server_id).or_default();
+                        entry.0 += 1;
+                        if !file.sealed {
+                            entry.1 += 1;
+                        }
+                    }
+                }
+            }
+        }
+        for drain in drains {
+            let (blocks, unsealed) = sole.get(&drain.server_id).copied().unwrap_or_default();
+            let segments = self.servers.segments_on(drain.server_id);
+            let mut waiting = Vec::new();
+            if blocks > 0 {
+                waiting.push(format!("{blocks} blocks no other copy backs ({unsealed} of files still being written)"));
+            }
+            if segments > 0 {
+                waiting.push(format!("{segments} segments of registered shuffles"));
+            }
+            let waiting_for = waiting.join(", ");
+            let expired = now >= drain.deadline;
+            self.servers.set_sole_copy_blocks(drain.server_id, blocks);
+            if self.servers.settle_drain(drain.server_id, waiting_for.clone(), waiting_for.is_empty() || expired) {
+                let address = self.servers.address(drain.server_id);
+                if waiting_for.is_empty() {
+                    info!(
+                        "storage server {} ({address}) drained: nothing it holds is needed; telling it to exit",
+                        drain.server_id
+                    );
+                } else {
+                    warn!(
+                        "storage server {} ({address}): drain deadline passed with {waiting_for} still there; telling it \
+                         to exit (that data is lost)",
+                        drain.server_id
+                    );
+                }
+            }
         }
     }
 

@@ -52,6 +52,11 @@ pub struct Config {
     /// Address of the QUIC (UDP) block service, used when `tls_dir` is set. Unset: the block
     /// service's host and port number (the bound one when `listen` has port 0).
     pub quic_listen: Option<SocketAddr>,
+    /// On SIGTERM (or SIGINT) the server drains itself: it asks the metadata server to place
+    /// nothing more here and waits until nothing it holds is still needed, at most this long,
+    /// then exits 0. 0: exit at once. A second signal cuts the wait short. Below Kubernetes'
+    /// default 30 s termination grace, so the pod exits before it is killed.
+    pub drain_grace_ms: u64,
 }
 
 impl Default for Config {
@@ -69,6 +74,7 @@ impl Default for Config {
             nvme_size: None,
             io_engine: IoEngineChoice::Auto,
             quic_listen: None,
+            drain_grace_ms: 25_000,
         }
     }
 }

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tern_common::Backoff;
+use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
@@ -51,14 +52,17 @@ const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
 pub(crate) fn connect(
     metadata: &str,
     tls: Option<&tern_transport::tls::TlsMaterial>,
-) -> anyhow::Result<RegistryClient<Channel>> {
+) -> anyhow::Result<(RegistryClient<Channel>, AdminClient<Channel>)> {
     let endpoint = tern_transport::tls::grpc_endpoint(metadata, tls)
         .with_context(|| format!("metadata server address {metadata:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(RPC_TIMEOUT);
-    Ok(RegistryClient::new(endpoint.connect_lazy())
+    let channel = endpoint.connect_lazy();
+    let registry = RegistryClient::new(channel.clone())
         .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
-        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES))
+        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
+    // The drain a SIGTERM starts is asked for as an operator's would be.
+    Ok((registry, AdminClient::new(channel)))
 }
 
 /// This process's instance id: random, fixed for its life.
@@ -189,6 +193,8 @@ enum Outcome {
     Freed { blocks: usize, segments: usize },
     /// The metadata server does not know this server right now: register again.
     Reregister,
+    /// The server was drained: it exits.
+    Drained,
 }
 
 /// The free-acknowledgement state of one registration.
@@ -210,6 +216,9 @@ impl Session {
 
     /// Carries out a heartbeat reply: frees first, and only then records them as done.
     fn apply(&mut self, reply: &HeartbeatResponse, store: &BlockStore) -> Outcome {
+        if reply.drained {
+            return Outcome::Drained;
+        }
         if reply.reregister {
             return Outcome::Reregister;
         }
@@ -268,6 +277,8 @@ pub(crate) struct Heartbeater {
     session: Session,
     interval: Duration,
     unreachable: Throttle,
+    /// Set once a heartbeat reply says the server was drained.
+    drained: tokio::sync::watch::Sender<bool>,
 }
 
 /// Installs the token key the registration reply carries.
@@ -298,7 +309,13 @@ impl Heartbeater {
             session: Session::new(registered.server_id),
             interval: heartbeat_interval(registered.heartbeat_interval_ms),
             unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
+            drained: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// Becomes true once the metadata server says this server was drained.
+    pub(crate) fn drained(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.drained.subscribe()
     }
 
     /// Registers `quic_address` too when registering again.
@@ -352,6 +369,11 @@ impl Heartbeater {
                 "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
                 reply.free_seq
             ),
+            Outcome::Drained => {
+                if !self.drained.send_replace(true) {
+                    tracing::info!("the metadata server says storage server {} is drained", self.session.server_id);
+                }
+            }
             Outcome::Reregister => {
                 tracing::warn!(
                     "metadata server at {} does not know storage server {} (it restarted, or declared this server \
@@ -437,7 +459,7 @@ mod tests {
     }
 
     fn reply(ids: &[u64], free_seq: u64) -> HeartbeatResponse {
-        HeartbeatResponse { free_block_ids: ids.to_vec(), free_seq, reregister: false, free_shuffle_ids: vec![] }
+        HeartbeatResponse { free_block_ids: ids.to_vec(), free_seq, free_shuffle_ids: vec![], ..Default::default() }
     }
 
     fn freed(blocks: usize, segments: usize) -> Outcome {
@@ -547,7 +569,7 @@ mod tests {
         // 10 s deadline passes instantly.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let metadata = format!("127.0.0.1:{port}");
-        let mut client = connect(&metadata, None).unwrap();
+        let (mut client, _) = connect(&metadata, None).unwrap();
         tokio::time::pause();
         let err =
             register_at_start(&mut client, &metadata, "127.0.0.1:1", "", 1 << 20, None).await.unwrap_err().to_string();

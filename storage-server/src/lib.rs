@@ -43,6 +43,10 @@ use std::sync::Arc;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use tern_proto::v1::admin_client::AdminClient;
+use tern_proto::v1::{ServerMode, SetServerModeRequest};
 
 pub use block_table::{StoreError, Usage};
 pub use config::Config;
@@ -59,6 +63,9 @@ pub struct StorageServer {
     admin_addr: SocketAddr,
     store: Arc<BlockStore>,
     tasks: Vec<JoinHandle<()>>,
+    /// Asks the metadata server for this server's drain.
+    admin: AdminClient<Channel>,
+    drained: tokio::sync::watch::Receiver<bool>,
 }
 
 impl StorageServer {
@@ -80,6 +87,43 @@ impl StorageServer {
     /// The id the metadata server currently knows this server by (it changes on re-registration).
     pub fn server_id(&self) -> tern_proto::ServerId {
         self.store.server_id()
+    }
+
+    /// Waits until the metadata server says this server is drained (see [`StorageServer::drain`]
+    /// and `tern admin drain`).
+    pub async fn drained(&self) {
+        let mut drained = self.drained.clone();
+        let _ = drained.wait_for(|&drained| drained).await;
+    }
+
+    /// Drains this server: asks the metadata server to place nothing more here, then waits until
+    /// nothing it holds is needed by a live job or file, at most `grace`. Returns whether the
+    /// drain finished (false: the grace ran out, or the metadata server could not be asked).
+    pub async fn drain(&self, grace: std::time::Duration) -> bool {
+        let request = SetServerModeRequest {
+            server: self.server_id().get().to_string(),
+            mode: ServerMode::Draining as i32,
+            drain_timeout_ms: (grace.as_millis() as u64).max(1),
+        };
+        let deadline = tokio::time::Instant::now() + grace;
+        let asked = tokio::time::timeout_at(deadline, self.admin.clone().set_server_mode(request)).await;
+        match asked {
+            Ok(Ok(reply)) => {
+                let waiting = reply.into_inner().server.map(|s| s.drain_waiting_for).unwrap_or_default();
+                if !waiting.is_empty() {
+                    tracing::info!("draining: waiting up to {grace:?} for {waiting}");
+                }
+            }
+            Ok(Err(status)) => {
+                tracing::warn!("the metadata server refused the drain: {}; exiting without it", status.message());
+                return false;
+            }
+            Err(_) => {
+                tracing::warn!("the metadata server did not answer the drain within {grace:?}; exiting without it");
+                return false;
+            }
+        }
+        tokio::time::timeout_at(deadline, self.drained()).await.is_ok()
     }
 
     /// Stops heartbeating, closes the block service and every connection, and waits for it.
@@ -159,7 +203,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let metrics = Metrics::register(&mut registry);
     let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
 
-    let mut client = heartbeat::connect(&config.metadata, tls.as_ref())?;
+    let (mut client, admin) = heartbeat::connect(&config.metadata, tls.as_ref())?;
     let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));
     let registered =
         heartbeat::register_at_start(&mut client, &config.metadata, &address, &quic_address, dram, nvme_tier).await?;
@@ -186,13 +230,14 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let mut heartbeater =
         heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered)
             .with_quic_address(quic_address);
+    let drained = heartbeater.drained();
     // The registration could not say how many blocks fit; report them before anyone allocates.
     if let Err(e) = heartbeater.beat().await {
         service.abort();
         return Err(e);
     }
     let heartbeat = tokio::spawn(heartbeater.run());
-    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat] })
+    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat], admin, drained })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
@@ -218,7 +263,24 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         config.dram
     );
     tern_common::config::log_effective("storage-server", &config);
-    shutdown.await;
+    tokio::select! {
+        () = shutdown => {
+            let grace = std::time::Duration::from_millis(config.drain_grace_ms);
+            if !grace.is_zero() {
+                tracing::info!("storage server {} draining (at most {grace:?}; signal again to stop at once)", server.server_id());
+                let again = tern_common::shutdown_signal();
+                tokio::select! {
+                    drained = server.drain(grace) => if drained {
+                        tracing::info!("storage server {} drained", server.server_id());
+                    } else {
+                        tracing::warn!("storage server {} exits with its drain unfinished", server.server_id());
+                    },
+                    () = again => tracing::warn!("second signal: exiting without finishing the drain"),
+                }
+            }
+        }
+        () = server.drained() => tracing::info!("storage server {} drained by the metadata server", server.server_id()),
+    }
     tracing::info!("storage server {} shutting down", server.server_id());
     server.shutdown().await;
     Ok(())

@@ -98,7 +98,11 @@ async fn namespace_commands() {
     let long = cluster.tern_ok(&["fs", "ls", "-l", "/a/b"]);
     assert!(long.lines().any(|l| l.starts_with("file") && l.ends_with("two") && l.contains("1.0MiB")), "{long}");
     let entries: Vec<serde_json::Value> =
-        cluster.tern_ok(&["fs", "ls", "--json", "/a/b"]).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        serde_json::from_str::<serde_json::Value>(&cluster.tern_ok(&["fs", "ls", "--json", "/a/b"]))
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone();
     assert_eq!(entries.len(), 3);
     assert_eq!(entries[2]["length"], BLOCK as u64 + 5);
 

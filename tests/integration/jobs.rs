@@ -77,7 +77,7 @@ async fn job_commands_submit_show_list_and_cancel() {
     let stages = status["stages"].as_array().unwrap();
     assert_eq!((stages[0]["name"].as_str(), stages[0]["queued"].as_u64()), (Some("map"), Some(3)));
     assert_eq!((stages[1]["state"].as_str(), stages[1]["waiting"].as_u64()), (Some("waiting"), Some(2)));
-    assert!(stages[0]["output_shuffle_id"].as_u64().unwrap() > 0);
+    assert!(stages[0]["output_shuffle_id"].as_str().unwrap().parse::<u64>().unwrap() > 0, "ids are strings");
     let text = cluster.tern_ok(&["job", "--scheduler", &addr, "status", &job_id]);
     assert!(text.contains("reduce") && text.contains("waiting"), "{text}");
 

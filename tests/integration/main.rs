@@ -4,7 +4,9 @@
 
 mod common;
 
+mod admin;
 mod bench_io;
+mod cli;
 mod durability;
 mod failures;
 mod files;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use tern_common::unix_ms;
 use tern_proto::v1::log_record::Change;
-use tern_proto::v1::LogRecord;
+use tern_proto::v1::{LogRecord, ServerMode};
 use tern_proto::{BlockId, ServerId, ShuffleId};
 
 use super::State;
@@ -57,6 +57,9 @@ impl State {
                 let file = self.namespace.file_mut(log.file_id)?;
                 file.sealed = req.sealed;
                 file.replicas = req.replicas.max(1);
+                if !req.sealed {
+                    self.writers.insert(log.file_id, now);
+                }
                 if let Some(job) = Place::of(&req.path).job() {
                     self.jobs.add_usage(job, 1, 0);
                 }
@@ -76,6 +79,8 @@ impl State {
                     .collect();
                 let path = self.namespace.file_path(log.file_id)?;
                 self.namespace.file_mut(log.file_id)?.blocks.extend(blocks.iter().copied());
+                // Allocating is the writer at work: its lease starts again.
+                self.writers.insert(log.file_id, now);
                 self.servers.count_placed(&blocks);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.count_blocks(job, blocks.iter().map(|b| b.block_id), 1);
@@ -100,6 +105,7 @@ impl State {
                 let unused = file.blocks.split_off(needed as usize * file.replicas.max(1) as usize);
                 file.sealed = true;
                 file.length = req.length;
+                self.writers.remove(&req.file_id);
                 self.servers.free(&unused);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
@@ -159,6 +165,14 @@ impl State {
                 self.servers.record(server_id, &log.address, &log.quic_address, log.instance_id, now)
             }
             Change::LostSegments(log) => self.shuffles.mark_lost(log),
+            Change::ServerMode(log) => {
+                let mode =
+                    ServerMode::try_from(log.mode).map_err(|_| invalid(format!("unknown server mode {}", log.mode)))?;
+                // The deadline is wall-clock in the log; a replay after it counts it as passed.
+                let left = log.drain_deadline_unix_ms.saturating_sub(tern_common::unix_ms());
+                let deadline = now.checked_add(std::time::Duration::from_millis(left)).unwrap_or(now);
+                self.servers.set_mode(ServerId(log.server_id), mode, Some(deadline));
+            }
             Change::Counters(log) => {
                 self.namespace.raise_next_file_id(log.next_file_id);
                 self.servers.raise_counters(log.next_server_id, log.next_block_id);

@@ -50,6 +50,7 @@ impl State {
             next_shuffle_id: self.shuffles.next_shuffle_id(),
         }));
         changes.extend(self.servers.identities().into_iter().map(Change::Server));
+        changes.extend(self.servers.modes().into_iter().map(Change::ServerMode));
         let mut records: Vec<LogRecord> =
             changes.drain(..).map(|change| LogRecord { unix_ms: 0, change: Some(change) }).collect();
         // Directories first (with their creation times), then the jobs (whose directories exist

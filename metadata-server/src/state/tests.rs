@@ -651,3 +651,94 @@ fn tokens_and_grants_name_the_job_and_its_registration() {
     let (kind, _) = refused(state.refresh_token(RefreshTokenRequest { token: a.token.clone() }, now));
     assert_eq!(kind, ErrorKind::PermissionDenied);
 }
+
+fn set_mode(state: &mut State, server: &str, mode: ServerMode, timeout_ms: u64, now: Instant) -> ServerStatus {
+    let request = SetServerModeRequest { server: server.into(), mode: mode as i32, drain_timeout_ms: timeout_ms };
+    state.set_server_mode(request, now).unwrap().server.unwrap()
+}
+
+fn heartbeat_says_drained(state: &mut State, server_id: u64, now: Instant) -> bool {
+    state.heartbeat(HeartbeatRequest { server_id, ..Default::default() }, now).unwrap().drained
+}
+
+#[test]
+fn cordoned_and_draining_servers_take_no_placements_and_the_modes_replay() {
+    let (mut state, now) = state();
+    let a = add_server(&mut state, "10.0.0.1:7000", 64, now);
+    let b = add_server(&mut state, "10.0.0.2:7000", 64, now);
+    let cordoned = set_mode(&mut state, "10.0.0.1:7000", ServerMode::Cordoned, 0, now);
+    assert_eq!((cordoned.server_id, cordoned.state.as_str()), (a, "cordoned"));
+    let file = create(&mut state, "/f", now);
+    assert!(allocate(&mut state, file, 8, now).iter().all(|block| block.server_id == b));
+    // The mode is logged: a replay of the journal, and a snapshot, bring it back.
+    let mut replayed = State::new(&config());
+    replayed.restore(&state.take_journal(), now).unwrap();
+    let mut from_snapshot = State::new(&config());
+    from_snapshot.restore(&replayed.snapshot(), now).unwrap();
+    for restored in [&mut replayed, &mut from_snapshot] {
+        let servers = restored.status(StatusRequest {}, now).unwrap().servers;
+        assert_eq!(servers.iter().find(|s| s.server_id == a).unwrap().state, "cordoned");
+    }
+    set_mode(&mut state, &a.to_string(), ServerMode::Active, 0, now);
+    let mut placed = allocate(&mut state, file, 8, now).iter().map(|block| block.server_id).collect::<Vec<_>>();
+    placed.dedup();
+    assert!(placed.contains(&a), "uncordoned, it takes blocks again: {placed:?}");
+    let (kind, message) = refused(state.set_server_mode(
+        SetServerModeRequest { server: "10.9.9.9:1".into(), mode: ServerMode::Cordoned as i32, drain_timeout_ms: 0 },
+        now,
+    ));
+    assert_eq!(kind, ErrorKind::NotFound, "{message}");
+}
+
+#[test]
+fn a_drain_waits_for_needed_data_then_says_exit() {
+    let (mut state, now) = state();
+    let a = add_server(&mut state, "10.0.0.1:7000", 64, now);
+    add_server(&mut state, "10.0.0.2:7000", 64, now);
+    set_mode(&mut state, "10.0.0.2:7000", ServerMode::Cordoned, 0, now);
+    let job = state.register_job(RegisterJobRequest { name: "j".into(), ..Default::default() }, now).unwrap();
+    write(&mut state, &format!("{}/out", job.root), 3 * BLOCK, now);
+    set_mode(&mut state, "10.0.0.2:7000", ServerMode::Active, 0, now);
+    let draining = set_mode(&mut state, "10.0.0.1:7000", ServerMode::Draining, 60_000, now);
+    assert_eq!((draining.state.as_str(), draining.drained), ("draining", false));
+    assert!(draining.drain_waiting_for.contains("3 blocks"), "{}", draining.drain_waiting_for);
+    assert!(!heartbeat_says_drained(&mut state, a, now));
+    state.end_job(EndJobRequest { job_id: "j".into(), token: String::new() }, now).unwrap();
+    state.reap(now);
+    assert!(heartbeat_says_drained(&mut state, a, now), "nothing needed is left: the server exits");
+
+    // A file only there keeps a drain waiting until its deadline.
+    let (mut state, now) = self::state();
+    let a = add_server(&mut state, "10.0.0.1:7000", 64, now);
+    write(&mut state, "/only-here", BLOCK, now);
+    let draining = set_mode(&mut state, "10.0.0.1:7000", ServerMode::Draining, 1000, now);
+    assert_eq!(draining.sole_copy_blocks, 1);
+    state.reap(now + Duration::from_millis(500));
+    assert!(!heartbeat_says_drained(&mut state, a, now + Duration::from_millis(500)));
+    state.reap(now + Duration::from_millis(1500));
+    assert!(heartbeat_says_drained(&mut state, a, now + Duration::from_millis(1500)), "the deadline passed");
+    // The same address back as a new process is not drained again.
+    add_server(&mut state, "10.0.0.1:7000", 64, now + Duration::from_secs(2));
+    let servers = state.status(StatusRequest {}, now + Duration::from_secs(2)).unwrap().servers;
+    assert_eq!(servers[0].state, "alive");
+}
+
+#[test]
+fn an_unsealed_file_whose_writer_stopped_renewing_is_deleted() {
+    let (mut state, now) = state();
+    add_server(&mut state, "10.0.0.1:7000", 64, now);
+    let lease = config().writer_lease();
+    let kept = create(&mut state, "/kept", now);
+    let dead = create(&mut state, "/dead", now);
+    allocate(&mut state, dead, 2, now);
+    let sealed = write(&mut state, "/sealed", BLOCK, now);
+    let later = now + lease * 2 / 3;
+    state.renew_writer(RenewWriterRequest { file_id: kept }, later).unwrap();
+    state.reap(now + lease + Duration::from_millis(1));
+    assert!(state.stat(StatRequest { path: "/kept".into(), with_blocks: false }, now).is_ok(), "renewed");
+    let (kind, _) = refused(state.stat(StatRequest { path: "/dead".into(), with_blocks: false }, now));
+    assert_eq!(kind, ErrorKind::NotFound, "the dead writer's file is reaped");
+    assert!(state.stat(StatRequest { path: "/sealed".into(), with_blocks: false }, now).is_ok());
+    let (kind, _) = refused(state.renew_writer(RenewWriterRequest { file_id: sealed }, now));
+    assert_eq!(kind, ErrorKind::Invalid, "a sealed file has no writer");
+}

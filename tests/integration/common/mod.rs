@@ -250,6 +250,23 @@ impl Cluster {
         daemon.wait().unwrap();
     }
 
+    /// SIGTERMs storage server `i` (it drains itself, then exits).
+    pub fn terminate_storage(&mut self, i: usize) {
+        self.daemons[1 + i].terminate().unwrap();
+    }
+
+    /// How storage server `i` exited, or `None` while it runs.
+    pub fn storage_exit(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.daemons[1 + i].try_wait().unwrap()
+    }
+
+    /// The metadata server's admin (HTTP) address, from the line its log opens with.
+    pub fn metadata_admin_addr(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("metadata.log")).unwrap_or_default();
+        let found = log.lines().find_map(|line| line.split("admin ").nth(1)?.split(')').next().map(str::to_string));
+        found.unwrap_or_else(|| panic!("the metadata log names no admin address:\n{log}"))
+    }
+
     /// Polls `check` until it yields a value, or fails the test after `timeout`.
     pub async fn wait_for<T, F, Fut>(&self, what: &str, timeout: Duration, mut check: F) -> T
     where
