@@ -11,6 +11,9 @@ use crate::{admin, bench, cert, daemons, executor, fs, job, status, terasort, up
 #[derive(Parser)]
 #[command(name = "tern", version, about = "Tern: a serverless shuffle and intermediate-data store")]
 pub struct Cli {
+    /// Log lines as text (coloured only on a terminal) or json (one object per line).
+    #[arg(long, env = "TERN_LOG_FORMAT", default_value = "text", global = true, value_name = "FORMAT")]
+    pub log_format: tern_common::LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }

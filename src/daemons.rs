@@ -1,7 +1,8 @@
 //! `tern metadata-server`, `tern storage-server` and `tern scheduler`: each daemon's config is its
-//! defaults, then a TOML file (`--config`), then settings: the few flags that stand for one key
-//! each (addresses, and what a user needs to start one without a file), then `--set KEY=VALUE`.
-//! Every other key is set in the file or with `--set`, so no key is copied into a flag.
+//! defaults, then a TOML file (`--config`), then the environment (`TERN_<KEY>`), then settings:
+//! the few flags that stand for one key each (addresses, and what a user needs to start one
+//! without a file), then `--set KEY=VALUE`. Every other key is set in the file, the environment
+//! or with `--set`, so no key is copied into a flag. `--print-config` shows the outcome.
 
 use std::path::PathBuf;
 
@@ -33,15 +34,20 @@ pub struct DaemonArgs {
     /// The network is private: allow plain listeners beyond loopback (key `trusted_network`).
     #[arg(long)]
     trusted_network: bool,
+    /// Print the effective configuration (defaults, file, environment and flags applied) as
+    /// TOML, and exit without starting.
+    #[arg(long)]
+    print_config: bool,
 }
 
 impl DaemonArgs {
-    /// The daemon's config: defaults, the file, `own` (the daemon's flags: flag, key, value),
-    /// the shared flags, then `--set`.
+    /// The daemon's config: defaults, the file, the environment, `own` (the daemon's flags:
+    /// flag, key, value), the shared flags, then `--set`. `None` when it was only to be printed
+    /// (`--print-config`), which is done.
     fn load<T: Serialize + DeserializeOwned + Default>(
         &self,
         own: &[(&str, &str, &Option<String>)],
-    ) -> anyhow::Result<T> {
+    ) -> anyhow::Result<Option<T>> {
         let shared = [
             ("--listen", "listen", &self.listen),
             ("--admin", "admin_listen", &self.admin),
@@ -56,7 +62,15 @@ impl DaemonArgs {
             settings.push(Setting::flag("--trusted-network", "trusted_network", true));
         }
         settings.extend(self.set.iter().cloned());
-        tern_common::config::load(self.config.as_deref(), &settings)
+        // Variables that are not UTF-8 name no key.
+        let env =
+            std::env::vars_os().filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)));
+        let config: T = tern_common::config::load(self.config.as_deref(), env, &settings)?;
+        if self.print_config {
+            outln!("{}", tern_common::config::to_toml(&config)?);
+            return Ok(None);
+        }
+        Ok(Some(config))
     }
 }
 
@@ -73,9 +87,12 @@ pub struct MetadataArgs {
 }
 
 pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
-    let config: tern_metadata::Config =
+    let config: Option<tern_metadata::Config> =
         args.daemon.load(&[("--dir", "dir", &args.dir), ("--block-size", "block_size", &args.block_size)])?;
-    tern_metadata::run(config).await
+    match config {
+        Some(config) => tern_metadata::run(config).await,
+        None => Ok(()),
+    }
 }
 
 #[derive(Args)]
@@ -107,7 +124,7 @@ pub struct StorageArgs {
 }
 
 pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
-    let config: tern_storage::Config = args.daemon.load(&[
+    let config: Option<tern_storage::Config> = args.daemon.load(&[
         ("--metadata", "metadata", &args.metadata),
         ("--advertise", "advertise", &args.advertise),
         ("--quic-listen", "quic_listen", &args.quic_listen),
@@ -116,7 +133,10 @@ pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
         ("--nvme-size", "nvme_size", &args.nvme_size),
         ("--io-engine", "io_engine", &args.io_engine),
     ])?;
-    tern_storage::run(config).await
+    match config {
+        Some(config) => tern_storage::run(config).await,
+        None => Ok(()),
+    }
 }
 
 #[derive(Args)]
@@ -129,8 +149,11 @@ pub struct SchedulerArgs {
 }
 
 pub async fn run_scheduler(args: SchedulerArgs) -> anyhow::Result<()> {
-    let config: tern_scheduler::Config = args.daemon.load(&[("--metadata", "metadata", &args.metadata)])?;
-    tern_scheduler::server::run(config).await
+    let config: Option<tern_scheduler::Config> = args.daemon.load(&[("--metadata", "metadata", &args.metadata)])?;
+    match config {
+        Some(config) => tern_scheduler::server::run(config).await,
+        None => Ok(()),
+    }
 }
 
 /// README's tables of configuration keys hold each key's default as `Config::default()` has it,

@@ -22,7 +22,10 @@ use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
-    tern_common::init_logging(if cli.command.is_daemon() { "info" } else { "warn" });
+    tern_common::init_logging(if cli.command.is_daemon() { "info" } else { "warn" }, cli.log_format);
+    // The daemons and executors this process starts (`tern up`) inherit the format. Set before
+    // any other thread exists.
+    std::env::set_var("TERN_LOG_FORMAT", cli.log_format.to_string());
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {

@@ -42,6 +42,10 @@ pub struct UpArgs {
     /// io engine of the NVMe tiers: uring, psync or auto.
     #[arg(long, default_value = "auto")]
     io_engine: String,
+    /// Each daemon's log in DIR/logs rotates to NAME.log.1 (replacing the one before) past this
+    /// size, so a long-running cluster's logs stay under twice this per daemon.
+    #[arg(long, default_value = "64MiB")]
+    log_max_size: ByteSize,
     #[command(flatten)]
     pool: PoolArgs,
 }
@@ -80,7 +84,13 @@ impl PoolArgs {
     }
 
     /// The pool's config, beside a scheduler at `scheduler`.
-    fn config(&self, scheduler: &str, tls_dir: Option<&Path>, logs: &Path) -> anyhow::Result<PoolConfig> {
+    fn config(
+        &self,
+        scheduler: &str,
+        tls_dir: Option<&Path>,
+        logs: &Path,
+        log_max_bytes: u64,
+    ) -> anyhow::Result<PoolConfig> {
         let min = self.min_executors.or(self.executors).unwrap_or(0);
         let max = self.max_executors.or(self.executors).unwrap_or(min);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
@@ -106,6 +116,7 @@ impl PoolArgs {
             executor_gpus: self.executor_gpus,
             tern: std::env::current_exe().context("locating the tern binary")?,
             logs: logs.to_path_buf(),
+            log_max_bytes: Some(log_max_bytes),
         };
         config.validate()?;
         Ok(config)
@@ -142,12 +153,15 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let scheduler_addr = host.addr(ports.scheduler()).to_string();
     let scheduler_tls = args.tls.then_some(tls_dir.as_path());
     let pool_config = match args.pool.wanted() {
-        true => Some(args.pool.config(&scheduler_addr, scheduler_tls, &logs)?),
+        true => Some(args.pool.config(&scheduler_addr, scheduler_tls, &logs, args.log_max_size.bytes())?),
         false => None,
     };
     let tern = std::env::current_exe().context("locating the tern binary")?;
     let daemon = |name: &str, port: u16| {
-        DaemonSpec::new(name, &tern, logs.join(format!("{name}.log"))).on(host.clone()).serving(host.addr(port))
+        DaemonSpec::new(name, &tern, logs.join(format!("{name}.log")))
+            .on(host.clone())
+            .serving(host.addr(port))
+            .rotate_log_at(args.log_max_size.bytes())
     };
     let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
     let (admin, block_size) = (host.addr(ports.metadata_admin()).to_string(), args.block_size.to_string());

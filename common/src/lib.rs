@@ -8,9 +8,11 @@ pub mod backoff;
 pub mod config;
 pub mod duration;
 pub mod oom;
+mod process_metrics;
 pub mod rng;
 pub mod size;
 pub mod stats;
+pub mod systemd;
 
 pub use backoff::Backoff;
 pub use duration::parse_duration;
@@ -19,11 +21,47 @@ pub use rng::SplitMix64;
 pub use size::ByteSize;
 pub use stats::{median, percentile};
 
-/// Logs to stderr; `RUST_LOG` overrides `default` (e.g. "info").
-pub fn init_logging(default: &str) {
+/// How a process writes its log lines: `text` for people, `json` (one object per line) for log
+/// collectors. Chosen with `--log-format` or `TERN_LOG_FORMAT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<LogFormat, String> {
+        match text {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => Err(format!("{other:?} is no log format (expected text or json)")),
+        }
+    }
+}
+
+impl std::fmt::Display for LogFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        })
+    }
+}
+
+/// Logs to stderr in `format`; `RUST_LOG` overrides `default` (e.g. "info"). Colour only when
+/// stderr is a terminal, so log files and collectors get plain text.
+pub fn init_logging(default: &str, format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+    };
 }
 
 /// A future that resolves on SIGINT (Ctrl-C) or SIGTERM. The handlers are installed when this

@@ -53,6 +53,8 @@ pub struct PoolConfig {
     pub tern: PathBuf,
     /// Directory of the executors' logs (`executor-<slot>.log`, appended to).
     pub logs: PathBuf,
+    /// Each log rotates to `executor-<slot>.log.1` past this size (`None`: it grows).
+    pub log_max_bytes: Option<u64>,
 }
 
 impl PoolConfig {
@@ -226,6 +228,9 @@ impl Pool {
             .args(["--cpus", &format!("{}", config.executor_cpu_milli as f64 / 1000.0)])
             .args(["--memory", &config.executor_memory_bytes.to_string()])
             .args(["--name", &format!("pool-{slot}")]);
+        if let Some(bytes) = config.log_max_bytes {
+            spec = spec.rotate_log_at(bytes);
+        }
         if let Some(metadata) = &config.metadata {
             spec = spec.args(["--metadata", metadata]);
         }
@@ -277,6 +282,7 @@ mod tests {
             executor_gpus: None,
             tern: "tern".into(),
             logs: std::env::temp_dir(),
+            log_max_bytes: None,
         }
     }
 

@@ -25,9 +25,12 @@ pub struct DaemonSpec {
     host: Host,
     program: PathBuf,
     args: Vec<OsString>,
+    env: Vec<(OsString, OsString)>,
     addr: Option<SocketAddr>,
     log: PathBuf,
     append: bool,
+    /// Rotate the log at this size (`None`: let it grow).
+    log_limit: Option<u64>,
 }
 
 impl DaemonSpec {
@@ -38,9 +41,11 @@ impl DaemonSpec {
             host: Host::local(),
             program: program.into(),
             args: Vec::new(),
+            env: Vec::new(),
             addr: None,
             log: log.into(),
             append: false,
+            log_limit: None,
         }
     }
 
@@ -53,6 +58,12 @@ impl DaemonSpec {
     /// Adds command-line arguments.
     pub fn args(mut self, args: impl IntoIterator<Item = impl Into<OsString>>) -> DaemonSpec {
         self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Sets an environment variable for it (beside the ones it inherits).
+    pub fn env(mut self, name: impl Into<OsString>, value: impl Into<OsString>) -> DaemonSpec {
+        self.env.push((name.into(), value.into()));
         self
     }
 
@@ -71,6 +82,14 @@ impl DaemonSpec {
     /// Appends its output to the log file rather than replacing it.
     pub fn append_log(mut self) -> DaemonSpec {
         self.append = true;
+        self
+    }
+
+    /// Bounds its log: past `bytes` the file becomes `<log>.1` (replacing the one before) and a
+    /// new one starts, so the two together stay under twice `bytes`. Its output then goes
+    /// through a pipe that a thread of this process copies into the file.
+    pub fn rotate_log_at(mut self, bytes: u64) -> DaemonSpec {
+        self.log_limit = Some(bytes);
         self
     }
 
@@ -98,7 +117,18 @@ impl DaemonSpec {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let mut command = self.host.command(&self.program);
-        command.args(&self.args).stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
+        command.args(&self.args).envs(self.env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null());
+        let copier = match self.log_limit {
+            None => {
+                command.stdout(out.try_clone()?).stderr(out);
+                None
+            }
+            Some(limit) => {
+                let (reader, writer) = io::pipe().context("making a pipe for the daemon's output")?;
+                command.stdout(writer.try_clone()?).stderr(writer);
+                Some((reader, RotatingLog::new(self.log.clone(), out, limit)?))
+            }
+        };
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to SIGTERM the daemon if
         // its parent dies, so no daemon outlives the process that started it.
         unsafe {
@@ -110,7 +140,83 @@ impl DaemonSpec {
         let child = command
             .spawn()
             .with_context(|| format!("starting {} ({}) on {}", self.name, self.program.display(), self.host.name()))?;
+        // The command holds the pipe's write end: dropped, the copier sees the end of the output
+        // when the daemon exits.
+        drop(command);
+        if let Some((reader, log)) = copier {
+            std::thread::Builder::new()
+                .name(format!("{}-log", self.name))
+                .spawn(move || log.copy_from(reader))
+                .context("starting the log copier")?;
+        }
         Ok(Daemon { spec: self.clone(), child })
+    }
+}
+
+/// A log file that rotates to `<path>.1` past `limit` bytes.
+struct RotatingLog {
+    path: PathBuf,
+    file: std::fs::File,
+    written: u64,
+    limit: u64,
+}
+
+impl RotatingLog {
+    fn new(path: PathBuf, file: std::fs::File, limit: u64) -> io::Result<RotatingLog> {
+        let written = file.metadata()?.len();
+        Ok(RotatingLog { path, file, written, limit: limit.max(1) })
+    }
+
+    /// Copies the daemon's output until it ends; a write that fails ends the copy (and the
+    /// daemon then meets a closed pipe, as it would a full disk).
+    fn copy_from(mut self, mut output: impl io::Read) {
+        let mut buffer = vec![0u8; 64 << 10];
+        loop {
+            let n = match output.read(&mut buffer) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return,
+            };
+            if self.write(&buffer[..n]).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Writes `bytes`, rotating before the file would pass the limit; a cut falls after a
+    /// newline where there is one, so lines stay whole.
+    fn write(&mut self, mut bytes: &[u8]) -> io::Result<()> {
+        use std::io::Write;
+        while !bytes.is_empty() {
+            let room = self.limit.saturating_sub(self.written) as usize;
+            let take = if bytes.len() <= room {
+                bytes.len()
+            } else {
+                match bytes[..room].iter().rposition(|&b| b == b'\n') {
+                    Some(newline) => newline + 1,
+                    // No line ends within the room: a fresh file takes what fits.
+                    None if self.written == 0 => room,
+                    None => 0,
+                }
+            };
+            self.file.write_all(&bytes[..take])?;
+            self.written += take as u64;
+            bytes = &bytes[take..];
+            if !bytes.is_empty() {
+                self.rotate()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn rotate(&mut self) -> io::Result<()> {
+        let mut old = self.path.clone().into_os_string();
+        old.push(".1");
+        std::fs::rename(&self.path, &old)?;
+        self.file = std::fs::File::create(&self.path)?;
+        self.written = 0;
+        Ok(())
     }
 }
 
@@ -319,5 +425,35 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.path().join("echo.log")).unwrap(), "once\nonce\n");
         spec.spawn().unwrap().wait().unwrap();
         assert_eq!(std::fs::read_to_string(dir.path().join("echo.log")).unwrap(), "once\n");
+    }
+
+    #[tokio::test]
+    async fn a_bounded_log_rotates_and_keeps_the_latest_output() {
+        let dir = tempfile::tempdir().unwrap();
+        // 2,000 lines of 10 bytes, then "done": 20 KB through a log bounded at 4 KB.
+        let spec = sh(
+            dir.path(),
+            "chatty",
+            "i=0; while [ $i -lt 2000 ]; do printf 'line %04d\\n' $i; i=$((i+1)); done; echo done >&2",
+        )
+        .rotate_log_at(4096);
+        spec.spawn().unwrap().wait().unwrap();
+        let log = dir.path().join("chatty.log");
+        // The copier thread finishes after the daemon exits.
+        let deadline = Deadline::after(Duration::from_secs(10));
+        crate::ready::poll_until(&deadline, || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            std::future::ready(text.ends_with("line 1999\ndone\n").then_some(()).ok_or(()))
+        })
+        .await
+        .unwrap();
+        let old = dir.path().join("chatty.log.1");
+        let (current, previous) = (std::fs::metadata(&log).unwrap().len(), std::fs::metadata(&old).unwrap().len());
+        assert!(current <= 4096 && previous <= 4096, "{current} and {previous} bytes");
+        // Nothing lost at the cut: the old file ends where the new one starts.
+        let last_old = std::fs::read_to_string(&old).unwrap().lines().last().unwrap().to_string();
+        let first_new = std::fs::read_to_string(&log).unwrap().lines().next().unwrap().to_string();
+        let number = |line: &str| line.trim_start_matches("line ").parse::<u32>().unwrap();
+        assert_eq!(number(&last_old) + 1, number(&first_new));
     }
 }

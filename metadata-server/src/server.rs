@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use parking_lot::Mutex;
-use tern_proto::v1::admin_server::AdminServer as AdminService;
-use tern_proto::v1::metadata_server::MetadataServer as MetadataService;
-use tern_proto::v1::registry_server::RegistryServer as RegistryService;
+use tern_common::admin::Readiness;
+use tern_proto::v1::admin_server::{self, AdminServer as AdminService};
+use tern_proto::v1::metadata_server::{self, MetadataServer as MetadataService};
+use tern_proto::v1::registry_server::{self, RegistryServer as RegistryService};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::server::TcpIncoming;
@@ -33,6 +34,7 @@ pub struct MetadataServer {
     admin_addr: SocketAddr,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
+    readiness: Readiness,
     _lock: DirLock,
 }
 
@@ -66,7 +68,9 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         .await
         .with_context(|| format!("binding metadata server to {}", config.serve.listen))?;
     let addr = listener.local_addr()?;
-    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
+    let readiness = Readiness::starting("starting the gRPC service");
+    let admin_addr =
+        tern_common::admin::serve(config.serve.admin_listen, "metadata-server", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
     let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
@@ -75,12 +79,19 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         interval: config.snapshot_interval(),
         log_bytes: config.snapshot_log_size.bytes(),
     };
+    let health = tern_proto::health::service(
+        readiness.subscribe(),
+        &[metadata_server::SERVICE_NAME, registry_server::SERVICE_NAME, admin_server::SERVICE_NAME],
+    );
     let tasks = vec![
-        tokio::spawn(serve(grpc, listener, service, limits, stopped.clone())),
+        tokio::spawn(serve(grpc, listener, service, health, limits, stopped.clone())),
+        tokio::spawn(watch_log(wal.clone(), readiness.clone(), stopped.clone())),
         tokio::spawn(reap(state.clone(), wal.clone(), reap_period, stopped.clone())),
         tokio::spawn(snapshot_loop(state, wal, snapshots, stopped)),
     ];
-    Ok(MetadataServer { addr, admin_addr, stop, tasks, _lock: lock })
+    // The log is open and writable and the service bound: clients may come.
+    readiness.ready();
+    Ok(MetadataServer { addr, admin_addr, stop, tasks, readiness, _lock: lock })
 }
 
 /// Runs a metadata server until SIGINT or SIGTERM.
@@ -95,6 +106,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     info!("metadata server listening on {} ({tls}; admin {})", server.addr(), server.admin_addr());
     shutdown.await;
     info!("metadata server shutting down");
+    tern_common::systemd::notify_stopping();
     server.shutdown().await;
     Ok(())
 }
@@ -113,6 +125,7 @@ impl MetadataServer {
     /// Stops accepting RPCs, lets in-flight ones finish (for a bounded time), stops the reaper,
     /// and releases the directory lock.
     pub async fn shutdown(self) {
+        self.readiness.not_ready("shutting down");
         let _ = self.stop.send(true);
         let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for mut task in self.tasks {
@@ -140,6 +153,7 @@ async fn serve(
     mut grpc: tonic::transport::Server,
     listener: tokio::net::TcpListener,
     service: Arc<Service>,
+    health: tern_proto::health::HealthServer<impl tern_proto::health::Health>,
     limits: GrpcLimits,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -155,6 +169,7 @@ async fn serve(
         .add_service(metadata)
         .add_service(registry)
         .add_service(admin)
+        .add_service(health)
         .serve_with_incoming_shutdown(incoming, async move {
             // Stop when told to, or when the MetadataServer handle is dropped.
             let _ = stopped.wait_for(|&stop| stop).await;
@@ -162,6 +177,14 @@ async fn serve(
         .await;
     if let Err(e) = result {
         error!("metadata gRPC service stopped: {e}");
+    }
+}
+
+/// Marks the server not ready once its log fails: from then on nothing can be acknowledged.
+async fn watch_log(wal: Arc<Wal>, readiness: Readiness, mut stopped: watch::Receiver<bool>) {
+    tokio::select! {
+        why = wal.failed() => readiness.not_ready(format!("the metadata log failed: {why}")),
+        _ = stopped.wait_for(|&stop| stop) => {}
     }
 }
 

@@ -397,6 +397,16 @@ impl Wal {
         }
     }
 
+    /// Resolves once a write or fsync of the log has failed, with why; the writer stopping counts.
+    pub async fn failed(&self) -> Arc<str> {
+        let mut durable = self.shared.durable.subscribe();
+        let failed = match durable.wait_for(|d| d.failed.is_some()).await {
+            Ok(state) => state.failed.clone().unwrap_or_else(|| Arc::from("unknown")),
+            Err(_) => Arc::from("the metadata log writer stopped"),
+        };
+        failed
+    }
+
     /// Writes what is queued and stops the writer.
     pub fn close(&self) {
         {

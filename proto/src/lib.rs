@@ -3,6 +3,7 @@
 //! - [`sched`]: the task scheduler's service (jobs of stages, executors), from `proto/scheduler.proto`;
 //! - [`frame`]: the binary block-frame codec of the data plane;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
+//! - [`health`]: the standard gRPC health service, following a daemon's readiness;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
 //! - [`tier`]: storage tiers and storage classes, with their names;
 //! - [`ids`]: typed ids of servers, shuffles and blocks (a block id names its tier);
@@ -10,6 +11,7 @@
 
 pub mod error;
 pub mod frame;
+pub mod health;
 pub mod ids;
 pub mod shuffle;
 pub mod tier;

@@ -45,6 +45,7 @@ pub struct SchedulerServer {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     shared: Arc<Shared>,
+    readiness: tern_common::admin::Readiness,
 }
 
 /// Validates `config`, binds, and starts serving in the background.
@@ -61,18 +62,22 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
         .await
         .with_context(|| format!("binding scheduler to {}", config.serve.listen))?;
     let addr = listener.local_addr()?;
-    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
+    let readiness = tern_common::admin::Readiness::starting("starting the gRPC service");
+    let admin_addr =
+        tern_common::admin::serve(config.serve.admin_listen, "scheduler", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
     let shared = Arc::new(Shared::new(config, metrics));
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
     let service = SchedulerService::from_arc(Arc::new(Service { shared: shared.clone() }))
         .max_decoding_message_size(limit)
         .max_encoding_message_size(limit);
+    let health = tern_proto::health::service(readiness.subscribe(), &[pb::scheduler_server::SERVICE_NAME]);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut serve_stopped = stopped.clone();
     let server = tokio::spawn(async move {
         let result = grpc
             .add_service(service)
+            .add_service(health)
             .serve_with_incoming_shutdown(incoming, async move {
                 let _ = serve_stopped.wait_for(|&stop| stop).await;
             })
@@ -82,7 +87,9 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
         }
     });
     let ticker = tokio::spawn(tick(shared.clone(), stopped));
-    Ok(SchedulerServer { addr, admin_addr, stop, tasks: vec![server, ticker], shared })
+    // Bound and serving: executors and clients may come.
+    readiness.ready();
+    Ok(SchedulerServer { addr, admin_addr, stop, tasks: vec![server, ticker], shared, readiness })
 }
 
 /// Runs a scheduler until SIGINT or SIGTERM.
@@ -93,6 +100,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     info!("scheduler listening on {} (admin {})", server.addr(), server.admin_addr());
     shutdown.await;
     info!("scheduler shutting down");
+    tern_common::systemd::notify_stopping();
     server.shutdown().await;
     Ok(())
 }
@@ -110,6 +118,7 @@ impl SchedulerServer {
 
     /// Stops serving; unfinished jobs' Tern jobs are ended (their shuffles freed).
     pub async fn shutdown(self) {
+        self.readiness.not_ready("shutting down");
         let _ = self.stop.send(true);
         let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for mut task in self.tasks {

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use tern_common::admin::Readiness;
 use tern_common::Backoff;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::registry_client::RegistryClient;
@@ -279,6 +280,8 @@ pub(crate) struct Heartbeater {
     unreachable: Throttle,
     /// Set once a heartbeat reply says the server was drained.
     drained: tokio::sync::watch::Sender<bool>,
+    /// Ready while registered with the metadata server.
+    readiness: Readiness,
 }
 
 /// Installs the token key the registration reply carries.
@@ -297,6 +300,7 @@ impl Heartbeater {
         store: Arc<BlockStore>,
         metrics: Arc<Metrics>,
         registered: &RegisterServerResponse,
+        readiness: Readiness,
     ) -> Heartbeater {
         store.set_server_id(ServerId(registered.server_id));
         Heartbeater {
@@ -310,6 +314,7 @@ impl Heartbeater {
             interval: heartbeat_interval(registered.heartbeat_interval_ms),
             unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
             drained: tokio::sync::watch::Sender::new(false),
+            readiness,
         }
     }
 
@@ -335,6 +340,7 @@ impl Heartbeater {
                 ticker.tick().await;
                 if let Err(e) = self.beat().await {
                     tracing::error!("storage server stops heartbeating: {e:#}");
+                    self.readiness.not_ready(format!("stopped heartbeating: {e:#}"));
                     return;
                 }
             }
@@ -370,6 +376,7 @@ impl Heartbeater {
                 reply.free_seq
             ),
             Outcome::Drained => {
+                self.readiness.not_ready("drained");
                 if !self.drained.send_replace(true) {
                     tracing::info!("the metadata server says storage server {} is drained", self.session.server_id);
                 }
@@ -381,7 +388,9 @@ impl Heartbeater {
                     self.metadata,
                     self.session.server_id
                 );
+                self.readiness.not_ready("unknown to the metadata server: registering again");
                 self.reregister().await?;
+                self.readiness.ready();
             }
         }
         self.metrics.observe_store(&self.store);

@@ -45,6 +45,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
+use tern_common::admin::Readiness;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::{ServerMode, SetServerModeRequest};
 
@@ -66,6 +67,7 @@ pub struct StorageServer {
     /// Asks the metadata server for this server's drain.
     admin: AdminClient<Channel>,
     drained: tokio::sync::watch::Receiver<bool>,
+    readiness: Readiness,
 }
 
 impl StorageServer {
@@ -100,6 +102,7 @@ impl StorageServer {
     /// nothing it holds is needed by a live job or file, at most `grace`. Returns whether the
     /// drain finished (false: the grace ran out, or the metadata server could not be asked).
     pub async fn drain(&self, grace: std::time::Duration) -> bool {
+        self.readiness.not_ready("draining");
         let request = SetServerModeRequest {
             server: self.server_id().get().to_string(),
             mode: ServerMode::Draining as i32,
@@ -201,7 +204,9 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
-    let admin_addr = tern_common::admin::serve(config.serve.admin_listen, registry).await?;
+    let readiness = Readiness::starting(&format!("registering with the metadata server at {}", config.metadata));
+    let admin_addr =
+        tern_common::admin::serve(config.serve.admin_listen, "storage-server", registry, readiness.clone()).await?;
 
     let (mut client, admin) = heartbeat::connect(&config.metadata, tls.as_ref())?;
     let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));
@@ -227,9 +232,16 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         .map_err(|status| anyhow::anyhow!("reporting the inventory to {}: {}", config.metadata, status.message()))?;
     metrics.observe_store(&store);
     let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
-    let mut heartbeater =
-        heartbeat::Heartbeater::new(client, config.metadata.clone(), address, store.clone(), metrics, &registered)
-            .with_quic_address(quic_address);
+    let mut heartbeater = heartbeat::Heartbeater::new(
+        client,
+        config.metadata.clone(),
+        address,
+        store.clone(),
+        metrics,
+        &registered,
+        readiness.clone(),
+    )
+    .with_quic_address(quic_address);
     let drained = heartbeater.drained();
     // The registration could not say how many blocks fit; report them before anyone allocates.
     if let Err(e) = heartbeater.beat().await {
@@ -237,7 +249,9 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         return Err(e);
     }
     let heartbeat = tokio::spawn(heartbeater.run());
-    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat], admin, drained })
+    // Registered, its inventory and tiers reported, serving blocks: placements may come.
+    readiness.ready();
+    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat], admin, drained, readiness })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
@@ -265,6 +279,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tern_common::config::log_effective("storage-server", &config);
     tokio::select! {
         () = shutdown => {
+            // systemd hears it at once: a drain may take a while.
+            tern_common::systemd::notify_stopping();
             let grace = std::time::Duration::from_millis(config.drain_grace_ms);
             if !grace.is_zero() {
                 tracing::info!("storage server {} draining (at most {grace:?}; signal again to stop at once)", server.server_id());
@@ -279,7 +295,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
                 }
             }
         }
-        () = server.drained() => tracing::info!("storage server {} drained by the metadata server", server.server_id()),
+        () = server.drained() => {
+            tern_common::systemd::notify_stopping();
+            tracing::info!("storage server {} drained by the metadata server", server.server_id());
+        }
     }
     tracing::info!("storage server {} shutting down", server.server_id());
     server.shutdown().await;

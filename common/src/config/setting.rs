@@ -5,7 +5,8 @@ use std::str::FromStr;
 
 use anyhow::bail;
 
-/// A config key set from the command line: `--set key=value`, or a flag that stands for one key.
+/// A config key set from the command line (`--set key=value`, or a flag that stands for one
+/// key) or the environment (`TERN_KEY=value`).
 ///
 /// The key is dotted for tables (`queues.etl`, `tenants.etl.max_jobs`). A `--set` value is read
 /// by [`read_value`]; a flag's value is taken as it is.
@@ -35,6 +36,21 @@ impl Setting {
             other => format!("{flag} {other}"),
         };
         Setting { origin, key: key.split('.').map(String::from).collect(), value: Value::Exact(value) }
+    }
+
+    /// An environment variable `name` that stands for `key` (dotted), its value read as `--set`
+    /// reads one; `None` when the key has an empty part.
+    pub fn env(name: &str, key: &str, value: &str) -> Option<Setting> {
+        let key: Vec<String> = key.split('.').map(String::from).collect();
+        if key.iter().any(String::is_empty) {
+            return None;
+        }
+        Some(Setting { origin: format!("environment {name}={value}"), key, value: Value::Text(value.to_string()) })
+    }
+
+    /// The first part of the key: the top-level key it sets.
+    pub fn first_key(&self) -> &str {
+        &self.key[0]
     }
 
     /// Puts the value at the key, creating the tables on its way that are missing.
