@@ -162,6 +162,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .on(host.clone())
             .serving(host.addr(port))
             .rotate_log_at(args.log_max_size.bytes())
+            .without_tern_env()
     };
     let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
     let (admin, block_size) = (host.addr(ports.metadata_admin()).to_string(), args.block_size.to_string());

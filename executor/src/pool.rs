@@ -224,6 +224,7 @@ impl Pool {
         let config = &self.config;
         let mut spec = DaemonSpec::new(format!("executor-{slot}"), &config.tern, log_path(&config.logs, slot))
             .append_log()
+            .without_tern_env()
             .args(["executor", "--scheduler", &config.scheduler])
             .args(["--cpus", &format!("{}", config.executor_cpu_milli as f64 / 1000.0)])
             .args(["--memory", &config.executor_memory_bytes.to_string()])

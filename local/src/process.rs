@@ -26,6 +26,8 @@ pub struct DaemonSpec {
     program: PathBuf,
     args: Vec<OsString>,
     env: Vec<(OsString, OsString)>,
+    /// Leave out inherited `TERN_*` variables (but the log format).
+    without_tern_env: bool,
     addr: Option<SocketAddr>,
     log: PathBuf,
     append: bool,
@@ -42,6 +44,7 @@ impl DaemonSpec {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
+            without_tern_env: false,
             addr: None,
             log: log.into(),
             append: false,
@@ -64,6 +67,14 @@ impl DaemonSpec {
     /// Sets an environment variable for it (beside the ones it inherits).
     pub fn env(mut self, name: impl Into<OsString>, value: impl Into<OsString>) -> DaemonSpec {
         self.env.push((name.into(), value.into()));
+        self
+    }
+
+    /// Does not pass on this process's `TERN_*` variables (which set daemon config keys and
+    /// client options) but `TERN_LOG_FORMAT`: a cluster started here is configured by the flags
+    /// it is started with alone, whatever the shell exported for clients (`TERN_TLS_DIR`).
+    pub fn without_tern_env(mut self) -> DaemonSpec {
+        self.without_tern_env = true;
         self
     }
 
@@ -117,7 +128,16 @@ impl DaemonSpec {
             .open(&self.log)
             .with_context(|| format!("opening {}", self.log.display()))?;
         let mut command = self.host.command(&self.program);
-        command.args(&self.args).envs(self.env.iter().map(|(k, v)| (k, v))).stdin(Stdio::null());
+        command.args(&self.args).stdin(Stdio::null());
+        if self.without_tern_env {
+            for (name, _) in std::env::vars_os() {
+                let text = name.to_string_lossy();
+                if text.starts_with("TERN_") && text != "TERN_LOG_FORMAT" {
+                    command.env_remove(&name);
+                }
+            }
+        }
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
         let copier = match self.log_limit {
             None => {
                 command.stdout(out.try_clone()?).stderr(out);
