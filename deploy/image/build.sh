@@ -175,18 +175,22 @@ up_said_so || fail "not up within 60 s"
     echo "round trip: 3000000 bytes put and got back equal"
 ' || fail "client commands from a second container failed"
 
-# From here: the admin endpoint answers /health and serves metrics.
-python3 - "$((port + 1))" <<'EOF' || fail "the admin endpoint did not answer"
+# From here: the metadata server's and storage server 0's admin endpoints (PORT+1, PORT+11)
+# answer /health and /ready, and serve metrics.
+python3 - "$((port + 1))" "$((port + 11))" <<'EOF' || fail "an admin endpoint did not answer"
 import sys, urllib.request
-port = sys.argv[1]
-health = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read().decode()
-metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-assert "tern_metadata_requests" in metrics, "no tern_metadata_requests in /metrics"
-print(f"admin endpoint: /health {health.strip()!r}, /metrics {len(metrics)} bytes")
+for port, role, metric in [(sys.argv[1], "metadata-server", "tern_metadata_requests"),
+                           (sys.argv[2], "storage-server", "tern_storage_requests")]:
+    get = lambda path: urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode()
+    health, ready, metrics = get("/health"), get("/ready"), get("/metrics")
+    assert ready == "ready\n", f"{role} /ready: {ready!r}"
+    for name in (metric, f'tern_build_info{{version="', "process_resident_memory_bytes"):
+        assert name in metrics, f"no {name} in {role}'s /metrics"
+    print(f"{role} admin: /health {health.strip()!r}, /ready {ready.strip()!r}, /metrics {len(metrics)} bytes")
 EOF
 
 # A clean stop: SIGTERM, and tern up stops its daemons and exits 0.
 "${podman[@]}" stop --time 30 "$name" >/dev/null
 code=$("${podman[@]}" inspect --format '{{.State.ExitCode}}' "$name")
 [ "$code" = 0 ] || fail "tern up exited with status $code after SIGTERM"
-log "smoke test passed: --version, tern up, status, put/get round trip, /health, /metrics, clean stop"
+log "smoke test passed: --version, tern up, status, put/get round trip, /health, /ready, /metrics, clean stop"
