@@ -13,7 +13,8 @@ this machine's Debian release, so the binary finds the glibc it was linked again
 with podman as localhost/tern-base:<release> and reused by later runs), then runs it once:
 `tern --version`, and `tern up` in a container (host network, free loopback ports) checked from
 a second container (`tern status`, a `tern fs put`/`get` round trip compared byte for byte) and
-from here (/health and /metrics on its admin port), then stopped with SIGTERM, which must end
+from here (/health, /ready and /metrics on the metadata and storage admin ports), then stopped
+with SIGTERM, which must end
 it with status 0.
 
   --profile debug|release  which build of `tern` goes in [release]: release runs
