@@ -14,8 +14,7 @@ with podman as localhost/tern-base:<release> and reused by later runs), then run
 `tern --version`, and `tern up` in a container (host network, free loopback ports) checked from
 a second container (`tern status`, a `tern fs put`/`get` round trip compared byte for byte) and
 from here (/health, /ready and /metrics on the metadata and storage admin ports), then stopped
-with SIGTERM, which must end
-it with status 0.
+with SIGTERM, which must end it with status 0.
 
   --profile debug|release  which build of `tern` goes in [release]: release runs
                            `cargo build --release --bin tern`; debug takes target/debug/tern
