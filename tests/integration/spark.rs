@@ -71,3 +71,73 @@ fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
 }
+
+/// Unmounts a test mount when dropped.
+struct Mount(std::path::PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// The jar carries a library per platform and unpacks it where it may run: with java.io.tmpdir on
+/// a noexec mount it loads from the directory it is given (`spark.tern.nativeDir`, or Spark's
+/// local dir), and where that directory is noexec too the error names it and the setting.
+#[test]
+fn the_native_library_is_per_platform_and_never_assumes_tmp_is_executable() {
+    #[allow(unsafe_code)] // geteuid(2): std has no safe wrapper
+    // SAFETY: geteuid only reads the process's credentials.
+    let root_user = unsafe { libc::geteuid() } == 0;
+    assert!(root_user, "this test needs root: it mounts a noexec tmpfs (CI runs as root)");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let jar = build_plugin(root);
+
+    let listing = Command::new("jar").args(["tf", &jar]).output().expect("running jar tf");
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for platform in ["linux-x86_64", "linux-aarch64"] {
+        assert!(listing.contains(&format!("native/{platform}/libtern_spark.so")), "no {platform} library:\n{listing}");
+    }
+
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let noexec = dir.path().join("noexec");
+    let exec = dir.path().join("exec");
+    std::fs::create_dir_all(&noexec).unwrap();
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "noexec,size=256m", "tmpfs"]).arg(&noexec).status();
+    assert!(mounted.is_ok_and(|s| s.success()), "mounting a noexec tmpfs at {} failed", noexec.display());
+    let _mount = Mount(noexec.clone());
+    let load = |dir: Option<&Path>| {
+        let mut java = Command::new("java");
+        // Nothing on the library path: the jar's copy is the one loaded.
+        java.arg("-Djava.library.path=/nonexistent").arg(format!("-Djava.io.tmpdir={}", noexec.display()));
+        java.args(["-cp", &jar, "io.tern.spark.NativeLibrary"]).args(dir);
+        let out = java.env_remove("TERN_SPARK_NATIVE_DIR").output().expect("running java");
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+
+    let (ok, said) = load(Some(&exec));
+    assert!(ok, "{said}");
+    assert!(
+        said.contains(&format!("loaded libtern_spark from {}/tern-native/libtern_spark-", exec.display())),
+        "{said}"
+    );
+    // A second JVM finds the same file (named by its hash) and loads it without writing again.
+    let unpacked: Vec<_> = std::fs::read_dir(exec.join("tern-native")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(unpacked.len(), 1, "{unpacked:?}");
+    let (ok, again) = load(Some(&exec));
+    assert!(ok && again == said, "{again}");
+
+    // Left to java.io.tmpdir, which is noexec: a clear error, not a bare link error.
+    let (ok, said) = load(None);
+    assert!(!ok, "loaded from a noexec directory?\n{said}");
+    assert!(
+        said.contains(&noexec.join("tern-native").display().to_string())
+            && said.contains("does not allow executing files")
+            && said.contains("spark.tern.nativeDir"),
+        "{said}"
+    );
+}

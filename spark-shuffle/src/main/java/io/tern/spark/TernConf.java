@@ -22,6 +22,8 @@ final class TernConf {
     static final String PUSH_BATCH = "spark.tern.push.batchSize";
     /** Pushes a map task has in flight at once. */
     static final String PUSHES_IN_FLIGHT = "spark.tern.push.inFlight";
+    /** Where the native library is unpacked (a directory that allows executing files). */
+    static final String NATIVE_DIR = "spark.tern.nativeDir";
 
     final String metadata;
     final String storageClass;
@@ -43,6 +45,24 @@ final class TernConf {
         pushBufferBytes = conf.getSizeAsBytes(PUSH_BUFFER, "16m");
         pushBatchBytes = (int) Math.min(conf.getSizeAsBytes(PUSH_BATCH, "1m"), 1L << 30);
         pushesInFlight = conf.getInt(PUSHES_IN_FLIGHT, 16);
+    }
+
+    /**
+     * Where to unpack the native library: {@code spark.tern.nativeDir}, else Spark's first local
+     * directory (spark.local.dir, SPARK_LOCAL_DIRS, or the cluster manager's), never assuming
+     * /tmp may hold executable files; null where neither is known.
+     */
+    static String nativeDir(SparkConf conf) {
+        String dir = conf.get(NATIVE_DIR, "");
+        if (!dir.isEmpty()) {
+            return dir;
+        }
+        try {
+            String[] local = org.apache.spark.util.Utils.getConfiguredLocalDirs(conf);
+            return local.length > 0 ? local[0] : null;
+        } catch (LinkageError notThisSpark) {
+            return null;
+        }
     }
 
     String requireMetadata() {

@@ -1,47 +1,22 @@
 package io.tern.spark;
 
-import java.io.File;
-import java.io.InputStream;
 import java.nio.ByteBuffer;
-import java.nio.file.Files;
-import java.nio.file.StandardCopyOption;
 
 /**
  * The JNI bridge to libtern_spark (spark-shuffle/src/lib.rs). Every {@code long} is an opaque
  * native handle, freed by its {@code close*} call exactly once; data moves through direct
  * ByteBuffers. Every failure is thrown as a {@link TernException}.
  *
- * <p>The library is found with {@code System.loadLibrary("tern_spark")} (java.library.path) or,
- * failing that, extracted from this jar ({@code /native/libtern_spark.so}) to a temp file and
- * loaded from there, so users need no library-path setting.
+ * <p>The library is loaded by {@link NativeLibrary}: from java.library.path, or the copy for
+ * this platform bundled in the jar, so users need no library-path setting.
  */
 public final class TernNative {
     private TernNative() {}
 
     static {
-        load();
-    }
-
-    private static void load() {
-        try {
-            System.loadLibrary("tern_spark");
-            return;
-        } catch (UnsatisfiedLinkError notOnPath) {
-            // fall through to the copy bundled in the jar
-        }
-        String resource = "/native/libtern_spark.so";
-        try (InputStream in = TernNative.class.getResourceAsStream(resource)) {
-            if (in == null) {
-                throw new UnsatisfiedLinkError(
-                        "libtern_spark is neither on java.library.path nor bundled in the jar at " + resource);
-            }
-            File file = File.createTempFile("libtern_spark", ".so");
-            file.deleteOnExit();
-            Files.copy(in, file.toPath(), StandardCopyOption.REPLACE_EXISTING);
-            System.load(file.getAbsolutePath());
-        } catch (java.io.IOException e) {
-            throw new UnsatisfiedLinkError("extracting " + resource + ": " + e);
-        }
+        // The shuffle manager loads it first with its Spark conf's directory; this covers other
+        // callers.
+        NativeLibrary.load(null);
     }
 
     public static native long connect(String metadataAddr);

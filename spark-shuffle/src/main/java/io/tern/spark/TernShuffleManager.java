@@ -63,6 +63,7 @@ public class TernShuffleManager implements ShuffleManager {
     private RpcEndpointRef endpoint;
 
     public TernShuffleManager(SparkConf conf, boolean isDriver) {
+        LOG.info("libtern_spark loaded from {}", NativeLibrary.load(TernConf.nativeDir(conf)));
         this.sparkConf = conf;
         this.conf = new TernConf(conf);
         this.isDriver = isDriver;
