@@ -19,7 +19,7 @@ pub use duration::parse_duration;
 pub use oom::OutOfMemory;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
-pub use stats::{median, percentile};
+pub use stats::{median, percentile, percentile_if_supported, rotation, Spread};
 
 /// How a process writes its log lines: `text` for people, `json` (one object per line) for log
 /// collectors. Chosen with `--log-format` or `TERN_LOG_FORMAT`.
