@@ -77,11 +77,13 @@ pub struct MetadataAddr {
     #[arg(long = "metadata", env = "TERN_METADATA", default_value = "127.0.0.1:9060", global = true)]
     pub addr: String,
     /// TLS material (`tern cert init`, or DIR/tls of `tern up`): mutual TLS to the metadata
-    /// server, and needed for --transport quic.
+    /// server, and needed for --transport tls and quic.
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]
     pub tls_dir: Option<PathBuf>,
-    /// Transport of block data to storage servers: tcp or quic (needs --tls-dir).
-    #[arg(long, env = "TERN_TRANSPORT", default_value = "tcp", global = true)]
+    /// Transport of block data to storage servers: auto (plain TCP to servers on loopback, TLS
+    /// over TCP to others when --tls-dir is given, else plain TCP), tcp, tls or quic (both need
+    /// --tls-dir).
+    #[arg(long, env = "TERN_TRANSPORT", default_value = "auto", global = true)]
     pub transport: TransportKind,
 }
 

@@ -32,7 +32,7 @@ pub struct UpArgs {
     #[arg(long, default_value = "1MiB")]
     block_size: ByteSize,
     /// Serve the control plane (gRPC) over mutual TLS too; clients then need --tls-dir DIR/tls.
-    /// (Storage servers always serve QUIC with the cluster's own CA in DIR/tls.)
+    /// (Storage servers always serve TLS over TCP and QUIC with the cluster's own CA in DIR/tls.)
     #[arg(long)]
     tls: bool,
     /// Give each storage server an NVMe tier of this size: a file DIR/nvme/storage-I.nvme on the
@@ -353,11 +353,11 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     let _ = writeln!(out, "  tern fs ls -l /data");
     let _ = writeln!(out, "  tern status");
     if args.tls {
-        let _ = writeln!(out, "  tern fs --transport quic get /data/some-file ./copy   # block data over QUIC");
+        let _ = writeln!(out, "  tern fs --transport tls get /data/some-file ./copy   # block data over TLS (or quic)");
     } else {
         let _ = writeln!(
         out,
-            "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport quic ls /data   # block data over QUIC",
+            "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport tls ls /data   # block data over TLS (or quic)",
             tls_dir.display()
         );
     }

@@ -63,7 +63,8 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// Deadline for one metadata call or one block request.
     pub request_timeout: Duration,
-    /// Transport of block traffic: TCP (default) or QUIC, which needs `tls_dir`.
+    /// Transport of block traffic: `auto` (default: plain TCP to servers on loopback, TLS over
+    /// TCP to others when `tls_dir` is given), `tcp`, `tls` or `quic` (both need `tls_dir`).
     pub transport: TransportKind,
     /// TLS material (`tern cert init`): the metadata channel uses mutual TLS with it (unless the
     /// address says `http://`), and QUIC needs it.
@@ -83,7 +84,7 @@ impl Default for ClientOptions {
             max_allocate_batch: 256,
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(30),
-            transport: TransportKind::Tcp,
+            transport: TransportKind::Auto,
             tls_dir: None,
             tenant: std::env::var(auth::TENANT_ENV).unwrap_or_default(),
         }
@@ -128,6 +129,35 @@ struct Inner {
     tokens: auth::Tokens,
 }
 
+/// The block connector of `kind`; TLS and QUIC need the TLS material.
+fn connector(
+    kind: TransportKind,
+    tls: Option<&tern_transport::tls::TlsMaterial>,
+) -> Result<Arc<dyn tern_transport::Connector>> {
+    let needs_tls = || {
+        Error::invalid(format!(
+            "the {kind} transport needs TLS material: pass --tls-dir DIR (made by `tern cert init --dir DIR`)"
+        ))
+    };
+    Ok(match kind {
+        TransportKind::Auto => Arc::new(
+            tern_transport::tls_tcp::AutoConnector::new(tls).map_err(|e| Error::invalid(format!("{kind}: {e:#}")))?,
+        ),
+        TransportKind::Tcp => Arc::new(tern_transport::tcp::TcpConnector),
+        TransportKind::Tls => Arc::new(
+            tern_transport::tls_tcp::TlsTcpConnector::new(tls.ok_or_else(needs_tls)?)
+                .map_err(|e| Error::invalid(format!("{kind}: {e:#}")))?,
+        ),
+        TransportKind::Quic => Arc::new(
+            tern_transport::quic::QuicConnector::new(
+                tls.ok_or_else(needs_tls)?,
+                &tern_transport::quic::QuicTuning::default(),
+            )
+            .map_err(|e| Error::invalid(format!("{kind}: {e:#}")))?,
+        ),
+    })
+}
+
 impl Client {
     /// Connects to the metadata server at `addr`: `host:port`, `https://host:port` (TLS, needs
     /// `ClientOptions::tls_dir`) or `http://host:port` (plain). A bare `host:port` uses TLS when
@@ -151,17 +181,7 @@ impl Client {
                 .initial_stream_window_size(Some(16 << 20))
         })
         .await?;
-        let connector: Arc<dyn tern_transport::Connector> =
-            match (options.transport, &tls) {
-                (TransportKind::Tcp, _) => Arc::new(tern_transport::tcp::TcpConnector),
-                (TransportKind::Quic, Some(tls)) => Arc::new(
-                    tern_transport::quic::QuicConnector::new(tls, &tern_transport::quic::QuicTuning::default())
-                        .map_err(|e| Error::invalid(format!("QUIC: {e:#}")))?,
-                ),
-                (TransportKind::Quic, None) => return Err(Error::invalid(
-                    "the QUIC transport needs TLS material: pass --tls-dir DIR (made by `tern cert init --dir DIR`)",
-                )),
-            };
+        let connector = connector(options.transport, tls.as_ref())?;
         let tokens = auth::Tokens::default();
         tokens.add_from_env()?;
         let admin = AdminClient::new(channel.clone());
@@ -201,7 +221,7 @@ impl Client {
     /// A pooled block connection to a storage server over the client's transport.
     pub(crate) async fn block_connection(&self, holder: &location::Holder) -> Result<Arc<conn::BlockConnection>> {
         let addr = match self.inner.options.transport {
-            TransportKind::Tcp => &holder.address,
+            TransportKind::Auto | TransportKind::Tcp | TransportKind::Tls => &holder.address,
             TransportKind::Quic if holder.quic_address.is_empty() => {
                 return Err(Error::invalid(format!(
                     "storage server {} ({}) has no QUIC endpoint: start it with --tls-dir",

@@ -15,11 +15,11 @@ pub use crate::nvme::engine::IoEngineChoice;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// `listen`: the block service over plain TCP; `tls_dir`: also serve the block protocol over
-    /// QUIC (mutual TLS), and talk TLS to a metadata server given as `https://` or as a bare
-    /// host:port; `trusted_network`: allow the plain-TCP block service on a non-loopback address,
-    /// TLS material or not (TCP frames are never encrypted; beyond loopback, remote clients
-    /// otherwise use QUIC).
+    /// `listen`: the block service over TCP; `tls_dir`: serve TLS 1.3 (mutual) on that same port
+    /// beside plain frames, and QUIC (see `quic_listen`), and talk TLS to a metadata server given
+    /// as `https://` or as a bare host:port. With `tls_dir`, `listen` may be any address: plain
+    /// frames are taken from loopback peers only, unless `trusted_network`. Without it, a
+    /// non-loopback `listen` needs `trusted_network`.
     #[serde(flatten)]
     pub serve: Serve,
     /// host:port of the metadata server's gRPC endpoint.
@@ -112,17 +112,9 @@ impl Config {
         if self.quic_listen.is_some() && serve.tls_dir.is_none() {
             bail!("quic_listen is set but tls_dir is not: QUIC needs TLS material (`tern cert init --dir DIR`, then `--tls-dir DIR`)");
         }
-        // The TCP block service is never encrypted, TLS material or not: beyond loopback only on
-        // a network the operator declares trusted. Remote clients otherwise come over QUIC.
-        if serve.tls_dir.is_some() && !serve.listen.ip().is_loopback() && !serve.trusted_network {
-            bail!(
-                "refusing to serve the block service over plain TCP on {}: TCP frames are not encrypted, so \
-                 beyond loopback they need `--trusted-network`. Otherwise keep `listen` on loopback and let \
-                 remote clients use QUIC (`--quic-listen 0.0.0.0:PORT`, with `--tls-dir`)",
-                serve.listen
-            );
-        }
-        serve.check("the block service over plain TCP", false)
+        // With TLS material the port speaks TLS to anyone and plain frames to loopback peers only
+        // (unless the network is trusted), so any address is safe.
+        serve.check("the block service over plain TCP", true)
     }
 
     /// Where QUIC listens once TCP is bound to `tcp`: `quic_listen`, else TCP's address and port.
@@ -206,22 +198,16 @@ mod tests {
     }
 
     #[test]
-    fn plain_tcp_beyond_loopback_needs_a_trusted_network() {
+    fn plain_tcp_beyond_loopback_needs_a_trusted_network_or_tls() {
         let wide_serve = Serve { listen: "0.0.0.0:9070".parse().unwrap(), ..Config::default().serve };
         let wide = Config { serve: wide_serve.clone(), ..Config::default() };
         let err = wide.validate().unwrap_err().to_string();
         assert!(err.contains("tern cert init --dir DIR") && err.contains("--trusted-network"), "{err}");
         let trusted = Serve { trusted_network: true, ..wide_serve.clone() };
         assert!(Config { serve: trusted, ..Config::default() }.validate().is_ok());
+        // With TLS material, remote peers get TLS on the same port (plain from loopback only).
         let tls_serve = Serve { tls_dir: Some("/etc/tern/tls".into()), ..wide_serve };
-        let tls = Config { serve: tls_serve.clone(), ..Config::default() };
-        let err = tls.validate().unwrap_err().to_string();
-        assert!(err.contains("--trusted-network") && err.contains("--quic-listen"), "{err}");
-        let trusted = Serve { trusted_network: true, ..tls_serve };
-        assert!(Config { serve: trusted, ..Config::default() }.validate().is_ok());
-        let quic_only_remote = Config { quic_listen: Some("0.0.0.0:9070".parse().unwrap()), ..Config::default() };
-        let local_tls = Serve { tls_dir: tls.serve.tls_dir.clone(), ..Config::default().serve };
-        assert!(Config { serve: local_tls, ..quic_only_remote }.validate().is_ok());
+        assert!(Config { serve: tls_serve, ..Config::default() }.validate().is_ok());
     }
 
     #[test]

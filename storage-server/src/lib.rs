@@ -10,7 +10,8 @@
 //! - [`shuffle`]: shuffle segments in the DRAM tier's slots: pushed batches appended
 //!   (push-merge), fetched by committed attempt, a page at a time;
 //! - [`store`]: the router that holds the tiers and sends each op to the one its block names;
-//! - [`service`]: the block protocol over TCP and, with TLS material, QUIC (one code path over
+//! - [`service`]: the block protocol over TCP and, with TLS material, TLS on the same port and
+//!   QUIC (one code path over
 //!   `tern_transport`'s listener trait; pipelined, bounded, never taken down by bad input);
 //! - `heartbeat`: registration with the metadata server, heartbeats and the frees they carry;
 //! - [`metrics`]: Prometheus metrics, served on the admin endpoint;
@@ -48,6 +49,7 @@ use tonic::transport::Channel;
 use tern_common::admin::Readiness;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::{ServerMode, SetServerModeRequest};
+use tern_transport::tls_tcp::{PlainFrom, TcpOrTlsListener};
 
 pub use block_table::{StoreError, Usage};
 pub use config::Config;
@@ -181,12 +183,19 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     };
 
     let tls = config.serve.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
-    let listener = TcpListener::bind(config.serve.listen)
-        .await
-        .with_context(|| format!("binding the block service to {}", config.serve.listen))?;
-    let addr = listener.local_addr()?;
+    let listen = config.serve.listen;
+    let binding = || format!("binding the block service to {listen}");
+    let listener: Box<dyn tern_transport::Listener> = match &tls {
+        // TLS to anyone, plain frames as the network allows, on one port.
+        Some(tls) => {
+            let plain = if config.serve.trusted_network { PlainFrom::Anyone } else { PlainFrom::Loopback };
+            Box::new(TcpOrTlsListener::bind(listen, tls, plain, config.max_connections).await.with_context(binding)?)
+        }
+        None => Box::new(TcpListener::bind(listen).await.with_context(binding)?),
+    };
+    let addr = listener.local_addr();
     let address = config.advertised_address(addr)?;
-    let mut listeners: Vec<Box<dyn tern_transport::Listener>> = vec![Box::new(listener)];
+    let mut listeners = vec![listener];
     let (mut quic_addr, mut quic_address) = (None, String::new());
     if let Some(tls) = &tls {
         let quic_listen = config.quic_listen_for(addr);
@@ -265,12 +274,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
         None => String::new(),
     };
-    let quic = match server.quic_addr() {
-        Some(quic) => format!(", QUIC on {quic} (UDP)"),
+    let encrypted = match server.quic_addr() {
+        Some(quic) => format!(" and TLS; QUIC on {quic} (UDP)"),
         None => String::new(),
     };
     tracing::info!(
-        "storage server {} listening on {} (TCP{quic}; admin {}, dram {}{nvme})",
+        "storage server {} listening on {} (TCP{encrypted}; admin {}, dram {}{nvme})",
         server.server_id(),
         server.addr(),
         server.admin_addr(),

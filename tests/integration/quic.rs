@@ -1,4 +1,4 @@
-//! QUIC and TLS through real `tern` processes: block data over QUIC, the control plane over
+//! QUIC and TLS through real `tern` processes: block data over QUIC and TLS over TCP, the control plane over
 //! mutual TLS, refusals of strangers, and the errors of missing, broken or expired material.
 
 use crate::common;
@@ -10,39 +10,42 @@ use common::{random_bytes, Cluster, Tls, TERN};
 use tern_client::{Client, ClientOptions, ErrorKind, ShuffleOptions, TransportKind};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn files_and_shuffles_round_trip_over_quic_with_tls_everywhere() {
+async fn files_and_shuffles_round_trip_over_quic_and_tls_with_tls_everywhere() {
     let cluster = Cluster::start_with(2, "64MiB", Tls::Full).await;
-    let client = cluster.client_over(TransportKind::Quic).await;
-    let status = client.status().await.unwrap();
+    let status = cluster.client_over(TransportKind::Quic).await.status().await.unwrap();
     for server in &status.servers {
         assert!(!server.quic_address.is_empty(), "storage server {} registered no QUIC address", server.server_id);
     }
-
-    // Files of several blocks (1 MiB blocks), written and read over QUIC.
-    let data = random_bytes((5 << 20) + 12345);
-    client.put("/data/quic-file", data.clone().into()).await.unwrap();
-    let (_, blocks) = client.stat_with_blocks("/data/quic-file", true).await.unwrap();
-    assert_eq!(blocks.len(), 6);
-    assert!(blocks.iter().all(|(b, _)| !b.quic_address.is_empty()), "blocks carry their server's QUIC address");
-    assert_eq!(client.open("/data/quic-file").await.unwrap().read_to_end().await.unwrap(), data);
-    // The same bytes read back over TCP: one block protocol, two transports.
     let tcp = cluster.client_over(TransportKind::Tcp).await;
-    assert_eq!(tcp.open("/data/quic-file").await.unwrap().read_to_end().await.unwrap(), data);
+    for transport in [TransportKind::Quic, TransportKind::Tls] {
+        let client = cluster.client_over(transport).await;
+        // Files of several blocks (1 MiB blocks), written and read over the transport.
+        let path = format!("/data/{transport}-file");
+        let data = random_bytes((5 << 20) + 12345);
+        client.put(&path, data.clone().into()).await.unwrap();
+        let (_, blocks) = client.stat_with_blocks(&path, true).await.unwrap();
+        assert_eq!(blocks.len(), 6);
+        assert!(blocks.iter().all(|(b, _)| !b.quic_address.is_empty()), "blocks carry their server's QUIC address");
+        assert_eq!(client.open(&path).await.unwrap().read_to_end().await.unwrap(), data, "{transport}");
+        // The same bytes read back over plain TCP: one block protocol, three transports.
+        assert_eq!(tcp.open(&path).await.unwrap().read_to_end().await.unwrap(), data);
 
-    // A shuffle pushed and fetched over QUIC.
-    let job = client.start_job(Some("quic-shuffle"), Duration::from_secs(30)).await.unwrap();
-    let shuffle = client.register_shuffle(job.id(), 3, ShuffleOptions { maps: 2, ..Default::default() }).await.unwrap();
-    for map in 0..2u32 {
-        let mut writer = shuffle.writer(map, 0);
-        for n in 0..2000u32 {
-            writer.write(n % 3, format!("m{map}n{n:05};").as_bytes()).await.unwrap();
+        // A shuffle pushed and fetched over the transport.
+        let job = client.start_job(Some(&format!("{transport}-shuffle")), Duration::from_secs(30)).await.unwrap();
+        let shuffle =
+            client.register_shuffle(job.id(), 3, ShuffleOptions { maps: 2, ..Default::default() }).await.unwrap();
+        for map in 0..2u32 {
+            let mut writer = shuffle.writer(map, 0);
+            for n in 0..2000u32 {
+                writer.write(n % 3, format!("m{map}n{n:05};").as_bytes()).await.unwrap();
+            }
+            assert!(writer.commit().await.unwrap().committed);
         }
-        assert!(writer.commit().await.unwrap().committed);
+        let batches = shuffle.reader(0..3, 0..2).await.unwrap().read_to_end().await.unwrap();
+        let total: usize = batches.iter().map(|b| b.data.len()).sum();
+        assert_eq!(total, 2 * 2000 * "m0n00000;".len(), "{transport}");
+        job.end().await.unwrap();
     }
-    let batches = shuffle.reader(0..3, 0..2).await.unwrap().read_to_end().await.unwrap();
-    let total: usize = batches.iter().map(|b| b.data.len()).sum();
-    assert_eq!(total, 2 * 2000 * "m0n00000;".len());
-    job.end().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,6 +57,8 @@ async fn the_command_line_moves_files_over_quic() {
     let copy = cluster.dir.path().join("out.bin");
     cluster.tern_ok(&["fs", "--transport", "quic", "put", &local.to_string_lossy(), "/q/file"]);
     cluster.tern_ok(&["fs", "--transport", "quic", "get", "/q/file", &copy.to_string_lossy()]);
+    assert_eq!(std::fs::read(&copy).unwrap(), data);
+    cluster.tern_ok(&["fs", "--transport", "tls", "get", "/q/file", &copy.to_string_lossy()]);
     assert_eq!(std::fs::read(&copy).unwrap(), data);
     let status = cluster.tern_ok(&["status", "--json"]);
     assert!(status.contains("\"quic_address\":\"127.0.0.1:"), "{status}");
@@ -85,7 +90,7 @@ async fn quic_without_a_quic_endpoint_says_how_to_get_one() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_certificate_from_another_ca_is_refused_on_grpc_and_quic() {
+async fn a_certificate_from_another_ca_is_refused_on_grpc_quic_and_tls() {
     let cluster = Cluster::start_with(1, "64MiB", Tls::Full).await;
     let other = tempfile::tempdir().unwrap();
     tern_transport::tls::init(other.path(), &Default::default()).unwrap();
@@ -106,11 +111,17 @@ async fn a_certificate_from_another_ca_is_refused_on_grpc_and_quic() {
     // QUIC: a cluster whose gRPC is plain, so the stranger reaches the metadata server, but not
     // the storage server's QUIC endpoint.
     let open = Cluster::start_with(1, "64MiB", Tls::Quic).await;
-    let stranger =
+    let quic_stranger =
         Client::connect_with(&format!("http://{}", open.metadata_addr), stranger(TransportKind::Quic)).await.unwrap();
-    let err = stranger.put("/x", vec![1u8; 10].into()).await.unwrap_err();
+    let err = quic_stranger.put("/x", vec![1u8; 10].into()).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(err.message().contains("cannot connect"), "{err}");
+    // TLS over TCP: the same refusal in the handshake.
+    let tls_stranger =
+        Client::connect_with(&format!("http://{}", open.metadata_addr), stranger(TransportKind::Tls)).await.unwrap();
+    let err = tls_stranger.put("/x", vec![1u8; 10].into()).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.message().contains("TLS handshake"), "{err}");
 }
 
 /// Runs `tern` with `args` and expects it to exit non-zero within 20 s; returns its stderr.

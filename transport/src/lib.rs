@@ -7,15 +7,16 @@
 //! - a [`Connector`] (client side) dials `host:port` and hands back a reader and a writer;
 //! - a [`Listener`] (server side) accepts them, with the peer's address;
 //!
-//! implemented for plain TCP ([`tcp`]) and for QUIC with mutual TLS ([`quic`]: one bidirectional
-//! stream per block connection, spread over several endpoints so more than one core carries
-//! traffic). [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
+//! implemented for plain TCP ([`tcp`]), TLS 1.3 over TCP ([`tls_tcp`], mutual, the encrypted path
+//! between hosts by default) and QUIC with mutual TLS ([`quic`]: one bidirectional stream per
+//! block connection, spread over several endpoints so more than one core carries traffic). [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
 //! (The rule that keeps plain TCP on loopback unless a network is trusted is daemon config:
 //! `tern_common::config::check_listen`.)
 
 pub mod quic;
 pub mod tcp;
 pub mod tls;
+pub mod tls_tcp;
 
 use std::fmt;
 use std::io;
@@ -77,9 +78,15 @@ impl Listener for Box<dyn Listener> {
 /// Which transport a client uses for block traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {
-    /// Plain TCP (TCP_NODELAY), the storage servers' `listen` address.
+    /// Per server: plain TCP to one on loopback (this host), TLS over TCP to any other when the
+    /// client has TLS material, plain TCP otherwise (a trusted network). See
+    /// [`tls_tcp::AutoConnector`].
     #[default]
+    Auto,
+    /// Plain TCP (TCP_NODELAY), the storage servers' `listen` address.
     Tcp,
+    /// TLS 1.3 over TCP, mutual, on the same address as plain TCP; needs TLS material.
+    Tls,
     /// QUIC with mutual TLS, the storage servers' `quic_listen` address; needs TLS material.
     Quic,
 }
@@ -87,7 +94,9 @@ pub enum TransportKind {
 impl fmt::Display for TransportKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            TransportKind::Auto => "auto",
             TransportKind::Tcp => "tcp",
+            TransportKind::Tls => "tls",
             TransportKind::Quic => "quic",
         })
     }
@@ -98,9 +107,11 @@ impl FromStr for TransportKind {
 
     fn from_str(s: &str) -> Result<TransportKind, String> {
         match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(TransportKind::Auto),
             "tcp" => Ok(TransportKind::Tcp),
+            "tls" => Ok(TransportKind::Tls),
             "quic" => Ok(TransportKind::Quic),
-            other => Err(format!("unknown transport {other:?} (expected tcp or quic)")),
+            other => Err(format!("unknown transport {other:?} (expected auto, tcp, tls or quic)")),
         }
     }
 }
@@ -113,6 +124,8 @@ mod tests {
     fn transport_kinds_parse() {
         assert_eq!("QUIC".parse::<TransportKind>().unwrap(), TransportKind::Quic);
         assert_eq!(TransportKind::Tcp.to_string(), "tcp");
+        assert_eq!("tls".parse::<TransportKind>().unwrap(), TransportKind::Tls);
+        assert_eq!(TransportKind::default().to_string(), "auto");
         assert!("udp".parse::<TransportKind>().is_err());
     }
 }
