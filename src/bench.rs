@@ -59,15 +59,20 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Block write and read throughput and latency of Tern's data plane (DRAM over TCP and QUIC,
-    /// NVMe over TCP) beside a redis-server the bench starts (SET/GET) and plain files
-    /// (pwrite/pread, buffered and O_DIRECT), for 4KiB, 64KiB, 1MiB and 4MiB at
-    /// concurrency 1, 4 and 16; each worker has its own connection and one request in flight.
-    /// Prints a table with each system's ratio to Redis.
+    /// Block write and read throughput and latency of Tern's data plane (DRAM over TCP, TLS and
+    /// QUIC, NVMe over TCP) beside raw peers over the same transports (the machine's limit), a
+    /// redis-server the bench starts (SET/GET, checked against redis-benchmark) and plain files
+    /// (pwrite/pread, buffered and O_DIRECT), for 4KiB, 64KiB, 1MiB and 4MiB at concurrency 1, 4
+    /// and 16; each worker has its own connection and one request in flight. Every cell runs
+    /// --runs times in rotating order; the table shows medians, ranges and ratios.
     Io {
-        /// Systems to measure, comma-separated: tern-tcp, tern-quic, tern-nvme, redis, file,
-        /// file-direct.
-        #[arg(long, value_delimiter = ',', default_value = "tern-tcp,tern-quic,tern-nvme,redis,file,file-direct")]
+        /// Systems to measure, comma-separated: tern-tcp, tern-tls, tern-quic, tern-nvme, tcp-raw,
+        /// tls-raw, quic-raw, redis, file, file-direct.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "tern-tcp,tern-tls,tern-quic,tern-nvme,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
+        )]
         systems: Vec<tern_bench::io::System>,
         /// Only 1MiB at concurrency 4 and 4KiB at concurrency 1 (under a minute).
         #[arg(long)]
@@ -84,6 +89,9 @@ enum BenchCommand {
         /// Unmeasured warm-up seconds before each cell.
         #[arg(long, default_value_t = 0.2)]
         warmup: f64,
+        /// Times each cell is measured, the systems in rotating order (median and range shown).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
         /// Most bytes one cell writes or reads (bounds memory: each Tern write cell allocates this
         /// much of the DRAM tier).
         #[arg(long, default_value = "1GiB")]
@@ -337,6 +345,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             concurrency,
             seconds,
             warmup,
+            runs,
             max_bytes,
             dram,
             dir,
@@ -372,6 +381,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 cells,
                 seconds: seconds.unwrap_or(if quick { 0.5 } else { 1.0 }),
                 warmup_seconds: warmup,
+                runs,
                 max_bytes: max_bytes.bytes(),
                 dir,
                 dram_bytes: dram.bytes(),

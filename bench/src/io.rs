@@ -37,7 +37,10 @@ use tern_proto::v1::{AllocateBlocksRequest, CreateRequest};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
+use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
+
+use crate::raw::{RawTarget, RawTransport};
 
 /// The block sizes measured by a full run.
 pub const SIZES: [u64; 4] = [4 << 10, 64 << 10, 1 << 20, 4 << 20];
@@ -60,40 +63,64 @@ const ALLOCATE_PATIENCE: Duration = Duration::from_secs(30);
 /// [`System::ALL`], and an arm in [`Target::start`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum System {
-    /// Tern's DRAM tier over TCP.
+    /// Tern's DRAM tier over plain TCP.
     TernTcp,
-    /// Tern's DRAM tier over QUIC (TLS with the embedded cluster's own CA).
+    /// Tern's DRAM tier over TLS 1.3 on TCP.
+    TernTls,
+    /// Tern's DRAM tier over QUIC.
     TernQuic,
-    /// Tern's NVMe tier (files of class `nvme`, on the disk of `--dir`) over TCP.
+    /// Tern's NVMe tier over plain TCP.
     TernNvme,
-    /// A redis-server started by the bench.
+    /// The raw peers: the same transports with nothing but a request and its bytes ([`crate::raw`]).
+    TcpRaw,
+    TlsRaw,
+    QuicRaw,
     Redis,
-    /// Plain files on the disk of `--dir`, through the page cache.
     File,
-    /// Plain files on the disk of `--dir` with O_DIRECT: what the disk itself reaches, the
-    /// peer of `tern-nvme`.
     FileDirect,
 }
 
 impl System {
-    /// Every system, in the order the output lists them.
-    pub const ALL: [System; 6] =
-        [System::TernTcp, System::TernQuic, System::TernNvme, System::Redis, System::File, System::FileDirect];
+    pub const ALL: [System; 10] = [
+        System::TernTcp,
+        System::TernTls,
+        System::TernQuic,
+        System::TernNvme,
+        System::TcpRaw,
+        System::TlsRaw,
+        System::QuicRaw,
+        System::Redis,
+        System::File,
+        System::FileDirect,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             System::TernTcp => "tern-tcp",
+            System::TernTls => "tern-tls",
             System::TernQuic => "tern-quic",
             System::TernNvme => "tern-nvme",
+            System::TcpRaw => "tcp-raw",
+            System::TlsRaw => "tls-raw",
+            System::QuicRaw => "quic-raw",
             System::Redis => "redis",
             System::File => "file",
             System::FileDirect => "file-direct",
         }
     }
 
-    /// Whether this is one of Tern's own flavours (the rest are peers).
     pub fn is_tern(self) -> bool {
-        self.name().starts_with("tern-")
+        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme)
+    }
+
+    /// The raw peer over the same transport: the limit this Tern system is measured against.
+    pub fn raw_peer(self) -> Option<System> {
+        match self {
+            System::TernTcp | System::TernNvme => Some(System::TcpRaw),
+            System::TernTls => Some(System::TlsRaw),
+            System::TernQuic => Some(System::QuicRaw),
+            _ => None,
+        }
     }
 }
 
@@ -140,6 +167,9 @@ pub struct IoOptions {
     pub seconds: f64,
     /// Unmeasured time before each cell's measurement.
     pub warmup_seconds: f64,
+    /// Times each cell is measured, the systems in rotating order; tables show the median and
+    /// range.
+    pub runs: usize,
     /// Bytes one cell may write or read at most (bounds Tern's DRAM use per write cell).
     pub max_bytes: u64,
     /// Where the `file` system's files go.
@@ -157,19 +187,46 @@ impl IoOptions {
     }
 }
 
-/// One measured (system, op, size, concurrency): the JSON Lines schema of `--json`.
+/// One (system, op, size, concurrency) over its runs: the JSON Lines schema of `--json`.
+/// Throughput is the median run's, with the range; latencies are the medians of the runs'
+/// percentiles, NaN (JSON null) where a run's samples are too few for the percentile.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct CellResult {
     pub system: String,
     pub op: Op,
     pub size_bytes: u64,
     pub concurrency: u32,
+    /// Measured ops and seconds, over every run.
     pub ops: u64,
     pub seconds: f64,
+    pub runs: usize,
     pub throughput_mib_s: f64,
+    pub throughput_min_mib_s: f64,
+    pub throughput_max_mib_s: f64,
     pub p50_us: f64,
     pub p99_us: f64,
     pub p999_us: f64,
+}
+
+impl CellResult {
+    /// The runs of one cell of one system folded into one row.
+    fn of_runs(runs: &[CellResult]) -> CellResult {
+        let first = runs.first().expect("a cell ran at least once").clone();
+        let spread = |f: fn(&CellResult) -> f64| Spread::of(runs.iter().map(f).collect());
+        let throughput = spread(|r| r.throughput_mib_s);
+        CellResult {
+            ops: runs.iter().map(|r| r.ops).sum(),
+            seconds: runs.iter().map(|r| r.seconds).sum(),
+            runs: runs.len(),
+            throughput_mib_s: throughput.median,
+            throughput_min_mib_s: throughput.min,
+            throughput_max_mib_s: throughput.max,
+            p50_us: spread(|r| r.p50_us).median,
+            p99_us: spread(|r| r.p99_us).median,
+            p999_us: spread(|r| r.p999_us).median,
+            ..first
+        }
+    }
 }
 
 pub struct IoReport {
@@ -183,6 +240,7 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
     ensure!(!options.systems.is_empty(), "no system selected");
     ensure!(!options.cells.is_empty(), "no (size, concurrency) cell selected");
     ensure!(options.seconds > 0.0 && options.warmup_seconds >= 0.0, "cell and warm-up times must be positive");
+    ensure!((1..=100).contains(&options.runs), "runs {} is not between 1 and 100", options.runs);
     for &(size, concurrency) in &options.cells {
         ensure!((1..=TERN_BLOCK_SIZE).contains(&size), "size {size} is not between 1 byte and {TERN_BLOCK_SIZE}");
         ensure!((1..=1024).contains(&concurrency), "concurrency {concurrency} is not between 1 and 1024");
@@ -201,7 +259,7 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
     let mut sizes: Vec<u64> = options.cells.iter().map(|c| c.0).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let total = (options.cells.len() * 2 * targets.len()) as u64;
+    let total = (options.cells.len() * 2 * targets.len() * options.runs) as u64;
     let bar = if options.progress { ProgressBar::new(total) } else { ProgressBar::hidden() };
     bar.set_draw_target(if options.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
     bar.set_style(
@@ -209,7 +267,8 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
             .context("progress template")?
             .progress_chars("=> "),
     );
-    let mut results = Vec::new();
+    let mut runs: BTreeMap<(System, Op, u64, u32), Vec<CellResult>> = BTreeMap::new();
+    let order: Vec<usize> = (0..targets.len()).collect();
     for size in sizes {
         let items = (READ_SET_BYTES / size).max(MIN_READ_ITEMS);
         bar.set_message(format!("preparing {} read sets", human_size(size)));
@@ -218,14 +277,33 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
         }
         for &(_, concurrency) in options.cells.iter().filter(|c| c.0 == size) {
             for op in [Op::Write, Op::Read] {
-                for target in &mut targets {
-                    bar.set_message(format!("{} {} {} x{concurrency}", target.system, op.name(), human_size(size)));
-                    let cell = Cell { op, size, concurrency };
-                    let result = target.measure(cell, options).await.with_context(|| {
-                        format!("{}: {} of {size} bytes at concurrency {concurrency}", target.system, op.name())
-                    })?;
-                    results.push(result);
-                    bar.inc(1);
+                // Rotating order: over the runs each system goes first in turn, and none always
+                // follows the same one.
+                for run in 0..options.runs {
+                    for &t in &rotation(&order, run) {
+                        let target = &mut targets[t];
+                        bar.set_message(format!(
+                            "{} {} {} x{concurrency} (run {} of {})",
+                            target.system,
+                            op.name(),
+                            human_size(size),
+                            run + 1,
+                            options.runs
+                        ));
+                        let cell = Cell { op, size, concurrency };
+                        let result = target.measure(cell, options).await.with_context(|| {
+                            format!("{}: {} of {size} bytes at concurrency {concurrency}", target.system, op.name())
+                        })?;
+                        runs.entry((target.system, op, size, concurrency)).or_default().push(result);
+                        bar.inc(1);
+                    }
+                }
+            }
+            // The bench's Redis client, checked against Redis' own on the same payloads.
+            if let Some(redis) = targets.iter().find_map(Target::redis) {
+                if let Some(ours) = runs.get(&(System::Redis, Op::Read, size, concurrency)) {
+                    bar.set_message(format!("redis-benchmark GET {} x{concurrency}", human_size(size)));
+                    notes.push(redis.check_against_redis_benchmark(&CellResult::of_runs(ours), options.seconds)?);
                 }
             }
         }
@@ -239,14 +317,15 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
     for target in targets {
         target.stop().await;
     }
+    let results = runs.values().map(|runs| CellResult::of_runs(runs)).collect();
     Ok(IoReport { results, notes })
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Cell {
-    op: Op,
-    size: u64,
-    concurrency: u32,
+pub(crate) struct Cell {
+    pub(crate) op: Op,
+    pub(crate) size: u64,
+    pub(crate) concurrency: u32,
 }
 
 /// A prepared system: how to reach it, and its read set for the size being measured.
@@ -257,6 +336,7 @@ struct Target {
 
 enum TargetKind {
     Tern(Box<TernTarget>),
+    Raw(RawTarget),
     Redis(RedisTarget),
     File(FileTarget),
 }
@@ -264,9 +344,12 @@ enum TargetKind {
 impl Target {
     async fn start(system: System, options: &IoOptions) -> anyhow::Result<Target> {
         let kind = match system {
-            System::TernTcp | System::TernQuic | System::TernNvme => {
+            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme => {
                 TargetKind::Tern(Box::new(TernTarget::start(system, options).await?))
             }
+            System::TcpRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tcp).await?),
+            System::TlsRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tls).await?),
+            System::QuicRaw => TargetKind::Raw(RawTarget::start(RawTransport::Quic).await?),
             System::Redis => TargetKind::Redis(RedisTarget::start().await?),
             System::File => TargetKind::File(FileTarget::start(&options.dir, false)?),
             System::FileDirect => TargetKind::File(FileTarget::start(&options.dir, true)?),
@@ -274,9 +357,16 @@ impl Target {
         Ok(Target { system, kind })
     }
 
+    fn redis(&self) -> Option<&RedisTarget> {
+        match &self.kind {
+            TargetKind::Redis(redis) => Some(redis),
+            _ => None,
+        }
+    }
+
     fn describe(&self) -> Option<String> {
         match &self.kind {
-            TargetKind::Tern(_) => None,
+            TargetKind::Tern(_) | TargetKind::Raw(_) => None,
             TargetKind::Redis(r) => {
                 Some(format!("redis: {} on 127.0.0.1:{}, --save \"\" --appendonly no", r.version, r.port))
             }
@@ -292,6 +382,7 @@ impl Target {
     async fn prepare_reads(&mut self, size: u64, items: u64) -> anyhow::Result<()> {
         match &mut self.kind {
             TargetKind::Tern(t) => t.prepare_reads(size, items).await,
+            TargetKind::Raw(_) => Ok(()),
             TargetKind::Redis(r) => r.prepare_reads(size, items).await,
             TargetKind::File(f) => f.prepare_reads(size, items),
         }
@@ -300,7 +391,7 @@ impl Target {
     async fn finish_reads(&mut self, size: u64) -> anyhow::Result<Option<String>> {
         match &mut self.kind {
             TargetKind::Tern(t) => t.finish_reads().await.map(|_| None),
-            TargetKind::Redis(_) => Ok(None),
+            TargetKind::Raw(_) | TargetKind::Redis(_) => Ok(None),
             TargetKind::File(f) => f.finish_reads(size),
         }
     }
@@ -309,6 +400,7 @@ impl Target {
         let budget = Budget::new(cell, options);
         let samples = match &mut self.kind {
             TargetKind::Tern(t) => t.measure(cell, budget).await?,
+            TargetKind::Raw(r) => r.measure(cell, budget).await?,
             TargetKind::Redis(r) => r.measure(cell, budget).await?,
             TargetKind::File(f) => f.measure(cell, budget).await?,
         };
@@ -318,6 +410,7 @@ impl Target {
     async fn stop(self) {
         match self.kind {
             TargetKind::Tern(t) => drop(t),
+            TargetKind::Raw(r) => drop(r),
             TargetKind::Redis(r) => r.stop().await,
             TargetKind::File(f) => drop(f),
         }
@@ -326,7 +419,7 @@ impl Target {
 
 /// When a cell's workers start measuring and stop, and how many ops each may do at most.
 #[derive(Debug, Clone, Copy)]
-struct Budget {
+pub(crate) struct Budget {
     warmup: Duration,
     measure: Duration,
     measure_from: Instant,
@@ -357,7 +450,7 @@ impl Budget {
         self.ops_per_worker + self.warmup_ops_per_worker
     }
 
-    fn start(self) -> Budget {
+    pub(crate) fn start(self) -> Budget {
         let measure_from = Instant::now() + self.warmup;
         Budget { measure_from, stop_at: measure_from + self.measure, ..self }
     }
@@ -372,7 +465,7 @@ enum Next {
 }
 
 /// One worker's latencies and the end of its last measured op.
-struct Recorder {
+pub(crate) struct Recorder {
     budget: Budget,
     warmed: u64,
     done: u64,
@@ -381,7 +474,7 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new(budget: Budget) -> Recorder {
+    pub(crate) fn new(budget: Budget) -> Recorder {
         Recorder { budget, warmed: 0, done: 0, histogram: Histogram::default(), last_end: None }
     }
 
@@ -403,7 +496,7 @@ impl Recorder {
     }
 
     /// Records an op that started at `started` (ops started during warm-up are not measured).
-    fn record(&mut self, started: Instant) {
+    pub(crate) fn record(&mut self, started: Instant) {
         if started < self.budget.measure_from {
             self.warmed += 1;
         } else {
@@ -417,7 +510,7 @@ impl Recorder {
 
 /// Whether a worker's next op may start, waiting out the rest of the warm-up if its warm-up ops
 /// are spent.
-async fn go(recorder: &Recorder) -> bool {
+pub(crate) async fn go(recorder: &Recorder) -> bool {
     loop {
         match recorder.next() {
             Next::Go => return true,
@@ -439,14 +532,14 @@ fn go_blocking(recorder: &Recorder) -> bool {
 }
 
 /// Every worker's recorders of one cell, merged.
-struct Samples {
+pub(crate) struct Samples {
     measure_from: Instant,
     histogram: Histogram,
     last_end: Option<Instant>,
 }
 
 impl Samples {
-    fn merge(recorders: Vec<Recorder>) -> anyhow::Result<Samples> {
+    pub(crate) fn merge(recorders: Vec<Recorder>) -> anyhow::Result<Samples> {
         let first = recorders.first().context("a cell ran no worker")?;
         let mut samples =
             Samples { measure_from: first.budget.measure_from, histogram: Histogram::default(), last_end: None };
@@ -462,7 +555,15 @@ impl Samples {
         let seconds = self.last_end.map(|end| (end - self.measure_from).as_secs_f64()).unwrap_or(0.0);
         let throughput_mib_s =
             if seconds > 0.0 { (ops * cell.size) as f64 / seconds / f64::from(1 << 20) } else { 0.0 };
-        let us = |q: f64| self.histogram.quantile_ns(q) as f64 / 1e3;
+        // A percentile needs enough samples to be more than the maximum (p99: 100, p99.9: 1000).
+        let us = |q: f64| {
+            let supported = q <= 0.5 || ops as f64 >= (1.0 / (1.0 - q)).round();
+            if supported {
+                self.histogram.quantile_ns(q) as f64 / 1e3
+            } else {
+                f64::NAN
+            }
+        };
         CellResult {
             system: system.name().to_string(),
             op: cell.op,
@@ -470,7 +571,10 @@ impl Samples {
             concurrency: cell.concurrency,
             ops,
             seconds,
+            runs: 1,
             throughput_mib_s,
+            throughput_min_mib_s: throughput_mib_s,
+            throughput_max_mib_s: throughput_mib_s,
             p50_us: us(0.5),
             p99_us: us(0.99),
             p999_us: us(0.999),
@@ -549,7 +653,7 @@ impl Histogram {
 }
 
 /// A payload of `size` pseudo-random bytes (incompressible, the same for every system).
-fn payload(size: u64, seed: u64) -> Bytes {
+pub(crate) fn payload(size: u64, seed: u64) -> Bytes {
     let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ seed.wrapping_mul(0xff51_afd7_ed55_8ccd);
     let mut out = BytesMut::with_capacity(size as usize + 8);
     while (out.len() as u64) < size {
@@ -562,7 +666,9 @@ fn payload(size: u64, seed: u64) -> Bytes {
     out.freeze()
 }
 
-async fn join_all<T: Send + 'static>(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<T>>>) -> anyhow::Result<Vec<T>> {
+pub(crate) async fn join_all<T: Send + 'static>(
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<T>>>,
+) -> anyhow::Result<Vec<T>> {
     let mut out = Vec::with_capacity(tasks.len());
     for task in tasks {
         out.push(task.await.context("a bench worker panicked")??);
@@ -598,12 +704,14 @@ impl TernTarget {
         let mut options = ClientOptions::default();
         let mut class = tern_client::StorageClass::Dram;
         match system {
-            System::TernQuic => {
-                options.transport = tern_client::TransportKind::Quic;
+            System::TernQuic | System::TernTls => {
+                let quic = system == System::TernQuic;
+                options.transport =
+                    if quic { tern_client::TransportKind::Quic } else { tern_client::TransportKind::Tls };
                 options.tls_dir = Some(cluster.tls_dir());
             }
             System::TernNvme => class = tern_client::StorageClass::Nvme,
-            _ => {}
+            _ => options.transport = tern_client::TransportKind::Tcp,
         }
         // The embedded cluster's control plane is plain on loopback, QUIC or not.
         let metadata_url = format!("http://{}", cluster.metadata_addr);
@@ -867,6 +975,40 @@ impl RedisTarget {
         Samples::merge(join_all(tasks).await?)
     }
 
+    /// Runs redis-benchmark (SET then GET of `ours`' payload size, at its concurrency, for about
+    /// `seconds`) and says how its GET throughput compares with the bench's client's: more than
+    /// 10% apart means one of the two clients is costing Redis' figure something.
+    fn check_against_redis_benchmark(&self, ours: &CellResult, seconds: f64) -> anyhow::Result<String> {
+        let (size, concurrency) = (ours.size_bytes, ours.concurrency);
+        let label = format!("redis-benchmark GET {} x{concurrency}", human_size(size));
+        let Some(program) = find_on_path("redis-benchmark") else {
+            return Ok(format!("{label}: not checked, redis-benchmark is not installed (it comes with redis-server)"));
+        };
+        let ops_per_s = ours.throughput_mib_s * f64::from(1 << 20) / size as f64;
+        let requests = (ops_per_s * seconds.max(1.0)).clamp(200.0, 1_000_000.0) as u64;
+        let out = Command::new(program)
+            .args(["-p", &self.port.to_string(), "-t", "set,get", "--csv"])
+            .args(["-d", &size.to_string(), "-c", &concurrency.to_string(), "-n", &requests.to_string()])
+            .stdin(Stdio::null())
+            .output()
+            .context("running redis-benchmark")?;
+        ensure!(out.status.success(), "{label}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        let csv = String::from_utf8_lossy(&out.stdout);
+        let rps = csv
+            .lines()
+            .find_map(|line| line.strip_prefix("\"GET\",\""))
+            .and_then(|rest| rest.split('"').next())
+            .and_then(|rps| rps.parse::<f64>().ok())
+            .with_context(|| format!("{label}: no GET figure in its output:\n{csv}"))?;
+        let theirs = rps * size as f64 / f64::from(1 << 20);
+        let ratio = ours.throughput_mib_s / theirs;
+        let verdict = if (ratio - 1.0).abs() > 0.10 { "DIFFER by more than 10%" } else { "agree within 10%" };
+        Ok(format!(
+            "{label}: {theirs:.0} MiB/s; the bench's Redis client {:.0} MiB/s ({ratio:.2}x): {verdict}",
+            ours.throughput_mib_s
+        ))
+    }
+
     async fn stop(mut self) {
         if let Ok(mut conn) = RespConnection::connect(self.port).await {
             let _ = conn.command(&[b"SHUTDOWN", b"NOSAVE"]).await;
@@ -961,8 +1103,15 @@ impl RespConnection {
                     return Ok(Reply::Bulk(None));
                 }
                 ensure!(len <= 512 << 20, "bulk reply of {len} bytes is beyond Redis' limit");
-                let mut value = BytesMut::zeroed(len as usize + 2);
-                self.reader.read_exact(&mut value).await?;
+                // Read into spare capacity, as Tern's reader does: no zeroing of the buffer first.
+                let want = len as usize + 2;
+                let mut value = BytesMut::with_capacity(want);
+                let mut limited = (&mut self.reader).take(want as u64);
+                while value.len() < want {
+                    if limited.read_buf(&mut value).await? == 0 {
+                        bail!("redis closed the connection in a bulk reply");
+                    }
+                }
                 ensure!(value.ends_with(b"\r\n"), "bulk reply not ended by CRLF");
                 value.truncate(len as usize);
                 Ok(Reply::Bulk(Some(value.freeze())))
@@ -1186,44 +1335,57 @@ pub fn human_size(bytes: u64) -> String {
     tern_common::ByteSize(bytes).to_string()
 }
 
-/// The table: one block per (op, size, concurrency), a row per system, and each non-Redis
-/// system's ratios to Redis (throughput, p50, p99).
+/// The table: one block per (op, size, concurrency), a row per system with its median throughput
+/// and range over the runs, and each Tern system's ratios to its raw peer (the transport's limit
+/// on this machine) and to Redis.
 pub fn print_table(report: &IoReport) {
     let mut groups: BTreeMap<(Op, u64, u32), Vec<&CellResult>> = BTreeMap::new();
     for r in &report.results {
         groups.entry((r.op, r.size_bytes, r.concurrency)).or_default().push(r);
     }
+    let runs = report.results.iter().map(|r| r.runs).max().unwrap_or(0);
     println!(
-        "{:<5} {:>6} {:>4}  {:<9} {:>8} {:>10} {:>9} {:>9} {:>9}  {:>8} {:>7} {:>7}",
-        "OP", "SIZE", "CONC", "SYSTEM", "OPS", "MiB/s", "p50 us", "p99 us", "p999 us", "x redis", "p50 x", "p99 x"
+        "{:<5} {:>6} {:>4}  {:<11} {:>21} {:>9} {:>9} {:>9}  {:>6} {:>9}  {:>7}",
+        "OP", "SIZE", "CONC", "SYSTEM", "MiB/s [range]", "p50 us", "p99 us", "p999 us", "x raw", "p50 x raw", "x redis"
     );
+    let us = |v: f64| if v.is_nan() { "n/a".to_string() } else { format!("{v:.1}") };
     for ((op, size, concurrency), rows) in groups {
-        let redis = rows.iter().find(|r| r.system == System::Redis.name());
+        let find = |system: System| rows.iter().find(|r| r.system == system.name());
+        let redis = find(System::Redis);
         for r in &rows {
-            let ratios = match redis {
-                Some(redis) if r.system != redis.system => format!(
-                    "{:>8.2} {:>7.2} {:>7.2}",
-                    r.throughput_mib_s / redis.throughput_mib_s,
-                    r.p50_us / redis.p50_us,
-                    r.p99_us / redis.p99_us
-                ),
+            let system = r.system.parse::<System>().ok();
+            let raw = match system.and_then(System::raw_peer).and_then(find) {
+                Some(raw) => {
+                    format!("{:>6.2} {:>9.2}", r.throughput_mib_s / raw.throughput_mib_s, r.p50_us / raw.p50_us)
+                }
+                None => format!("{:>6} {:>9}", "", ""),
+            };
+            let x_redis = match redis {
+                Some(redis) if r.system != redis.system => {
+                    format!("{:>7.2}", r.throughput_mib_s / redis.throughput_mib_s)
+                }
                 _ => String::new(),
             };
+            let throughput =
+                format!("{:.0} [{:.0}-{:.0}]", r.throughput_mib_s, r.throughput_min_mib_s, r.throughput_max_mib_s);
             println!(
-                "{:<5} {:>6} {:>4}  {:<9} {:>8} {:>10.1} {:>9.1} {:>9.1} {:>9.1}  {ratios}",
+                "{:<5} {:>6} {:>4}  {:<11} {:>21} {:>9} {:>9} {:>9}  {raw}  {x_redis}",
                 op.name(),
                 human_size(size),
                 concurrency,
                 r.system,
-                r.ops,
-                r.throughput_mib_s,
-                r.p50_us,
-                r.p99_us,
-                r.p999_us
+                throughput,
+                us(r.p50_us),
+                us(r.p99_us),
+                us(r.p999_us)
             );
         }
     }
-    println!("x redis: throughput over Redis'; p50 x, p99 x: latency over Redis' (below 1 is better)");
+    println!(
+        "medians of {runs} runs in rotating order, [min-max]; latencies: medians of the runs' percentiles (n/a: \
+         too few samples); x raw: throughput over the raw peer of the same transport (tcp-raw, tls-raw, \
+         quic-raw), p50 x raw: p50 latency over its (below 1 is better); x redis: throughput over Redis'"
+    );
     for note in &report.notes {
         println!("{note}");
     }
@@ -1402,12 +1564,13 @@ mod tests {
         for system in System::ALL {
             assert_eq!(system.name().parse::<System>().unwrap(), system);
         }
-        assert!("memcached"
-            .parse::<System>()
-            .unwrap_err()
-            .to_string()
-            .contains("tern-tcp, tern-quic, tern-nvme, redis, file, file-direct"));
-        assert!(System::TernTcp.is_tern() && !System::Redis.is_tern());
+        assert!("memcached".parse::<System>().unwrap_err().to_string().contains(
+            "tern-tcp, tern-tls, tern-quic, tern-nvme, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
+        ));
+        assert!(System::TernTcp.is_tern() && !System::Redis.is_tern() && !System::TcpRaw.is_tern());
+        assert_eq!(System::TernNvme.raw_peer(), Some(System::TcpRaw));
+        assert_eq!(System::TernQuic.raw_peer(), Some(System::QuicRaw));
+        assert_eq!(System::Redis.raw_peer(), None);
     }
 
     #[test]
@@ -1419,7 +1582,10 @@ mod tests {
             concurrency: 1,
             ops: 10,
             seconds: 0.5,
+            runs: 1,
             throughput_mib_s: 1.0,
+            throughput_min_mib_s: 1.0,
+            throughput_max_mib_s: 1.0,
             p50_us: 40.0,
             p99_us: 80.0,
             p999_us: 90.0,
@@ -1434,7 +1600,10 @@ mod tests {
             "concurrency",
             "ops",
             "seconds",
+            "runs",
             "throughput_mib_s",
+            "throughput_min_mib_s",
+            "throughput_max_mib_s",
             "p50_us",
             "p99_us",
             "p999_us",
@@ -1442,6 +1611,43 @@ mod tests {
         want.sort_unstable();
         assert_eq!(keys, want);
         assert_eq!(value["op"], "read");
+        // Runs fold into their median and range.
+        let runs: Vec<CellResult> = [3.0, 1.0, 2.0]
+            .into_iter()
+            .map(|mib_s| CellResult { throughput_mib_s: mib_s, p50_us: 10.0 * mib_s, ..r.clone() })
+            .collect();
+        let folded = CellResult::of_runs(&runs);
+        assert_eq!((folded.runs, folded.ops), (3, 30));
+        assert_eq!(
+            (folded.throughput_mib_s, folded.throughput_min_mib_s, folded.throughput_max_mib_s),
+            (2.0, 1.0, 3.0)
+        );
+        assert_eq!(folded.p50_us, 20.0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_peers_move_every_byte() {
+        let options = IoOptions {
+            tern: PathBuf::new(),
+            systems: vec![],
+            cells: vec![],
+            seconds: 0.05,
+            warmup_seconds: 0.0,
+            runs: 1,
+            max_bytes: 8 << 20,
+            dir: std::env::temp_dir(),
+            dram_bytes: 0,
+            progress: false,
+        };
+        for transport in [RawTransport::Tcp, RawTransport::Tls, RawTransport::Quic] {
+            let raw = RawTarget::start(transport).await.unwrap();
+            for op in [Op::Write, Op::Read] {
+                let cell = Cell { op, size: 1 << 20, concurrency: 2 };
+                let samples = raw.measure(cell, Budget::new(cell, &options)).await.unwrap();
+                let result = samples.result(System::TcpRaw, cell);
+                assert!(result.ops >= 2 && result.throughput_mib_s > 0.0, "{transport:?} {op:?}: {result:?}");
+            }
+        }
     }
 
     #[tokio::test]

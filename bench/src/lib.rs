@@ -4,6 +4,7 @@
 
 pub mod core;
 pub mod io;
+pub mod raw;
 // kill(2) on the cold-start benchmark's executor.
 #[allow(unsafe_code)]
 pub mod scheduler;

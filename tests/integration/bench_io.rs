@@ -7,8 +7,21 @@ use std::process::Command;
 
 const TERN: &str = env!("CARGO_BIN_EXE_tern");
 
-const FIELDS: [&str; 10] =
-    ["system", "op", "size_bytes", "concurrency", "ops", "seconds", "throughput_mib_s", "p50_us", "p99_us", "p999_us"];
+const FIELDS: [&str; 13] = [
+    "system",
+    "op",
+    "size_bytes",
+    "concurrency",
+    "ops",
+    "seconds",
+    "runs",
+    "throughput_mib_s",
+    "throughput_min_mib_s",
+    "throughput_max_mib_s",
+    "p50_us",
+    "p99_us",
+    "p999_us",
+];
 
 fn redis_on_path() -> bool {
     std::env::var_os("PATH")
@@ -22,9 +35,9 @@ fn quick_run_writes_json_lines_of_the_schema() {
     let with_redis = redis_on_path();
     assert!(with_redis || !require_redis, "TERN_TEST_REQUIRE_REDIS=1 but redis-server is not on PATH");
     let systems = if with_redis {
-        "tern-tcp,tern-quic,tern-nvme,redis,file,file-direct"
+        "tern-tcp,tern-tls,tern-quic,tern-nvme,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
     } else {
-        "tern-tcp,tern-quic,tern-nvme,file,file-direct"
+        "tern-tcp,tern-tls,tern-quic,tern-nvme,tcp-raw,tls-raw,quic-raw,file,file-direct"
     };
     // O_DIRECT (tern-nvme, file-direct) needs a disk filesystem: the target dir is on one.
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -57,12 +70,24 @@ fn quick_run_writes_json_lines_of_the_schema() {
         for field in ["size_bytes", "concurrency", "ops"] {
             assert!(object[field].is_u64(), "{field} is not an unsigned integer: {line}");
         }
-        for field in ["seconds", "throughput_mib_s", "p50_us", "p99_us", "p999_us"] {
+        for field in ["seconds", "throughput_mib_s", "throughput_min_mib_s", "throughput_max_mib_s", "p50_us"] {
             assert!(object[field].as_f64().is_some_and(|v| v.is_finite() && v >= 0.0), "{field}: {line}");
         }
         assert!(object["ops"].as_u64().unwrap() > 0, "a cell measured no op: {line}");
+        assert_eq!(object["runs"].as_u64(), Some(3), "three runs by default: {line}");
         let p = |f: &str| object[f].as_f64().unwrap();
-        assert!(p("p50_us") > 0.0 && p("p50_us") <= p("p99_us") && p("p99_us") <= p("p999_us"), "{line}");
+        assert!(
+            p("throughput_min_mib_s") <= p("throughput_mib_s") && p("throughput_mib_s") <= p("throughput_max_mib_s")
+        );
+        // A tail percentile is null when the runs had too few samples for it, never the maximum.
+        let tail = |f: &str| match &object[f] {
+            serde_json::Value::Null => None,
+            v => Some(v.as_f64().unwrap_or_else(|| panic!("{f} is neither null nor a number: {line}"))),
+        };
+        assert!(p("p50_us") > 0.0, "{line}");
+        if let Some(p99) = tail("p99_us") {
+            assert!(p("p50_us") <= p99 && tail("p999_us").is_none_or(|p999| p99 <= p999), "{line}");
+        }
         let cell = (
             system.to_string(),
             op.to_string(),
@@ -80,7 +105,10 @@ fn quick_run_writes_json_lines_of_the_schema() {
         }
     }
     assert_eq!(cells, want, "one line per (system, op, size, concurrency) of --quick");
-    assert!(stdout.contains("x redis") && stdout.contains("tern-tcp"), "{stdout}");
+    assert!(stdout.contains("x redis") && stdout.contains("x raw") && stdout.contains("tern-tls"), "{stdout}");
+    if with_redis {
+        assert!(stdout.contains("redis-benchmark GET 1MiB x4: "), "no check against redis-benchmark:\n{stdout}");
+    }
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"), "--plot did not draw an SVG");
 }
 
