@@ -187,6 +187,33 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The Spark plugin's fixed cost: a suite of 18 small SQL jobs (the plugin jar's SmallJobs
+    /// driver, Spark's defaults, joins always shuffled) in one application on the built-in
+    /// shuffle and one on Tern, alternating over --pairs pairs; every job's result must match.
+    SparkSmall {
+        /// Alternated pairs of runs (who goes first rotates).
+        #[arg(long, default_value_t = 3)]
+        pairs: usize,
+        /// Rows of each job's table.
+        #[arg(long, default_value_t = 100_000)]
+        rows: u64,
+        /// Only these jobs, comma-separated [default: all].
+        #[arg(long, value_delimiter = ',')]
+        jobs: Vec<String>,
+        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
+        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
+        jar: PathBuf,
+        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
+        #[arg(long)]
+        spark_home: Option<PathBuf>,
+        #[arg(long, default_value = "local-cluster[2,1,1024]")]
+        master: String,
+        #[arg(long, default_value = "900m")]
+        executor_memory: String,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
     /// plugin jar's TeraSort driver), same input and executors; both outputs validated. Also
     /// the executor processes' CPU over the map stage per GiB shuffled, for both (the write
@@ -394,6 +421,26 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
             if let Some(path) = plot {
                 tern_bench::io::plot(&report.results, &path)?;
+            }
+            Ok(())
+        }
+        BenchCommand::SparkSmall { pairs, rows, jobs, jar, spark_home, master, executor_memory, json } => {
+            let options = tern_bench::spark_small::SparkSmallOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                jar,
+                spark_home,
+                master,
+                executor_memory,
+                pairs,
+                rows,
+                jobs,
+                quiet: json,
+            };
+            let report = tern_bench::spark_small::run(&options).await?;
+            if json {
+                outln!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_bench::spark_small::print_table(&report);
             }
             Ok(())
         }

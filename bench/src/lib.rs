@@ -11,3 +11,4 @@ pub mod scheduler;
 pub mod shuffle;
 pub mod soak;
 pub mod spark;
+pub mod spark_small;

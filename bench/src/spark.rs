@@ -61,7 +61,7 @@ pub struct SparkTerasortReport {
     pub tern: SparkRun,
 }
 
-fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+pub(crate) fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(home) = given {
         return Ok(home.to_path_buf());
     }
@@ -201,4 +201,21 @@ pub fn print_table(r: &SparkTerasortReport) {
         "  map stage CPU (executor processes) per GiB shuffled: built-in {:.2} s, Tern {:.2} s (ratio {:.3})",
         r.builtin_map_cpu_s_per_gib, r.tern_map_cpu_s_per_gib, r.map_cpu_ratio
     );
+}
+
+/// The `--conf` settings of a spark-submit with the plugin jar on both classpaths and, when
+/// `tern_metadata` is given, Tern's shuffle manager switched on against that metadata server.
+pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<String> {
+    let jar = jar.to_string_lossy();
+    let mut confs = vec![
+        format!("spark.driver.extraClassPath={jar}"),
+        format!("spark.executor.extraClassPath={jar}"),
+        "spark.ui.enabled=false".into(),
+    ];
+    if let Some(metadata) = tern_metadata {
+        confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
+        confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
+        confs.push(format!("spark.tern.metadata={metadata}"));
+    }
+    confs
 }

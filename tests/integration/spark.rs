@@ -148,3 +148,27 @@ fn the_native_library_is_per_platform_and_never_assumes_tmp_is_executable() {
         "{said}"
     );
 }
+
+/// `tern bench spark-small` on a few of its jobs: both backends run, every job's result is the
+/// same on both (the bench fails otherwise), and the report has a ratio per pair.
+#[test]
+fn the_small_jobs_bench_compares_results_and_times() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let jobs = "group_count,join,window_top3,except";
+    let out = Command::new(TERN)
+        .args(["bench", "spark-small", "--pairs", "1", "--rows", "20000", "--jobs", jobs, "--json", "--jar", &jar])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", tail(&String::from_utf8_lossy(&out.stderr), 80));
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let names: Vec<&str> = report["jobs"].as_array().unwrap().iter().map(|j| j[0].as_str().unwrap()).collect();
+    assert_eq!(names.join(","), jobs);
+    assert_eq!(report["ratio"]["runs"], 1);
+    assert!(report["ratio"]["median"].as_f64().is_some_and(|r| r > 0.0), "{stdout}");
+    // `except` removes some rows and keeps others: a digest of something, not of nothing.
+    let except = &report["tern_runs"][0]["jobs"][3];
+    assert!(except["rows"].as_u64().is_some_and(|rows| rows > 0), "{stdout}");
+}
