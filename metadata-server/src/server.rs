@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use parking_lot::Mutex;
 use tern_common::admin::Readiness;
+use tern_common::durable::RealFs;
 use tern_proto::v1::admin_server::{self, AdminServer as AdminService};
 use tern_proto::v1::metadata_server::{self, MetadataServer as MetadataService};
 use tern_proto::v1::registry_server::{self, RegistryServer as RegistryService};
@@ -192,13 +193,14 @@ async fn watch_log(wal: Arc<Wal>, readiness: Readiness, mut stopped: watch::Rece
 /// the log files read are no longer needed), and starts a new log file.
 fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
     let started = Instant::now();
-    let recovered = wal::recover(&config.dir)
+    let fs = RealFs::shared();
+    let recovered = wal::recover(&*fs, &config.dir)
         .with_context(|| format!("recovering the metadata state in {}", config.dir.display()))?;
     let mut state = State::new(config);
     state.set_key(crate::keyfile::load_or_create(&config.dir)?);
     state.restore(&recovered.records, Instant::now())?;
     let snapshot = state.snapshot();
-    let bytes = wal::write_snapshot(&config.dir, recovered.next_seq, &snapshot)?;
+    let bytes = wal::write_snapshot(&*fs, &config.dir, recovered.next_seq, &snapshot)?;
     if !recovered.records.is_empty() {
         info!(
             "metadata state recovered from {}: {} snapshot records and {} log records from {} log files in {:.0?}; \
@@ -213,7 +215,7 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
     if !config.fsync {
         warn!("fsync = false: a machine crash may lose acknowledged metadata changes");
     }
-    let wal = Wal::open(&config.dir, recovered.next_seq, config.fsync)?;
+    let wal = Wal::open(fs, &config.dir, recovered.next_seq, config.fsync)?;
     Ok((state, wal))
 }
 
@@ -268,7 +270,7 @@ async fn snapshot_loop(
         };
         let dir = snapshots.dir.clone();
         let started = Instant::now();
-        match tokio::task::spawn_blocking(move || wal::write_snapshot(&dir, seq, &records)).await {
+        match tokio::task::spawn_blocking(move || wal::write_snapshot(&RealFs, &dir, seq, &records)).await {
             Ok(Ok(bytes)) => info!("metadata snapshot of {bytes} bytes written in {:.0?}; log cut", started.elapsed()),
             Ok(Err(e)) => error!("metadata snapshot failed (the log keeps growing until one succeeds): {e:#}"),
             Err(e) => error!("metadata snapshot task failed: {e}"),

@@ -22,9 +22,10 @@
 //! and the file truncated to the last whole record; a bad record with more behind it, or a bad
 //! record in an earlier file, is corruption, and the server refuses to start, naming the file and
 //! offset.
+//!
+//! Every file operation goes through a [`Fs`], so the power-loss tests (`wal/power_loss.rs`) run
+//! all of this on a simulated disk that keeps only what was synced.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -32,6 +33,7 @@ use std::thread::JoinHandle;
 use anyhow::{bail, Context};
 use parking_lot::{Condvar, Mutex};
 use prost::Message;
+use tern_common::durable::{Fs, FsFile, Open};
 use tern_proto::v1::LogRecord;
 use tokio::sync::watch;
 use tracing::warn;
@@ -52,6 +54,8 @@ const WAL_HEADER: usize = 16;
 const SNAPSHOT_HEADER: usize = 24;
 const SNAPSHOT_FILE: &str = "snapshot";
 const SNAPSHOT_TMP: &str = "snapshot.tmp";
+/// Bytes of a snapshot gathered before each write.
+const SNAPSHOT_WRITE_BYTES: usize = 1 << 20;
 
 /// How far the log is durable; `failed` once a write or fsync failed (nothing is durable after).
 #[derive(Debug, Clone, Default)]
@@ -142,10 +146,6 @@ fn wal_seq(name: &str) -> Option<u64> {
     name.strip_prefix("wal-").and_then(|s| s.parse().ok())
 }
 
-fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
 /// What recovery read from the directory.
 #[derive(Debug)]
 pub struct Recovered {
@@ -160,12 +160,12 @@ pub struct Recovered {
 }
 
 /// Reads the snapshot and log files of `dir`, truncating a torn tail of the last log file.
-pub fn recover(dir: &Path) -> anyhow::Result<Recovered> {
+pub fn recover(fs: &dyn Fs, dir: &Path) -> anyhow::Result<Recovered> {
     let mut records = Vec::new();
     let mut first_seq = None;
     let snapshot_path = dir.join(SNAPSHOT_FILE);
-    if snapshot_path.exists() {
-        let bytes = fs::read(&snapshot_path).with_context(|| format!("reading {}", snapshot_path.display()))?;
+    if fs.exists(&snapshot_path).with_context(|| format!("looking for {}", snapshot_path.display()))? {
+        let bytes = fs.read(&snapshot_path).with_context(|| format!("reading {}", snapshot_path.display()))?;
         let name = snapshot_path.display().to_string();
         if bytes.len() < SNAPSHOT_HEADER || &bytes[..8] != SNAPSHOT_MAGIC {
             bail!("{name} is not a Tern metadata snapshot (bad magic)");
@@ -183,9 +183,11 @@ pub fn recover(dir: &Path) -> anyhow::Result<Recovered> {
         records = frames.records;
     }
     let snapshot_records = records.len();
-    let mut seqs: Vec<u64> = fs::read_dir(dir)
+    let mut seqs: Vec<u64> = fs
+        .list(dir)
         .with_context(|| format!("listing {}", dir.display()))?
-        .filter_map(|entry| entry.ok()?.file_name().to_str().and_then(wal_seq))
+        .iter()
+        .filter_map(|name| name.to_str().and_then(wal_seq))
         .collect();
     seqs.sort_unstable();
     if let Some(first) = first_seq {
@@ -212,7 +214,7 @@ pub fn recover(dir: &Path) -> anyhow::Result<Recovered> {
     for &seq in &seqs {
         let path = dir.join(wal_name(seq));
         let name = path.display().to_string();
-        let bytes = fs::read(&path).with_context(|| format!("reading {name}"))?;
+        let bytes = fs.read(&path).with_context(|| format!("reading {name}"))?;
         if bytes.len() < WAL_HEADER {
             // Created, but its header never reached the disk: nothing in it was acknowledged.
             if Some(seq) == last {
@@ -234,7 +236,7 @@ pub fn recover(dir: &Path) -> anyhow::Result<Recovered> {
                 bail!("{why}, in a log file that later ones follow: corruption");
             }
             warn!("{why}: discarded (never acknowledged), file truncated to {} bytes", frames.good_len);
-            let file = OpenOptions::new().write(true).open(&path).with_context(|| format!("opening {name}"))?;
+            let file = fs.open(&path, Open::Existing).with_context(|| format!("opening {name}"))?;
             file.set_len(frames.good_len)
                 .and_then(|()| file.sync_all())
                 .with_context(|| format!("truncating {name}"))?;
@@ -247,34 +249,37 @@ pub fn recover(dir: &Path) -> anyhow::Result<Recovered> {
 
 /// Writes `records` as the snapshot of `dir` covering every log file before `first_seq`, then
 /// deletes those files. Returns the snapshot's size in bytes.
-pub fn write_snapshot(dir: &Path, first_seq: u64, records: &[LogRecord]) -> anyhow::Result<u64> {
+pub fn write_snapshot(fs: &dyn Fs, dir: &Path, first_seq: u64, records: &[LogRecord]) -> anyhow::Result<u64> {
     let tmp = dir.join(SNAPSHOT_TMP);
-    let mut out =
-        BufWriter::with_capacity(1 << 20, File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
-    let mut header = Vec::with_capacity(SNAPSHOT_HEADER);
-    header.extend_from_slice(SNAPSHOT_MAGIC);
-    header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    header.extend_from_slice(&0u32.to_le_bytes());
-    header.extend_from_slice(&first_seq.to_le_bytes());
-    out.write_all(&header)?;
-    let mut size = SNAPSHOT_HEADER as u64;
-    let mut frame = Vec::new();
+    let file = fs.open(&tmp, Open::Truncate).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut out = Vec::with_capacity(SNAPSHOT_WRITE_BYTES + SNAPSHOT_HEADER);
+    out.extend_from_slice(SNAPSHOT_MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&first_seq.to_le_bytes());
+    let mut size = 0u64;
+    let mut write = |out: &mut Vec<u8>| {
+        file.write_at(out, size).with_context(|| format!("writing {}", tmp.display()))?;
+        size += out.len() as u64;
+        out.clear();
+        anyhow::Ok(())
+    };
     for record in records {
-        frame.clear();
-        encode_frame(record, &mut frame);
-        out.write_all(&frame)?;
-        size += frame.len() as u64;
+        encode_frame(record, &mut out);
+        if out.len() >= SNAPSHOT_WRITE_BYTES {
+            write(&mut out)?;
+        }
     }
-    let file = out.into_inner().map_err(|e| e.into_error())?;
+    write(&mut out)?;
     file.sync_all().with_context(|| format!("syncing {}", tmp.display()))?;
     drop(file);
-    fs::rename(&tmp, dir.join(SNAPSHOT_FILE)).with_context(|| format!("renaming {} into place", tmp.display()))?;
-    sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))?;
-    for entry in fs::read_dir(dir)? {
-        let name = entry?.file_name();
+    fs.rename(&tmp, &dir.join(SNAPSHOT_FILE)).with_context(|| format!("renaming {} into place", tmp.display()))?;
+    // The rename must be durable before the log files it replaces are removed.
+    fs.sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))?;
+    for name in fs.list(dir).with_context(|| format!("listing {}", dir.display()))? {
         if let Some(seq) = name.to_str().and_then(wal_seq) {
             if seq < first_seq {
-                fs::remove_file(dir.join(&name)).with_context(|| format!("removing {name:?}"))?;
+                fs.remove(&dir.join(&name)).with_context(|| format!("removing {name:?}"))?;
             }
         }
     }
@@ -304,6 +309,7 @@ struct Shared {
     wake: Condvar,
     room: Condvar,
     durable: watch::Sender<Durable>,
+    fs: Arc<dyn Fs>,
     dir: PathBuf,
     fsync: bool,
 }
@@ -323,14 +329,15 @@ impl std::fmt::Debug for Wal {
 impl Wal {
     /// Starts log file `seq` in `dir` and the writer thread. `fsync` false skips syncs (tests of
     /// other things only; a crash may then lose acknowledged changes).
-    pub fn open(dir: &Path, seq: u64, fsync: bool) -> anyhow::Result<Wal> {
-        let file = create_wal_file(dir, seq, fsync)?;
+    pub fn open(fs: Arc<dyn Fs>, dir: &Path, seq: u64, fsync: bool) -> anyhow::Result<Wal> {
+        let file = create_wal_file(&*fs, dir, seq, fsync)?;
         let (durable, _) = watch::channel(Durable::default());
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue { seq, ..Queue::default() }),
             wake: Condvar::new(),
             room: Condvar::new(),
             durable,
+            fs,
             dir: dir.to_path_buf(),
             fsync,
         });
@@ -427,26 +434,37 @@ impl Drop for Wal {
     }
 }
 
-fn create_wal_file(dir: &Path, seq: u64, fsync: bool) -> anyhow::Result<File> {
+/// A log file being appended to.
+struct LogFile {
+    file: Box<dyn FsFile>,
+    len: u64,
+}
+
+impl LogFile {
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.file.write_at(bytes, self.len)?;
+        self.len += bytes.len() as u64;
+        Ok(())
+    }
+}
+
+fn create_wal_file(fs: &dyn Fs, dir: &Path, seq: u64, fsync: bool) -> anyhow::Result<LogFile> {
     let path = dir.join(wal_name(seq));
-    let mut file = OpenOptions::new()
-        .create_new(true)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("creating metadata log {}", path.display()))?;
+    let file = fs.open(&path, Open::CreateNew).with_context(|| format!("creating metadata log {}", path.display()))?;
+    let mut file = LogFile { file, len: 0 };
     let mut header = Vec::with_capacity(WAL_HEADER);
     header.extend_from_slice(WAL_MAGIC);
     header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     header.extend_from_slice(&0u32.to_le_bytes());
-    file.write_all(&header)?;
+    file.append(&header).with_context(|| format!("writing {}", path.display()))?;
     if fsync {
-        file.sync_all()?;
-        sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))?;
+        file.file.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+        fs.sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))?;
     }
     Ok(file)
 }
 
-fn write_loop(shared: &Shared, mut file: File) {
+fn write_loop(shared: &Shared, mut file: LogFile) {
     loop {
         let items = {
             let mut queue = shared.queue.lock();
@@ -465,12 +483,12 @@ fn write_loop(shared: &Shared, mut file: File) {
             for item in items {
                 match item {
                     Item::Bytes(bytes, lsn) => {
-                        file.write_all(&bytes).context("writing the metadata log")?;
+                        file.append(&bytes).context("writing the metadata log")?;
                         last = Some(lsn);
                     }
                     Item::Rotate(seq) => {
                         sync(&file, shared.fsync)?;
-                        file = create_wal_file(&shared.dir, seq, shared.fsync)?;
+                        file = create_wal_file(&*shared.fs, &shared.dir, seq, shared.fsync)?;
                     }
                 }
             }
@@ -492,35 +510,37 @@ fn write_loop(shared: &Shared, mut file: File) {
     }
 }
 
-fn sync(file: &File, fsync: bool) -> anyhow::Result<()> {
+fn sync(file: &LogFile, fsync: bool) -> anyhow::Result<()> {
     if fsync {
-        file.sync_data().context("syncing the metadata log")?;
+        file.file.sync_data().context("syncing the metadata log")?;
     }
     Ok(())
 }
 
-/// Reads a whole file (tests).
 #[cfg(test)]
-fn read_all(path: &Path) -> Vec<u8> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    File::open(path).unwrap().read_to_end(&mut bytes).unwrap();
-    bytes
-}
+mod power_loss;
 
 #[cfg(test)]
 mod tests {
+    use std::fs::{self, OpenOptions};
+    use std::io::Write;
+
+    use tern_common::durable::RealFs;
     use tern_proto::v1::log_record::Change;
     use tern_proto::v1::MkdirRequest;
 
     use super::*;
+
+    fn read_all(path: &Path) -> Vec<u8> {
+        fs::read(path).unwrap()
+    }
 
     fn mkdir(i: u64) -> LogRecord {
         LogRecord { unix_ms: i, change: Some(Change::Mkdir(MkdirRequest { path: format!("/d{i}"), parents: false })) }
     }
 
     async fn write(dir: &Path, seq: u64, count: u64) {
-        let wal = Wal::open(dir, seq, true).unwrap();
+        let wal = Wal::open(RealFs::shared(), dir, seq, true).unwrap();
         let mut last = 0;
         for i in 0..count {
             last = wal.append(&[mkdir(i)]);
@@ -533,15 +553,15 @@ mod tests {
     async fn records_round_trip_through_log_and_snapshot() {
         let temp = tempfile::tempdir().unwrap();
         write(temp.path(), 1, 10).await;
-        let recovered = recover(temp.path()).unwrap();
+        let recovered = recover(&RealFs, temp.path()).unwrap();
         assert_eq!(recovered.records, (0..10).map(mkdir).collect::<Vec<_>>());
         assert_eq!((recovered.next_seq, recovered.wal_files), (2, 1));
 
         // A snapshot covering wal-1 replaces it; wal-2 continues.
-        write_snapshot(temp.path(), 2, &recovered.records[..4]).unwrap();
+        write_snapshot(&RealFs, temp.path(), 2, &recovered.records[..4]).unwrap();
         assert!(!temp.path().join(wal_name(1)).exists());
         write(temp.path(), 2, 3).await;
-        let recovered = recover(temp.path()).unwrap();
+        let recovered = recover(&RealFs, temp.path()).unwrap();
         let expected: Vec<LogRecord> = (0..4).chain(0..3).map(mkdir).collect();
         assert_eq!((recovered.records, recovered.snapshot_records, recovered.next_seq), (expected, 4, 3));
     }
@@ -554,14 +574,14 @@ mod tests {
         let whole = read_all(&path).len() as u64;
         // The last record loses its last 3 bytes, as a crash mid-write leaves it.
         OpenOptions::new().write(true).open(&path).unwrap().set_len(whole - 3).unwrap();
-        let recovered = recover(temp.path()).unwrap();
+        let recovered = recover(&RealFs, temp.path()).unwrap();
         assert_eq!(recovered.records, (0..4).map(mkdir).collect::<Vec<_>>());
         let cut = read_all(&path).len() as u64;
         assert!(cut < whole - 3, "the torn record was not cut off");
         // Appending zeros (a file extended but never written) is torn too.
         let mut file = OpenOptions::new().append(true).open(&path).unwrap();
         file.write_all(&[0; 100]).unwrap();
-        assert_eq!(recover(temp.path()).unwrap().records.len(), 4);
+        assert_eq!(recover(&RealFs, temp.path()).unwrap().records.len(), 4);
         assert_eq!(read_all(&path).len() as u64, cut);
     }
 
@@ -575,7 +595,7 @@ mod tests {
         let first = FRAME_HEADER + mkdir(0).encoded_len();
         bytes[WAL_HEADER + first + FRAME_HEADER + 2] ^= 0x40;
         fs::write(&path, &bytes).unwrap();
-        let err = format!("{:#}", recover(temp.path()).unwrap_err());
+        let err = format!("{:#}", recover(&RealFs, temp.path()).unwrap_err());
         assert!(err.contains("is corrupt at offset") && err.contains("crc32c"), "{err}");
         // The same damage in the last record is a torn tail.
         let mut bytes = read_all(&path);
@@ -584,13 +604,13 @@ mod tests {
         let last = bytes.len() - 1;
         bytes[last] ^= 0x40;
         fs::write(&path, &bytes).unwrap();
-        assert_eq!(recover(temp.path()).unwrap().records.len(), 4);
+        assert_eq!(recover(&RealFs, temp.path()).unwrap().records.len(), 4);
     }
 
     #[tokio::test]
     async fn concurrent_appends_share_syncs_and_all_become_durable() {
         let temp = tempfile::tempdir().unwrap();
-        let wal = Arc::new(Wal::open(temp.path(), 1, true).unwrap());
+        let wal = Arc::new(Wal::open(RealFs::shared(), temp.path(), 1, true).unwrap());
         let mut tasks = Vec::new();
         for t in 0..8u64 {
             let wal = wal.clone();
@@ -605,7 +625,7 @@ mod tests {
             task.await.unwrap();
         }
         wal.close();
-        assert_eq!(recover(temp.path()).unwrap().records.len(), 400);
+        assert_eq!(recover(&RealFs, temp.path()).unwrap().records.len(), 400);
     }
 
     #[test]
@@ -615,13 +635,13 @@ mod tests {
         bytes.extend_from_slice(&7u32.to_le_bytes());
         bytes.extend_from_slice(&0u32.to_le_bytes());
         fs::write(temp.path().join(wal_name(1)), &bytes).unwrap();
-        let err = format!("{:#}", recover(temp.path()).unwrap_err());
+        let err = format!("{:#}", recover(&RealFs, temp.path()).unwrap_err());
         assert!(err.contains("format version 7"), "{err}");
         fs::remove_file(temp.path().join(wal_name(1))).unwrap();
         for seq in [1, 3] {
-            drop(create_wal_file(temp.path(), seq, false).unwrap());
+            drop(create_wal_file(&RealFs, temp.path(), seq, false).unwrap());
         }
-        let err = format!("{:#}", recover(temp.path()).unwrap_err());
+        let err = format!("{:#}", recover(&RealFs, temp.path()).unwrap_err());
         assert!(err.contains("skip from"), "{err}");
     }
 }

@@ -4,14 +4,22 @@
 //! slot count) and one 32-byte entry per slot: block id (0 = free), published length, crc32c of
 //! those 12 bytes. A write updates its slot's entry and syncs it before it is acknowledged; a free
 //! clears the entries (and syncs) before the slots can be reused. At start every entry with a
-//! good crc comes back as a block of that length; one with a bad crc (a write cut off by a crash,
-//! never acknowledged) is dropped with a warning.
+//! good crc comes back as a block of that length; one with a bad crc (damage) is dropped with a
+//! warning. Entries are updated in place, so one must never be torn (that would lose the length
+//! acknowledged before): an entry never straddles a 512-byte sector, and a disk writes a sector
+//! whole or not at all.
+//!
+//! A new index is written whole (header, zeroed entries), synced, and its directory synced, before
+//! anything is recorded in it; a file that a crash left short of that (shorter than a header, a
+//! header of zeros, or our header on a file cut short) held nothing and is made again. File I/O
+//! goes through a [`Fs`], so the power-loss tests (`index/power_loss.rs`) run it on a simulated
+//! disk that keeps only what was synced.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use tern_common::durable::{parent_dir, Fs, FsFile, Open, RealFs};
 use tern_proto::BlockId;
 
 const MAGIC: &[u8; 8] = b"TERNNVIX";
@@ -27,7 +35,7 @@ pub struct Entry {
 }
 
 pub struct BlockIndex {
-    file: File,
+    file: Box<dyn FsFile>,
     path: PathBuf,
 }
 
@@ -63,24 +71,41 @@ impl BlockIndex {
     /// returns the blocks it lists. An index made for another block size or slot count is refused:
     /// its slots would not be the tier's.
     pub fn open(path: &Path, block_size: u32, slots: usize) -> anyhow::Result<(BlockIndex, Vec<Entry>)> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .with_context(|| format!("opening the NVMe block index {}", path.display()))?;
+        BlockIndex::open_in(Arc::new(RealFs), path, block_size, slots)
+    }
+
+    /// [`BlockIndex::open`] on the filesystem `fs`.
+    pub fn open_in(
+        fs: Arc<dyn Fs>,
+        path: &Path,
+        block_size: u32,
+        slots: usize,
+    ) -> anyhow::Result<(BlockIndex, Vec<Entry>)> {
+        let opening = || format!("opening the NVMe block index {}", path.display());
+        let file = fs.open(path, Open::Create).with_context(opening)?;
         let index = BlockIndex { file, path: path.to_path_buf() };
         let expected = header(block_size, slots);
-        let size = index.file.metadata()?.len();
-        if size == 0 {
-            index.file.write_all_at(&expected, 0)?;
-            index.file.set_len(ENTRY_BYTES * (slots as u64 + 1))?;
+        let whole = ENTRY_BYTES * (slots as u64 + 1);
+        let size = index.file.size().with_context(opening)?;
+        let mut found = [0u8; ENTRY_BYTES as usize];
+        if size >= ENTRY_BYTES {
+            index.file.read_at(&mut found, 0).with_context(|| format!("reading {}", path.display()))?;
+        }
+        if size < ENTRY_BYTES || found == [0; ENTRY_BYTES as usize] || (found == expected && size < whole) {
+            // New, or a crash came before its first sync (the header or size did not reach the
+            // disk): nothing was ever recorded in it.
+            if size > 0 {
+                tracing::warn!("{}: an index left unfinished by a crash; made again", path.display());
+            }
+            index.file.set_len(0)?;
+            index.file.write_at(&expected, 0)?;
+            index.file.set_len(whole)?;
             index.file.sync_all().with_context(|| format!("syncing {}", path.display()))?;
+            // Its name too: records synced into a file whose name a crash takes away are lost.
+            let dir = parent_dir(path);
+            fs.sync_dir(dir).with_context(|| format!("syncing directory {}", dir.display()))?;
             return Ok((index, Vec::new()));
         }
-        let mut found = [0u8; ENTRY_BYTES as usize];
-        index.file.read_exact_at(&mut found, 0).with_context(|| format!("reading {}", path.display()))?;
         if found != expected {
             bail!(
                 "the NVMe block index {} was made for another tier (block size or size differ, or it is not an \
@@ -89,7 +114,7 @@ impl BlockIndex {
             );
         }
         let mut bytes = vec![0u8; (ENTRY_BYTES * slots as u64) as usize];
-        index.file.read_exact_at(&mut bytes, ENTRY_BYTES).with_context(|| format!("reading {}", path.display()))?;
+        index.file.read_at(&mut bytes, ENTRY_BYTES).with_context(|| format!("reading {}", path.display()))?;
         let mut entries = Vec::new();
         for (slot, entry) in bytes.chunks_exact(ENTRY_BYTES as usize).enumerate() {
             let block_id = u64::from_le_bytes(entry[..8].try_into().expect("8 bytes"));
@@ -112,14 +137,14 @@ impl BlockIndex {
 
     /// Records that `slot` holds `block_id` with `len` bytes, durably.
     pub fn record(&self, slot: usize, block_id: BlockId, len: u32) -> std::io::Result<()> {
-        self.file.write_all_at(&encode(block_id, len), ENTRY_BYTES * (slot as u64 + 1))?;
+        self.file.write_at(&encode(block_id, len), ENTRY_BYTES * (slot as u64 + 1))?;
         self.file.sync_data()
     }
 
     /// Records that `slots` are free, durably (one sync for all).
     pub fn clear(&self, slots: &[usize]) -> std::io::Result<()> {
         for &slot in slots {
-            self.file.write_all_at(&[0u8; ENTRY_BYTES as usize], ENTRY_BYTES * (slot as u64 + 1))?;
+            self.file.write_at(&[0u8; ENTRY_BYTES as usize], ENTRY_BYTES * (slot as u64 + 1))?;
         }
         if slots.is_empty() {
             return Ok(());
@@ -131,6 +156,9 @@ impl BlockIndex {
         &self.path
     }
 }
+
+#[cfg(test)]
+mod power_loss;
 
 #[cfg(test)]
 mod tests {
@@ -154,7 +182,7 @@ mod tests {
         ];
         assert_eq!(entries, expected);
         // A torn entry (its crc does not match: slot 3's length) is dropped.
-        index.file.write_all_at(&[0xff], ENTRY_BYTES * 4 + 9).unwrap();
+        index.file.write_at(&[0xff], ENTRY_BYTES * 4 + 9).unwrap();
         drop(index);
         assert_eq!(BlockIndex::open(&path, 4096, 8).unwrap().1, expected[1..]);
         // Another geometry is refused.

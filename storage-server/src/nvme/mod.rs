@@ -86,9 +86,18 @@ impl NvmeTier {
 
     /// Keeps a durable index at `path` (see [`index`]) and takes back the blocks it lists.
     pub fn with_index(self, path: &std::path::Path) -> anyhow::Result<NvmeTier> {
+        self.with_index_in(tern_common::durable::RealFs::shared(), path)
+    }
+
+    /// [`NvmeTier::with_index`] with the index on the filesystem `fs`.
+    pub fn with_index_in(
+        self,
+        fs: Arc<dyn tern_common::durable::Fs>,
+        path: &std::path::Path,
+    ) -> anyhow::Result<NvmeTier> {
         let slots = self.table.slots();
         let (block_size, count) = (slots.block_size(), slots.count());
-        let (index, entries) = index::BlockIndex::open(path, block_size, count)?;
+        let (index, entries) = index::BlockIndex::open_in(fs, path, block_size, count)?;
         let path = index.path().to_path_buf();
         // Nothing was written yet: cut the device again, with the index this time.
         let disk = Disk { engine: self.disk().engine.clone(), align: self.disk().align, index: Some(index) };

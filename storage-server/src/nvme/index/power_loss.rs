@@ -1,0 +1,166 @@
+//! Power-loss tests of the NVMe block index: an NVMe tier (its data in memory: the data is not
+//! fsynced by design, see ARCHITECTURE.md) keeps its index on a [`SimFs`] that records its state
+//! after every file operation, while concurrent writers append to blocks and free some (slots are
+//! reused). At each point, a power cut in each of [`Keep::battery`]'s modes leaves a disk on which
+//! the tier must open, listing every block at least at the length its last answered append
+//! published, no block whose free was answered, and only lengths some append wrote. Then a new
+//! block is written, the power cut again, and the tier must open with it and with every block it
+//! had taken back.
+//!
+//! Which fsyncs these catch, each removed in turn: see the commit that added this file.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use tern_common::durable::sim::{Keep, Point, SimFs};
+use tern_proto::{BlockId, ServerId};
+
+use crate::nvme::aligned::AlignedBuf;
+use crate::nvme::engine::{IoEngine, IoFuture, KeepAlive};
+use crate::nvme::NvmeTier;
+
+const BS: u32 = 4096;
+const ALIGN: u64 = 512;
+const SLOTS: u64 = 10;
+const INDEX: &str = "/nvme/tier.index";
+
+/// The tier's data in memory: what a device would read back, no crash involved.
+struct MemEngine(Mutex<Vec<u8>>);
+
+impl IoEngine for MemEngine {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn read_at(&self, mut buf: AlignedBuf, offset: u64) -> IoFuture {
+        let data = self.0.lock().unwrap();
+        let at = offset as usize;
+        let len = buf.len();
+        buf.copy_from_slice(&data[at..at + len]);
+        Box::pin(async move { Ok(buf) })
+    }
+
+    fn write_at(&self, buf: AlignedBuf, offset: u64, keep: KeepAlive) -> IoFuture {
+        let at = offset as usize;
+        self.0.lock().unwrap()[at..at + buf.len()].copy_from_slice(&buf);
+        drop(keep);
+        Box::pin(async move { Ok(buf) })
+    }
+}
+
+fn open(fs: &SimFs) -> anyhow::Result<NvmeTier> {
+    let engine = Arc::new(MemEngine(Mutex::new(vec![0; (SLOTS * u64::from(BS)) as usize])));
+    NvmeTier::new(engine, SLOTS * u64::from(BS), ALIGN, BS)?.with_index_in(fs.shared(), Path::new(INDEX))
+}
+
+async fn append(tier: &NvmeTier, block: u64, offset: u32, len: u32) -> u32 {
+    let mut write = tier.begin_write(BlockId::from(block), offset, len).unwrap();
+    write.payload().fill(block as u8);
+    let crc = crc32c::crc32c(write.payload());
+    write.commit(crc).await.unwrap()
+}
+
+/// The blocks a tier lists, with their lengths.
+async fn listed(tier: &NvmeTier) -> BTreeMap<u64, u32> {
+    let mut blocks = BTreeMap::new();
+    for id in tier.ids() {
+        let (_, len) = tier.read(id, 0, 0, ServerId(1)).await.unwrap();
+        blocks.insert(id.get(), len);
+    }
+    blocks
+}
+
+/// What the writers were told, with the operations done by then.
+#[derive(Default)]
+struct Answers {
+    /// (ops, block, length published).
+    appends: Vec<(u64, u64, u32)>,
+    /// (ops, block): frees begun (from then on the block may be gone).
+    freeing: Vec<(u64, u64)>,
+    /// (ops, block): frees answered (from then on the block must be gone).
+    frees: Vec<(u64, u64)>,
+}
+
+impl Answers {
+    fn check(&self, point: &Point, keep: Keep, blocks: &BTreeMap<u64, u32>) {
+        let at = |what: &str| format!("crash after operation {} ({keep:?}): {what}", point.ops);
+        let before = |list: &[(u64, u64)]| -> Vec<u64> {
+            list.iter().filter(|&&(ops, _)| ops <= point.ops).map(|&(_, b)| b).collect()
+        };
+        let (freeing, freed) = (before(&self.freeing), before(&self.frees));
+        for &(ops, block, len) in &self.appends {
+            if ops <= point.ops && !freeing.contains(&block) {
+                let found = blocks.get(&block).copied();
+                assert!(
+                    found >= Some(len),
+                    "{}",
+                    at(&format!("block {block} answered at {len} bytes, found {found:?}"))
+                );
+            }
+        }
+        for (block, len) in blocks {
+            assert!(!freed.contains(block), "{}", at(&format!("block {block} was freed, yet it is listed")));
+            assert!(
+                self.appends.iter().any(|&(_, b, l)| b == *block && l == *len),
+                "{}",
+                at(&format!("block {block} listed at {len} bytes, a length no append published"))
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn answered_appends_and_frees_survive_a_power_cut_at_every_point() {
+    let fs = SimFs::new();
+    fs.record();
+    let tier = Arc::new(open(&fs).unwrap());
+    let answers = Arc::new(Mutex::new(Answers::default()));
+    // Three writers, each appending to its blocks in three pieces and freeing every other block,
+    // so slots are freed and reused.
+    let mut writers = Vec::new();
+    for task in 0..3u64 {
+        let (fs, tier, answers) = (fs.clone(), tier.clone(), answers.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..4u64 {
+                let block = 1 + task * 100 + i;
+                let mut offset = 0;
+                for len in [100, 900, 1] {
+                    offset = append(&tier, block, offset, len).await;
+                    answers.lock().unwrap().appends.push((fs.ops(), block, offset));
+                }
+                if i % 2 == 0 {
+                    answers.lock().unwrap().freeing.push((fs.ops(), block));
+                    assert_eq!(tier.free(&[BlockId::from(block)]), 1);
+                    answers.lock().unwrap().frees.push((fs.ops(), block));
+                }
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let answers = std::mem::take(&mut *answers.lock().unwrap());
+    assert_eq!((answers.appends.len(), answers.frees.len()), (36, 6));
+    let mut checked = 0;
+    for point in fs.points() {
+        for keep in Keep::battery() {
+            let crashed = point.crash_with(keep);
+            let tier = open(&crashed).unwrap_or_else(|e| {
+                panic!("crash after operation {} ({keep:?}): the tier does not open: {e:#}", point.ops)
+            });
+            let blocks = listed(&tier).await;
+            answers.check(&point, keep, &blocks);
+            // The tier goes on: a new block, answered, then another power cut.
+            let len = append(&tier, 999, 0, 10).await;
+            drop(tier);
+            let again = listed(&open(&crashed.crash()).unwrap()).await;
+            let mut expected = blocks.clone();
+            expected.insert(999, len);
+            assert_eq!(again, expected, "crash after operation {} ({keep:?}), a new block, crash", point.ops);
+            checked += 1;
+        }
+    }
+    assert!(checked > 50 * Keep::battery().len(), "only {checked} crashes");
+}
