@@ -71,6 +71,12 @@ pub fn open(path: &Path, size: Option<ByteSize>) -> anyhow::Result<Device> {
         if size > current {
             preallocate(&file, size)
                 .with_context(|| format!("nvme: preallocating {} of {} (fallocate)", ByteSize(size), path.display()))?;
+            // The file's size and its name are durable before any block in it is acknowledged.
+            file.sync_all().with_context(|| format!("nvme: syncing {}", path.display()))?;
+            let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .with_context(|| format!("nvme: syncing the directory of {}", path.display()))?;
         }
         size
     };

@@ -42,6 +42,10 @@ pub trait IoEngine: Send + Sync {
     fn read_at(&self, buf: AlignedBuf, offset: u64) -> IoFuture;
     /// Writes all of `buf` at `offset`; `keep` is dropped only once the write is over.
     fn write_at(&self, buf: AlignedBuf, offset: u64, keep: KeepAlive) -> IoFuture;
+    /// Makes every write done so far durable (fdatasync: the device's write cache, and the
+    /// filesystem's record that preallocated space now holds data). Blocking: call it off the
+    /// async workers.
+    fn sync_data(&self) -> io::Result<()>;
 }
 
 /// Which engine `--io-engine` asks for.
@@ -151,6 +155,10 @@ impl IoEngine for PsyncEngine {
             Ok(buf)
         })))
     }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -173,6 +181,8 @@ struct Op {
 
 /// io_uring on a dedicated thread.
 pub struct UringEngine {
+    /// For fdatasync, which needs no ring.
+    file: Arc<File>,
     tx: Option<mpsc::Sender<Op>>,
     permits: Arc<Semaphore>,
     wake: Arc<OwnedFd>,
@@ -196,10 +206,17 @@ impl UringEngine {
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
         let (tx, rx) = mpsc::channel();
         let thread_wake = wake.clone();
-        let thread = std::thread::Builder::new()
-            .name("tern-uring".into())
-            .spawn(move || ring_loop(ring, file, rx, thread_wake))?;
-        Ok(UringEngine { tx: Some(tx), permits: Arc::new(Semaphore::new(depth as usize)), wake, thread: Some(thread) })
+        let thread = std::thread::Builder::new().name("tern-uring".into()).spawn({
+            let file = file.clone();
+            move || ring_loop(ring, file, rx, thread_wake)
+        })?;
+        Ok(UringEngine {
+            file,
+            tx: Some(tx),
+            permits: Arc::new(Semaphore::new(depth as usize)),
+            wake,
+            thread: Some(thread),
+        })
     }
 
     fn wake(&self) {
@@ -250,6 +267,10 @@ impl IoEngine for UringEngine {
 
     fn write_at(&self, buf: AlignedBuf, offset: u64, keep: KeepAlive) -> IoFuture {
         self.submit(Kind::Write, buf, offset, keep)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
     }
 }
 

@@ -230,7 +230,12 @@ impl NvmeWrite {
             let new_len = self.writer.offset() + self.writer.len();
             let (slot, block) = (slot.clone(), self.writer.block());
             tokio::task::spawn_blocking(move || {
-                let index = slot.medium().index.as_ref().expect("the index checked above");
+                let Disk { engine, index, .. } = slot.medium();
+                let index = index.as_ref().expect("the index checked above");
+                // The data first: an index entry must never name bytes a power cut could take
+                // back (O_DIRECT skips the page cache, not the device's cache, nor the
+                // filesystem's note that preallocated space now holds data).
+                engine.sync_data()?;
                 index.record(slot.index(), block, new_len)
             })
             .await

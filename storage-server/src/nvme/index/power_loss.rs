@@ -1,11 +1,12 @@
-//! Power-loss tests of the NVMe block index: an NVMe tier (its data in memory: the data is not
-//! fsynced by design, see ARCHITECTURE.md) keeps its index on a [`SimFs`] that records its state
-//! after every file operation, while concurrent writers append to blocks and free some (slots are
-//! reused). At each point, a power cut in each of [`Keep::battery`]'s modes leaves a disk on which
-//! the tier must open, listing every block at least at the length its last answered append
-//! published, no block whose free was answered, and only lengths some append wrote. Then a new
-//! block is written, the power cut again, and the tier must open with it and with every block it
-//! had taken back.
+//! Power-loss tests of the NVMe tier: its data file and its block index both on a [`SimFs`] that
+//! records its state after every file operation, while concurrent writers append to blocks and
+//! free some (slots are reused). At each point, a power cut in each of [`Keep::battery`]'s modes
+//! leaves a disk on which the tier must open, listing every block at least at the length its last
+//! answered append published, no block whose free was answered, only lengths some append wrote,
+//! and, for every block listed, the bytes that were written (so an index entry that names data a
+//! power cut took back fails, as it would without the data's fdatasync). Then a new block is
+//! written, the power cut again, and the tier must open with it and with every block it had taken
+//! back.
 //!
 //! Which fsyncs these catch, each removed in turn: see the commit that added this file.
 
@@ -14,6 +15,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use tern_common::durable::sim::{Keep, Point, SimFs};
+use tern_common::durable::{Fs, FsFile, Open};
 use tern_proto::{BlockId, ServerId};
 
 use crate::nvme::aligned::AlignedBuf;
@@ -24,34 +26,42 @@ const BS: u32 = 4096;
 const ALIGN: u64 = 512;
 const SLOTS: u64 = 10;
 const INDEX: &str = "/nvme/tier.index";
+const DATA: &str = "/nvme/tier";
 
-/// The tier's data in memory: what a device would read back, no crash involved.
-struct MemEngine(Mutex<Vec<u8>>);
+/// The tier's data file on the simulated disk: what is not synced when the power goes is lost.
+struct SimEngine(Box<dyn FsFile>);
 
-impl IoEngine for MemEngine {
+impl IoEngine for SimEngine {
     fn name(&self) -> &'static str {
-        "memory"
+        "sim"
     }
 
     fn read_at(&self, mut buf: AlignedBuf, offset: u64) -> IoFuture {
-        let data = self.0.lock().unwrap();
-        let at = offset as usize;
-        let len = buf.len();
-        buf.copy_from_slice(&data[at..at + len]);
-        Box::pin(async move { Ok(buf) })
+        let read = self.0.read_at(&mut buf, offset);
+        Box::pin(async move { read.map(|()| buf) })
     }
 
     fn write_at(&self, buf: AlignedBuf, offset: u64, keep: KeepAlive) -> IoFuture {
-        let at = offset as usize;
-        self.0.lock().unwrap()[at..at + buf.len()].copy_from_slice(&buf);
+        let written = self.0.write_at(&buf, offset);
         drop(keep);
-        Box::pin(async move { Ok(buf) })
+        Box::pin(async move { written.map(|()| buf) })
+    }
+
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.0.sync_data()
     }
 }
 
 fn open(fs: &SimFs) -> anyhow::Result<NvmeTier> {
-    let engine = Arc::new(MemEngine(Mutex::new(vec![0; (SLOTS * u64::from(BS)) as usize])));
-    NvmeTier::new(engine, SLOTS * u64::from(BS), ALIGN, BS)?.with_index_in(fs.shared(), Path::new(INDEX))
+    let data = fs.open(Path::new(DATA), Open::Create)?;
+    if data.size()? == 0 {
+        // As device::open makes a new file: sized, then file and directory synced.
+        data.set_len(SLOTS * u64::from(BS))?;
+        data.sync_all()?;
+        fs.sync_dir(Path::new("/nvme"))?;
+    }
+    NvmeTier::new(Arc::new(SimEngine(data)), SLOTS * u64::from(BS), ALIGN, BS)?
+        .with_index_in(fs.shared(), Path::new(INDEX))
 }
 
 async fn append(tier: &NvmeTier, block: u64, offset: u32, len: u32) -> u32 {
@@ -61,11 +71,19 @@ async fn append(tier: &NvmeTier, block: u64, offset: u32, len: u32) -> u32 {
     write.commit(crc).await.unwrap()
 }
 
-/// The blocks a tier lists, with their lengths.
+/// The blocks a tier lists, with their lengths; each block's bytes must be the ones its appends
+/// wrote (every byte of block b is `b as u8`).
 async fn listed(tier: &NvmeTier) -> BTreeMap<u64, u32> {
     let mut blocks = BTreeMap::new();
     for id in tier.ids() {
         let (_, len) = tier.read(id, 0, 0, ServerId(1)).await.unwrap();
+        let (bytes, _) = tier.read(id, 0, len, ServerId(1)).await.unwrap();
+        let wrong = bytes.iter().position(|&b| b != id.get() as u8);
+        assert!(
+            wrong.is_none(),
+            "block {} is listed at {len} bytes, but byte {wrong:?} is not what was written",
+            id.get()
+        );
         blocks.insert(id.get(), len);
     }
     blocks
