@@ -75,6 +75,19 @@ impl Listener for Box<dyn Listener> {
     }
 }
 
+/// The next stream of a listener whose accepting (and handshakes) run in tasks of their own and
+/// hand streams over through `streams`. Once every sender is gone it waits forever instead of
+/// spinning the caller's accept loop.
+pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<Stream>) -> io::Result<Stream> {
+    match streams.recv().await {
+        Some(stream) => Ok(stream),
+        None => {
+            futures::future::pending::<()>().await;
+            Err(io::Error::other("listener closed"))
+        }
+    }
+}
+
 /// Which transport a client uses for block traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {

@@ -261,17 +261,7 @@ async fn serve_connection(incoming: quinn::Incoming, tx: mpsc::Sender<Stream>) {
 
 impl Listener for QuicListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
-        async move {
-            match self.streams.recv().await {
-                Some(stream) => Ok(stream),
-                None => {
-                    // Every endpoint is gone; wait instead of spinning the caller's accept loop.
-                    futures::future::pending::<()>().await;
-                    Err(io::Error::other("QUIC endpoints closed"))
-                }
-            }
-        }
-        .boxed()
+        crate::next_handed_over(&mut self.streams).boxed()
     }
 
     fn local_addr(&self) -> SocketAddr {

@@ -202,16 +202,7 @@ async fn identify(
 
 impl Listener for TcpOrTlsListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
-        async move {
-            match self.streams.recv().await {
-                Some(stream) => Ok(stream),
-                None => {
-                    futures::future::pending::<()>().await;
-                    Err(io::Error::other("block service listener closed"))
-                }
-            }
-        }
-        .boxed()
+        crate::next_handed_over(&mut self.streams).boxed()
     }
 
     fn local_addr(&self) -> SocketAddr {
