@@ -104,20 +104,28 @@ enum BenchCommand {
         #[arg(long)]
         no_progress: bool,
     },
-    /// Task scheduler: dispatch throughput of noop tasks to N executors (`tern up --executors N`,
-    /// real processes) and executor cold start (process start to first task running, p50/p99).
+    /// Task scheduler: dispatch throughput of noop tasks to N executors of 8 CPUs (`tern up
+    /// --executors N`, real processes), of tiny batched tasks (0.001 CPU) and of whole-CPU tasks
+    /// (each placed into a freed CPU), median and range over --runs; and executor cold start
+    /// (process start to first task running; percentiles only where the starts support them).
     Scheduler {
-        /// Noop tasks in the measured job.
+        /// Tiny (0.001 CPU) noop tasks in each measured job.
         #[arg(long, default_value_t = 50_000)]
         tasks: u32,
+        /// Whole-CPU (1 CPU) noop tasks in each measured job.
+        #[arg(long, default_value_t = 5_000)]
+        whole_cpu_tasks: u32,
+        /// Measurements of each kind of dispatch.
+        #[arg(long, default_value_t = 3)]
+        runs: u32,
         /// Executors the tasks are dispatched to.
         #[arg(long, default_value_t = 4)]
         executors: u32,
-        /// Executor starts timed for the cold-start figures.
-        #[arg(long, default_value_t = 20)]
+        /// Executor starts timed for the cold-start figures (p99 needs 100).
+        #[arg(long, default_value_t = 100)]
         cold_starts: u32,
-        /// Print one JSON object (tasks_per_s, executors, cold_start_ms_p50, cold_start_ms_p99, ...)
-        /// instead of the table.
+        /// Print one JSON object (tasks_per_s, tiny_tasks_per_s, whole_cpu_tasks_per_s,
+        /// cold_start_ms_p50, cold_start_ms_p99 (null where unsupported), ...) instead of the table.
         #[arg(long)]
         json: bool,
     },
@@ -278,10 +286,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        BenchCommand::Scheduler { tasks, executors, cold_starts, json } => {
+        BenchCommand::Scheduler { tasks, whole_cpu_tasks, runs, executors, cold_starts, json } => {
             let options = tern_bench::scheduler::SchedulerBenchOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 tasks,
+                whole_cpu_tasks,
+                runs,
                 executors,
                 cold_starts,
                 progress: !json,
