@@ -211,14 +211,15 @@ enum BenchCommand {
         #[arg(long, default_value = "900m")]
         executor_memory: String,
         /// Directory for the input and outputs (local disk, about 2x the size), and with
-        /// --storage disk for both shuffles (Spark's local dir, Tern's NVMe tier file).
+        /// --storage disk Spark's local dir.
         #[arg(long, default_value = "/tmp")]
         scratch: PathBuf,
         /// Pairs of runs (built-in and Tern) per storage.
         #[arg(long, default_value_t = 3)]
         pairs: usize,
-        /// memory: Spark's local dir on a tmpfs (/dev/shm) and Tern's shuffle in DRAM; disk:
-        /// Spark's local dir in --scratch and Tern's shuffle on an NVMe tier file there; both.
+        /// memory: Spark's local dir on a tmpfs (/dev/shm), Tern's shuffle in DRAM; disk: Spark's
+        /// local dir in --scratch, Tern's shuffle still in DRAM (it has no disk-backed shuffle:
+        /// the output says so); both.
         #[arg(long, default_value = "both")]
         storage: tern_bench::spark::StorageChoice,
         /// Print one JSON object instead of the table.
