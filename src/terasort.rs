@@ -8,6 +8,7 @@ use indicatif::MultiProgress;
 use tern_common::ByteSize;
 use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
+use tern_terasort::in_memory;
 use tern_terasort::tasks;
 use tern_terasort::RECORD_LEN;
 
@@ -136,7 +137,7 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
     // Checked before a cluster is started for nothing.
     options.records()?;
     // Held to the end: dropping it stops the cluster.
-    let _embedded = match args.metadata {
+    let embedded = match args.metadata {
         Some(_) => None,
         None => {
             let dram = driver::dram_per_server(options.size_bytes, options.replicas);
@@ -146,8 +147,16 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         }
     };
     let report = driver::terasort(&options).await?;
+    // The cluster's memory is given back before the in-memory sort takes its own.
+    drop(embedded);
+    let records = report.records;
+    let limit = tokio::task::spawn_blocking(move || in_memory::sort(records)).await??;
+    let of_limit = report.sort_mb_per_s / 1e3 / limit.gb_per_s;
     if args.json {
-        outln!("{}", serde_json::to_string(&report)?);
+        let mut json = serde_json::to_value(&report)?;
+        json["in_memory_sort"] = serde_json::to_value(&limit)?;
+        json["of_in_memory_sort"] = of_limit.into();
+        outln!("{json}");
     } else {
         let phases = &report.phases;
         outln!(
@@ -172,6 +181,12 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
             "sort rate: {:.0} MB/s ({:.2} GB/min), map and reduce phases",
             report.sort_mb_per_s,
             report.sort_mb_per_s * 60.0 / 1000.0
+        );
+        outln!("{}", limit.describe(report.records));
+        outln!(
+            "  Tern terasort's rate is {of_limit:.3} of it ({:.3} GB/s / {:.3} GB/s)",
+            report.sort_mb_per_s / 1e3,
+            limit.gb_per_s
         );
         outln!(
             "input checksum {}  output checksum {}  duplicates {}",

@@ -1,9 +1,14 @@
 //! `tern bench scheduler`: how fast the scheduler hands out tasks, and how fast a new executor
 //! starts running one.
 //!
-//! - Dispatch: `tern up --executors E` (the real scheduler and E real executor processes), then
-//!   one job of N `noop` tasks; tasks/s = N over the time from submission until the job has
-//!   succeeded (every task assigned, run and reported). A small warm-up job runs first.
+//! - Dispatch: `tern up --executors E` (the real scheduler and E real executor processes of
+//!   8 CPUs each), then jobs of `noop` tasks; tasks/s = tasks over the time from submission until
+//!   the job has succeeded (every task assigned, run and reported). Two kinds, each measured
+//!   `runs` times in rotating order after a small warm-up job, reported as median and range:
+//!   - tiny tasks (0.001 CPU each): one executor holds thousands at once, so assignments are
+//!     batched; this is the scheduler's bookkeeping rate, not its placement rate;
+//!   - whole-CPU tasks (1 CPU each): an executor of 8 CPUs runs 8 at once, so the scheduler
+//!     places every task into a slot a finished one freed: the placement rate.
 //! - Cold start: a job of `noop` tasks that sleep keeps a backlog; then, one at a time, an
 //!   executor process is started and timed from just before spawn to the moment it logs
 //!   "first task running" (it has registered, polled, been given a task and started it); it is
@@ -15,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::Serialize;
-use tern_common::percentile;
+use tern_common::{percentile, percentile_if_supported, rotation, Spread};
 use tern_proto::sched as pb;
 use tern_scheduler::{spec, SchedulerClient};
 use tern_terasort::{driver, tasks};
@@ -28,8 +33,12 @@ use tern_local::cluster::EmbeddedCluster;
 pub struct SchedulerBenchOptions {
     /// The `tern` binary.
     pub tern: PathBuf,
-    /// Noop tasks dispatched in the measured job.
+    /// Tiny (0.001 CPU) noop tasks dispatched in each measured job.
     pub tasks: u32,
+    /// Whole-CPU noop tasks dispatched in each measured job.
+    pub whole_cpu_tasks: u32,
+    /// Measurements of each dispatch kind.
+    pub runs: u32,
     /// Executors they are dispatched to.
     pub executors: u32,
     /// Executor starts timed.
@@ -41,29 +50,49 @@ pub struct SchedulerBenchOptions {
 /// What `tern bench scheduler --json` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchedulerBenchReport {
+    /// Median of `tiny_tasks_per_s` (the figure this benchmark has always printed).
     pub tasks_per_s: f64,
+    /// Tiny (0.001 CPU, batched) noop tasks per second over `runs` jobs of `tasks` each.
+    pub tiny_tasks_per_s: Spread,
+    /// Whole-CPU noop tasks per second over `runs` jobs of `whole_cpu_tasks` each: every task
+    /// placed into a freed CPU.
+    pub whole_cpu_tasks_per_s: Spread,
     pub executors: u32,
-    pub cold_start_ms_p50: f64,
-    pub cold_start_ms_p99: f64,
+    /// CPUs each executor offers: whole-CPU tasks running at once per executor.
+    pub executor_cpus: u32,
     pub tasks: u32,
+    pub whole_cpu_tasks: u32,
+    pub runs: u32,
+    /// Median seconds of a tiny-task job.
     pub dispatch_seconds: f64,
     pub cold_starts: u32,
+    pub cold_start_ms_p50: f64,
+    /// None where `cold_starts` is too few to support it (p90 needs 10, p99 100).
+    pub cold_start_ms_p90: Option<f64>,
+    pub cold_start_ms_p99: Option<f64>,
     pub cold_start_ms_min: f64,
     pub cold_start_ms_max: f64,
 }
 
-/// CPUs a noop task asks for: small, so one executor holds thousands at once.
+/// CPUs a tiny noop task asks for: small, so one executor holds thousands at once.
 const NOOP_CPU_MILLI: u64 = 1;
+/// CPUs a whole-CPU noop task asks for.
+const WHOLE_CPU_MILLI: u64 = 1000;
 const NOOP_MEMORY_BYTES: u64 = 1 << 10;
 /// What each benchmark executor offers.
-const EXECUTOR_CPUS: &str = "8";
+const EXECUTOR_CPUS: u32 = 8;
 const EXECUTOR_MEMORY: &str = "64GiB";
 /// How long any one phase may take before the benchmark gives up.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 
 pub async fn run(options: &SchedulerBenchOptions) -> anyhow::Result<SchedulerBenchReport> {
-    if options.tasks == 0 || options.executors == 0 || options.cold_starts == 0 {
-        bail!("--tasks, --executors and --cold-starts must each be at least 1");
+    if options.tasks == 0
+        || options.whole_cpu_tasks == 0
+        || options.runs == 0
+        || options.executors == 0
+        || options.cold_starts == 0
+    {
+        bail!("--tasks, --whole-cpu-tasks, --runs, --executors and --cold-starts must each be at least 1");
     }
     let say = |text: String| {
         if options.progress {
@@ -76,7 +105,7 @@ pub async fn run(options: &SchedulerBenchOptions) -> anyhow::Result<SchedulerBen
         "--executors".to_string(),
         options.executors.to_string(),
         "--executor-cpus".into(),
-        EXECUTOR_CPUS.into(),
+        EXECUTOR_CPUS.to_string(),
         "--executor-memory".into(),
         EXECUTOR_MEMORY.into(),
         "--executor-gpus".into(),
@@ -87,11 +116,20 @@ pub async fn run(options: &SchedulerBenchOptions) -> anyhow::Result<SchedulerBen
     let scheduler = connect(&cluster).await?;
     wait_for_executors(&scheduler, options.executors).await?;
     say("warm-up job...".into());
-    run_noop_job(&scheduler, "warm-up", options.tasks.min(2000)).await?;
-    say(format!("dispatching {} noop tasks...", options.tasks));
-    let dispatch = run_noop_job(&scheduler, "dispatch", options.tasks).await?;
-    let tasks_per_s = f64::from(options.tasks) / dispatch.as_secs_f64();
-    say(format!("  {:.0} tasks/s ({:.3} s)", tasks_per_s, dispatch.as_secs_f64()));
+    run_noop_job(&scheduler, "warm-up", options.tasks.min(2000), NOOP_CPU_MILLI).await?;
+    let (mut tiny, mut whole) = (Vec::new(), Vec::new());
+    for run in 0..options.runs {
+        for kind in rotation(&[Dispatch::Tiny, Dispatch::WholeCpu], run as usize) {
+            let (tasks, cpu_milli, runs) = match kind {
+                Dispatch::Tiny => (options.tasks, NOOP_CPU_MILLI, &mut tiny),
+                Dispatch::WholeCpu => (options.whole_cpu_tasks, WHOLE_CPU_MILLI, &mut whole),
+            };
+            let took = run_noop_job(&scheduler, &format!("dispatch-{kind:?}-{run}"), tasks, cpu_milli).await?;
+            let rate = f64::from(tasks) / took.as_secs_f64();
+            say(format!("  run {}: {tasks} {kind:?} tasks: {rate:.0} tasks/s ({:.3} s)", run + 1, took.as_secs_f64()));
+            runs.push(rate);
+        }
+    }
     drop(cluster);
 
     // Cold start.
@@ -110,30 +148,73 @@ pub async fn run(options: &SchedulerBenchOptions) -> anyhow::Result<SchedulerBen
     scheduler.cancel(&hold_id).await?;
     drop(cluster);
 
+    Ok(shape_report(options, tiny, whole, starts_ms))
+}
+
+/// The two kinds of dispatch measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Dispatch {
+    Tiny,
+    WholeCpu,
+}
+
+/// The report from the measured rates (tasks/s per run) and cold starts (ms).
+fn shape_report(
+    options: &SchedulerBenchOptions,
+    tiny: Vec<f64>,
+    whole: Vec<f64>,
+    mut starts_ms: Vec<f64>,
+) -> SchedulerBenchReport {
     starts_ms.sort_by(f64::total_cmp);
-    Ok(SchedulerBenchReport {
-        tasks_per_s,
+    let tiny_tasks_per_s = Spread::of(tiny);
+    SchedulerBenchReport {
+        tasks_per_s: tiny_tasks_per_s.median,
+        dispatch_seconds: f64::from(options.tasks) / tiny_tasks_per_s.median,
+        tiny_tasks_per_s,
+        whole_cpu_tasks_per_s: Spread::of(whole),
         executors: options.executors,
-        cold_start_ms_p50: percentile(&starts_ms, 50.0),
-        cold_start_ms_p99: percentile(&starts_ms, 99.0),
+        executor_cpus: EXECUTOR_CPUS,
         tasks: options.tasks,
-        dispatch_seconds: dispatch.as_secs_f64(),
-        cold_starts: options.cold_starts,
-        cold_start_ms_min: starts_ms.first().copied().unwrap_or(0.0),
-        cold_start_ms_max: starts_ms.last().copied().unwrap_or(0.0),
-    })
+        whole_cpu_tasks: options.whole_cpu_tasks,
+        runs: options.runs,
+        cold_starts: starts_ms.len() as u32,
+        cold_start_ms_p50: percentile(&starts_ms, 50.0),
+        cold_start_ms_p90: percentile_if_supported(&starts_ms, 90.0),
+        cold_start_ms_p99: percentile_if_supported(&starts_ms, 99.0),
+        cold_start_ms_min: starts_ms.first().copied().unwrap_or(f64::NAN),
+        cold_start_ms_max: starts_ms.last().copied().unwrap_or(f64::NAN),
+    }
+}
+
+/// A percentile in ms, or "n/a" where the samples do not support it.
+fn ms_or_na(value: Option<f64>) -> String {
+    value.map_or_else(|| "n/a".to_string(), |ms| format!("{ms:.1} ms"))
 }
 
 pub fn print_table(report: &SchedulerBenchReport) {
-    println!("scheduler dispatch: {} noop tasks to {} executors", report.tasks, report.executors);
     println!(
-        "  {:>10.0} tasks/s   ({:.3} s; target >= 10000 tasks/s to 4 executors)",
-        report.tasks_per_s, report.dispatch_seconds
+        "scheduler dispatch to {} executors of {} CPUs, tasks/s, median [min-max] of {} runs:",
+        report.executors, report.executor_cpus, report.runs
+    );
+    println!(
+        "  tiny tasks (0.001 CPU, batched)  {:.0}   ({} tasks a job; target >= 10000 tasks/s)",
+        report.tiny_tasks_per_s, report.tasks
+    );
+    println!(
+        "  whole-CPU tasks (1 CPU, placed)  {:.0}   ({} tasks a job; {} run at once)",
+        report.whole_cpu_tasks_per_s,
+        report.whole_cpu_tasks,
+        report.executors * report.executor_cpus
     );
     println!("executor cold start (process start to first task running), {} starts:", report.cold_starts);
     println!(
-        "  p50 {:.1} ms   p99 {:.1} ms   min {:.1} ms   max {:.1} ms   (target p50 <= 50 ms)",
-        report.cold_start_ms_p50, report.cold_start_ms_p99, report.cold_start_ms_min, report.cold_start_ms_max
+        "  p50 {:.1} ms   p90 {}   p99 {}   min {:.1} ms   max {:.1} ms   (target p50 <= 50 ms; \
+         p90 needs 10 samples, p99 100)",
+        report.cold_start_ms_p50,
+        ms_or_na(report.cold_start_ms_p90),
+        ms_or_na(report.cold_start_ms_p99),
+        report.cold_start_ms_min,
+        report.cold_start_ms_max
     );
 }
 
@@ -185,10 +266,11 @@ fn noop_job(name: &str, tasks: u32, sleep_ms: u64, cpu_milli: u64) -> pb::JobSpe
     }
 }
 
-/// Submits a job of `tasks` noop tasks and waits until it succeeds; returns the time taken.
-async fn run_noop_job(scheduler: &SchedulerClient, name: &str, tasks: u32) -> anyhow::Result<Duration> {
+/// Submits a job of `tasks` noop tasks of `cpu_milli` each and waits until it succeeds; returns
+/// the time taken.
+async fn run_noop_job(scheduler: &SchedulerClient, name: &str, tasks: u32, cpu_milli: u64) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let job_id = scheduler.submit(noop_job(name, tasks, 0, NOOP_CPU_MILLI)).await?;
+    let job_id = scheduler.submit(noop_job(name, tasks, 0, cpu_milli)).await?;
     loop {
         let status = scheduler.job(&job_id).await?;
         match status.state() {
@@ -286,6 +368,11 @@ pub struct JobTerasortReport {
     pub terasort_phases: driver::Phases,
     pub job_valid: bool,
     pub terasort_valid: bool,
+    /// The same records sorted in this process's memory (bounded; see `sampled`).
+    pub in_memory_sort: tern_terasort::in_memory::InMemorySort,
+    /// `tern terasort`'s sort rate (bytes over its map and reduce phases, median run) over the
+    /// in-memory sort's.
+    pub terasort_of_in_memory: f64,
 }
 
 /// Runs the TeraSort job through the scheduler and `tern terasort`'s in-process sort on one
@@ -321,7 +408,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
     wait_for_executors(&scheduler, options.executors).await?;
 
     let client = tern_client::Client::connect(&cluster.metadata_addr).await?;
-    let (mut job_runs, mut terasort_runs) = (Vec::new(), Vec::new());
+    let (mut job_runs, mut terasort_runs, mut sort_seconds) = (Vec::new(), Vec::new(), Vec::new());
     let (mut job_valid, mut terasort_valid) = (true, true);
     let mut stage_seconds = std::collections::BTreeMap::new();
     let mut phases = None;
@@ -338,6 +425,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
         })
         .await?;
         let seconds = report.phases.teragen + report.phases.map + report.phases.reduce;
+        sort_seconds.push(report.phases.map + report.phases.reduce);
         say(format!("  {seconds:.2} s (valid: {}); {:?}", report.valid(), report.phases));
         terasort_valid &= report.valid();
         terasort_runs.push(seconds);
@@ -377,7 +465,12 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
     job_runs.sort_by(f64::total_cmp);
     terasort_runs.sort_by(f64::total_cmp);
     let (job_seconds, terasort_seconds) = (percentile(&job_runs, 50.0), percentile(&terasort_runs, 50.0));
+    let sort_rates: Vec<f64> = sort_seconds.iter().map(|s| options.size_bytes as f64 / s).collect();
     drop(cluster);
+    say("in-memory sort of the same records...".into());
+    let records = options.size_bytes / tern_terasort::RECORD_LEN as u64;
+    let in_memory_sort = tokio::task::spawn_blocking(move || tern_terasort::in_memory::sort(records)).await??;
+    let terasort_of_in_memory = tern_common::median(sort_rates) / 1e9 / in_memory_sort.gb_per_s;
     Ok(JobTerasortReport {
         bytes: options.size_bytes,
         tasks: options.tasks,
@@ -390,6 +483,8 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
         runs: options.runs,
         job_valid,
         terasort_valid,
+        in_memory_sort,
+        terasort_of_in_memory,
     })
 }
 
@@ -406,6 +501,8 @@ pub fn print_job_terasort(report: &JobTerasortReport) {
     );
     println!("  tern job terasort                  {:>8.2} s   valid: {}", report.job_seconds, report.job_valid);
     println!("  ratio job / terasort               {:>8.2}     (target <= 1.2)", report.ratio);
+    println!("  {}", report.in_memory_sort.describe(report.bytes / tern_terasort::RECORD_LEN as u64));
+    println!("  tern terasort's sort rate (map+reduce) is {:.3} of the in-memory sort's", report.terasort_of_in_memory);
 }
 
 #[cfg(test)]
@@ -417,5 +514,41 @@ mod tests {
         let limits = spec::SpecLimits::default();
         spec::validate(&noop_job("x", 10, 0, NOOP_CPU_MILLI), &limits).unwrap();
         spec::validate(&noop_job("y", 10, 1000, 1000), &limits).unwrap();
+        spec::validate(&noop_job("z", 10, 0, WHOLE_CPU_MILLI), &limits).unwrap();
+    }
+
+    #[test]
+    fn reports_spreads_and_only_supported_percentiles() {
+        let options = SchedulerBenchOptions {
+            tern: "tern".into(),
+            tasks: 1000,
+            whole_cpu_tasks: 100,
+            runs: 3,
+            executors: 4,
+            cold_starts: 20,
+            progress: false,
+        };
+        let starts: Vec<f64> = (1..=20).map(f64::from).collect();
+        let report = shape_report(&options, vec![3000.0, 1000.0, 2000.0], vec![50.0, 70.0, 60.0], starts);
+        assert_eq!(report.tasks_per_s, 2000.0);
+        assert_eq!((report.tiny_tasks_per_s.min, report.tiny_tasks_per_s.max), (1000.0, 3000.0));
+        assert_eq!(report.whole_cpu_tasks_per_s.median, 60.0);
+        assert_eq!(report.dispatch_seconds, 0.5);
+        assert_eq!(report.cold_start_ms_p50, 10.0);
+        assert_eq!(report.cold_start_ms_p90, Some(18.0));
+        assert_eq!(report.cold_start_ms_p99, None, "20 starts have no 99th percentile");
+        assert_eq!((report.cold_start_ms_min, report.cold_start_ms_max), (1.0, 20.0));
+        assert_eq!(ms_or_na(report.cold_start_ms_p99), "n/a");
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["cold_start_ms_p99"].is_null());
+        assert_eq!(json["whole_cpu_tasks_per_s"]["runs"], 3);
+    }
+
+    #[test]
+    fn dispatch_kinds_take_turns_going_first() {
+        let kinds = [Dispatch::Tiny, Dispatch::WholeCpu];
+        assert_eq!(rotation(&kinds, 0)[0], Dispatch::Tiny);
+        assert_eq!(rotation(&kinds, 1)[0], Dispatch::WholeCpu);
+        assert_eq!(rotation(&kinds, 2)[0], Dispatch::Tiny);
     }
 }

@@ -1,5 +1,13 @@
-//! `tern bench spark-terasort`: one Spark TeraSort on Spark's built-in shuffle and one on Tern, in
-//! the same run, with the same input and the same executors; both outputs validated as valsort does.
+//! `tern bench spark-terasort`: Spark TeraSort on Spark's built-in shuffle and on Tern, in pairs
+//! (who goes first rotates from pair to pair), with the same input, the same executors and the
+//! same kind of storage under both shuffles; every output validated as valsort does.
+//!
+//! - `memory`: Spark's local dir (spark.local.dir and SPARK_LOCAL_DIRS, where the built-in
+//!   shuffle writes) on a tmpfs under /dev/shm; Tern's shuffle in its DRAM tier.
+//! - `disk`: Spark's local dir in the scratch directory (a disk); Tern's shuffle still in DRAM.
+//!   Tern has no disk-backed shuffle today (segments take their slots from the DRAM tier; a
+//!   shuffle's storage class is accepted but does not move it to NVMe), so this is "built-in on
+//!   disk vs Tern in DRAM", and the output says so: not a like-for-like comparison.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -7,6 +15,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use indicatif::{MultiProgress, ProgressDrawTarget};
 use serde::Serialize;
+use tern_common::Spread;
 use tern_terasort::tasks::{self, Location};
 use tern_terasort::RECORD_LEN;
 
@@ -24,7 +33,73 @@ pub struct SparkTerasortOptions {
     pub executor_memory: String,
     /// Where input and outputs go (local disk; about 3x the size).
     pub scratch: PathBuf,
+    /// Pairs of runs (one built-in, one Tern) per storage.
+    pub pairs: usize,
+    pub storage: StorageChoice,
     pub quiet: bool,
+}
+
+/// Which storage the shuffles are compared on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageChoice {
+    Memory,
+    Disk,
+    Both,
+}
+
+impl std::str::FromStr for StorageChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "memory" => Ok(StorageChoice::Memory),
+            "disk" => Ok(StorageChoice::Disk),
+            "both" => Ok(StorageChoice::Both),
+            other => Err(format!("{other}: expected memory, disk or both")),
+        }
+    }
+}
+
+impl StorageChoice {
+    fn storages(self) -> Vec<Storage> {
+        match self {
+            StorageChoice::Memory => vec![Storage::Memory],
+            StorageChoice::Disk => vec![Storage::Disk],
+            StorageChoice::Both => vec![Storage::Memory, Storage::Disk],
+        }
+    }
+}
+
+/// The storage under both shuffles in one comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Storage {
+    Memory,
+    Disk,
+}
+
+impl Storage {
+    /// What each shuffle is on, in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Storage::Memory => "built-in on tmpfs (/dev/shm) vs Tern in DRAM",
+            Storage::Disk => {
+                "built-in on disk (scratch dir) vs Tern in DRAM (Tern has no disk-backed shuffle: not like for like)"
+            }
+        }
+    }
+}
+
+/// The two shuffles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Builtin,
+    Tern,
+}
+
+/// The order of pair `pair`: built-in first in even pairs, Tern first in odd ones.
+pub fn pair_order(pair: usize) -> Vec<Backend> {
+    tern_common::rotation(&[Backend::Builtin, Backend::Tern], pair)
 }
 
 /// One backend's run, as the driver program reports it.
@@ -42,23 +117,66 @@ pub struct SparkRun {
     pub shuffle_bytes_read: u64,
 }
 
+/// One pair of runs.
+#[derive(Debug, Serialize)]
+pub struct SparkPair {
+    /// Which ran first.
+    pub first: Backend,
+    pub builtin: SparkRun,
+    pub tern: SparkRun,
+    pub builtin_valid: bool,
+    pub tern_valid: bool,
+    /// tern.seconds / builtin.seconds.
+    pub ratio: f64,
+}
+
+/// The pairs on one storage, summed up.
+#[derive(Debug, Serialize)]
+pub struct StorageComparison {
+    pub storage: Storage,
+    /// What each shuffle was on, in words.
+    pub description: String,
+    /// Spark's local dir in these runs.
+    pub spark_local_dir: String,
+    pub builtin_seconds: Spread,
+    pub tern_seconds: Spread,
+    /// Of the per-pair ratios tern / built-in (the target: at most 0.8).
+    pub ratio: Spread,
+    /// Executor process CPU seconds over the map stage per GiB of records shuffled (the same
+    /// records for both): the write path's CPU per byte.
+    pub builtin_map_cpu_s_per_gib: Spread,
+    pub tern_map_cpu_s_per_gib: Spread,
+    pub all_valid: bool,
+    pub pairs: Vec<SparkPair>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct SparkTerasortReport {
     pub size_bytes: u64,
     pub partitions: usize,
-    pub builtin_seconds: f64,
-    pub tern_seconds: f64,
-    /// tern_seconds / builtin_seconds.
-    pub ratio: f64,
-    pub builtin_valid: bool,
-    pub tern_valid: bool,
-    /// Executor process CPU seconds over the map stage per GiB of records shuffled (the same
-    /// records for both), and Tern's over the built-in's: the write path's CPU per byte.
-    pub builtin_map_cpu_s_per_gib: f64,
-    pub tern_map_cpu_s_per_gib: f64,
-    pub map_cpu_ratio: f64,
-    pub builtin: SparkRun,
-    pub tern: SparkRun,
+    pub pairs: usize,
+    pub comparisons: Vec<StorageComparison>,
+    /// Every output of every run validated.
+    pub all_valid: bool,
+}
+
+/// Sums up the pairs run on `storage`.
+fn compare(storage: Storage, spark_local_dir: String, size_bytes: u64, pairs: Vec<SparkPair>) -> StorageComparison {
+    let gib = size_bytes as f64 / (1u64 << 30) as f64;
+    let per_gib = |r: &SparkRun| r.map_process_cpu_ns as f64 / 1e9 / gib;
+    let spread = |f: &dyn Fn(&SparkPair) -> f64| Spread::of(pairs.iter().map(f).collect());
+    StorageComparison {
+        storage,
+        description: storage.describe().into(),
+        spark_local_dir,
+        builtin_seconds: spread(&|p| p.builtin.seconds),
+        tern_seconds: spread(&|p| p.tern.seconds),
+        ratio: spread(&|p| p.ratio),
+        builtin_map_cpu_s_per_gib: spread(&|p| per_gib(&p.builtin)),
+        tern_map_cpu_s_per_gib: spread(&|p| per_gib(&p.tern)),
+        all_valid: pairs.iter().all(|p| p.builtin_valid && p.tern_valid),
+        pairs,
+    }
 }
 
 pub(crate) fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
@@ -108,38 +226,110 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         &progress,
     )
     .await?;
-    // Enough DRAM for the shuffle (compressed, well under the input) on two servers.
-    let dram = format!("{}MiB", ((options.size_bytes >> 20) + 256).max(512));
-    let cluster = EmbeddedCluster::start(&options.tern, 2, &dram).await?;
+    let jar = jar_path.to_string_lossy().to_string();
+    let spark = Spark {
+        submit,
+        home: spark_home,
+        jar,
+        master: options.master.clone(),
+        memory: options.executor_memory.clone(),
+    };
+    let mut comparisons = Vec::new();
+    for storage in options.storage.storages() {
+        // Spark's local dir (the built-in shuffle's files, spills, broadcast blocks).
+        let local = match storage {
+            Storage::Memory => tempfile::Builder::new().prefix("tern-spark-local-").tempdir_in("/dev/shm")?,
+            Storage::Disk => tempfile::Builder::new().prefix("tern-spark-local-").tempdir_in(work.path())?,
+        };
+        // Tern's shuffle, in DRAM for both storages (it has no disk-backed one): room for it
+        // (compressed, well under the input) on two servers.
+        let room = format!("{}MiB", ((options.size_bytes >> 20) + 256).max(512));
+        let cluster = EmbeddedCluster::start(&options.tern, 2, &room).await?;
+        let mut pairs = Vec::new();
+        for pair in 0..options.pairs {
+            let order = pair_order(pair);
+            let mut results = Vec::new();
+            for backend in &order {
+                let tern = (*backend == Backend::Tern).then_some(cluster.metadata_addr.as_str());
+                let name = format!("{storage:?}-{backend:?}-{pair}").to_lowercase();
+                let out = work.path().join(format!("out-{name}"));
+                if !options.quiet {
+                    eprintln!("spark-terasort: {} pair {}: {backend:?} ...", storage.describe(), pair + 1);
+                }
+                let run = spark.terasort(&input, &out, partitions, local.path(), tern).await?;
+                let summary = tasks::teravalidate(None, &Location::Local(out.clone()), &progress).await?;
+                let valid =
+                    summary.sorted() && summary.checksum == generated.checksum && summary.records == generated.records;
+                std::fs::remove_dir_all(&out).ok();
+                if !options.quiet {
+                    eprintln!("spark-terasort: {name}: {:.2} s, output valid: {valid}", run.seconds);
+                }
+                results.push((*backend, run, valid));
+            }
+            let take = |want: Backend| results.iter().find(|r| r.0 == want).cloned().context("a run is missing");
+            let (_, builtin, builtin_valid) = take(Backend::Builtin)?;
+            let (_, tern, tern_valid) = take(Backend::Tern)?;
+            let ratio = tern.seconds / builtin.seconds;
+            pairs.push(SparkPair { first: order[0], builtin, tern, builtin_valid, tern_valid, ratio });
+        }
+        drop(cluster);
+        let local_dir = local.path().display().to_string();
+        comparisons.push(compare(storage, local_dir, records * RECORD_LEN as u64, pairs));
+    }
+    Ok(SparkTerasortReport {
+        size_bytes: records * RECORD_LEN as u64,
+        partitions,
+        pairs: options.pairs,
+        all_valid: comparisons.iter().all(|c| c.all_valid),
+        comparisons,
+    })
+}
 
-    let mut runs = Vec::new();
-    for tern in [false, true] {
-        let name = if tern { "tern" } else { "builtin" };
-        let out = work.path().join(format!("out-{name}"));
-        let mut command = tokio::process::Command::new(&submit);
+/// How to run spark-submit.
+struct Spark {
+    submit: PathBuf,
+    home: PathBuf,
+    jar: String,
+    master: String,
+    memory: String,
+}
+
+impl Spark {
+    /// One TeraSort of `input` into `out`, with Spark's local dir `local`, on the built-in
+    /// shuffle or on Tern's (at this metadata address).
+    async fn terasort(
+        &self,
+        input: &Path,
+        out: &Path,
+        partitions: usize,
+        local: &Path,
+        tern: Option<&str>,
+    ) -> anyhow::Result<SparkRun> {
+        let mut command = tokio::process::Command::new(&self.submit);
         command
-            .env("SPARK_HOME", &spark_home)
-            .args(["--master", &options.master, "--class", "io.tern.spark.tools.TeraSort"])
-            .args(["--driver-memory", "1g", "--executor-memory", &options.executor_memory]);
-        let jar = jar_path.to_string_lossy().to_string();
+            .env("SPARK_HOME", &self.home)
+            // Read by the local-cluster workers, which hand it to their executors.
+            .env("SPARK_LOCAL_DIRS", local)
+            .args(["--master", &self.master, "--class", "io.tern.spark.tools.TeraSort"])
+            .args(["--driver-memory", "1g", "--executor-memory", &self.memory]);
+        let jar = &self.jar;
         let mut confs = vec![
             format!("spark.driver.extraClassPath={jar}"),
             format!("spark.executor.extraClassPath={jar}"),
+            format!("spark.local.dir={}", local.display()),
             "spark.ui.enabled=false".into(),
             "spark.serializer=org.apache.spark.serializer.KryoSerializer".into(),
         ];
-        if tern {
+        if let Some(metadata) = tern {
             confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
             confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
-            confs.push(format!("spark.tern.metadata={}", cluster.metadata_addr));
+            confs.push(format!("spark.tern.metadata={metadata}"));
         }
         for conf in confs {
             command.args(["--conf", &conf]);
         }
-        command.arg(&jar).arg(&input).arg(&out).arg(partitions.to_string());
-        if !options.quiet {
-            eprintln!("spark-terasort: {name} shuffle ...");
-        }
+        command.arg(jar).arg(input).arg(out).arg(partitions.to_string());
+        let name = if tern.is_some() { "tern" } else { "builtin" };
         let output = tokio::time::timeout(Duration::from_secs(3600), command.output())
             .await
             .context("spark-submit ran over an hour")?
@@ -154,53 +344,83 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
                 tail.into_iter().rev().collect::<Vec<_>>().join("\n")
             );
         };
-        let run: SparkRun = serde_json::from_str(line).with_context(|| format!("parsing {line}"))?;
-        let summary = tasks::teravalidate(None, &Location::Local(out.clone()), &progress).await?;
-        let valid = summary.sorted() && summary.checksum == generated.checksum && summary.records == generated.records;
-        std::fs::remove_dir_all(&out).ok();
-        if !options.quiet {
-            eprintln!("spark-terasort: {name}: {:.2} s, output valid: {valid}", run.seconds);
-        }
-        runs.push((run, valid));
+        serde_json::from_str(line).with_context(|| format!("parsing {line}"))
     }
-    drop(cluster);
-    let (builtin, builtin_valid) = runs.remove(0);
-    let (tern, tern_valid) = runs.remove(0);
-    let gib = (records * RECORD_LEN as u64) as f64 / (1u64 << 30) as f64;
-    let per_gib = |r: &SparkRun| r.map_process_cpu_ns as f64 / 1e9 / gib;
-    Ok(SparkTerasortReport {
-        size_bytes: records * RECORD_LEN as u64,
-        partitions,
-        builtin_seconds: builtin.seconds,
-        tern_seconds: tern.seconds,
-        ratio: tern.seconds / builtin.seconds,
-        builtin_valid,
-        tern_valid,
-        builtin_map_cpu_s_per_gib: per_gib(&builtin),
-        tern_map_cpu_s_per_gib: per_gib(&tern),
-        map_cpu_ratio: per_gib(&tern) / per_gib(&builtin),
-        builtin,
-        tern,
-    })
 }
 
 pub fn print_table(r: &SparkTerasortReport) {
-    println!("Spark TeraSort of {} bytes, {} reduce partitions", r.size_bytes, r.partitions);
     println!(
-        "  built-in shuffle  {:>8.2} s  output {}",
-        r.builtin_seconds,
-        if r.builtin_valid { "VALID" } else { "INVALID" }
+        "Spark TeraSort of {} bytes, {} reduce partitions, {} pairs per storage (who goes first rotates)",
+        r.size_bytes, r.partitions, r.pairs
     );
-    println!(
-        "  Tern shuffle      {:>8.2} s  output {}",
-        r.tern_seconds,
-        if r.tern_valid { "VALID" } else { "INVALID" }
-    );
-    println!("  ratio (tern/builtin)  {:.3}", r.ratio);
-    println!(
-        "  map stage CPU (executor processes) per GiB shuffled: built-in {:.2} s, Tern {:.2} s (ratio {:.3})",
-        r.builtin_map_cpu_s_per_gib, r.tern_map_cpu_s_per_gib, r.map_cpu_ratio
-    );
+    for c in &r.comparisons {
+        println!("{}  (Spark local dir {}), median [min-max]:", c.description, c.spark_local_dir);
+        println!("  built-in shuffle  {} s", c.builtin_seconds);
+        println!("  Tern shuffle      {} s", c.tern_seconds);
+        println!("  ratio tern/built-in, per pair  {:.3}   (target <= 0.8)", c.ratio);
+        println!(
+            "  map stage CPU (executor processes) per GiB shuffled: built-in {} s, Tern {} s",
+            c.builtin_map_cpu_s_per_gib, c.tern_map_cpu_s_per_gib
+        );
+        let valid = |v: bool| if v { "VALID" } else { "INVALID" };
+        for (i, p) in c.pairs.iter().enumerate() {
+            println!(
+                "  pair {} ({:?} first): built-in {:.2} s {}, Tern {:.2} s {}, ratio {:.3}",
+                i + 1,
+                p.first,
+                p.builtin.seconds,
+                valid(p.builtin_valid),
+                p.tern.seconds,
+                valid(p.tern_valid),
+                p.ratio
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_alternate_who_goes_first() {
+        assert_eq!(pair_order(0), [Backend::Builtin, Backend::Tern]);
+        assert_eq!(pair_order(1), [Backend::Tern, Backend::Builtin]);
+        assert_eq!(pair_order(2), [Backend::Builtin, Backend::Tern]);
+        assert_eq!("both".parse::<StorageChoice>().unwrap().storages(), [Storage::Memory, Storage::Disk]);
+        assert_eq!("disk".parse::<StorageChoice>().unwrap().storages(), [Storage::Disk]);
+        assert!("ssd".parse::<StorageChoice>().is_err());
+    }
+
+    #[test]
+    fn comparisons_report_spreads_of_seconds_and_per_pair_ratios() {
+        let run = |seconds: f64, cpu_s: u64| SparkRun {
+            seconds,
+            map_process_cpu_ns: cpu_s * 1_000_000_000,
+            ..Default::default()
+        };
+        let pair = |b: f64, t: f64, first| SparkPair {
+            first,
+            builtin: run(b, 4),
+            tern: run(t, 2),
+            builtin_valid: true,
+            tern_valid: true,
+            ratio: t / b,
+        };
+        let pairs =
+            vec![pair(10.0, 8.0, Backend::Builtin), pair(20.0, 10.0, Backend::Tern), pair(12.0, 9.0, Backend::Builtin)];
+        let c = compare(Storage::Disk, "/d".into(), 2 << 30, pairs);
+        assert_eq!((c.builtin_seconds.median, c.builtin_seconds.min, c.builtin_seconds.max), (12.0, 10.0, 20.0));
+        assert_eq!(c.tern_seconds.median, 9.0);
+        // The ratios of each pair, not the ratio of the medians (9 / 12).
+        assert_eq!((c.ratio.min, c.ratio.median, c.ratio.max), (0.5, 0.75, 0.8));
+        assert_eq!(c.builtin_map_cpu_s_per_gib.median, 2.0);
+        assert_eq!(c.tern_map_cpu_s_per_gib.median, 1.0);
+        assert!(c.all_valid);
+        let json = serde_json::to_value(&c).unwrap();
+        assert_eq!(json["storage"], "disk");
+        assert_eq!(json["pairs"][1]["first"], "tern");
+    }
 }
 
 /// The `--conf` settings of a spark-submit with the plugin jar on both classpaths and, when

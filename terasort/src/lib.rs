@@ -26,7 +26,9 @@
 //! On a cluster (cargo feature `cluster`, on by default):
 //! * [`tasks`]: generate, map, read a reduce partition, sort, write and publish a part, one
 //!   definition for the commands, the driver and the executor's operators;
-//! * [`driver`]: `tern terasort` in one process, with its own retries.
+//! * [`driver`]: `tern terasort` in one process, with its own retries;
+//! * [`in_memory`]: the same records sorted in memory by the same sort, the limit the shuffle is
+//!   measured against (bounded: it samples above 1 GiB).
 
 pub mod gensort;
 pub mod partition;
@@ -35,6 +37,8 @@ pub mod validate;
 
 #[cfg(feature = "cluster")]
 pub mod driver;
+#[cfg(feature = "cluster")]
+pub mod in_memory;
 #[cfg(feature = "cluster")]
 pub mod tasks;
 
