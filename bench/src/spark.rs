@@ -312,40 +312,59 @@ impl Spark {
             .env("SPARK_LOCAL_DIRS", local)
             .args(["--master", &self.master, "--class", "io.tern.spark.tools.TeraSort"])
             .args(["--driver-memory", "1g", "--executor-memory", &self.memory]);
-        let jar = &self.jar;
-        let mut confs = vec![
-            format!("spark.driver.extraClassPath={jar}"),
-            format!("spark.executor.extraClassPath={jar}"),
-            format!("spark.local.dir={}", local.display()),
-            "spark.ui.enabled=false".into(),
-            "spark.serializer=org.apache.spark.serializer.KryoSerializer".into(),
-        ];
-        if let Some(metadata) = tern {
-            confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
-            confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
-            confs.push(format!("spark.tern.metadata={metadata}"));
-        }
+        let jar = Path::new(&self.jar);
+        let mut confs = plugin_confs(jar, tern);
+        confs.push(format!("spark.local.dir={}", local.display()));
+        confs.push("spark.serializer=org.apache.spark.serializer.KryoSerializer".into());
         for conf in confs {
             command.args(["--conf", &conf]);
         }
         command.arg(jar).arg(input).arg(out).arg(partitions.to_string());
         let name = if tern.is_some() { "tern" } else { "builtin" };
-        let output = tokio::time::timeout(Duration::from_secs(3600), command.output())
-            .await
-            .context("spark-submit ran over an hour")?
-            .context("running spark-submit")?;
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let Some(line) = stdout.lines().find_map(|l| l.strip_prefix("TERASORT ")) else {
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            let tail: Vec<&str> = stderr.lines().rev().take(60).collect();
-            bail!(
-                "{name} run printed no result ({}):\n{}",
-                output.status,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        };
-        serde_json::from_str(line).with_context(|| format!("parsing {line}"))
+        submit_for_result(command, "TERASORT ", name, Duration::from_secs(3600)).await
     }
+}
+
+/// The `--conf` settings of a spark-submit with the plugin jar on both classpaths and, when
+/// `tern_metadata` is given, Tern's shuffle manager switched on against that metadata server.
+pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<String> {
+    let jar = jar.to_string_lossy();
+    let mut confs = vec![
+        format!("spark.driver.extraClassPath={jar}"),
+        format!("spark.executor.extraClassPath={jar}"),
+        "spark.ui.enabled=false".into(),
+    ];
+    if let Some(metadata) = tern_metadata {
+        confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
+        confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
+        confs.push(format!("spark.tern.metadata={metadata}"));
+    }
+    confs
+}
+
+/// Runs a spark-submit of one of the jar's drivers, within `limit`, and parses the JSON the
+/// driver prints after `marker`; without it, the error carries the end of Spark's stderr.
+pub(crate) async fn submit_for_result<T: serde::de::DeserializeOwned>(
+    mut command: tokio::process::Command,
+    marker: &str,
+    name: &str,
+    limit: Duration,
+) -> anyhow::Result<T> {
+    let output = tokio::time::timeout(limit, command.output())
+        .await
+        .with_context(|| format!("spark-submit ran over {limit:?}"))?
+        .context("running spark-submit")?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let Some(line) = stdout.lines().find_map(|l| l.strip_prefix(marker)) else {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(60).collect();
+        bail!(
+            "{name} run printed no result ({}):\n{}",
+            output.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    };
+    serde_json::from_str(line).with_context(|| format!("parsing {line}"))
 }
 
 pub fn print_table(r: &SparkTerasortReport) {
@@ -421,21 +440,4 @@ mod tests {
         assert_eq!(json["storage"], "disk");
         assert_eq!(json["pairs"][1]["first"], "tern");
     }
-}
-
-/// The `--conf` settings of a spark-submit with the plugin jar on both classpaths and, when
-/// `tern_metadata` is given, Tern's shuffle manager switched on against that metadata server.
-pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<String> {
-    let jar = jar.to_string_lossy();
-    let mut confs = vec![
-        format!("spark.driver.extraClassPath={jar}"),
-        format!("spark.executor.extraClassPath={jar}"),
-        "spark.ui.enabled=false".into(),
-    ];
-    if let Some(metadata) = tern_metadata {
-        confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
-        confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
-        confs.push(format!("spark.tern.metadata={metadata}"));
-    }
-    confs
 }

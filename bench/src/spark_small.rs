@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, ensure, Context};
+use anyhow::{bail, ensure};
 use serde::{Deserialize, Serialize};
 use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 
-use crate::spark::{plugin_confs, spark_home};
+use crate::spark::{plugin_confs, spark_home, submit_for_result};
 
 pub struct SparkSmallOptions {
     pub tern: PathBuf,
@@ -91,21 +91,7 @@ pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport
             if !options.jobs.is_empty() {
                 command.arg(options.jobs.join(","));
             }
-            let output = tokio::time::timeout(Duration::from_secs(1800), command.output())
-                .await
-                .context("spark-submit ran over 30 minutes")?
-                .context("running spark-submit")?;
-            let stdout = String::from_utf8_lossy(&output.stdout);
-            let Some(line) = stdout.lines().find_map(|l| l.strip_prefix("SMALLJOBS ")) else {
-                let stderr = String::from_utf8_lossy(&output.stderr);
-                let tail: Vec<&str> = stderr.lines().rev().take(60).collect();
-                bail!(
-                    "{name} run printed no result ({}):\n{}",
-                    output.status,
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            };
-            let run: SuiteRun = serde_json::from_str(line).with_context(|| format!("parsing {line}"))?;
+            let run: SuiteRun = submit_for_result(command, "SMALLJOBS ", name, Duration::from_secs(1800)).await?;
             if !options.quiet {
                 eprintln!("spark-small: {name}: {:.2} s", run.seconds);
             }
