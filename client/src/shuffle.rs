@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use tern_proto::frame::Frame;
 use tern_proto::shuffle::{self as wire, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
-use tern_proto::ShuffleId;
+use tern_proto::{ShuffleId, StorageClass};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -46,7 +46,8 @@ use crate::Client;
 pub struct ShuffleOptions {
     /// Map tasks, if known (0 = unknown).
     pub maps: u32,
-    /// "dram", "nvme" or "any" ("" = any).
+    /// Where segments may live on their servers: "dram", "nvme" or "any" ("" = any); see
+    /// `RegisterShuffleRequest.storage_class`.
     pub storage_class: String,
     /// Bytes after which a partition continues in a new segment on another server (0 = the
     /// cluster default, 256 MiB).
@@ -92,6 +93,8 @@ pub struct Shuffle {
     partitions: u32,
     split_size: u64,
     block_size: u32,
+    /// Where its segments may live on their servers: every Push carries it.
+    class: StorageClass,
     /// The segment each partition's pushes currently go to.
     current: Arc<Mutex<Vec<Segment>>>,
 }
@@ -116,6 +119,7 @@ pub struct ShuffleBatch {
 impl Client {
     /// Registers a shuffle of `partitions` reduce partitions under a live job.
     pub async fn register_shuffle(&self, job_id: &str, partitions: u32, options: ShuffleOptions) -> Result<Shuffle> {
+        let class = parse_class(&options.storage_class)?;
         let reply = self
             .metadata()
             .register_shuffle(pb::RegisterShuffleRequest {
@@ -144,6 +148,7 @@ impl Client {
             partitions,
             split_size: reply.split_size_bytes,
             block_size,
+            class,
             current: Arc::new(Mutex::new(reply.segments)),
         })
     }
@@ -170,6 +175,7 @@ impl Client {
             partitions: located.partitions,
             split_size: located.split_size_bytes,
             block_size,
+            class: parse_class(&located.storage_class)?,
             current: Arc::new(Mutex::new(current)),
         })
     }
@@ -193,6 +199,10 @@ impl Client {
             .map_err(|s| Error::from(s).context(format_args!("locate shuffle {shuffle_id}")))?
             .into_inner())
     }
+}
+
+fn parse_class(name: &str) -> Result<StorageClass> {
+    name.parse().map_err(|e: tern_proto::tier::BadStorageClass| Error::invalid(e.to_string()))
 }
 
 impl Shuffle {
@@ -365,7 +375,8 @@ impl MapWriter {
             return Ok(());
         }
         self.buffered -= batch.len() - PUSH_HEADER_LEN;
-        batch[..PUSH_HEADER_LEN].copy_from_slice(&PushHeader { map: self.map, attempt: self.attempt }.encode());
+        batch[..PUSH_HEADER_LEN]
+            .copy_from_slice(&PushHeader { map: self.map, attempt: self.attempt, class: self.shuffle.class }.encode());
         while self.in_flight.len() >= self.max_in_flight || self.pushing[partition as usize] {
             self.finish_one().await?;
         }

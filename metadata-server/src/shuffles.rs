@@ -143,7 +143,7 @@ struct Shuffle {
     job: String,
     /// Declared map tasks, 0 when unknown.
     maps: u32,
-    /// Recorded for when servers have more than one tier; today every segment goes to DRAM.
+    /// Where its segments may live on their servers; every Push carries it.
     storage_class: StorageClass,
     /// Bytes after which writers move a partition to its next segment.
     split_size_bytes: u64,
@@ -636,6 +636,7 @@ impl Shuffles {
             start_partition,
             end_partition,
             split_size_bytes: shuffle.split_size_bytes,
+            storage_class: shuffle.storage_class.to_string(),
             job_id: shuffle.job.clone(),
             grant: Vec::new(),
         };

@@ -34,7 +34,7 @@ use crate::error::{cut_message, ErrorKind};
 use crate::token::{Grant, GRANT_LEN, MAX_TOKEN_BYTES};
 
 pub const MAGIC: [u8; 2] = *b"TB";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 60;
 /// Set in the op byte of every response.
 pub const RESPONSE_BIT: u8 = 0x80;

@@ -5,7 +5,9 @@
 //! attempt that wrote it and a crc32c of its bytes, so a reader can ask for exactly the committed
 //! attempts and check every byte it gets.
 //!
-//! - **Push** payload: [`PushHeader`] (8 bytes: map index u32, attempt u32), then the batch.
+//! - **Push** payload: [`PushHeader`] (12 bytes: map index u32, attempt u32, the shuffle's storage
+//!   class u8 (see [`StorageClass::code`]), 3 zero bytes), then the batch. The class tells the
+//!   server where the segment may live; the first push of a segment fixes it.
 //! - **Fetch** payload: [`FetchRequest`]: cursor u32, max_bytes u32, then the committed
 //!   `(map, attempt)` pairs wanted, ascending by map. The reply's payload is a run of whole
 //!   batches, each a [`BatchHeader`] (16 bytes: map u32, attempt u32, length u32, crc32c u32)
@@ -18,8 +20,9 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::frame::FrameError;
+use crate::StorageClass;
 
-pub const PUSH_HEADER_LEN: usize = 8;
+pub const PUSH_HEADER_LEN: usize = 12;
 pub const BATCH_HEADER_LEN: usize = 16;
 /// The reply cursor saying a segment has no more batches for this request.
 pub const FETCH_DONE: u32 = u32::MAX;
@@ -31,13 +34,16 @@ pub const MAX_FETCH_MAPS: usize = 1 << 17;
 pub struct PushHeader {
     pub map: u32,
     pub attempt: u32,
+    /// The shuffle's storage class: which tiers its segments may use on the server.
+    pub class: StorageClass,
 }
 
 impl PushHeader {
     pub fn encode(&self) -> [u8; PUSH_HEADER_LEN] {
         let mut out = [0u8; PUSH_HEADER_LEN];
         out[..4].copy_from_slice(&self.map.to_le_bytes());
-        out[4..].copy_from_slice(&self.attempt.to_le_bytes());
+        out[4..8].copy_from_slice(&self.attempt.to_le_bytes());
+        out[8] = self.class.code();
         out
     }
 
@@ -50,7 +56,14 @@ impl PushHeader {
             )));
         }
         let (mut head, batch) = payload.split_at(PUSH_HEADER_LEN);
-        Ok((PushHeader { map: head.get_u32_le(), attempt: head.get_u32_le() }, batch))
+        let (map, attempt) = (head.get_u32_le(), head.get_u32_le());
+        let class = StorageClass::from_code(head[0]).filter(|_| head[1..] == [0; 3]).ok_or_else(|| {
+            FrameError::BadShufflePayload(format!(
+                "Push header's storage class bytes {:02x?} are not a class code (0 any, 1 dram, 2 nvme) and 3 zero bytes",
+                head
+            ))
+        })?;
+        Ok((PushHeader { map, attempt, class }, batch))
     }
 }
 
@@ -169,11 +182,19 @@ mod tests {
 
     #[test]
     fn push_headers_round_trip() {
-        let mut payload = PushHeader { map: 7, attempt: 2 }.encode().to_vec();
-        payload.extend_from_slice(b"records");
-        let (header, batch) = PushHeader::decode(&payload).unwrap();
-        assert_eq!((header, batch), (PushHeader { map: 7, attempt: 2 }, &b"records"[..]));
-        assert!(PushHeader::decode(&payload[..8]).is_err(), "an empty batch is refused");
+        for class in [StorageClass::Any, StorageClass::Dram, StorageClass::Nvme] {
+            let mut payload = PushHeader { map: 7, attempt: 2, class }.encode().to_vec();
+            payload.extend_from_slice(b"records");
+            let (header, batch) = PushHeader::decode(&payload).unwrap();
+            assert_eq!((header, batch), (PushHeader { map: 7, attempt: 2, class }, &b"records"[..]));
+            assert!(PushHeader::decode(&payload[..PUSH_HEADER_LEN]).is_err(), "an empty batch is refused");
+            for (at, bad) in [(8, 3), (9, 1), (11, 1)] {
+                let mut wrong = payload.clone();
+                wrong[at] = bad;
+                let err = PushHeader::decode(&wrong).unwrap_err().to_string();
+                assert!(err.contains("storage class"), "{err}");
+            }
+        }
     }
 
     #[test]

@@ -66,6 +66,19 @@ impl StorageClass {
         }
     }
 
+    /// Its code on the wire (in a Push header).
+    pub fn code(self) -> u8 {
+        match self {
+            StorageClass::Any => 0,
+            StorageClass::Dram => 1,
+            StorageClass::Nvme => 2,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<StorageClass> {
+        [StorageClass::Any, StorageClass::Dram, StorageClass::Nvme].into_iter().find(|class| class.code() == code)
+    }
+
     /// The tiers the class may use, in the order placement tries them.
     pub fn tiers(self) -> &'static [Tier] {
         match self {

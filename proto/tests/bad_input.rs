@@ -7,7 +7,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{batches, BatchHeader, FetchRequest, PushHeader, MAX_FETCH_MAPS};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass};
 
 /// Cases per property: seconds in all, on a slow machine.
 const CASES: u64 = 20_000;
@@ -36,8 +36,10 @@ fn valid_frame(rng: &mut Rng) -> Frame {
         2 => Frame::read(id, block, rng.next_u64() as u32, rng.next_u64() as u32),
         3 => Frame::free(id, &(0..rng.below(20)).map(|_| rng.next_u64()).collect::<Vec<_>>()),
         4 => {
-            let mut p =
-                BytesMut::from(&PushHeader { map: rng.next_u64() as u32, attempt: rng.next_u64() as u32 }.encode()[..]);
+            let mut p = BytesMut::from(
+                &PushHeader { map: rng.next_u64() as u32, attempt: rng.next_u64() as u32, class: StorageClass::Any }
+                    .encode()[..],
+            );
             p.put_slice(&payload);
             Frame::push(id, block, rng.next_u64() as u32, rng.next_u64() as u32, p.freeze())
         }

@@ -76,6 +76,11 @@ impl AppendSlot {
         self.appender.room()
     }
 
+    /// Bytes appended so far.
+    pub(crate) fn len(&self) -> u32 {
+        self.appender.len()
+    }
+
     /// Appends a batch as it is served, `[header | data]` with `header = head(crc of data)`, and
     /// publishes both at once; returns the data's offset in the slot and its crc32c as stored.
     /// One pass over the data, and a Fetch of the batch can send the stored bytes as they are.

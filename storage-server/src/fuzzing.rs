@@ -23,7 +23,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use tern_proto::frame::{self, Frame, Header, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
-use tern_proto::{ErrorKind, NVME_BLOCK_BIT};
+use tern_proto::{ErrorKind, StorageClass, NVME_BLOCK_BIT};
 use tern_transport::{Listener, Stream};
 use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
@@ -91,7 +91,8 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
             Frame::free(request_id, &ids)
         }
         5 => {
-            let header = PushHeader { map: u32::from(s.byte() % 4), attempt: u32::from(s.byte() % 2) };
+            let class = StorageClass::from_code(s.byte() % 3).expect("codes 0 to 2 are classes");
+            let header = PushHeader { map: u32::from(s.byte() % 4), attempt: u32::from(s.byte() % 2), class };
             let mut payload = BytesMut::from(&header.encode()[..]);
             payload.put_slice(&data()[..len.min(FUZZ_BLOCK_SIZE as usize / 2)]);
             Frame::push(request_id, block, u32::from(s.byte() % 2), u32::from(s.byte() % 2), payload.freeze())

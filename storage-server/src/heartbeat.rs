@@ -456,6 +456,7 @@ mod tests {
     use super::*;
     use crate::shuffle::SegmentId;
     use tern_proto::shuffle::{FetchRequest, PushHeader};
+    use tern_proto::StorageClass;
 
     fn store_with(ids: &[u64]) -> BlockStore {
         let store = BlockStore::new(4096, 16 * 4096).unwrap();
@@ -482,7 +483,12 @@ mod tests {
 
     fn push(store: &BlockStore, shuffle: u64, partition: u32) {
         let segment = SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 };
-        store.push(segment, PushHeader { map: 0, attempt: 0 }, b"batch").unwrap();
+        futures::executor::block_on(store.push(
+            segment,
+            PushHeader { map: 0, attempt: 0, class: StorageClass::Any },
+            b"batch",
+        ))
+        .unwrap();
     }
 
     #[test]
@@ -531,8 +537,13 @@ mod tests {
         // Resent (the ack was lost): nothing more to do, nothing comes back.
         assert_eq!(session.apply(&both, &store), freed(0, 0));
         let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
-        assert!(store.fetch(SegmentId { shuffle: ShuffleId(10), partition: 0, index: 0 }, &fetch).is_err());
-        assert!(store.fetch(SegmentId { shuffle: ShuffleId(11), partition: 0, index: 0 }, &fetch).is_ok());
+        let fetch_of = |shuffle| {
+            futures::executor::block_on(
+                store.fetch(SegmentId { shuffle: ShuffleId(shuffle), partition: 0, index: 0 }, &fetch),
+            )
+        };
+        assert!(fetch_of(10).is_err());
+        assert!(fetch_of(11).is_ok());
     }
 
     #[test]

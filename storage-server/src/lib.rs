@@ -258,9 +258,13 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         return Err(e);
     }
     let heartbeat = tokio::spawn(heartbeater.run());
+    let mut tasks = vec![service, heartbeat];
+    if store.nvme().is_some() {
+        tasks.push(tokio::spawn(store.clone().run_shuffle_mover()));
+    }
     // Registered, its inventory and tiers reported, serving blocks: placements may come.
     readiness.ready();
-    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks: vec![service, heartbeat], admin, drained, readiness })
+    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks, admin, drained, readiness })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or

@@ -1,10 +1,25 @@
-//! Shuffle segments: the push-merge side of the DRAM tier.
+//! Shuffle segments: the push-merge side of the store, DRAM first, NVMe beneath.
 //!
 //! A shuffle partition is a chain of segments; this server holds some of them. A segment is named
-//! by (shuffle id, partition, segment index) and created by the first Push to it. Map writers push
-//! batches; each batch is stored whole, in arrival order, in slots taken from the DRAM tier's
-//! (so shuffle data and file blocks share one arena and one capacity count), and indexed with
-//! the map index and attempt that wrote it and a crc32c of its bytes as stored.
+//! by (shuffle id, partition, segment index) and created by the first Push to it, whose storage
+//! class it keeps. Map writers push batches; each batch is stored whole, in arrival order, in
+//! slots taken from the DRAM tier's (so shuffle data and file blocks share one arena and one
+//! capacity count), and indexed with the map index and attempt that wrote it and a crc32c of its
+//! bytes as stored.
+//!
+//! Tiering (write-behind): a segment's slots are extents, each in DRAM or on NVMe. Pushes always
+//! land in DRAM; the mover ([`Shuffles::move_down`], run by the server in the background) writes
+//! whole DRAM slots to NVMe slots in one aligned write each, byte for byte, so the index stays
+//! valid, then drops the DRAM slot. It moves
+//! - every full slot of an `nvme` segment at once (DRAM is only their write buffer);
+//! - full slots of `any` segments, oldest first, while DRAM is past [`HIGH_WATERMARK`] of its
+//!   slots, until it is back under [`LOW_WATERMARK`]; with no full slot left, the fullest slots
+//!   still taking batches are closed and moved (a segment then continues in a new slot);
+//! - never those of `dram` segments.
+//!
+//! A push that finds DRAM full waits for the mover, up to [`ROOM_WAIT`], when its class may use
+//! NVMe and the server has one; it is refused OutOfSpace when nothing could be moved (NVMe full
+//! too, or DRAM held by blocks and `dram` segments), so a full server answers, never swaps.
 //!
 //! A Fetch names the committed attempt of each map it wants and gets the matching batches ordered
 //! by map index, then arrival, a page at a time; a cursor counts the matching batches already
@@ -14,19 +29,24 @@
 //! Concurrency: a short map lock finds or creates a segment; each segment has its own lock,
 //! held while a push copies its batch in, so pushes to one segment serialise and pushes to
 //! different segments do not contend. A Fetch picks its page under the segment's lock as views of
-//! the arena, then copies and checks the bytes outside it.
+//! the arena (and of the NVMe extents it covers, read outside the lock, one read per extent and
+//! all at once), then copies and checks the bytes outside it.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
 use tern_proto::shuffle::{BatchHeader, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
-use tern_proto::{ErrorKind, ServerId, ShuffleId};
+use tern_proto::{ErrorKind, ServerId, ShuffleId, StorageClass};
+use tokio::sync::Notify;
 
 use crate::dram::{AppendSlot, DramSlots};
+use crate::nvme::{NvmeExtent, NvmeTier};
 
 /// Most bytes one Fetch reply carries, whatever the request asks for (a single batch may make it
 /// up to [`BATCH_HEADER_LEN`] bytes more than the block size, which clients must accept).
@@ -40,6 +60,13 @@ const MAX_SEGMENT_BATCHES: u64 = FETCH_DONE as u64 - 1;
 /// Most freed shuffle ids remembered. A push to a remembered one is refused, so a straggling map
 /// task cannot re-create a segment of a freed shuffle, which nobody would ever free again.
 const FREED_REMEMBERED: usize = 1 << 16;
+/// Share of the DRAM tier's slots in use past which `any` segments move down to NVMe...
+pub const HIGH_WATERMARK: f64 = 0.85;
+/// ...until this share is in use again.
+pub const LOW_WATERMARK: f64 = 0.70;
+/// Longest a push waits for the mover to free a DRAM slot before it is refused OutOfSpace (well
+/// inside a client's request deadline).
+pub const ROOM_WAIT: Duration = Duration::from_secs(5);
 
 /// Which segment: shuffle, reduce partition, and index in the partition's chain of segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,6 +111,8 @@ pub enum ShuffleError {
     BatchSize { segment: SegmentId, len: usize, max: u32 },
     #[error("fetch of {segment} refused: cursor {cursor} is past the {held} batches it holds for the maps asked for")]
     CursorPastEnd { segment: SegmentId, cursor: u32, held: u64 },
+    #[error("fetch of {segment}: reading its NVMe extent failed: {error}")]
+    Io { segment: SegmentId, error: String },
     #[error(
         "fetch of {segment}: a batch of map {map} (attempt {attempt}) is corrupt at rest (stored crc32c \
          {expected:#010x}, bytes give {actual:#010x}); recompute map {map}"
@@ -98,6 +127,7 @@ impl ShuffleError {
             ShuffleError::Full { .. } | ShuffleError::SegmentFull { .. } => ErrorKind::OutOfSpace,
             ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
             ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
+            ShuffleError::Io { .. } => ErrorKind::Internal,
         }
     }
 }
@@ -112,7 +142,7 @@ pub fn max_batch_bytes(block_size: u32) -> u32 {
 /// Where one batch lies.
 #[derive(Debug, Clone, Copy)]
 struct Batch {
-    /// Index into the segment's slots. A segment has fewer slots than batches (each slot holds at
+    /// Index into the segment's extents. A segment has fewer extents than batches (each holds at
     /// least one), and fewer batches than `u32::MAX`.
     slot: u32,
     offset: u32,
@@ -121,10 +151,39 @@ struct Batch {
     crc: u32,
 }
 
-/// One segment's slots and index. Guarded by the segment's lock.
+/// A segment's slot: in DRAM, or moved down to NVMe with the same bytes at the same offsets.
+enum Extent {
+    Dram(AppendSlot),
+    /// Shared with the fetches reading it, so a freed segment's slot stays held until they end.
+    Nvme(Arc<NvmeExtent>),
+}
+
+impl Extent {
+    /// Bytes stored in it (batches with their headers).
+    fn len(&self) -> u64 {
+        match self {
+            Extent::Dram(slot) => u64::from(slot.len()),
+            Extent::Nvme(extent) => u64::from(extent.len()),
+        }
+    }
+}
+
+/// Where a batch of a page is read from.
+enum Stored {
+    /// A view of the arena: the bytes themselves.
+    View(Bytes),
+    /// `[offset, offset + len)` of an NVMe extent, read outside the segment's lock.
+    Disk(Arc<NvmeExtent>, u32, u32),
+}
+
+/// One segment's extents and index. Guarded by the segment's lock.
 struct SegmentState {
     /// Never empty: a segment is created with the slot for its first batch.
-    slots: Vec<AppendSlot>,
+    slots: Vec<Extent>,
+    /// Whether the last extent takes more batches: a DRAM slot not closed by the mover.
+    open: bool,
+    /// Freed (its bytes no longer counted): a racing push is refused, a racing move discarded.
+    dropped: bool,
     batches_in_last_slot: u32,
     /// By `(map, attempt)`, each in arrival order. A Fetch names one attempt per map, so walking
     /// this in key order yields its batches by map, then arrival.
@@ -134,6 +193,8 @@ struct SegmentState {
 }
 
 struct Segment {
+    /// From its first push: which tiers it may use.
+    class: StorageClass,
     state: Mutex<SegmentState>,
 }
 
@@ -164,22 +225,56 @@ impl SegmentMap {
     }
 }
 
-/// The shuffle segments of one storage server (their slots come from its DRAM tier's).
+/// Full DRAM slots waiting to move down, oldest first: those of `nvme` segments move at once,
+/// those of `any` segments under pressure. A freed segment's entries are skipped when reached.
+#[derive(Default)]
+struct MoveQueue {
+    now: VecDeque<(Weak<Segment>, u32)>,
+    under_pressure: VecDeque<(Weak<Segment>, u32)>,
+}
+
+/// Shuffle bytes (batches with their headers) held in each tier.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ShuffleBytes {
+    pub dram: u64,
+    pub nvme: u64,
+}
+
+/// The shuffle segments of one storage server (their slots come from its tiers').
 #[derive(Default)]
 pub(crate) struct Shuffles {
     map: Mutex<SegmentMap>,
+    moves: Mutex<MoveQueue>,
+    /// Set past the high watermark, cleared under the low one.
+    draining: AtomicBool,
+    /// The mover's last pass found DRAM full and could move nothing: a push waiting for room
+    /// gives up.
+    mover_stuck: AtomicBool,
+    /// Wakes the mover (DRAM past the high watermark, a full `nvme` slot, a push waiting).
+    wake_mover: Notify,
+    /// Wakes pushes waiting for a DRAM slot, after every pass of the mover.
+    room: Notify,
+    dram_bytes: AtomicU64,
+    nvme_bytes: AtomicU64,
 }
 
 fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
     ShuffleError::Full { segment, in_use: pool.count(), total: pool.count() }
 }
 
+fn share_in_use(pool: &DramSlots) -> f64 {
+    let usage = pool.usage();
+    usage.used_blocks as f64 / usage.capacity_blocks.max(1) as f64
+}
+
 impl Shuffles {
     /// Appends `batch` to the segment (created on its first push); returns the segment's size in
-    /// bytes afterwards.
-    pub(crate) fn push(
+    /// bytes afterwards. When DRAM is full and the segment may use `nvme`, waits (up to
+    /// [`ROOM_WAIT`]) for the mover to free a slot.
+    pub(crate) async fn push(
         &self,
         pool: &Arc<DramSlots>,
+        nvme: Option<&NvmeTier>,
         server: ServerId,
         id: SegmentId,
         from: PushHeader,
@@ -189,9 +284,46 @@ impl Shuffles {
         if batch.is_empty() || batch.len() > max as usize {
             return Err(ShuffleError::BatchSize { segment: id, len: batch.len(), max });
         }
-        let segment = self.segment_for_push(pool, server, id)?;
+        let may_wait = from.class != StorageClass::Dram && nvme.is_some();
+        let deadline = tokio::time::Instant::now() + ROOM_WAIT;
+        loop {
+            // Enabled before the attempt, so a pass that ends between the two is not missed.
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            match self.try_push(pool, server, id, from, batch) {
+                Err(ShuffleError::Full { .. }) if may_wait => {
+                    self.wake_mover.notify_one();
+                    let woken = tokio::time::timeout_at(deadline, room).await.is_ok();
+                    if !woken || self.mover_stuck.load(Ordering::Relaxed) {
+                        return Err(full(pool, id));
+                    }
+                }
+                pushed => return pushed,
+            }
+        }
+    }
+
+    fn try_push(
+        &self,
+        pool: &Arc<DramSlots>,
+        server: ServerId,
+        id: SegmentId,
+        from: PushHeader,
+        batch: &[u8],
+    ) -> Result<u64, ShuffleError> {
+        let segment = self.segment_for_push(pool, server, id, from.class)?;
         let mut state = segment.state.lock();
-        state.append(pool, id, from, batch)
+        if state.dropped {
+            return Err(ShuffleError::Freed { segment: id, server });
+        }
+        let (bytes, closed) = state.append(pool, id, from, batch)?;
+        drop(state);
+        self.dram_bytes.fetch_add((BATCH_HEADER_LEN + batch.len()) as u64, Ordering::Relaxed);
+        if let Some(closed) = closed {
+            self.queue_move(&segment, closed, pool);
+        }
+        Ok(bytes)
     }
 
     /// The segment, created with an empty slot if new. Creating it with its slot means every
@@ -201,6 +333,7 @@ impl Shuffles {
         pool: &Arc<DramSlots>,
         server: ServerId,
         id: SegmentId,
+        class: StorageClass,
     ) -> Result<Arc<Segment>, ShuffleError> {
         let mut map = self.map.lock();
         if map.freed.contains(&id.shuffle) {
@@ -211,8 +344,11 @@ impl Shuffles {
         }
         let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
         let segment = Arc::new(Segment {
+            class,
             state: Mutex::new(SegmentState {
-                slots: vec![slot],
+                slots: vec![Extent::Dram(slot)],
+                open: true,
+                dropped: false,
                 batches_in_last_slot: 0,
                 index: BTreeMap::new(),
                 batches: 0,
@@ -224,8 +360,128 @@ impl Shuffles {
         Ok(segment)
     }
 
+    /// Queues a full DRAM slot of `segment` to move down, as its class says.
+    fn queue_move(&self, segment: &Arc<Segment>, slot: u32, pool: &DramSlots) {
+        let entry = (Arc::downgrade(segment), slot);
+        match segment.class {
+            StorageClass::Dram => {}
+            StorageClass::Nvme => {
+                self.moves.lock().now.push_back(entry);
+                self.wake_mover.notify_one();
+            }
+            StorageClass::Any => {
+                self.moves.lock().under_pressure.push_back(entry);
+                if share_in_use(pool) >= HIGH_WATERMARK {
+                    self.wake_mover.notify_one();
+                }
+            }
+        }
+    }
+
+    /// Waits until the mover has work (or `tick` passed, to check the watermark anyway).
+    pub(crate) async fn mover_woken(&self, tick: Duration) {
+        let _ = tokio::time::timeout(tick, self.wake_mover.notified()).await;
+    }
+
+    /// Moves DRAM slots to NVMe as the policy in the module docs says, until there is nothing
+    /// more to move or NVMe is full; returns how many moved. Wakes pushes waiting for room.
+    pub(crate) async fn move_down(&self, pool: &DramSlots, nvme: &NvmeTier) -> usize {
+        let mut moved = 0;
+        let nvme_has_room = || {
+            let usage = nvme.usage();
+            usage.used_blocks < usage.capacity_blocks
+        };
+        // Checked first, so that an open slot is not closed for a move that cannot happen.
+        while nvme_has_room() {
+            let Some((segment, slot, bytes)) = self.next_move(pool) else { break };
+            match nvme.write_extent(&bytes).await {
+                Ok(Some(extent)) => {
+                    let len = u64::from(extent.len());
+                    let mut state = segment.state.lock();
+                    if !state.dropped {
+                        // Still the DRAM slot the bytes came from: closed slots take no more batches.
+                        state.slots[slot as usize] = Extent::Nvme(Arc::new(extent));
+                        self.dram_bytes.fetch_sub(len, Ordering::Relaxed);
+                        self.nvme_bytes.fetch_add(len, Ordering::Relaxed);
+                    }
+                    moved += 1;
+                }
+                Ok(None) => {
+                    tracing::debug!("shuffle mover: the NVMe tier is full; shuffle data stays in DRAM");
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!("shuffle mover: writing a DRAM slot to NVMe failed, it stays in DRAM: {e}");
+                    break;
+                }
+            }
+        }
+        // Stuck: DRAM full and nothing could move, so pushes waiting for room give up.
+        let stuck = moved == 0 && pool.usage().used_blocks == pool.usage().capacity_blocks;
+        self.mover_stuck.store(stuck, Ordering::Relaxed);
+        self.room.notify_waiters();
+        moved
+    }
+
+    /// The next DRAM slot to move (closed, so its bytes never change again) and its bytes.
+    fn next_move(&self, pool: &DramSlots) -> Option<(Arc<Segment>, u32, Bytes)> {
+        let share = share_in_use(pool);
+        if share >= HIGH_WATERMARK {
+            self.draining.store(true, Ordering::Relaxed);
+        } else if share < LOW_WATERMARK {
+            self.draining.store(false, Ordering::Relaxed);
+        }
+        let draining = self.draining.load(Ordering::Relaxed);
+        loop {
+            let entry = {
+                let mut moves = self.moves.lock();
+                match moves.now.pop_front() {
+                    Some(entry) => Some(entry),
+                    None if draining => moves.under_pressure.pop_front(),
+                    None => None,
+                }
+            };
+            let Some((segment, slot)) = entry else {
+                // Nothing full: under pressure, close the fullest open slot instead.
+                return if draining { self.close_fullest_open() } else { None };
+            };
+            let Some(segment) = segment.upgrade() else { continue };
+            let state = segment.state.lock();
+            if let Extent::Dram(dram) = &state.slots[slot as usize] {
+                let bytes = dram.view(0, dram.len());
+                drop(state);
+                return Some((segment, slot, bytes));
+            }
+        }
+    }
+
+    /// Closes the open DRAM slot holding the most bytes among segments that may use NVMe, and
+    /// returns it to move.
+    fn close_fullest_open(&self) -> Option<(Arc<Segment>, u32, Bytes)> {
+        let segments: Vec<Arc<Segment>> = {
+            let map = self.map.lock();
+            map.shuffles.values().flat_map(|s| s.values()).filter(|s| s.class != StorageClass::Dram).cloned().collect()
+        };
+        let fullest = segments
+            .into_iter()
+            .filter_map(|segment| {
+                let len = segment.state.lock().open_dram_len()?;
+                Some((len, segment))
+            })
+            .max_by_key(|(len, _)| *len)?
+            .1;
+        let mut state = fullest.state.lock();
+        let len = state.open_dram_len()?;
+        state.open = false;
+        let slot = state.slots.len() - 1;
+        let Extent::Dram(dram) = &state.slots[slot] else { unreachable!("open_dram_len checked the tier") };
+        let bytes = dram.view(0, len);
+        drop(state);
+        Some((fullest, u32::try_from(slot).expect("fewer extents than batches"), bytes))
+    }
+
     /// The page of `request`'s batches that starts at its cursor.
-    pub(crate) fn fetch(
+    pub(crate) async fn fetch(
         &self,
         server: ServerId,
         id: SegmentId,
@@ -235,8 +491,9 @@ impl Shuffles {
         let limit = request.max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
         let (page, more) = segment.state.lock().page(id, request, limit)?;
         drop(segment);
-        // Copied outside the segment's lock, so pushes to it do not wait for the copy; the views
+        // Read outside the segment's lock, so pushes to it do not wait; the views and extents
         // keep their slots intact meanwhile, even if the shuffle is freed.
+        let page = read_extents(id, page).await?;
         let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
         let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
         // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
@@ -291,15 +548,34 @@ impl Shuffles {
             map.segments -= removed.iter().map(HashMap::len).sum::<usize>();
             removed
         };
-        // Slots go back to the free list as these drop, outside the map lock (a push or
+        self.uncount(removed.iter().flat_map(HashMap::values));
+        // Slots go back to the free lists as these drop, outside the map lock (a push or
         // fetch under way keeps its segment, or its views, until it ends).
         removed.iter().map(HashMap::len).sum()
+    }
+
+    /// Takes the bytes of dropped segments off the per-tier counts.
+    fn uncount<'a>(&self, segments: impl Iterator<Item = &'a Arc<Segment>>) {
+        let mut gone = ShuffleBytes::default();
+        for segment in segments {
+            let mut state = segment.state.lock();
+            state.dropped = true;
+            for extent in &state.slots {
+                match extent {
+                    Extent::Dram(_) => gone.dram += extent.len(),
+                    Extent::Nvme(_) => gone.nvme += extent.len(),
+                }
+            }
+        }
+        self.dram_bytes.fetch_sub(gone.dram, Ordering::Relaxed);
+        self.nvme_bytes.fetch_sub(gone.nvme, Ordering::Relaxed);
     }
 
     /// Drops every segment and forgets which shuffles were freed (a new registration may see ids
     /// reused); returns how many segments were held.
     pub(crate) fn clear(&self) -> usize {
         let removed = std::mem::take(&mut *self.map.lock());
+        self.uncount(removed.shuffles.values().flat_map(HashMap::values));
         removed.segments
     }
 
@@ -312,58 +588,122 @@ impl Shuffles {
         self.map.lock().segments
     }
 
+    /// Shuffle bytes held in each tier.
+    pub(crate) fn bytes(&self) -> ShuffleBytes {
+        ShuffleBytes { dram: self.dram_bytes.load(Ordering::Relaxed), nvme: self.nvme_bytes.load(Ordering::Relaxed) }
+    }
+
     /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.
     #[cfg(test)]
     pub(crate) fn corrupt(&self, id: SegmentId, map: u32) {
         let segment = self.map.lock().get(id).expect("segment held");
         let mut state = segment.state.lock();
         let batch = state.index.iter().find(|((m, _), _)| *m == map).map(|(_, batches)| batches[0]).expect("map held");
-        state.slots[batch.slot as usize].flip_byte(batch.offset);
+        let Extent::Dram(slot) = &mut state.slots[batch.slot as usize] else { panic!("the batch is not in DRAM") };
+        slot.flip_byte(batch.offset);
     }
 }
 
+/// The page's batches as bytes: views as they are, and each NVMe extent the page covers read
+/// once (the range its batches span), all extents at once.
+async fn read_extents(
+    id: SegmentId,
+    page: Vec<(BatchHeader, Stored)>,
+) -> Result<Vec<(BatchHeader, Bytes)>, ShuffleError> {
+    // Per extent (by address), the range to read.
+    let mut spans: Vec<(Arc<NvmeExtent>, u32, u32)> = Vec::new();
+    for (_, stored) in &page {
+        if let Stored::Disk(extent, offset, len) = stored {
+            match spans.iter_mut().find(|(e, _, _)| Arc::ptr_eq(e, extent)) {
+                Some((_, start, end)) => {
+                    *start = (*start).min(*offset);
+                    *end = (*end).max(offset + len);
+                }
+                None => spans.push((extent.clone(), *offset, offset + len)),
+            }
+        }
+    }
+    let reads = spans.iter().map(|(extent, start, end)| extent.read(*start, end - start));
+    let read = futures::future::try_join_all(reads)
+        .await
+        .map_err(|e| ShuffleError::Io { segment: id, error: e.to_string() })?;
+    Ok(page
+        .into_iter()
+        .map(|(header, stored)| match stored {
+            Stored::View(bytes) => (header, bytes),
+            Stored::Disk(extent, offset, len) => {
+                let at = spans.iter().position(|(e, _, _)| Arc::ptr_eq(e, &extent)).expect("every extent was read");
+                let from = (offset - spans[at].1) as usize;
+                (header, read[at].slice(from..from + len as usize))
+            }
+        })
+        .collect())
+}
+
 impl SegmentState {
+    /// Appends a batch; returns the segment's bytes afterwards and the slot that closed to make
+    /// room, if one did.
     fn append(
         &mut self,
         pool: &Arc<DramSlots>,
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
-    ) -> Result<u64, ShuffleError> {
+    ) -> Result<(u64, Option<u32>), ShuffleError> {
         if self.batches >= MAX_SEGMENT_BATCHES {
             return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
         }
         // At most `max_batch_bytes`, checked by the caller.
         let len = u32::try_from(batch.len()).expect("batches are at most a block");
-        let last = self.slots.last().expect("a segment always holds a slot");
-        let fits = len + BATCH_HEADER_LEN as u32 <= last.room()
-            && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH;
+        let fits = match self.slots.last() {
+            Some(Extent::Dram(last)) if self.open => {
+                len + BATCH_HEADER_LEN as u32 <= last.room()
+                    && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH
+            }
+            _ => false,
+        };
+        let mut closed = None;
         if !fits {
             // Batches are stored whole, in one slot each: the rest of the last slot stays unused.
             let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
-            self.slots.push(slot);
+            // The last slot closes (if the mover has not closed it already, and moved it).
+            if self.open {
+                closed = Some(u32::try_from(self.slots.len() - 1).expect("fewer extents than batches"));
+            }
+            self.slots.push(Extent::Dram(slot));
+            self.open = true;
             self.batches_in_last_slot = 0;
         }
         let slot = self.slots.len() - 1;
+        let Some(Extent::Dram(last)) = self.slots.last_mut() else { unreachable!("the open slot is in DRAM") };
         // Stored as served: [BatchHeader | bytes], so a page of one batch goes out without a copy.
-        let (offset, crc) = self.slots[slot]
+        let (offset, crc) = last
             .append_with_header(batch, |crc| BatchHeader { map: from.map, attempt: from.attempt, len, crc }.encode());
         self.batches_in_last_slot += 1;
         let slot = u32::try_from(slot).expect("a segment has fewer slots than batches");
         self.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
         self.batches += 1;
         self.bytes += u64::from(len);
-        Ok(self.bytes)
+        Ok((self.bytes, closed))
     }
 
-    /// The batches of the page `request` asks for (as views of the arena, at most about `limit`
-    /// bytes with their headers, and at least one), and whether more remain after them.
+    /// The published bytes of the last extent, if it is a DRAM slot still taking batches and
+    /// holds some.
+    fn open_dram_len(&self) -> Option<u32> {
+        match self.slots.last() {
+            Some(Extent::Dram(slot)) if self.open && slot.len() > 0 => Some(slot.len()),
+            _ => None,
+        }
+    }
+
+    /// The batches of the page `request` asks for (at most about `limit` bytes with their
+    /// headers, and at least one), and whether more remain after them.
     fn page(
         &self,
         id: SegmentId,
         request: &FetchRequest,
         limit: usize,
-    ) -> Result<(Vec<(BatchHeader, Bytes)>, bool), ShuffleError> {
+    ) -> Result<(Vec<(BatchHeader, Stored)>, bool), ShuffleError> {
         let mut skip = u64::from(request.cursor);
         let mut page = Vec::new();
         let mut size = 0;
@@ -386,8 +726,12 @@ impl SegmentState {
                 }
                 size += bytes;
                 let header = BatchHeader { map, attempt, len: batch.len, crc: batch.crc };
-                let head = BATCH_HEADER_LEN as u32;
-                page.push((header, self.slots[batch.slot as usize].view(batch.offset - head, batch.len + head)));
+                let (offset, len) = (batch.offset - BATCH_HEADER_LEN as u32, batch.len + BATCH_HEADER_LEN as u32);
+                let stored = match &self.slots[batch.slot as usize] {
+                    Extent::Dram(slot) => Stored::View(slot.view(offset, len)),
+                    Extent::Nvme(extent) => Stored::Disk(extent.clone(), offset, len),
+                };
+                page.push((header, stored));
             }
         }
         if skip > 0 {
@@ -397,6 +741,9 @@ impl SegmentState {
         Ok((page, false))
     }
 }
+
+#[cfg(test)]
+mod tiering_tests;
 
 #[cfg(test)]
 mod tests {
@@ -416,7 +763,11 @@ mod tests {
     }
 
     fn push(store: &BlockStore, id: SegmentId, map: u32, attempt: u32, batch: &[u8]) -> Result<u64, ShuffleError> {
-        store.push(id, PushHeader { map, attempt }, batch)
+        futures::executor::block_on(store.push(id, PushHeader { map, attempt, class: StorageClass::Any }, batch))
+    }
+
+    fn fetch(store: &BlockStore, id: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
+        futures::executor::block_on(store.fetch(id, request))
     }
 
     fn request(cursor: u32, max_bytes: u32, maps: &[(u32, u32)]) -> FetchRequest {
@@ -442,7 +793,7 @@ mod tests {
         let mut cursor = 0;
         let mut all = Vec::new();
         for _ in 0..10_000 {
-            let page = store.fetch(id, &request(cursor, max_bytes, maps)).unwrap();
+            let page = fetch(&store, id, &request(cursor, max_bytes, maps)).unwrap();
             let parsed = parse(&page);
             assert!(!parsed.is_empty() || page.next_cursor == FETCH_DONE, "an empty page must end the fetch");
             all.extend(parsed);
@@ -474,7 +825,7 @@ mod tests {
         assert_eq!(store.dram().usage().used_blocks, 3);
         assert_eq!(store.shuffle_segments(), 1);
 
-        let page = store.fetch(id, &request(0, u32::MAX, &[(0, 0)])).unwrap();
+        let page = fetch(&store, id, &request(0, u32::MAX, &[(0, 0)])).unwrap();
         assert_eq!((page.batches, page.next_cursor), (4, FETCH_DONE));
         let got = parse(&page);
         let want: Vec<_> = [batch(0), batch(1), batch(2), whole].into_iter().map(|b| (0, 0, b)).collect();
@@ -500,7 +851,7 @@ mod tests {
         ];
         assert_eq!(got, want);
         // Later pushes of an uncommitted attempt do not move what the cursor points at.
-        let first = store.fetch(id, &request(0, 1, &[(0, 0), (1, 0), (2, 0)])).unwrap();
+        let first = fetch(&store, id, &request(0, 1, &[(0, 0), (1, 0), (2, 0)])).unwrap();
         push(&store, id, 0, 7, b"late attempt").unwrap();
         push(&store, id, 1, 1, b"another").unwrap();
         let mut got = parse(&first);
@@ -509,7 +860,7 @@ mod tests {
     }
 
     fn fetch_all_from(store: &BlockStore, id: SegmentId, cursor: u32, maps: &[(u32, u32)]) -> Vec<(u32, u32, Vec<u8>)> {
-        let page = store.fetch(id, &request(cursor, u32::MAX, maps)).unwrap();
+        let page = fetch(&store, id, &request(cursor, u32::MAX, maps)).unwrap();
         assert_eq!(page.next_cursor, FETCH_DONE);
         parse(&page)
     }
@@ -531,14 +882,14 @@ mod tests {
         ];
         assert_eq!(got, want);
         // Nothing committed: an empty page that says done.
-        let page = store.fetch(id, &request(0, u32::MAX, &[])).unwrap();
+        let page = fetch(&store, id, &request(0, u32::MAX, &[])).unwrap();
         assert_eq!((page.payload.len(), page.batches, page.next_cursor), (0, 0, FETCH_DONE));
-        let page = store.fetch(id, &request(0, u32::MAX, &[(0, 2)])).unwrap();
+        let page = fetch(&store, id, &request(0, u32::MAX, &[(0, 2)])).unwrap();
         assert_eq!((page.batches, page.next_cursor), (0, FETCH_DONE));
         // A cursor at the end is done; past it, refused.
-        let page = store.fetch(id, &request(3, u32::MAX, &[(0, 1), (1, 0)])).unwrap();
+        let page = fetch(&store, id, &request(3, u32::MAX, &[(0, 1), (1, 0)])).unwrap();
         assert_eq!((page.batches, page.next_cursor), (0, FETCH_DONE));
-        let err = store.fetch(id, &request(4, u32::MAX, &[(0, 1), (1, 0)])).unwrap_err();
+        let err = fetch(&store, id, &request(4, u32::MAX, &[(0, 1), (1, 0)])).unwrap_err();
         assert_eq!(err, ShuffleError::CursorPastEnd { segment: id, cursor: 4, held: 3 });
         assert_eq!(err.kind(), ErrorKind::Invalid);
     }
@@ -568,7 +919,7 @@ mod tests {
         let (mut cursor, mut served) = (0, 0);
         let mut pages_of_many = 0;
         while cursor != FETCH_DONE {
-            let page = store.fetch(id, &request(cursor, 2000, &maps)).unwrap();
+            let page = fetch(&store, id, &request(cursor, 2000, &maps)).unwrap();
             served += page.batches as usize;
             assert!(page.payload.len() <= 2000 || page.batches == 1, "{} bytes", page.payload.len());
             pages_of_many += usize::from(page.batches > 1);
@@ -621,7 +972,7 @@ mod tests {
         assert_eq!(store.shuffle_segments(), 1);
         assert_eq!(store.dram().usage().used_blocks, 1);
         assert_eq!(store.dram().usage().used_bytes, 13 + 16);
-        let err = store.fetch(seg(1, 0, 0), &request(0, u32::MAX, &[(0, 0)])).unwrap_err();
+        let err = fetch(&store, seg(1, 0, 0), &request(0, u32::MAX, &[(0, 0)])).unwrap_err();
         assert_eq!(err.to_string(), "shuffle 1 partition 0 segment 0 is not held by storage server 5");
         assert_eq!(err.kind(), ErrorKind::NotFound);
         // A straggler's push cannot bring a freed shuffle back.
@@ -662,7 +1013,7 @@ mod tests {
         push(&store, id, 1, 3, b"map one").unwrap();
         push(&store, id, 2, 0, b"map two").unwrap();
         store.shuffles().corrupt(id, 1);
-        let err = store.fetch(id, &request(0, u32::MAX, &[(0, 0), (1, 3), (2, 0)])).unwrap_err();
+        let err = fetch(&store, id, &request(0, u32::MAX, &[(0, 0), (1, 3), (2, 0)])).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Corrupt);
         assert!(matches!(err, ShuffleError::Corrupt { map: 1, attempt: 3, .. }), "{err}");
         let message = err.to_string();
@@ -672,7 +1023,7 @@ mod tests {
         );
         // The rest of the segment is still served.
         assert_eq!(fetch_all(&store, id, &[(0, 0), (2, 0)], u32::MAX).len(), 2);
-        assert!(store.fetch(id, &request(0, 1, &[(0, 0), (1, 3)])).is_ok(), "the first page holds only map 0");
+        assert!(fetch(&store, id, &request(0, 1, &[(0, 0), (1, 3)])).is_ok(), "the first page holds only map 0");
     }
 
     #[test]

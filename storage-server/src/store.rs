@@ -14,7 +14,7 @@ use crate::arena::Arena;
 use crate::block_table::StoreError;
 use crate::dram::DramTier;
 use crate::nvme::NvmeTier;
-use crate::shuffle::{FetchPage, SegmentId, ShuffleError, Shuffles};
+use crate::shuffle::{FetchPage, SegmentId, ShuffleBytes, ShuffleError, Shuffles};
 
 /// The tier an op on a block goes to.
 pub enum TierRef<'a> {
@@ -126,13 +126,38 @@ impl BlockStore {
 
     /// Appends a pushed batch to a shuffle segment, creating the segment on its first push;
     /// returns the segment's size in bytes afterwards. See [`crate::shuffle`].
-    pub fn push(&self, segment: SegmentId, from: PushHeader, batch: &[u8]) -> Result<u64, ShuffleError> {
-        self.shuffles.push(self.dram.slots(), self.server_id(), segment, from, batch)
+    pub async fn push(&self, segment: SegmentId, from: PushHeader, batch: &[u8]) -> Result<u64, ShuffleError> {
+        let nvme = self.nvme.as_deref();
+        self.shuffles.push(self.dram.slots(), nvme, self.server_id(), segment, from, batch).await
     }
 
     /// A page of a segment's batches from the committed attempts `request` lists.
-    pub fn fetch(&self, segment: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
-        self.shuffles.fetch(self.server_id(), segment, request)
+    pub async fn fetch(&self, segment: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
+        self.shuffles.fetch(self.server_id(), segment, request).await
+    }
+
+    /// Moves shuffle data from DRAM to NVMe as [`crate::shuffle`] says (nothing without an NVMe
+    /// tier); returns how many slots moved.
+    pub async fn move_shuffles_down(&self) -> usize {
+        match &self.nvme {
+            Some(nvme) => self.shuffles.move_down(self.dram.slots(), nvme).await,
+            None => 0,
+        }
+    }
+
+    /// The shuffle mover of a server with an NVMe tier: runs until the task is aborted.
+    pub async fn run_shuffle_mover(self: Arc<BlockStore>) {
+        // Past the high watermark, pushes wake it; the tick catches what they did not.
+        const TICK: std::time::Duration = std::time::Duration::from_millis(200);
+        loop {
+            self.shuffles.mover_woken(TICK).await;
+            self.move_shuffles_down().await;
+        }
+    }
+
+    /// Shuffle bytes held in each tier.
+    pub fn shuffle_bytes(&self) -> ShuffleBytes {
+        self.shuffles.bytes()
     }
 
     /// Drops every segment of the listed shuffles (ids not held are skipped), and refuses later

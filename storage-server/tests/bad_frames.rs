@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass};
 use tern_storage::fuzzing::{script_to_wire, serve_script};
 use tern_storage::Limits;
 use tokio::io::AsyncWriteExt;
@@ -101,7 +101,7 @@ async fn out_of_order_requests_are_refused_and_the_connection_goes_on() {
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
     let push = {
-        let mut p = PushHeader { map: 0, attempt: 0 }.encode().to_vec();
+        let mut p = PushHeader { map: 0, attempt: 0, class: StorageClass::Any }.encode().to_vec();
         p.extend_from_slice(b"batch");
         Bytes::from(p)
     };

@@ -18,7 +18,7 @@ use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
     ReportInventoryResponse,
 };
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass};
 use tern_storage::{start, Config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -124,7 +124,7 @@ async fn call_raw(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (Err
 }
 
 fn push(id: u64, segment: (u64, u32, u32), batch: &[u8]) -> Frame {
-    let mut payload = PushHeader { map: 0, attempt: 0 }.encode().to_vec();
+    let mut payload = PushHeader { map: 0, attempt: 0, class: StorageClass::Any }.encode().to_vec();
     payload.extend_from_slice(batch);
     Frame::push(id, segment.0, segment.1, segment.2, Bytes::from(payload))
 }

@@ -4,7 +4,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
-use tern_proto::ErrorKind;
+use tern_proto::{ErrorKind, StorageClass};
 use tern_storage::Limits;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -26,7 +26,7 @@ fn batch(map: u32, attempt: u32, n: u32, len: usize) -> Bytes {
 
 fn push_frame(id: u64, segment: (u64, u32, u32), map: u32, attempt: u32, data: &[u8]) -> Frame {
     let mut payload = BytesMut::with_capacity(PUSH_HEADER_LEN + data.len());
-    payload.put_slice(&PushHeader { map, attempt }.encode());
+    payload.put_slice(&PushHeader { map, attempt, class: StorageClass::Any }.encode());
     payload.put_slice(data);
     Frame::push(id, segment.0, segment.1, segment.2, payload.freeze())
 }

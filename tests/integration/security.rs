@@ -15,6 +15,7 @@ use tern_proto::shuffle::{FetchRequest, PushHeader};
 use tern_proto::token::{JobToken, TokenKey};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{EndJobRequest, LocateShuffleRequest, RenewJobRequest};
+use tern_proto::StorageClass;
 use tokio::net::TcpStream;
 
 const MIB: usize = 1 << 20;
@@ -104,7 +105,7 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     let shuffle_grant = grant(&located.grant);
     let segment = located.segments.iter().find(|s| s.partition == 1).unwrap().clone();
     let mut push = BytesMut::new();
-    push.extend_from_slice(&PushHeader { map: 1, attempt: 0 }.encode());
+    push.extend_from_slice(&PushHeader { map: 1, attempt: 0, class: StorageClass::Any }.encode());
     push.extend_from_slice(b"evil");
     let push = push.freeze();
     let message = raw

@@ -15,6 +15,10 @@
 //! With an [`index::BlockIndex`], every published length and every free is also recorded (and
 //! synced) in a side file before it is acknowledged, so the tier's blocks come back when the
 //! storage server restarts on the same path.
+//!
+//! Shuffle segments also take this tier's slots, as [`NvmeExtent`]s: a DRAM slot's batches moved
+//! down whole, in one aligned write (see [`crate::shuffle`]). They are not in the index: shuffle
+//! data is lost with its server's process, as DRAM segments are.
 
 pub mod aligned;
 pub mod device;
@@ -26,7 +30,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tern_proto::{BlockId, ServerId, Tier};
 
-use crate::block_table::{BlockTable, Restored, Slot, Slots, StoreError, Usage, Writer};
+use crate::block_table::{Appender, BlockTable, Restored, Slot, Slots, StoreError, Usage, Writer};
 use aligned::{round_down, round_up, AlignedBuf, AlignedSlice};
 use engine::IoEngine;
 
@@ -164,6 +168,24 @@ impl NvmeTier {
         Ok((Bytes::from_owner(slice), held))
     }
 
+    /// Writes `bytes` (at most a block) to a free slot, as a shuffle segment's extent; `None`
+    /// when every slot is in use.
+    pub(crate) async fn write_extent(&self, bytes: &[u8]) -> std::io::Result<Option<NvmeExtent>> {
+        let Some(mut appender) = Appender::take(self.table.slots()) else {
+            return Ok(None);
+        };
+        let len = u32::try_from(bytes.len()).ok().filter(|len| *len <= appender.room());
+        let len = len.unwrap_or_else(|| panic!("an extent of {} bytes is larger than a block", bytes.len()));
+        let Disk { engine, align, .. } = self.disk();
+        let mut buf = AlignedBuf::zeroed(round_up(u64::from(len), *align).max(*align) as usize, *align as usize);
+        buf[..bytes.len()].copy_from_slice(bytes);
+        let slot = appender.slot().clone();
+        let at = slot.disk_offset();
+        engine.write_at(buf, at, Some(slot)).await?;
+        appender.publish(len);
+        Ok(Some(NvmeExtent { appender }))
+    }
+
     /// Drops the listed blocks (ids not held are skipped); returns how many were held.
     pub fn free(&self, ids: &[BlockId]) -> usize {
         let removed = self.table.free(ids);
@@ -188,6 +210,35 @@ impl NvmeTier {
     /// Drops every block; returns how many were held.
     pub fn clear(&self) -> usize {
         self.table.clear()
+    }
+}
+
+/// Shuffle bytes written once to an NVMe slot, which it holds until dropped.
+pub(crate) struct NvmeExtent {
+    appender: Appender<Disk>,
+}
+
+impl NvmeExtent {
+    /// Bytes it holds.
+    pub(crate) fn len(&self) -> u32 {
+        self.appender.len()
+    }
+
+    /// Bytes `[offset, offset + len)` as a view of the aligned buffer the disk filled.
+    pub(crate) async fn read(&self, offset: u32, len: u32) -> std::io::Result<Bytes> {
+        assert!(offset + len <= self.len(), "read {offset}+{len} of an extent of {} bytes", self.len());
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let slot = self.appender.slot();
+        let Disk { engine, align, .. } = slot.medium();
+        let start = round_down(u64::from(offset), *align);
+        let end = round_up(u64::from(offset) + u64::from(len), *align);
+        let buf = AlignedBuf::zeroed((end - start) as usize, *align as usize);
+        // `self` holds the slot, so it cannot be reused (and overwritten) during the read.
+        let buf = engine.read_at(buf, slot.disk_offset() + start).await?;
+        let slice = AlignedSlice { buf, start: (u64::from(offset) - start) as usize, len: len as usize };
+        Ok(Bytes::from_owner(slice))
     }
 }
 

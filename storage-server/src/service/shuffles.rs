@@ -34,7 +34,7 @@ pub(super) async fn push(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Res
         Ok(decoded) => decoded,
         Err(e) => return Ok(Served::Reply(frame_error(h, &e), 0)),
     };
-    Ok(match conn.store.push(segment_of(h), from, batch) {
+    Ok(match conn.store.push(segment_of(h), from, batch).await {
         Ok(bytes) => {
             let length = u32::try_from(bytes).unwrap_or(u32::MAX);
             Served::Reply(Frame::reply(h, length, Bytes::new()), batch.len() as u64)
@@ -53,7 +53,7 @@ pub(super) async fn fetch(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Re
         Ok(request) => request,
         Err(e) => return Ok(Served::Reply(frame_error(h, &e), 0)),
     };
-    Ok(match conn.store.fetch(segment_of(h), &request) {
+    Ok(match conn.store.fetch(segment_of(h), &request).await {
         Ok(page) => {
             let bytes = page.payload.len() as u64;
             Served::Reply(Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc), bytes)

@@ -1,0 +1,187 @@
+//! Shuffle segments across DRAM and NVMe: the mover's policy, pushes waiting for room, and
+//! fetches that read extents of both tiers. The NVMe tier is a real O_DIRECT file under the
+//! psync engine (tmpfs refuses O_DIRECT, so it lives in the crate's directory).
+
+use std::sync::Arc;
+
+use tern_common::ByteSize;
+use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE};
+use tern_proto::{ErrorKind, ShuffleId, StorageClass};
+
+use super::{SegmentId, ShuffleBytes, ShuffleError, HIGH_WATERMARK, LOW_WATERMARK};
+use crate::nvme::engine::{self, IoEngineChoice};
+use crate::nvme::{device, NvmeTier};
+use crate::store::BlockStore;
+
+const BS: u32 = 64 << 10;
+/// Three batches (each behind its 16-byte header) fill a slot but for a few bytes.
+const BATCH: usize = 21_000;
+
+async fn store(dram_blocks: u64, nvme_blocks: u64) -> (tempfile::TempDir, Arc<BlockStore>) {
+    let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let path = dir.path().join("tier.nvme");
+    let device = device::open(&path, Some(ByteSize(nvme_blocks * u64::from(BS)))).unwrap();
+    let engine = engine::choose(IoEngineChoice::Psync, Arc::new(device.file), device.align as usize).await.unwrap();
+    let nvme = NvmeTier::new(engine, device.size, device.align, BS).unwrap();
+    let store = BlockStore::new(BS, dram_blocks * u64::from(BS)).unwrap().with_nvme(nvme);
+    (dir, Arc::new(store))
+}
+
+fn seg(shuffle: u64, partition: u32) -> SegmentId {
+    SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 }
+}
+
+fn data(map: u32, n: u32) -> Vec<u8> {
+    (0..BATCH).map(|i| (i as u32).wrapping_mul(7).wrapping_add(map * 131 + n * 17) as u8).collect()
+}
+
+async fn push(store: &BlockStore, id: SegmentId, class: StorageClass, map: u32, n: u32) -> Result<u64, ShuffleError> {
+    store.push(id, PushHeader { map, attempt: 0, class }, &data(map, n)).await
+}
+
+/// Every batch of `maps` (attempt 0), `max_bytes` a page, each checked against its crc.
+async fn fetch_all(store: &BlockStore, id: SegmentId, maps: u32, max_bytes: u32) -> Vec<(u32, Vec<u8>)> {
+    let maps: Vec<(u32, u32)> = (0..maps).map(|m| (m, 0)).collect();
+    let (mut cursor, mut all) = (0, Vec::new());
+    while cursor != FETCH_DONE {
+        let request = FetchRequest { cursor, max_bytes, maps: maps.clone() };
+        let page = store.fetch(id, &request).await.unwrap();
+        assert_eq!(page.crc, crc32c::crc32c(&page.payload), "the page's crc covers its payload");
+        for batch in batches(page.payload.clone()) {
+            let (header, bytes) = batch.unwrap();
+            assert_eq!(header.crc, crc32c::crc32c(&bytes));
+            all.push((header.map, bytes.to_vec()));
+        }
+        cursor = page.next_cursor;
+    }
+    all
+}
+
+fn blocks(store: &BlockStore) -> (u64, u64) {
+    (store.dram().usage().used_blocks, store.nvme().unwrap().usage().used_blocks)
+}
+
+#[tokio::test]
+async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() {
+    let (_dir, store) = store(16, 16).await;
+    let id = seg(1, 0);
+    // 10 batches: slots of 3, 3, 3 and 1 (the last still taking batches).
+    for n in 0..10 {
+        push(&store, id, StorageClass::Nvme, n % 2, n).await.unwrap();
+    }
+    assert_eq!(blocks(&store), (4, 0));
+    assert_eq!(store.move_shuffles_down().await, 3, "the three full slots, at once: not a matter of pressure");
+    assert_eq!(blocks(&store), (1, 3));
+    let stored = |batches: u64| batches * (BATCH as u64 + 16);
+    assert_eq!(store.shuffle_bytes(), ShuffleBytes { dram: stored(1), nvme: stored(9) });
+    assert_eq!(store.move_shuffles_down().await, 0, "the open slot stays in DRAM");
+
+    // By map, then arrival, whatever tier each batch is in, in pages of every size.
+    let want: Vec<(u32, Vec<u8>)> = [0, 1]
+        .iter()
+        .flat_map(|&map| (0..10).filter(move |n| n % 2 == map).map(move |n| (map, data(map, n))))
+        .collect();
+    for max_bytes in [1, 30_000, 100_000, u32::MAX] {
+        assert_eq!(fetch_all(&store, id, 2, max_bytes).await, want, "pages of {max_bytes} bytes");
+    }
+
+    // Freeing gives both tiers their slots back.
+    assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
+    assert_eq!(blocks(&store), (0, 0));
+    assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
+}
+
+#[tokio::test]
+async fn any_segments_move_down_only_past_the_high_watermark_until_the_low_one() {
+    let (_dir, store) = store(20, 32).await;
+    // 12 slots of 20 (60%): below the high watermark, nothing moves.
+    for p in 0..4 {
+        for n in 0..9 {
+            push(&store, seg(2, p), StorageClass::Any, 0, n).await.unwrap();
+        }
+    }
+    assert_eq!(blocks(&store), (12, 0));
+    assert_eq!(store.move_shuffles_down().await, 0);
+    // 18 of 20 (90%): full slots move, oldest first, until under 70%.
+    for p in 0..2 {
+        for n in 9..18 {
+            push(&store, seg(2, p), StorageClass::Any, 0, n).await.unwrap();
+        }
+    }
+    assert_eq!(blocks(&store).0, 18);
+    assert!(18.0 / 20.0 >= HIGH_WATERMARK);
+    let moved = store.move_shuffles_down().await;
+    let (dram, nvme) = blocks(&store);
+    assert_eq!((dram + nvme, nvme as usize), (18, moved));
+    assert!((dram as f64) < LOW_WATERMARK * 20.0 && (dram as f64 + 1.0) >= LOW_WATERMARK * 20.0, "{dram} in DRAM");
+    for p in 0..4 {
+        let pushed = if p < 2 { 18 } else { 9 };
+        let want: Vec<_> = (0..pushed).map(|n| (0, data(0, n))).collect();
+        assert_eq!(fetch_all(&store, seg(2, p), 1, u32::MAX).await, want, "partition {p}");
+    }
+}
+
+#[tokio::test]
+async fn dram_segments_never_move_and_are_refused_at_once_when_dram_is_full() {
+    let (_dir, store) = store(4, 8).await;
+    for n in 0..12 {
+        push(&store, seg(3, 0), StorageClass::Dram, 0, n).await.unwrap();
+    }
+    assert_eq!(store.move_shuffles_down().await, 0);
+    let started = std::time::Instant::now();
+    let err = push(&store, seg(3, 0), StorageClass::Dram, 0, 12).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfSpace);
+    assert!(started.elapsed() < std::time::Duration::from_secs(1), "a dram push does not wait for the mover");
+    assert_eq!(blocks(&store), (4, 0));
+}
+
+#[tokio::test]
+async fn pushes_past_dram_wait_for_the_mover_and_lose_nothing() {
+    let (_dir, store) = store(4, 64).await;
+    let mover = tokio::spawn(store.clone().run_shuffle_mover());
+    // 8 partitions, 3 maps each, writing 20 slots' worth through a DRAM of 4 slots.
+    let mut writers = Vec::new();
+    for p in 0..8 {
+        let store = store.clone();
+        writers.push(tokio::spawn(async move {
+            for n in 0..8 {
+                push(&store, seg(4, p), StorageClass::Any, n % 3, n).await.unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    assert!(blocks(&store).1 > 0, "data went down to NVMe");
+    for p in 0..8 {
+        let mut want: Vec<_> = (0..8).map(|n| (n % 3, data(n % 3, n))).collect();
+        want.sort_by_key(|(map, _)| *map);
+        assert_eq!(fetch_all(&store, seg(4, p), 3, 100_000).await, want, "partition {p}");
+    }
+    // Open slots were closed to make room; the segments went on in new slots.
+    let bytes = store.shuffle_bytes();
+    assert_eq!(bytes.dram + bytes.nvme, 64 * (BATCH as u64 + 16));
+    mover.abort();
+}
+
+#[tokio::test]
+async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_after_a_free() {
+    let (_dir, store) = store(2, 2).await;
+    let mover = tokio::spawn(store.clone().run_shuffle_mover());
+    let mut pushed = 0;
+    let err = loop {
+        match push(&store, seg(5, pushed % 2), StorageClass::Any, 0, pushed).await {
+            Ok(_) => pushed += 1,
+            Err(e) => break e,
+        }
+        assert!(pushed < 100, "both tiers hold 4 slots of 3 batches");
+    };
+    assert_eq!(err.kind(), ErrorKind::OutOfSpace, "{err}");
+    assert!(pushed >= 9, "{pushed} batches before the refusal");
+    assert_eq!(blocks(&store), (2, 2));
+    store.free_shuffles([ShuffleId(5)]);
+    assert_eq!(blocks(&store), (0, 0));
+    assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
+    push(&store, seg(6, 0), StorageClass::Any, 0, 0).await.unwrap();
+    mover.abort();
+}
