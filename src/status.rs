@@ -31,13 +31,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     );
     outln!();
     outln!(
-        "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>5} {:>15} {:>10}",
+        "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>10} {:>5} {:>15} {:>10}",
         "SERVER",
         "ADDRESS",
         "STATE",
         "TIER",
         "ENGINE",
         "USED",
+        "SHUFFLE",
         "CAPACITY",
         "USE%",
         "BLOCKS",
@@ -54,13 +55,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
                 100.0 * tier.used_bytes as f64 / tier.capacity_bytes as f64
             };
             outln!(
-                "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
+                "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>10} {:>4.0}% {:>15} {:>10}",
                 server.server_id,
                 server.address,
                 state,
                 tier.tier,
                 if tier.engine.is_empty() { "-" } else { tier.engine.as_str() },
                 show::size(tier.used_bytes),
+                show::size(tier.shuffle_bytes),
                 show::size(tier.capacity_bytes),
                 percent,
                 format!("{}/{}", tier.used_blocks, tier.capacity_blocks),

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use clap::Args;
 use indicatif::MultiProgress;
+use tern_client::StorageClass;
 use tern_common::ByteSize;
 use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
@@ -65,6 +66,11 @@ pub struct TerasortArgs {
     /// whose output was lost are recomputed.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=tern_proto::MAX_REPLICAS as i64))]
     replicas: u32,
+    /// Where the shuffle's segments live on their storage servers: dram (DRAM only), nvme
+    /// (written behind to NVMe as their DRAM fills) or any (DRAM first, moved to NVMe when a
+    /// server's DRAM runs short).
+    #[arg(long, default_value = "any")]
+    shuffle_class: StorageClass,
     /// Print one JSON object instead of progress and a table.
     #[arg(long)]
     json: bool,
@@ -133,6 +139,7 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         started: Instant::now(),
         progress: !args.json,
         replicas: args.replicas,
+        shuffle_class: args.shuffle_class,
     };
     // Checked before a cluster is started for nothing.
     options.records()?;
@@ -141,7 +148,18 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         Some(_) => None,
         None => {
             let dram = driver::dram_per_server(options.size_bytes, options.replicas);
-            let cluster = EmbeddedCluster::start(&std::env::current_exe()?, 2, &dram).await?;
+            // An nvme shuffle gets an NVMe tier of the same size; otherwise `tern up`'s own.
+            let nvme = (options.shuffle_class == StorageClass::Nvme).then_some(dram.as_str());
+            let cluster = EmbeddedCluster::start_with(
+                &std::env::current_exe()?,
+                2,
+                &dram,
+                "1MiB",
+                nvme,
+                &std::env::temp_dir(),
+                &[],
+            )
+            .await?;
             options.metadata = cluster.metadata_addr.clone();
             Some(cluster)
         }
@@ -172,8 +190,9 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         outln!("  validate  {:>8.2} s", phases.validate);
         outln!("  total     {:>8.2} s", report.total_seconds);
         outln!(
-            "replicas: {}  maps recomputed: {}  task retries: {}",
+            "replicas: {}  shuffle class: {}  maps recomputed: {}  task retries: {}",
             report.replicas,
+            report.shuffle_class,
             report.maps_recomputed,
             report.task_retries
         );

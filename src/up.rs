@@ -35,10 +35,12 @@ pub struct UpArgs {
     /// (Storage servers always serve TLS over TCP and QUIC with the cluster's own CA in DIR/tls.)
     #[arg(long)]
     tls: bool,
-    /// Give each storage server an NVMe tier of this size: a file DIR/nvme/storage-I.nvme on the
-    /// disk holding DIR (opened with O_DIRECT) [default: no NVMe tier].
-    #[arg(long)]
-    nvme_size: Option<ByteSize>,
+    /// Each storage server's NVMe tier, a file DIR/nvme/storage-I.nvme on the disk holding DIR
+    /// (opened with O_DIRECT), where shuffles spill past DRAM and `nvme` files live: a size,
+    /// `off`, or `auto`: a quarter of that disk's free space over the storage servers, at most
+    /// 2GiB each, an existing file's own size, and none on tmpfs (no O_DIRECT) or under 64MiB.
+    #[arg(long, default_value = "auto")]
+    nvme_size: NvmeSize,
     /// io engine of the NVMe tiers: uring, psync or auto.
     #[arg(long, default_value = "auto")]
     io_engine: String,
@@ -48,6 +50,73 @@ pub struct UpArgs {
     log_max_size: ByteSize,
     #[command(flatten)]
     pool: PoolArgs,
+}
+
+/// What `--nvme-size` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NvmeSize {
+    Auto,
+    Off,
+    Size(ByteSize),
+}
+
+impl std::str::FromStr for NvmeSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<NvmeSize, String> {
+        match s {
+            "auto" => Ok(NvmeSize::Auto),
+            "off" | "0" => Ok(NvmeSize::Off),
+            size => match size.parse::<ByteSize>() {
+                Ok(size) if size.bytes() == 0 => Ok(NvmeSize::Off),
+                Ok(size) => Ok(NvmeSize::Size(size)),
+                Err(e) => Err(format!("{e}; or auto, or off")),
+            },
+        }
+    }
+}
+
+/// Most an `auto` NVMe tier takes per storage server.
+const AUTO_NVME_MAX: u64 = 2 << 30;
+/// Least an `auto` NVMe tier is worth having.
+const AUTO_NVME_MIN: u64 = 64 << 20;
+
+/// Each storage server's NVMe tier size (`None`: none; `Some(None)`: the existing file's own),
+/// and why there is none when `auto` found no room.
+fn nvme_tier_size(wanted: NvmeSize, dir: &Path, servers: u16, block_size: u64) -> anyhow::Result<Option<Option<u64>>> {
+    match wanted {
+        NvmeSize::Off => Ok(None),
+        NvmeSize::Size(size) => Ok(Some(Some(size.bytes()))),
+        NvmeSize::Auto if dir.join("storage-0.nvme").exists() => Ok(Some(None)),
+        NvmeSize::Auto => {
+            let (free, tmpfs) = free_space(dir)?;
+            let size = (free / 4 / u64::from(servers)).min(AUTO_NVME_MAX) / block_size * block_size;
+            if tmpfs || size < AUTO_NVME_MIN {
+                let why = if tmpfs { "it is tmpfs, which has no O_DIRECT" } else { "it has too little free space" };
+                eprintln!("tern up: no NVMe tier: {} is on a disk where {why}; shuffles stay in DRAM", dir.display());
+                return Ok(None);
+            }
+            Ok(Some(Some(size)))
+        }
+    }
+}
+
+/// Bytes free to unprivileged users on the filesystem holding `dir`, and whether it is tmpfs.
+#[allow(unsafe_code)] // statfs(2) through libc: the standard library has no call for free space
+fn free_space(dir: &Path) -> anyhow::Result<(u64, bool)> {
+    use std::os::unix::ffi::OsStrExt;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).context("a directory name holding a NUL")?;
+    let mut stat = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: `path` is a NUL-terminated string and `stat` points to memory for one statfs, which
+    // the call fills on success (checked before it is read).
+    let rc = unsafe { libc::statfs(path.as_ptr(), stat.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {}", dir.display()));
+    }
+    // SAFETY: statfs succeeded, so it filled the struct.
+    let stat = unsafe { stat.assume_init() };
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    Ok((stat.f_bavail as u64 * stat.f_bsize as u64, stat.f_type as i64 == TMPFS_MAGIC))
 }
 
 /// The task scheduler and its executor pool: started when any of these is given.
@@ -182,9 +251,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     let nvme_dir = args.dir.join("nvme");
-    if args.nvme_size.is_some() {
-        std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
-    }
+    std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
+    let nvme_size = nvme_tier_size(args.nvme_size, &nvme_dir, args.storage_servers, args.block_size.bytes())?;
     let mut storage = Vec::new();
     for i in 0..args.storage_servers {
         let (listen, admin, dram) = (
@@ -209,9 +277,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             "drain_grace_ms=0",
         ];
         let nvme_path = nvme_dir.join(format!("storage-{i}.nvme")).to_string_lossy().to_string();
-        let nvme_size = args.nvme_size.map(|size| size.to_string()).unwrap_or_default();
-        if args.nvme_size.is_some() {
-            storage_args.extend(["--nvme", &nvme_path, "--nvme-size", &nvme_size, "--io-engine", &args.io_engine]);
+        let nvme_bytes = nvme_size.flatten().map(|bytes| bytes.to_string()).unwrap_or_default();
+        if let Some(size) = nvme_size {
+            storage_args.extend(["--nvme", &nvme_path, "--io-engine", &args.io_engine]);
+            if size.is_some() {
+                storage_args.extend(["--nvme-size", &nvme_bytes]);
+            }
         }
         daemons.push(daemon(&format!("storage-{i}"), ports.storage(i)).args(storage_args).spawn()?);
         storage.push((daemons.len() - 1, host.addr(ports.storage(i))));

@@ -422,6 +422,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
             started: Instant::now(),
             progress: false,
             replicas: 1,
+            shuffle_class: tern_client::StorageClass::Any,
         })
         .await?;
         let seconds = report.phases.teragen + report.phases.map + report.phases.reduce;

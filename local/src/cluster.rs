@@ -26,7 +26,8 @@ impl EmbeddedCluster {
     }
 
     /// As [`EmbeddedCluster::start`], with the cluster block size `block_size` (e.g. "4MiB"), an
-    /// NVMe tier of `nvme` per storage server if given, the cluster's directory in `parent`
+    /// NVMe tier of `nvme` per storage server (`off`, a size, or `tern up`'s default `auto` when
+    /// not given), the cluster's directory in `parent`
     /// (where the NVMe files go: it must be on a disk that takes O_DIRECT), and more `tern up`
     /// flags `extra` (e.g. `--executors 4`: then the task scheduler is at
     /// [`EmbeddedCluster::scheduler_addr`]).

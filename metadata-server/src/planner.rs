@@ -204,7 +204,7 @@ pub fn place_blocks(
 /// A server new shuffle segments may go to, and its load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct SegmentLoad {
-    /// Its DRAM is full (such servers come last, whatever their load).
+    /// No tier the shuffle's class may use has room (such servers come last, whatever their load).
     pub full: bool,
     /// Blocks in use plus the segments placed there.
     pub load: u64,
@@ -245,7 +245,8 @@ impl Copies {
 /// one more when `count` does not divide evenly; a second copy goes to the next server in the
 /// same order, so never beside its first. The servers in `avoid` (those of a full or failed
 /// segment) are skipped while enough others remain. Refused (`Unavailable`) with fewer servers
-/// than copies. Segments go to DRAM: it is the only tier storage servers keep them in today.
+/// than copies. Which tier a segment's bytes live in is its server's business (DRAM first, moved
+/// to NVMe as the shuffle's class allows); `loads` says which servers have room for it.
 pub fn place_segments(
     loads: &[SegmentLoad],
     count: usize,

@@ -29,7 +29,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tern_proto::v1::{BlockLocation, HeartbeatResponse, LogServer, LogServerMode, ServerMode, ServerStatus, TierUsage};
-use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, Tier};
+use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, StorageClass, Tier};
 
 use crate::error::{invalid, Refusal};
 use crate::namespace::BlockRef;
@@ -215,9 +215,18 @@ impl Server {
 
     /// What segment placement orders servers by: full ones last, then blocks in use plus the
     /// segments placed here.
-    fn segment_load(&self, server_id: ServerId) -> SegmentLoad {
+    /// How loaded the server is for a new segment of `class`: full when no tier the class may
+    /// use has room (servers move `any` and `nvme` segments from DRAM to NVMe themselves).
+    fn segment_load(&self, server_id: ServerId, class: StorageClass) -> SegmentLoad {
         let used = self.used_blocks();
-        SegmentLoad { full: used >= self.capacity_blocks(), load: used + self.segments, server_id }
+        let dram_full = used >= self.capacity_blocks();
+        let nvme = self.tier(Tier::Nvme.name());
+        let nvme_full = nvme.is_none_or(|t| t.used_blocks >= t.capacity_blocks);
+        let full = match class {
+            StorageClass::Dram => dram_full,
+            StorageClass::Nvme | StorageClass::Any => dram_full && nvme_full,
+        };
+        SegmentLoad { full, load: used + self.segments, server_id }
     }
 
     fn queue_free(&mut self, free: Free) {
@@ -385,11 +394,11 @@ impl Servers {
     }
 
     /// What the planner places segments by: the load of each server that takes new segments.
-    pub fn segment_loads(&self) -> Vec<SegmentLoad> {
+    pub fn segment_loads(&self, class: StorageClass) -> Vec<SegmentLoad> {
         self.servers
             .iter()
             .filter(|(_, s)| s.takes_placements())
-            .map(|(&server_id, s)| s.segment_load(server_id))
+            .map(|(&server_id, s)| s.segment_load(server_id, class))
             .collect()
     }
 
@@ -910,7 +919,10 @@ mod tests {
 
         fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
             let avoid: Vec<ServerId> = avoid.into_iter().map(ServerId).collect();
-            Ok(place_segments(&self.segment_loads(), count, &avoid, 1)?.into_iter().map(|c| c.first.get()).collect())
+            Ok(place_segments(&self.segment_loads(StorageClass::Any), count, &avoid, 1)?
+                .into_iter()
+                .map(|c| c.first.get())
+                .collect())
         }
     }
 

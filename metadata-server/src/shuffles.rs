@@ -85,6 +85,7 @@ pub struct Registration {
     /// Copies of each segment (1 or 2).
     pub replicas: u32,
     pub split_size_bytes: u64,
+    pub storage_class: StorageClass,
 }
 
 /// What placing a partition's next segment needs: see [`Shuffles::check_advance`].
@@ -93,6 +94,7 @@ pub struct NextSegment {
     /// The servers of the full (or failed) segment's copies.
     pub avoid: Vec<ServerId>,
     pub replicas: u32,
+    pub storage_class: StorageClass,
 }
 
 /// Partitions whose last segment has a copy on a dead server: see [`Shuffles::tails_on`].
@@ -100,6 +102,7 @@ pub struct NextSegment {
 pub struct Tails {
     pub partitions: Vec<u32>,
     pub replicas: u32,
+    pub storage_class: StorageClass,
 }
 
 /// A partition's segments, by index: the servers holding each. Most partitions never split, so
@@ -215,7 +218,7 @@ impl Shuffles {
         if req.maps > MAX_MAPS {
             return Err(invalid(format!("maps must be at most {MAX_MAPS} (or 0: unknown), not {}", req.maps)));
         }
-        parse_storage_class(&req.storage_class)?;
+        let storage_class = parse_storage_class(&req.storage_class)?;
         if req.replicas > tern_proto::MAX_REPLICAS {
             return Err(invalid(format!("replicas must be 1 to {}, not {}", tern_proto::MAX_REPLICAS, req.replicas)));
         }
@@ -234,7 +237,7 @@ impl Shuffles {
             ));
         }
         self.check_room_for_segments(u64::from(req.partitions) * u64::from(replicas))?;
-        Ok(Registration { shuffle_id: ShuffleId(self.next_shuffle_id), replicas, split_size_bytes })
+        Ok(Registration { shuffle_id: ShuffleId(self.next_shuffle_id), replicas, split_size_bytes, storage_class })
     }
 
     /// The reply to a registration whose partitions' first segments go to `firsts`. The reply
@@ -477,7 +480,11 @@ impl Shuffles {
         // Every copy of the new segment counts against the bound.
         self.check_room_for_segments(u64::from(shuffle.replicas))?;
         // The last segment is the full one (or a copy of it failed): its successor goes elsewhere.
-        Ok(Some(NextSegment { avoid: last_copies.servers().collect(), replicas: shuffle.replicas }))
+        Ok(Some(NextSegment {
+            avoid: last_copies.servers().collect(),
+            replicas: shuffle.replicas,
+            storage_class: shuffle.storage_class,
+        }))
     }
 
     /// A partition's last segment, as clients see it.
@@ -711,7 +718,11 @@ impl Shuffles {
             .map(|(index, _)| index)
             .take(room)
             .collect();
-        (!partitions.is_empty()).then_some(Tails { partitions, replicas: shuffle.replicas })
+        (!partitions.is_empty()).then_some(Tails {
+            partitions,
+            replicas: shuffle.replicas,
+            storage_class: shuffle.storage_class,
+        })
     }
 
     /// Frees a shuffle already taken out of the registry.

@@ -414,7 +414,7 @@ impl State {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
         let registration = self.shuffles.check_register(&req, self.block_size).context(&context)?;
-        let loads = self.servers.segment_loads();
+        let loads = self.servers.segment_loads(registration.storage_class);
         let firsts =
             planner::place_segments(&loads, req.partitions as usize, &[], registration.replicas).context(&context)?;
         let mut response = Shuffles::first_segments(registration, &firsts, &self.servers).context(&context)?;
@@ -437,7 +437,7 @@ impl State {
         let shuffle_id = ShuffleId(req.shuffle_id);
         // Many writers report the same full segment at once: all get the one successor.
         if let Some(next) = self.shuffles.check_advance(&req).context(&context)? {
-            let loads = self.servers.segment_loads();
+            let loads = self.servers.segment_loads(next.storage_class);
             let copies = planner::place_segments(&loads, 1, &next.avoid, next.replicas).context(&context)?[0];
             let change = Change::AddSegment(segment_record(shuffle_id, req.partition, copies));
             self.commit(change, now).context(&context)?;
@@ -708,7 +708,7 @@ impl State {
             let Some(tails) = self.shuffles.tails_on(shuffle_id, server_id) else {
                 continue;
             };
-            let loads = self.servers.segment_loads();
+            let loads = self.servers.segment_loads(tails.storage_class);
             let Ok(plan) = planner::place_segments(&loads, tails.partitions.len(), &[server_id], tails.replicas) else {
                 continue;
             };

@@ -108,7 +108,7 @@ pub(crate) async fn report_inventory(
     }
 }
 
-fn tier_usage(tier: &str, usage: &Usage, engine: &str) -> TierUsage {
+fn tier_usage(tier: &str, usage: &Usage, engine: &str, shuffle_bytes: u64) -> TierUsage {
     TierUsage {
         tier: tier.to_string(),
         capacity_bytes: usage.capacity_bytes,
@@ -116,14 +116,16 @@ fn tier_usage(tier: &str, usage: &Usage, engine: &str) -> TierUsage {
         capacity_blocks: usage.capacity_blocks,
         used_blocks: usage.used_blocks,
         engine: engine.to_string(),
+        shuffle_bytes,
     }
 }
 
 /// Every tier's use: DRAM, and NVMe (with its io engine) when the server has it.
 pub(crate) fn tiers(store: &BlockStore) -> Vec<TierUsage> {
-    let mut tiers = vec![tier_usage(Tier::Dram.name(), &store.dram().usage(), "")];
+    let shuffles = store.shuffle_bytes();
+    let mut tiers = vec![tier_usage(Tier::Dram.name(), &store.dram().usage(), "", shuffles.dram)];
     if let Some(nvme) = store.nvme() {
-        tiers.push(tier_usage(Tier::Nvme.name(), &nvme.usage(), nvme.engine()));
+        tiers.push(tier_usage(Tier::Nvme.name(), &nvme.usage(), nvme.engine(), shuffles.nvme));
     }
     tiers
 }

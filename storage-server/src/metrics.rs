@@ -55,6 +55,8 @@ pub struct Metrics {
     nvme_blocks: Gauge,
     io_engine: Family<EngineLabels, Gauge>,
     shuffle_segments: Gauge,
+    dram_shuffle_bytes: Gauge,
+    nvme_shuffle_bytes: Gauge,
     connections: Gauge,
 }
 
@@ -90,6 +92,7 @@ impl Metrics {
         let used = Family::<TierLabels, Gauge>::default();
         let blocks = Family::<TierLabels, Gauge>::default();
         let shuffle_segments = Gauge::default();
+        let shuffle_bytes = Family::<TierLabels, Gauge>::default();
         let connections = Gauge::default();
         let io_engine = Family::<EngineLabels, Gauge>::default();
         registry.register(
@@ -121,6 +124,11 @@ impl Metrics {
             blocks.clone(),
         );
         registry.register("tern_storage_shuffle_segments", "Shuffle segments held", shuffle_segments.clone());
+        registry.register(
+            "tern_storage_shuffle_bytes",
+            "Shuffle bytes held in a tier (batches with their headers)",
+            shuffle_bytes.clone(),
+        );
         registry.register("tern_storage_connections", "Open block-service connections", connections.clone());
         let ops = OPS.map(|op| {
             let labels = OpLabels { op: op_name(op) };
@@ -143,6 +151,8 @@ impl Metrics {
             nvme_blocks: blocks.get_or_create_owned(&nvme),
             io_engine,
             shuffle_segments,
+            dram_shuffle_bytes: shuffle_bytes.get_or_create_owned(&dram),
+            nvme_shuffle_bytes: shuffle_bytes.get_or_create_owned(&nvme),
             connections,
         })
     }
@@ -180,6 +190,9 @@ impl Metrics {
             self.observe_nvme(&nvme.usage(), nvme.engine());
         }
         self.shuffle_segments.set(gauge_value(store.shuffle_segments() as u64));
+        let shuffles = store.shuffle_bytes();
+        self.dram_shuffle_bytes.set(gauge_value(shuffles.dram));
+        self.nvme_shuffle_bytes.set(gauge_value(shuffles.nvme));
     }
 
     pub(crate) fn connection_opened(&self) {

@@ -17,9 +17,11 @@
 //!   still taking batches are closed and moved (a segment then continues in a new slot);
 //! - never those of `dram` segments.
 //!
-//! A push that finds DRAM full waits for the mover, up to [`ROOM_WAIT`], when its class may use
-//! NVMe and the server has one; it is refused OutOfSpace when nothing could be moved (NVMe full
-//! too, or DRAM held by blocks and `dram` segments), so a full server answers, never swaps.
+//! A push that needs a new slot while DRAM is past the high watermark (or full, with blocks or
+//! `dram` segments) goes straight to NVMe when its class allows: appended to the segment's open
+//! NVMe extent (the aligned unit holding its end read back and written again), or to a new one.
+//! Only when both tiers are full is it refused OutOfSpace, at once: a full server answers, and
+//! never takes memory it does not have.
 //!
 //! A Fetch names the committed attempt of each map it wants and gets the matching batches ordered
 //! by map index, then arrival, a page at a time; a cursor counts the matching batches already
@@ -34,7 +36,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -60,13 +62,13 @@ const MAX_SEGMENT_BATCHES: u64 = FETCH_DONE as u64 - 1;
 /// Most freed shuffle ids remembered. A push to a remembered one is refused, so a straggling map
 /// task cannot re-create a segment of a freed shuffle, which nobody would ever free again.
 const FREED_REMEMBERED: usize = 1 << 16;
+/// Times a push that finds both tiers full waits for a move under way, and how long each.
+const MOVE_WAITS: usize = 3;
+const MOVE_WAIT: Duration = Duration::from_secs(1);
 /// Share of the DRAM tier's slots in use past which `any` segments move down to NVMe...
 pub const HIGH_WATERMARK: f64 = 0.85;
 /// ...until this share is in use again.
 pub const LOW_WATERMARK: f64 = 0.70;
-/// Longest a push waits for the mover to free a DRAM slot before it is refused OutOfSpace (well
-/// inside a client's request deadline).
-pub const ROOM_WAIT: Duration = Duration::from_secs(5);
 
 /// Which segment: shuffle, reduce partition, and index in the partition's chain of segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,14 +107,19 @@ pub enum ShuffleError {
     Freed { segment: SegmentId, server: ServerId },
     #[error("push to {segment} refused: dram tier full: {in_use} of {total} blocks in use")]
     Full { segment: SegmentId, in_use: usize, total: usize },
+    #[error(
+        "push to {segment} refused: both tiers are full: dram {dram_in_use} of {dram_total} blocks in use, \
+         nvme {nvme_in_use} of {nvme_total}"
+    )]
+    TiersFull { segment: SegmentId, dram_in_use: u64, dram_total: u64, nvme_in_use: u64, nvme_total: u64 },
     #[error("push to {segment} refused: the segment holds the most batches one may ({max}); push to the next segment")]
     SegmentFull { segment: SegmentId, max: u64 },
     #[error("push to {segment} refused: a batch of {len} bytes; batches hold 1 to {max} bytes")]
     BatchSize { segment: SegmentId, len: usize, max: u32 },
     #[error("fetch of {segment} refused: cursor {cursor} is past the {held} batches it holds for the maps asked for")]
     CursorPastEnd { segment: SegmentId, cursor: u32, held: u64 },
-    #[error("fetch of {segment}: reading its NVMe extent failed: {error}")]
-    Io { segment: SegmentId, error: String },
+    #[error("{op} of {segment}: its NVMe extent failed: {error}")]
+    Io { segment: SegmentId, op: &'static str, error: String },
     #[error(
         "fetch of {segment}: a batch of map {map} (attempt {attempt}) is corrupt at rest (stored crc32c \
          {expected:#010x}, bytes give {actual:#010x}); recompute map {map}"
@@ -124,7 +131,9 @@ impl ShuffleError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             ShuffleError::NotHeld { .. } | ShuffleError::Freed { .. } => ErrorKind::NotFound,
-            ShuffleError::Full { .. } | ShuffleError::SegmentFull { .. } => ErrorKind::OutOfSpace,
+            ShuffleError::Full { .. } | ShuffleError::TiersFull { .. } | ShuffleError::SegmentFull { .. } => {
+                ErrorKind::OutOfSpace
+            }
             ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
             ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
             ShuffleError::Io { .. } => ErrorKind::Internal,
@@ -178,13 +187,17 @@ enum Stored {
 
 /// One segment's extents and index. Guarded by the segment's lock.
 struct SegmentState {
-    /// Never empty: a segment is created with the slot for its first batch.
+    /// Never empty: a segment is created with the slot (DRAM or NVMe) for its first batch.
     slots: Vec<Extent>,
-    /// Whether the last extent takes more batches: a DRAM slot not closed by the mover.
-    open: bool,
+    /// The DRAM slot taking batches, if any (none once the mover closed it), and how many it
+    /// holds.
+    dram_open: Option<u32>,
+    batches_in_dram_open: u32,
+    /// The NVMe extent taking the batches that go straight to NVMe, if any, and how many it holds.
+    nvme_open: Option<u32>,
+    batches_in_nvme_open: u32,
     /// Freed (its bytes no longer counted): a racing push is refused, a racing move discarded.
     dropped: bool,
-    batches_in_last_slot: u32,
     /// By `(map, attempt)`, each in arrival order. A Fetch names one attempt per map, so walking
     /// this in key order yields its batches by map, then arrival.
     index: BTreeMap<(u32, u32), Vec<Batch>>,
@@ -196,6 +209,33 @@ struct Segment {
     /// From its first push: which tiers it may use.
     class: StorageClass,
     state: Mutex<SegmentState>,
+    /// Held across a push straight to NVMe (the state's lock cannot be held across I/O), so that
+    /// those append to the open NVMe extent one at a time.
+    nvme_appends: tokio::sync::Mutex<()>,
+}
+
+impl Segment {
+    fn new(class: StorageClass, first: Extent) -> Arc<Segment> {
+        let (dram_open, nvme_open) = match first {
+            Extent::Dram(_) => (Some(0), None),
+            Extent::Nvme(_) => (None, Some(0)),
+        };
+        Arc::new(Segment {
+            class,
+            state: Mutex::new(SegmentState {
+                slots: vec![first],
+                dram_open,
+                batches_in_dram_open: 0,
+                nvme_open,
+                batches_in_nvme_open: 0,
+                dropped: false,
+                index: BTreeMap::new(),
+                batches: 0,
+                bytes: 0,
+            }),
+            nvme_appends: tokio::sync::Mutex::new(()),
+        })
+    }
 }
 
 /// Every segment this server holds, and the shuffles freed lately.
@@ -247,13 +287,12 @@ pub(crate) struct Shuffles {
     moves: Mutex<MoveQueue>,
     /// Set past the high watermark, cleared under the low one.
     draining: AtomicBool,
-    /// The mover's last pass found DRAM full and could move nothing: a push waiting for room
-    /// gives up.
-    mover_stuck: AtomicBool,
-    /// Wakes the mover (DRAM past the high watermark, a full `nvme` slot, a push waiting).
+    /// Wakes the mover (DRAM past the high watermark, a full `nvme` slot).
     wake_mover: Notify,
-    /// Wakes pushes waiting for a DRAM slot, after every pass of the mover.
-    room: Notify,
+    /// Moves written to NVMe whose DRAM slot is not yet given back, and their end: a push that
+    /// finds both tiers full while one is under way waits for it.
+    moves_in_flight: AtomicUsize,
+    moved: Notify,
     dram_bytes: AtomicU64,
     nvme_bytes: AtomicU64,
 }
@@ -269,8 +308,7 @@ fn share_in_use(pool: &DramSlots) -> f64 {
 
 impl Shuffles {
     /// Appends `batch` to the segment (created on its first push); returns the segment's size in
-    /// bytes afterwards. When DRAM is full and the segment may use `nvme`, waits (up to
-    /// [`ROOM_WAIT`]) for the mover to free a slot.
+    /// bytes afterwards. Into DRAM, or straight to NVMe where the module docs say.
     pub(crate) async fn push(
         &self,
         pool: &Arc<DramSlots>,
@@ -284,24 +322,47 @@ impl Shuffles {
         if batch.is_empty() || batch.len() > max as usize {
             return Err(ShuffleError::BatchSize { segment: id, len: batch.len(), max });
         }
-        let may_wait = from.class != StorageClass::Dram && nvme.is_some();
-        let deadline = tokio::time::Instant::now() + ROOM_WAIT;
-        loop {
-            // Enabled before the attempt, so a pass that ends between the two is not missed.
-            let room = self.room.notified();
-            tokio::pin!(room);
-            room.as_mut().enable();
-            match self.try_push(pool, server, id, from, batch) {
-                Err(ShuffleError::Full { .. }) if may_wait => {
+        let Some(nvme) = nvme.filter(|_| from.class != StorageClass::Dram) else {
+            return self.try_push(pool, server, id, from, batch, true);
+        };
+        for _ in 0..MOVE_WAITS {
+            // Armed before the attempt, so a move that ends during it is not missed.
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            // Past the high watermark, new slots come from NVMe: DRAM is left to what is there.
+            let may_take_dram = share_in_use(pool) < HIGH_WATERMARK;
+            let full = match self.try_push(pool, server, id, from, batch, may_take_dram) {
+                Err(ShuffleError::Full { .. }) => {
                     self.wake_mover.notify_one();
-                    let woken = tokio::time::timeout_at(deadline, room).await.is_ok();
-                    if !woken || self.mover_stuck.load(Ordering::Relaxed) {
-                        return Err(full(pool, id));
+                    match self.push_to_nvme(pool, nvme, server, id, from, batch).await {
+                        // NVMe filled meanwhile: DRAM may have room now.
+                        Err(full @ ShuffleError::TiersFull { .. }) => {
+                            match self.try_push(pool, server, id, from, batch, true) {
+                                Err(ShuffleError::Full { .. }) => full,
+                                pushed => return pushed,
+                            }
+                        }
+                        pushed => return pushed,
                     }
                 }
                 pushed => return pushed,
+            };
+            // Both tiers full. A move under way frees a DRAM slot when it ends: worth waiting for.
+            if self.moves_in_flight.load(Ordering::Acquire) == 0
+                || tokio::time::timeout(MOVE_WAIT, moved).await.is_err()
+            {
+                return Err(full);
             }
         }
+        let (dram, disk) = (pool.usage(), nvme.usage());
+        Err(ShuffleError::TiersFull {
+            segment: id,
+            dram_in_use: dram.used_blocks,
+            dram_total: dram.capacity_blocks,
+            nvme_in_use: disk.used_blocks,
+            nvme_total: disk.capacity_blocks,
+        })
     }
 
     fn try_push(
@@ -311,13 +372,15 @@ impl Shuffles {
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
+        may_take_dram: bool,
     ) -> Result<u64, ShuffleError> {
-        let segment = self.segment_for_push(pool, server, id, from.class)?;
+        let first_slot = || if may_take_dram { AppendSlot::take(pool).map(Extent::Dram) } else { None };
+        let segment = self.segment_for_push(server, id, from.class, first_slot).ok_or_else(|| full(pool, id))??;
         let mut state = segment.state.lock();
         if state.dropped {
             return Err(ShuffleError::Freed { segment: id, server });
         }
-        let (bytes, closed) = state.append(pool, id, from, batch)?;
+        let (bytes, closed) = state.append(pool, id, from, batch, may_take_dram)?;
         drop(state);
         self.dram_bytes.fetch_add((BATCH_HEADER_LEN + batch.len()) as u64, Ordering::Relaxed);
         if let Some(closed) = closed {
@@ -326,38 +389,102 @@ impl Shuffles {
         Ok(bytes)
     }
 
-    /// The segment, created with an empty slot if new. Creating it with its slot means every
-    /// segment holds at least one, so their number is bounded by the arena's.
+    /// Appends `batch` to the segment's open NVMe extent, or to a new one; see the module docs.
+    async fn push_to_nvme(
+        &self,
+        pool: &DramSlots,
+        nvme: &NvmeTier,
+        server: ServerId,
+        id: SegmentId,
+        from: PushHeader,
+        batch: &[u8],
+    ) -> Result<u64, ShuffleError> {
+        let tiers_full = || {
+            let (dram, disk) = (pool.usage(), nvme.usage());
+            ShuffleError::TiersFull {
+                segment: id,
+                dram_in_use: dram.used_blocks,
+                dram_total: dram.capacity_blocks,
+                nvme_in_use: disk.used_blocks,
+                nvme_total: disk.capacity_blocks,
+            }
+        };
+        let first_slot = || nvme.take_extent().map(|extent| Extent::Nvme(Arc::new(extent)));
+        let segment = self.segment_for_push(server, id, from.class, first_slot).ok_or_else(tiers_full)??;
+        let _turn = segment.nvme_appends.lock().await;
+        let len = u32::try_from(batch.len()).expect("batches are at most a block");
+        let (extent, fresh) = {
+            let state = segment.state.lock();
+            if state.dropped {
+                return Err(ShuffleError::Freed { segment: id, server });
+            }
+            if state.batches >= MAX_SEGMENT_BATCHES {
+                return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
+            }
+            let open = state.nvme_open.and_then(|at| match &state.slots[at as usize] {
+                Extent::Nvme(extent)
+                    if len + BATCH_HEADER_LEN as u32 <= extent.room()
+                        && state.batches_in_nvme_open < pool.block_size() / MIN_BYTES_PER_BATCH =>
+                {
+                    Some(extent.clone())
+                }
+                _ => None,
+            });
+            match open {
+                Some(extent) => (extent, false),
+                None => (Arc::new(nvme.take_extent().ok_or_else(tiers_full)?), true),
+            }
+        };
+        let header = |crc| BatchHeader { map: from.map, attempt: from.attempt, len, crc }.encode();
+        let (offset, crc) = extent.append_with_header(batch, header).await.map_err(|e| ShuffleError::Io {
+            segment: id,
+            op: "push",
+            error: e.to_string(),
+        })?;
+        let mut state = segment.state.lock();
+        if state.dropped {
+            // Freed meanwhile: the extent goes with the segment.
+            return Err(ShuffleError::Freed { segment: id, server });
+        }
+        let slot = match fresh {
+            true => {
+                state.slots.push(Extent::Nvme(extent));
+                let at = u32::try_from(state.slots.len() - 1).expect("fewer extents than batches");
+                state.nvme_open = Some(at);
+                state.batches_in_nvme_open = 0;
+                at
+            }
+            false => state.nvme_open.expect("the open extent appended to"),
+        };
+        state.batches_in_nvme_open += 1;
+        state.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
+        state.batches += 1;
+        state.bytes += u64::from(len);
+        self.nvme_bytes.fetch_add((BATCH_HEADER_LEN + batch.len()) as u64, Ordering::Relaxed);
+        Ok(state.bytes)
+    }
+
+    /// The segment, created with `first_slot()` if new (`None` when that has no slot to give).
+    /// Creating it with its slot means every segment holds at least one, so their number is
+    /// bounded by the tiers' slots.
     fn segment_for_push(
         &self,
-        pool: &Arc<DramSlots>,
         server: ServerId,
         id: SegmentId,
         class: StorageClass,
-    ) -> Result<Arc<Segment>, ShuffleError> {
+        first_slot: impl FnOnce() -> Option<Extent>,
+    ) -> Option<Result<Arc<Segment>, ShuffleError>> {
         let mut map = self.map.lock();
         if map.freed.contains(&id.shuffle) {
-            return Err(ShuffleError::Freed { segment: id, server });
+            return Some(Err(ShuffleError::Freed { segment: id, server }));
         }
         if let Some(segment) = map.get(id) {
-            return Ok(segment);
+            return Some(Ok(segment));
         }
-        let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
-        let segment = Arc::new(Segment {
-            class,
-            state: Mutex::new(SegmentState {
-                slots: vec![Extent::Dram(slot)],
-                open: true,
-                dropped: false,
-                batches_in_last_slot: 0,
-                index: BTreeMap::new(),
-                batches: 0,
-                bytes: 0,
-            }),
-        });
+        let segment = Segment::new(class, first_slot()?);
         map.shuffles.entry(id.shuffle).or_default().insert((id.partition, id.index), segment.clone());
         map.segments += 1;
-        Ok(segment)
+        Some(Ok(segment))
     }
 
     /// Queues a full DRAM slot of `segment` to move down, as its class says.
@@ -384,7 +511,7 @@ impl Shuffles {
     }
 
     /// Moves DRAM slots to NVMe as the policy in the module docs says, until there is nothing
-    /// more to move or NVMe is full; returns how many moved. Wakes pushes waiting for room.
+    /// more to move or NVMe is full; returns how many moved.
     pub(crate) async fn move_down(&self, pool: &DramSlots, nvme: &NvmeTier) -> usize {
         let mut moved = 0;
         let nvme_has_room = || {
@@ -394,32 +521,38 @@ impl Shuffles {
         // Checked first, so that an open slot is not closed for a move that cannot happen.
         while nvme_has_room() {
             let Some((segment, slot, bytes)) = self.next_move(pool) else { break };
-            match nvme.write_extent(&bytes).await {
-                Ok(Some(extent)) => {
-                    let len = u64::from(extent.len());
-                    let mut state = segment.state.lock();
-                    if !state.dropped {
-                        // Still the DRAM slot the bytes came from: closed slots take no more batches.
-                        state.slots[slot as usize] = Extent::Nvme(Arc::new(extent));
-                        self.dram_bytes.fetch_sub(len, Ordering::Relaxed);
-                        self.nvme_bytes.fetch_add(len, Ordering::Relaxed);
-                    }
-                    moved += 1;
-                }
+            self.moves_in_flight.fetch_add(1, Ordering::AcqRel);
+            let written = nvme.write_extent(&bytes).await;
+            let stop = match &written {
+                Ok(Some(_)) => false,
                 Ok(None) => {
                     tracing::debug!("shuffle mover: the NVMe tier is full; shuffle data stays in DRAM");
-                    break;
+                    true
                 }
                 Err(e) => {
                     tracing::error!("shuffle mover: writing a DRAM slot to NVMe failed, it stays in DRAM: {e}");
-                    break;
+                    true
                 }
+            };
+            if let Ok(Some(extent)) = written {
+                let len = u64::from(extent.len());
+                let mut state = segment.state.lock();
+                if !state.dropped {
+                    // Still the DRAM slot the bytes came from: closed slots take no more batches.
+                    state.slots[slot as usize] = Extent::Nvme(Arc::new(extent));
+                    self.dram_bytes.fetch_sub(len, Ordering::Relaxed);
+                    self.nvme_bytes.fetch_add(len, Ordering::Relaxed);
+                }
+                moved += 1;
+            }
+            // The DRAM slot is free once the last view of it goes: tell pushes waiting for it.
+            drop((segment, bytes));
+            self.moves_in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.moved.notify_waiters();
+            if stop {
+                break;
             }
         }
-        // Stuck: DRAM full and nothing could move, so pushes waiting for room give up.
-        let stuck = moved == 0 && pool.usage().used_blocks == pool.usage().capacity_blocks;
-        self.mover_stuck.store(stuck, Ordering::Relaxed);
-        self.room.notify_waiters();
         moved
     }
 
@@ -472,12 +605,11 @@ impl Shuffles {
             .1;
         let mut state = fullest.state.lock();
         let len = state.open_dram_len()?;
-        state.open = false;
-        let slot = state.slots.len() - 1;
-        let Extent::Dram(dram) = &state.slots[slot] else { unreachable!("open_dram_len checked the tier") };
+        let slot = state.dram_open.take().expect("open_dram_len found it");
+        let Extent::Dram(dram) = &state.slots[slot as usize] else { unreachable!("the open DRAM slot is in DRAM") };
         let bytes = dram.view(0, len);
         drop(state);
-        Some((fullest, u32::try_from(slot).expect("fewer extents than batches"), bytes))
+        Some((fullest, slot, bytes))
     }
 
     /// The page of `request`'s batches that starts at its cursor.
@@ -624,9 +756,11 @@ async fn read_extents(
         }
     }
     let reads = spans.iter().map(|(extent, start, end)| extent.read(*start, end - start));
-    let read = futures::future::try_join_all(reads)
-        .await
-        .map_err(|e| ShuffleError::Io { segment: id, error: e.to_string() })?;
+    let read = futures::future::try_join_all(reads).await.map_err(|e| ShuffleError::Io {
+        segment: id,
+        op: "fetch",
+        error: e.to_string(),
+    })?;
     Ok(page
         .into_iter()
         .map(|(header, stored)| match stored {
@@ -649,49 +783,46 @@ impl SegmentState {
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
+        may_take_dram: bool,
     ) -> Result<(u64, Option<u32>), ShuffleError> {
         if self.batches >= MAX_SEGMENT_BATCHES {
             return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
         }
         // At most `max_batch_bytes`, checked by the caller.
         let len = u32::try_from(batch.len()).expect("batches are at most a block");
-        let fits = match self.slots.last() {
-            Some(Extent::Dram(last)) if self.open => {
-                len + BATCH_HEADER_LEN as u32 <= last.room()
-                    && self.batches_in_last_slot < pool.block_size() / MIN_BYTES_PER_BATCH
+        let fits = match self.dram_open.map(|at| &self.slots[at as usize]) {
+            Some(Extent::Dram(open)) => {
+                len + BATCH_HEADER_LEN as u32 <= open.room()
+                    && self.batches_in_dram_open < pool.block_size() / MIN_BYTES_PER_BATCH
             }
             _ => false,
         };
         let mut closed = None;
         if !fits {
-            // Batches are stored whole, in one slot each: the rest of the last slot stays unused.
-            let slot = AppendSlot::take(pool).ok_or_else(|| full(pool, id))?;
-            // The last slot closes (if the mover has not closed it already, and moved it).
-            if self.open {
-                closed = Some(u32::try_from(self.slots.len() - 1).expect("fewer extents than batches"));
-            }
+            // Batches are stored whole, in one slot each: the rest of the open slot stays unused.
+            let slot = may_take_dram.then(|| AppendSlot::take(pool)).flatten().ok_or_else(|| full(pool, id))?;
+            // The open slot closes (if the mover has not closed it already).
+            closed = self.dram_open;
             self.slots.push(Extent::Dram(slot));
-            self.open = true;
-            self.batches_in_last_slot = 0;
+            self.dram_open = Some(u32::try_from(self.slots.len() - 1).expect("fewer extents than batches"));
+            self.batches_in_dram_open = 0;
         }
-        let slot = self.slots.len() - 1;
-        let Some(Extent::Dram(last)) = self.slots.last_mut() else { unreachable!("the open slot is in DRAM") };
+        let slot = self.dram_open.expect("a DRAM slot is open");
+        let Extent::Dram(open) = &mut self.slots[slot as usize] else { unreachable!("the open DRAM slot is in DRAM") };
         // Stored as served: [BatchHeader | bytes], so a page of one batch goes out without a copy.
-        let (offset, crc) = last
+        let (offset, crc) = open
             .append_with_header(batch, |crc| BatchHeader { map: from.map, attempt: from.attempt, len, crc }.encode());
-        self.batches_in_last_slot += 1;
-        let slot = u32::try_from(slot).expect("a segment has fewer slots than batches");
+        self.batches_in_dram_open += 1;
         self.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
         self.batches += 1;
         self.bytes += u64::from(len);
         Ok((self.bytes, closed))
     }
 
-    /// The published bytes of the last extent, if it is a DRAM slot still taking batches and
-    /// holds some.
+    /// The published bytes of the open DRAM slot, if there is one and it holds some.
     fn open_dram_len(&self) -> Option<u32> {
-        match self.slots.last() {
-            Some(Extent::Dram(slot)) if self.open && slot.len() > 0 => Some(slot.len()),
+        match self.dram_open.map(|at| &self.slots[at as usize]) {
+            Some(Extent::Dram(slot)) if slot.len() > 0 => Some(slot.len()),
             _ => None,
         }
     }

@@ -19,7 +19,7 @@ use anyhow::bail;
 use bytes::Bytes;
 use indicatif::{MultiProgress, ProgressBar};
 use serde::Serialize;
-use tern_client::{Client, CommitOutcome, CreateOptions, Shuffle, ShuffleOptions};
+use tern_client::{Client, CommitOutcome, CreateOptions, Shuffle, ShuffleOptions, StorageClass};
 
 use crate::gensort::RECORD_LEN;
 use crate::tasks::{
@@ -50,6 +50,8 @@ pub struct TerasortOptions {
     /// Copies of the input and output parts' blocks and of the shuffle's segments (1 or 2). With
     /// 2, a storage server lost mid-job costs no recomputation.
     pub replicas: u32,
+    /// Where the shuffle's segments may live on their servers (DRAM first, NVMe beneath).
+    pub shuffle_class: StorageClass,
 }
 
 /// Seconds per phase.
@@ -78,6 +80,8 @@ pub struct TerasortReport {
     pub sort_mb_per_s: f64,
     /// Copies of the data, as asked.
     pub replicas: u32,
+    /// The shuffle's storage class, as asked: "dram", "nvme" or "any".
+    pub shuffle_class: String,
     /// Maps run again because their committed output lost every copy (a storage server died).
     pub maps_recomputed: usize,
     /// Map and reduce attempts that failed and were retried.
@@ -143,10 +147,21 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         .register_shuffle(
             job.id(),
             options.reduces as u32,
-            ShuffleOptions { maps: options.maps as u32, replicas: options.replicas, ..Default::default() },
+            ShuffleOptions {
+                maps: options.maps as u32,
+                replicas: options.replicas,
+                storage_class: options.shuffle_class.to_string(),
+                ..Default::default()
+            },
         )
         .await?;
-    say(format!("map phase: {} maps, shuffle {} with {} copies", options.maps, shuffle.id(), options.replicas));
+    say(format!(
+        "map phase: {} maps, shuffle {} with {} copies, storage class {}",
+        options.maps,
+        shuffle.id(),
+        options.replicas,
+        options.shuffle_class
+    ));
     let Location::Store(input_dir) = &input else { bail!("map input must be in the store") };
     let maps = Maps {
         client: client.clone(),
@@ -202,6 +217,7 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         total_seconds: options.started.elapsed().as_secs_f64(),
         sort_mb_per_s: bytes as f64 / (map_seconds + reduce_seconds) / 1e6,
         replicas: options.replicas,
+        shuffle_class: options.shuffle_class.to_string(),
         maps_recomputed: recomputed.len(),
         task_retries: maps.retries.load(std::sync::atomic::Ordering::Relaxed),
     })

@@ -168,22 +168,19 @@ impl NvmeTier {
         Ok((Bytes::from_owner(slice), held))
     }
 
+    /// An empty slot for a shuffle segment's batches; `None` when every slot is in use.
+    pub(crate) fn take_extent(&self) -> Option<NvmeExtent> {
+        Appender::take(self.table.slots()).map(|appender| NvmeExtent { appender: parking_lot::Mutex::new(appender) })
+    }
+
     /// Writes `bytes` (at most a block) to a free slot, as a shuffle segment's extent; `None`
     /// when every slot is in use.
     pub(crate) async fn write_extent(&self, bytes: &[u8]) -> std::io::Result<Option<NvmeExtent>> {
-        let Some(mut appender) = Appender::take(self.table.slots()) else {
+        let Some(extent) = self.take_extent() else {
             return Ok(None);
         };
-        let len = u32::try_from(bytes.len()).ok().filter(|len| *len <= appender.room());
-        let len = len.unwrap_or_else(|| panic!("an extent of {} bytes is larger than a block", bytes.len()));
-        let Disk { engine, align, .. } = self.disk();
-        let mut buf = AlignedBuf::zeroed(round_up(u64::from(len), *align).max(*align) as usize, *align as usize);
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let slot = appender.slot().clone();
-        let at = slot.disk_offset();
-        engine.write_at(buf, at, Some(slot)).await?;
-        appender.publish(len);
-        Ok(Some(NvmeExtent { appender }))
+        extent.append_with_header::<0>(bytes, |_| []).await?;
+        Ok(Some(extent))
     }
 
     /// Drops the listed blocks (ids not held are skipped); returns how many were held.
@@ -213,29 +210,76 @@ impl NvmeTier {
     }
 }
 
-/// Shuffle bytes written once to an NVMe slot, which it holds until dropped.
+/// Shuffle bytes in an NVMe slot, which it holds until dropped: appended whole batches (by one
+/// appender at a time: the segment serialises its NVMe appends), read by any number of fetches.
 pub(crate) struct NvmeExtent {
-    appender: Appender<Disk>,
+    /// Locked only to publish or to take the slot for a read, never across I/O.
+    appender: parking_lot::Mutex<Appender<Disk>>,
 }
 
 impl NvmeExtent {
     /// Bytes it holds.
     pub(crate) fn len(&self) -> u32 {
-        self.appender.len()
+        self.appender.lock().len()
+    }
+
+    /// Bytes free at its end.
+    pub(crate) fn room(&self) -> u32 {
+        self.appender.lock().room()
+    }
+
+    /// Appends `[header | data]` with `header = head(crc of data)` and publishes it; returns the
+    /// data's offset and crc32c. The aligned unit holding the current end is read back and
+    /// written again with the new bytes after the published ones (which it rewrites unchanged,
+    /// so a read racing it sees the same published bytes). Callers append one at a time and check
+    /// `room`; panics if it does not fit.
+    pub(crate) async fn append_with_header<const H: usize>(
+        &self,
+        data: &[u8],
+        head: impl FnOnce(u32) -> [u8; H],
+    ) -> std::io::Result<(u32, u32)> {
+        let (slot, offset) = {
+            let appender = self.appender.lock();
+            assert!(H + data.len() <= appender.room() as usize, "append of {H}+{} bytes past the slot", data.len());
+            (appender.slot().clone(), appender.len())
+        };
+        let Disk { engine, align, .. } = slot.medium();
+        let start = round_down(u64::from(offset), *align);
+        let keep = (u64::from(offset) - start) as usize;
+        let total = keep + H + data.len();
+        let mut buf = AlignedBuf::zeroed(round_up(total as u64, *align).max(*align) as usize, *align as usize);
+        if keep > 0 {
+            // The unit holds published bytes below `offset`: written whole before, so it reads back.
+            let unit = AlignedBuf::zeroed(*align as usize, *align as usize);
+            let unit = engine.read_at(unit, slot.disk_offset() + start).await?;
+            buf[..keep].copy_from_slice(&unit[..keep]);
+        }
+        buf[keep + H..total].copy_from_slice(data);
+        let crc = crc32c::crc32c(data);
+        buf[keep..keep + H].copy_from_slice(&head(crc));
+        let at = slot.disk_offset() + start;
+        let keep_alive: engine::KeepAlive = Some(slot.clone());
+        engine.write_at(buf, at, keep_alive).await?;
+        let added = u32::try_from(H + data.len()).expect("checked against the slot's room");
+        self.appender.lock().publish(added);
+        Ok((offset + H as u32, crc))
     }
 
     /// Bytes `[offset, offset + len)` as a view of the aligned buffer the disk filled.
     pub(crate) async fn read(&self, offset: u32, len: u32) -> std::io::Result<Bytes> {
-        assert!(offset + len <= self.len(), "read {offset}+{len} of an extent of {} bytes", self.len());
+        let slot = {
+            let appender = self.appender.lock();
+            assert!(offset + len <= appender.len(), "read {offset}+{len} of an extent of {} bytes", appender.len());
+            appender.slot().clone()
+        };
         if len == 0 {
             return Ok(Bytes::new());
         }
-        let slot = self.appender.slot();
         let Disk { engine, align, .. } = slot.medium();
         let start = round_down(u64::from(offset), *align);
         let end = round_up(u64::from(offset) + u64::from(len), *align);
         let buf = AlignedBuf::zeroed((end - start) as usize, *align as usize);
-        // `self` holds the slot, so it cannot be reused (and overwritten) during the read.
+        // `slot` is held across the read, so it cannot be reused (and overwritten) meanwhile.
         let buf = engine.read_at(buf, slot.disk_offset() + start).await?;
         let slice = AlignedSlice { buf, start: (u64::from(offset) - start) as usize, len: len as usize };
         Ok(Bytes::from_owner(slice))

@@ -1,5 +1,5 @@
-//! Shuffle segments across DRAM and NVMe: the mover's policy, pushes waiting for room, and
-//! fetches that read extents of both tiers. The NVMe tier is a real O_DIRECT file under the
+//! Shuffle segments across DRAM and NVMe: the mover's policy, pushes that go straight to NVMe,
+//! and fetches that read extents of both tiers. The NVMe tier is a real O_DIRECT file under the
 //! psync engine (tmpfs refuses O_DIRECT, so it lives in the crate's directory).
 
 use std::sync::Arc;
@@ -102,17 +102,18 @@ async fn any_segments_move_down_only_past_the_high_watermark_until_the_low_one()
     }
     assert_eq!(blocks(&store), (12, 0));
     assert_eq!(store.move_shuffles_down().await, 0);
-    // 18 of 20 (90%): full slots move, oldest first, until under 70%.
+    // Up to 17 of 20 (85%) in DRAM, then new slots come from NVMe; full slots move, oldest
+    // first, until under 70%.
     for p in 0..2 {
         for n in 9..18 {
             push(&store, seg(2, p), StorageClass::Any, 0, n).await.unwrap();
         }
     }
-    assert_eq!(blocks(&store).0, 18);
-    assert!(18.0 / 20.0 >= HIGH_WATERMARK);
+    let high = (HIGH_WATERMARK * 20.0).ceil() as u64;
+    assert_eq!(blocks(&store), (high, 18 - high));
     let moved = store.move_shuffles_down().await;
     let (dram, nvme) = blocks(&store);
-    assert_eq!((dram + nvme, nvme as usize), (18, moved));
+    assert_eq!((dram + nvme, nvme as usize), (18, 18 - high as usize + moved));
     assert!((dram as f64) < LOW_WATERMARK * 20.0 && (dram as f64 + 1.0) >= LOW_WATERMARK * 20.0, "{dram} in DRAM");
     for p in 0..4 {
         let pushed = if p < 2 { 18 } else { 9 };
@@ -136,7 +137,7 @@ async fn dram_segments_never_move_and_are_refused_at_once_when_dram_is_full() {
 }
 
 #[tokio::test]
-async fn pushes_past_dram_wait_for_the_mover_and_lose_nothing() {
+async fn pushes_past_dram_go_down_and_lose_nothing() {
     let (_dir, store) = store(4, 64).await;
     let mover = tokio::spawn(store.clone().run_shuffle_mover());
     // 8 partitions, 3 maps each, writing 20 slots' worth through a DRAM of 4 slots.
@@ -158,7 +159,6 @@ async fn pushes_past_dram_wait_for_the_mover_and_lose_nothing() {
         want.sort_by_key(|(map, _)| *map);
         assert_eq!(fetch_all(&store, seg(4, p), 3, 100_000).await, want, "partition {p}");
     }
-    // Open slots were closed to make room; the segments went on in new slots.
     let bytes = store.shuffle_bytes();
     assert_eq!(bytes.dram + bytes.nvme, 64 * (BATCH as u64 + 16));
     mover.abort();
@@ -177,6 +177,7 @@ async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_
         assert!(pushed < 100, "both tiers hold 4 slots of 3 batches");
     };
     assert_eq!(err.kind(), ErrorKind::OutOfSpace, "{err}");
+    assert!(err.to_string().contains("both tiers are full: dram 2 of 2 blocks in use, nvme 2 of 2"), "{err}");
     assert!(pushed >= 9, "{pushed} batches before the refusal");
     assert_eq!(blocks(&store), (2, 2));
     store.free_shuffles([ShuffleId(5)]);
@@ -184,4 +185,40 @@ async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
     push(&store, seg(6, 0), StorageClass::Any, 0, 0).await.unwrap();
     mover.abort();
+}
+
+#[tokio::test]
+async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
+    let (_dir, store) = store(4, 8).await;
+    for block in 0..4 {
+        let mut write = store.dram().begin_write(tern_proto::BlockId::from(block), 0, 10).unwrap();
+        write.buf().copy_from_slice(b"file bytes");
+        write.commit(crc32c::crc32c(b"file bytes")).unwrap();
+    }
+    // A dram shuffle has nowhere to go.
+    let err = push(&store, seg(7, 0), StorageClass::Dram, 0, 0).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfSpace);
+    assert_eq!(store.shuffle_segments(), 0, "a refused first push creates nothing");
+    // An any shuffle goes to NVMe: batches of odd sizes, appended at unaligned offsets.
+    let mut want = Vec::new();
+    for n in 0..60u32 {
+        let (map, len) = (n % 3, 1 + (n as usize * 977) % 9000);
+        let batch: Vec<u8> = (0..len).map(|i| (i as u32 * 13 + n) as u8).collect();
+        store.push(seg(7, 1), PushHeader { map, attempt: 0, class: StorageClass::Any }, &batch).await.unwrap();
+        want.push((map, batch));
+    }
+    want.sort_by_key(|(map, _)| *map);
+    assert_eq!(store.dram().usage().used_blocks, 4, "nothing of it in DRAM");
+    let nvme = store.nvme().unwrap().usage().used_blocks;
+    assert!((4..=6).contains(&nvme), "{nvme} NVMe slots for 60 batches of 4.5 KiB on average");
+    assert_eq!(store.shuffle_bytes().dram, 0);
+    for max_bytes in [1, 5000, u32::MAX] {
+        assert_eq!(fetch_all(&store, seg(7, 1), 3, max_bytes).await, want, "pages of {max_bytes} bytes");
+    }
+    // Freed DRAM takes pushes again; the segment goes on in both tiers.
+    store.free((0..4).map(tern_proto::BlockId::from));
+    push(&store, seg(7, 1), StorageClass::Any, 0, 99).await.unwrap();
+    assert_eq!(store.dram().usage().used_blocks, 1);
+    want.insert(want.iter().position(|(map, _)| *map == 1).unwrap(), (0, data(0, 99)));
+    assert_eq!(fetch_all(&store, seg(7, 1), 3, u32::MAX).await, want);
 }
