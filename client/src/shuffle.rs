@@ -482,7 +482,9 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
             tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
-            why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full"));
+            // The server's own words: which tiers are full, and how full.
+            let why = results.iter().find_map(|r| r.as_ref().err()).map(Error::message).unwrap_or_default();
+            why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full: {why}"));
             segment = shuffle.advance(partition, index).await?;
             continue;
         }

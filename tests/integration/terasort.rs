@@ -4,7 +4,7 @@ use crate::common;
 
 use std::process::Command;
 
-use common::TERN;
+use common::{Cluster, Nvme, TERN};
 
 /// The fields of gensort record `n` that depend on its number alone (gensort 1.5, binary mode).
 fn fixed_fields(n: u64) -> (Vec<u8>, [u8; 4], [u8; 4]) {
@@ -72,4 +72,39 @@ fn a_64_mib_terasort_through_the_shuffle_service_validates() {
         assert!(report["phases"][phase].as_f64().unwrap() > 0.0, "{phase}");
     }
     assert!(report["sort_mb_per_s"].as_f64().unwrap() > 0.0);
+}
+
+/// `tern terasort --json` against `metadata` with `extra` flags: its report, once it validated.
+fn sort_on(metadata: &str, size: &str, extra: &[&str]) -> serde_json::Value {
+    let out = Command::new(TERN)
+        .args(["terasort", "--size", size, "--metadata", metadata, "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "terasort {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["sorted"], true, "{report}");
+    assert_eq!(report["input_checksum"], report["output_checksum"], "{report}");
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sort_larger_than_the_clusters_dram_spills_its_shuffle_to_nvme_and_validates() {
+    // 48 MiB of DRAM in all for 128 MiB of input, shuffle and output: only NVMe can hold them.
+    let cluster = Cluster::start_with_nvme(2, "24MiB", Nvme { size: "512MiB", engine: "auto" }).await;
+    for class in ["any", "nvme"] {
+        let report =
+            tokio::task::block_in_place(|| sort_on(&cluster.metadata_addr, "128MiB", &["--shuffle-class", class]));
+        assert_eq!(report["shuffle_class"], class);
+        // No map ran out of space and tried again: the shuffle went down to NVMe as it came.
+        assert_eq!((report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()), (Some(0), Some(0)));
+    }
+    // A dram shuffle that cannot fit is refused, naming the tier.
+    let out = Command::new(TERN)
+        .args(["terasort", "--size", "128MiB", "--metadata", &cluster.metadata_addr, "--shuffle-class", "dram"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("dram tier full") && err.contains("out-of-space"), "{err}");
 }

@@ -106,3 +106,47 @@ async fn up_with_tls_serves_the_control_plane_over_tls() {
     }
     assert!(again.wait().unwrap().success());
 }
+
+/// Each live storage server's NVMe tier capacity, as `tern status` has it (None: no tier).
+async fn nvme_tiers(addr: &str) -> Vec<Option<u64>> {
+    let client = tern_client::Client::connect(addr).await.unwrap();
+    let status = client.status().await.unwrap();
+    let live = status.servers.iter().filter(|s| s.alive);
+    live.map(|s| s.tiers.iter().find(|t| t.tier == "nvme").map(|t| t.capacity_bytes)).collect()
+}
+
+fn interrupt(mut up: std::process::Child) {
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(up.id() as libc::pid_t, libc::SIGINT);
+    }
+    assert!(up.wait().unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_gives_storage_servers_an_nvme_tier_unless_told_not_to() {
+    // On the real disk: `auto` leaves the tier out on tmpfs, which takes no O_DIRECT.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let (up, banner) = start_up(dir.path(), port, &[]);
+    let tiers = nvme_tiers(&format!("127.0.0.1:{port}")).await;
+    assert_eq!(tiers.len(), 2, "{banner}");
+    let size = tiers[0].expect("an NVMe tier by default");
+    assert!((64 << 20..=2 << 30).contains(&size) && size % (1 << 20) == 0, "{size} bytes");
+    assert_eq!(tiers, vec![Some(size); 2]);
+    interrupt(up);
+    // Started again on the same directory, the tiers keep their files and size.
+    let port = tern_local::free_port_range(14).unwrap();
+    let (up, _) = start_up(dir.path(), port, &[]);
+    assert_eq!(nvme_tiers(&format!("127.0.0.1:{port}")).await, vec![Some(size); 2]);
+    interrupt(up);
+
+    let other = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let (up, _) = start_up(other.path(), port, &["--nvme-size", "off"]);
+    assert_eq!(nvme_tiers(&format!("127.0.0.1:{port}")).await, vec![None, None]);
+    interrupt(up);
+    let out = Command::new(common::TERN).args(["up", "--nvme-size", "lots"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("auto, or off"), "{}", String::from_utf8_lossy(&out.stderr));
+}
