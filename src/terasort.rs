@@ -71,6 +71,11 @@ pub struct TerasortArgs {
     /// server's DRAM runs short).
     #[arg(long, default_value = "any")]
     shuffle_class: StorageClass,
+    /// Most memory each reduce's sort may hold, e.g. 256MiB: a larger partition is sorted in
+    /// runs on local scratch disk ($TMPDIR) and merged into its output part [default: no bound,
+    /// each partition sorted in memory].
+    #[arg(long)]
+    reduce_memory: Option<ByteSize>,
     /// Print one JSON object instead of progress and a table.
     #[arg(long)]
     json: bool,
@@ -140,6 +145,7 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         progress: !args.json,
         replicas: args.replicas,
         shuffle_class: args.shuffle_class,
+        reduce_memory: args.reduce_memory.map(|size| size.bytes()),
     };
     // Checked before a cluster is started for nothing.
     options.records()?;
@@ -190,9 +196,10 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         outln!("  validate  {:>8.2} s", phases.validate);
         outln!("  total     {:>8.2} s", report.total_seconds);
         outln!(
-            "replicas: {}  shuffle class: {}  maps recomputed: {}  task retries: {}",
+            "replicas: {}  shuffle class: {}  sort runs: {}  maps recomputed: {}  task retries: {}",
             report.replicas,
             report.shuffle_class,
+            report.sort_runs,
             report.maps_recomputed,
             report.task_retries
         );

@@ -423,6 +423,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
             progress: false,
             replicas: 1,
             shuffle_class: tern_client::StorageClass::Any,
+            reduce_memory: None,
         })
         .await?;
         let seconds = report.phases.teragen + report.phases.map + report.phases.reduce;

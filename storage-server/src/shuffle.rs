@@ -924,7 +924,7 @@ mod tests {
         let mut cursor = 0;
         let mut all = Vec::new();
         for _ in 0..10_000 {
-            let page = fetch(&store, id, &request(cursor, max_bytes, maps)).unwrap();
+            let page = fetch(store, id, &request(cursor, max_bytes, maps)).unwrap();
             let parsed = parse(&page);
             assert!(!parsed.is_empty() || page.next_cursor == FETCH_DONE, "an empty page must end the fetch");
             all.extend(parsed);
@@ -991,7 +991,7 @@ mod tests {
     }
 
     fn fetch_all_from(store: &BlockStore, id: SegmentId, cursor: u32, maps: &[(u32, u32)]) -> Vec<(u32, u32, Vec<u8>)> {
-        let page = fetch(&store, id, &request(cursor, u32::MAX, maps)).unwrap();
+        let page = fetch(store, id, &request(cursor, u32::MAX, maps)).unwrap();
         assert_eq!(page.next_cursor, FETCH_DONE);
         parse(&page)
     }

@@ -16,15 +16,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use bytes::Bytes;
 use indicatif::{MultiProgress, ProgressBar};
 use serde::Serialize;
 use tern_client::{Client, CommitOutcome, CreateOptions, Shuffle, ShuffleOptions, StorageClass};
 
+use crate::external::sort_partition_to_store;
 use crate::gensort::RECORD_LEN;
 use crate::tasks::{
-    bar, generate_part_with, map_part, read_partition, run_all, run_all_settled, sort_partition, split_records,
-    store_part, teragen, teravalidate, write_part_with, Location,
+    bar, generate_part_with, map_part, run_all, run_all_settled, split_records, store_part, teragen, teravalidate,
+    Location, PartitionInput,
 };
 
 /// Attempts of one map or reduce task (a failure after a storage server died is retried) before
@@ -52,6 +52,9 @@ pub struct TerasortOptions {
     pub replicas: u32,
     /// Where the shuffle's segments may live on their servers (DRAM first, NVMe beneath).
     pub shuffle_class: StorageClass,
+    /// Most memory each reduce's sort may hold; a larger partition is sorted in runs on local
+    /// scratch disk and merged ([`crate::external`]). `None`: sorted in memory, whatever its size.
+    pub reduce_memory: Option<u64>,
 }
 
 /// Seconds per phase.
@@ -82,6 +85,10 @@ pub struct TerasortReport {
     pub replicas: u32,
     /// The shuffle's storage class, as asked: "dram", "nvme" or "any".
     pub shuffle_class: String,
+    /// Most memory each reduce's sort held, as asked (null: no bound, sorted in memory).
+    pub reduce_memory: Option<u64>,
+    /// Sorted runs the reduces wrote to scratch disk and merged (0: every partition in memory).
+    pub sort_runs: usize,
     /// Maps run again because their committed output lost every copy (a storage server died).
     pub maps_recomputed: usize,
     /// Map and reduce attempts that failed and were retried.
@@ -186,7 +193,8 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
 
     let phase = Instant::now();
     say(format!("reduce phase: {} reduces", options.reduces));
-    let recomputed = run_reduces(&maps, &output, options.reduces, bytes, &progress).await?;
+    let (recomputed, sort_runs) =
+        run_reduces(&maps, &output, options.reduces, bytes, options.reduce_memory, &progress).await?;
     shuffle.unregister().await?;
     let reduce_seconds = phase.elapsed().as_secs_f64();
     if !recomputed.is_empty() {
@@ -218,6 +226,8 @@ pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortRepor
         sort_mb_per_s: bytes as f64 / (map_seconds + reduce_seconds) / 1e6,
         replicas: options.replicas,
         shuffle_class: options.shuffle_class.to_string(),
+        reduce_memory: options.reduce_memory,
+        sort_runs,
         maps_recomputed: recomputed.len(),
         task_retries: maps.retries.load(std::sync::atomic::Ordering::Relaxed),
     })
@@ -304,40 +314,42 @@ impl Maps {
 /// Runs the reduce tasks, as many at once as there are cores. A reduce that fails is run again
 /// with a new attempt; when the shuffle has lost maps (every copy of some committed output is
 /// gone with its storage server), exactly those maps are invalidated and recomputed first.
-/// Returns the maps recomputed.
+/// Each sorts in at most `reduce_memory` (see [`crate::external`]). Returns the maps recomputed
+/// and the sorted runs the reduces wrote (0: every partition sorted in memory).
 async fn run_reduces(
     maps: &Maps,
     output: &Location,
     reduces: usize,
     bytes: u64,
+    reduce_memory: Option<u64>,
     progress: &MultiProgress,
-) -> anyhow::Result<BTreeSet<u32>> {
+) -> anyhow::Result<(BTreeSet<u32>, usize)> {
     let bar = bar(progress, bytes, "reduce");
     let Location::Store(dir) = output else { bail!("reduce output must be in the store") };
     maps.client.mkdir(dir, true).await?;
-    let mut recomputed = BTreeSet::new();
+    let (mut recomputed, mut runs) = (BTreeSet::new(), 0);
     let mut todo: Vec<usize> = (0..reduces).collect();
     let mut backoff = tern_common::Backoff::new(RETRY_BACKOFF_START, RETRY_BACKOFF_MAX);
     for attempt in 0..TASK_ATTEMPTS {
         let tasks = todo.iter().map(|&reduce| {
             let (client, shuffle, bar, path) =
                 (maps.client.clone(), maps.shuffle.clone(), bar.clone(), store_part(dir, reduce));
-            let create = maps.create;
+            let (create, memory) = (maps.create, reduce_memory);
             async move {
-                let records = read_partition(&shuffle, reduce as u32, None).await?;
-                let sorted = sort_partition(records).await?;
-                let len = sorted.len() as u64;
-                write_part_with(&client, &path, attempt, Bytes::from(sorted), create).await?;
-                bar.inc(len);
-                Ok(())
+                let input = PartitionInput::open(&shuffle, reduce as u32).await?;
+                let scratch = std::env::temp_dir();
+                let sorted = sort_partition_to_store(&client, input, memory, &scratch, &path, attempt, create).await?;
+                bar.inc(sorted.bytes);
+                Ok(sorted.runs)
             }
         });
         let results = run_all_settled("reduce", tasks).await;
+        runs += results.iter().filter_map(|result| result.as_ref().ok()).sum::<usize>();
         let failed: Vec<(usize, anyhow::Error)> =
             todo.iter().zip(results).filter_map(|(&reduce, result)| result.err().map(|e| (reduce, e))).collect();
         let Some((reduce, error)) = failed.first() else {
             bar.finish();
-            return Ok(recomputed);
+            return Ok((recomputed, runs));
         };
         if attempt + 1 == TASK_ATTEMPTS {
             return Err(

@@ -26,6 +26,8 @@
 //! On a cluster (cargo feature `cluster`, on by default):
 //! * [`tasks`]: generate, map, read a reduce partition, sort, write and publish a part, one
 //!   definition for the commands, the driver and the executor's operators;
+//! * [`external`]: a reduce partition larger than its memory, sorted in runs on scratch disk and
+//!   merged into its output part;
 //! * [`driver`]: `tern terasort` in one process, with its own retries;
 //! * [`in_memory`]: the same records sorted in memory by the same sort, the limit the shuffle is
 //!   measured against (bounded: it samples above 1 GiB).
@@ -37,6 +39,8 @@ pub mod validate;
 
 #[cfg(feature = "cluster")]
 pub mod driver;
+#[cfg(feature = "cluster")]
+pub mod external;
 #[cfg(feature = "cluster")]
 pub mod in_memory;
 #[cfg(feature = "cluster")]

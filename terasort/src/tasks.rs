@@ -5,8 +5,9 @@
 //! is renamed into place, so the first whole attempt wins). Also the whole-dataset steps built on
 //! them: [`teragen`] and [`teravalidate`] over every part, in parallel.
 //!
-//! Memory: a reduce partition too large for the task, or an allocation the system refuses, fails
-//! with [`tern_common::OutOfMemory`], which the executor reports as OOM (the scheduler then retries
+//! Memory: a reduce partition larger than the sort's memory is sorted in runs on scratch disk
+//! ([`crate::external`]); an allocation the system refuses fails with
+//! [`tern_common::OutOfMemory`], which the executor reports as OOM (the scheduler then retries
 //! with more memory).
 
 use std::path::{Path, PathBuf};
@@ -217,7 +218,7 @@ fn attempt_location(target: &Location, attempt: u32) -> Location {
     }
 }
 
-fn attempt_store_path(path: &str, attempt: u32) -> String {
+pub(crate) fn attempt_store_path(path: &str, attempt: u32) -> String {
     let (dir, name) = path.rsplit_once('/').unwrap_or(("", path));
     format!("{dir}/.{name}.attempt-{attempt}")
 }
@@ -396,6 +397,8 @@ pub struct PartitionInput {
     partition: u32,
     reader: ShuffleReader,
     bytes: u64,
+    /// Bytes read so far.
+    read: u64,
 }
 
 impl PartitionInput {
@@ -405,7 +408,7 @@ impl PartitionInput {
         if bytes % RECORD_LEN as u64 != 0 {
             bail!("reduce {partition}: {bytes} bytes is not a whole number of records");
         }
-        Ok(PartitionInput { partition, reader, bytes })
+        Ok(PartitionInput { partition, reader, bytes, read: 0 })
     }
 
     pub fn bytes(&self) -> u64 {
@@ -439,34 +442,36 @@ impl PartitionInput {
         .await
     }
 
-    /// Hands every batch to `take`, in order, after checking it stays within the commits' total
-    /// (so `take` may index by it), and checks the total at the end.
+    /// Hands every batch to `take`, in order (see [`PartitionInput::next_batch`]).
     async fn read_batches(mut self, mut take: impl FnMut(&[u8])) -> anyhow::Result<()> {
-        let mut read = 0u64;
-        while let Some(batch) = self.reader.next_batch().await? {
-            read += batch.data.len() as u64;
-            if read > self.bytes {
-                bail!("reduce {}: the shuffle yielded more than its commits' {} bytes", self.partition, self.bytes);
-            }
-            take(&batch.data);
-        }
-        if read != self.bytes {
-            bail!("reduce {}: read {read} bytes of the commits' {}", self.partition, self.bytes);
+        while let Some(batch) = self.next_batch().await? {
+            take(&batch);
         }
         Ok(())
     }
+
+    /// The next batch of records, checked to stay within the commits' total (so a caller may
+    /// index by it); `None` at the end, which is an error unless the total was read.
+    pub async fn next_batch(&mut self) -> anyhow::Result<Option<Bytes>> {
+        let Some(batch) = self.reader.next_batch().await? else {
+            if self.read != self.bytes {
+                bail!("reduce {}: read {} bytes of the commits' {}", self.partition, self.read, self.bytes);
+            }
+            return Ok(None);
+        };
+        self.read += batch.data.len() as u64;
+        if self.read > self.bytes {
+            bail!("reduce {}: the shuffle yielded more than its commits' {} bytes", self.partition, self.bytes);
+        }
+        Ok(Some(batch.data))
+    }
 }
 
-/// Reads the committed records of reduce partition `partition` into one buffer. With
-/// `memory_limit`, a partition whose records and sorted copy would not fit fails with
-/// [`OutOfMemory`] before anything is read; so does a refused allocation.
-pub async fn read_partition(shuffle: &Shuffle, partition: u32, memory_limit: Option<u64>) -> anyhow::Result<Vec<u8>> {
-    let input = PartitionInput::open(shuffle, partition).await?;
-    // The records and their sorted copy are both held at the peak.
-    input.check_memory(2, memory_limit)?;
+/// Reads all of `input`'s records into one buffer.
+pub(crate) async fn read_partition_input(input: PartitionInput) -> anyhow::Result<Vec<u8>> {
     let mut records = Vec::new();
     records.try_reserve_exact(input.bytes() as usize).map_err(|e| {
-        OutOfMemory(format!("partition {partition}: allocating {} bytes for its records: {e}", input.bytes()))
+        OutOfMemory(format!("partition {}: allocating {} bytes for its records: {e}", input.partition, input.bytes()))
     })?;
     input.read_batches(|data| records.extend_from_slice(data)).await?;
     Ok(records)
@@ -504,7 +509,12 @@ pub async fn write_part_with(
     writer.expect_len(data.len() as u64);
     writer.write_bytes(data).await?;
     writer.close().await?;
-    publish(Some(client), &Location::Store(scratch), &Location::Store(path.to_string()), attempt).await
+    publish_part(client, &scratch, path, attempt).await
+}
+
+/// Publishes the whole part written at `scratch` (attempt `attempt`) as `path`; see [`publish`].
+pub(crate) async fn publish_part(client: &Client, scratch: &str, path: &str, attempt: u32) -> anyhow::Result<()> {
+    publish(Some(client), &Location::Store(scratch.to_string()), &Location::Store(path.to_string()), attempt).await
 }
 
 /// The default number of map and of reduce tasks for `size_bytes`: parts of about 256 MiB, at

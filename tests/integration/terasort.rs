@@ -89,13 +89,18 @@ fn sort_on(metadata: &str, size: &str, extra: &[&str]) -> serde_json::Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sort_larger_than_the_clusters_dram_spills_its_shuffle_to_nvme_and_validates() {
+async fn a_sort_larger_than_the_clusters_dram_and_its_reduces_memory_spills_to_nvme_and_disk_and_validates() {
     // 48 MiB of DRAM in all for 128 MiB of input, shuffle and output: only NVMe can hold them.
     let cluster = Cluster::start_with_nvme(2, "24MiB", Nvme { size: "512MiB", engine: "auto" }).await;
     for class in ["any", "nvme"] {
-        let report =
-            tokio::task::block_in_place(|| sort_on(&cluster.metadata_addr, "128MiB", &["--shuffle-class", class]));
+        // The first one's reduces also sort beyond their memory: 64 MiB partitions in 16 MiB.
+        let memory: &[&str] = if class == "any" { &["--reduce-memory", "16MiB"] } else { &[] };
+        let report = tokio::task::block_in_place(|| {
+            sort_on(&cluster.metadata_addr, "128MiB", &[&["--shuffle-class", class], memory].concat())
+        });
         assert_eq!(report["shuffle_class"], class);
+        let runs = report["sort_runs"].as_u64().unwrap();
+        assert!(if memory.is_empty() { runs == 0 } else { runs >= 2 * 13 }, "{runs} sorted runs");
         // No map ran out of space and tried again: the shuffle went down to NVMe as it came.
         assert_eq!((report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()), (Some(0), Some(0)));
     }

@@ -16,6 +16,7 @@ use indicatif::ProgressBar;
 use tern_common::{ByteSize, OutOfMemory};
 use tern_gpu::GpuError;
 use tern_proto::sched as pb;
+use tern_terasort::external::sort_partition_to_store;
 use tern_terasort::tasks::{self, Location};
 use tern_terasort::RECORD_LEN;
 
@@ -109,10 +110,15 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
     for partition in (task.task_index..shuffle.partitions()).step_by(count as usize) {
         let path = tasks::store_part(&dir, partition as usize);
         let Some((address, sorter)) = &sorter else {
-            let records = tasks::read_partition(&shuffle, partition, limit).await?;
-            bytes += records.len() as u64;
-            let sorted = tasks::sort_partition(records).await?;
-            tasks::write_part(&client, &path, task.attempt, Bytes::from(sorted)).await?;
+            // Half the task's memory for the sort (the rest is the process's own): a partition
+            // larger than that is sorted in runs on scratch disk and merged.
+            let input = tasks::PartitionInput::open(&shuffle, partition).await?;
+            let memory = limit.map(|limit| limit / 2);
+            let scratch = std::env::temp_dir();
+            let sorted =
+                sort_partition_to_store(&client, input, memory, &scratch, &path, task.attempt, Default::default())
+                    .await?;
+            bytes += sorted.bytes;
             partitions += 1;
             continue;
         };
