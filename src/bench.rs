@@ -176,6 +176,27 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Shuffles on NVMe beside their peers: a reducer streaming an nvme partition against plain
+    /// O_DIRECT reads of the same bytes on the same disk, and terasort with the shuffle in nvme
+    /// against the same sort with it in dram, each run on a fresh cluster, in rotating order.
+    Tiers {
+        /// Bytes of the partition read (and of the peer's file).
+        #[arg(long, default_value = "1GiB")]
+        read_size: ByteSize,
+        /// Bytes each terasort sorts.
+        #[arg(long, default_value = "4GiB")]
+        size: ByteSize,
+        /// Runs of each measurement, in rotating order; median and range are reported.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Where the clusters' NVMe files and the peer's file go (a disk that takes O_DIRECT, not
+        /// tmpfs).
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// Print one JSON object instead of the table (progress lines still go to stderr).
+        #[arg(long)]
+        json: bool,
+    },
     /// TeraSort as a scheduler job (`tern job terasort`: teragen, map and reduce stages on
     /// executors) beside `tern terasort` (the same tasks in one process), same size, same cluster.
     JobTerasort {
@@ -366,6 +387,23 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 tern_bench::scheduler::print_job_terasort(&report);
             }
             anyhow::ensure!(report.job_valid && report.terasort_valid, "an output did not validate");
+            Ok(())
+        }
+        BenchCommand::Tiers { read_size, size, runs, dir, json } => {
+            let options = tern_bench::tiers::TiersBenchOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                read_bytes: read_size.bytes(),
+                sort_bytes: size.bytes(),
+                runs: runs.max(1),
+                dir,
+                progress: true,
+            };
+            let report = tern_bench::tiers::run(&options).await?;
+            if json {
+                outln!("{}", serde_json::to_string(&report)?);
+            } else {
+                tern_bench::tiers::print_table(&report);
+            }
             Ok(())
         }
         BenchCommand::Shuffle { maps, partitions, read_size, read_maps, runs, json } => {

@@ -12,3 +12,4 @@ pub mod shuffle;
 pub mod soak;
 pub mod spark;
 pub mod spark_small;
+pub mod tiers;
