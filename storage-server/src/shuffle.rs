@@ -62,6 +62,10 @@ const MAX_SEGMENT_BATCHES: u64 = FETCH_DONE as u64 - 1;
 /// Most freed shuffle ids remembered. A push to a remembered one is refused, so a straggling map
 /// task cannot re-create a segment of a freed shuffle, which nobody would ever free again.
 const FREED_REMEMBERED: usize = 1 << 16;
+/// NVMe spans one segment keeps read ahead (oldest dropped first), and bytes a server keeps read
+/// ahead in all: a reducer's next pages are on their way while it takes this one, within a bound.
+const READ_AHEAD_SPANS: usize = 8;
+const READ_AHEAD_BYTES: usize = 256 << 20;
 /// Times a push that finds both tiers full waits for a move under way, and how long each.
 const MOVE_WAITS: usize = 3;
 const MOVE_WAIT: Duration = Duration::from_secs(1);
@@ -212,6 +216,43 @@ struct Segment {
     /// Held across a push straight to NVMe (the state's lock cannot be held across I/O), so that
     /// those append to the open NVMe extent one at a time.
     nvme_appends: tokio::sync::Mutex<()>,
+    /// NVMe spans read ahead for the pages readers will ask for next, oldest first.
+    read_ahead: Mutex<VecDeque<ReadAhead>>,
+}
+
+/// An NVMe read under way (or done) that a fetch may take instead of reading itself.
+type SharedRead = futures::future::Shared<futures::future::BoxFuture<'static, Result<Bytes, String>>>;
+
+/// A span of an extent read ahead, its bytes counted against the server's bound until dropped.
+struct ReadAhead {
+    extent: Arc<NvmeExtent>,
+    start: u32,
+    end: u32,
+    read: SharedRead,
+    _counted: Counted,
+}
+
+/// Bytes counted in a shared total while this lives.
+struct Counted {
+    total: Arc<AtomicUsize>,
+    bytes: usize,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+impl Segment {
+    /// Takes the read-ahead of `extent` covering `[start, end)`, if there is one: where its span
+    /// starts, and the read.
+    fn take_read_ahead(&self, extent: &Arc<NvmeExtent>, start: u32, end: u32) -> Option<(u32, SharedRead)> {
+        let mut ahead = self.read_ahead.lock();
+        let at = ahead.iter().position(|r| Arc::ptr_eq(&r.extent, extent) && r.start <= start && end <= r.end)?;
+        let taken = ahead.remove(at)?;
+        Some((taken.start, taken.read.clone()))
+    }
 }
 
 impl Segment {
@@ -234,6 +275,7 @@ impl Segment {
                 bytes: 0,
             }),
             nvme_appends: tokio::sync::Mutex::new(()),
+            read_ahead: Mutex::new(VecDeque::new()),
         })
     }
 }
@@ -295,6 +337,8 @@ pub(crate) struct Shuffles {
     moved: Notify,
     dram_bytes: AtomicU64,
     nvme_bytes: AtomicU64,
+    /// Bytes of NVMe spans read ahead and not yet taken, bounded by [`READ_AHEAD_BYTES`].
+    read_ahead_bytes: Arc<AtomicUsize>,
 }
 
 fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
@@ -621,11 +665,21 @@ impl Shuffles {
     ) -> Result<FetchPage, ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
         let limit = request.max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
-        let (page, more) = segment.state.lock().page(id, request, limit)?;
-        drop(segment);
+        let (page, more, next) = {
+            let state = segment.state.lock();
+            let (page, more) = state.page(id, request, request.cursor, limit)?;
+            // The page a reader asks for next, as NVMe spans to read ahead.
+            let next = match more {
+                true => state.page(id, request, request.cursor + page.len() as u32, limit)?.0,
+                false => Vec::new(),
+            };
+            (page, more, disk_spans(&next))
+        };
+        self.read_ahead(&segment, next);
         // Read outside the segment's lock, so pushes to it do not wait; the views and extents
         // keep their slots intact meanwhile, even if the shuffle is freed.
-        let page = read_extents(id, page).await?;
+        let page = read_extents(id, &segment, page).await?;
+        drop(segment);
         let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
         let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
         // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
@@ -663,6 +717,33 @@ impl Shuffles {
             crc = crc32c::crc32c_combine(crc, check(header, &payload[start..])?, bytes.len());
         }
         Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc })
+    }
+
+    /// Starts reading `spans` of `segment` (the page a reader asks for next), unless already read
+    /// ahead or past the server's bound; they go on in the background.
+    fn read_ahead(&self, segment: &Segment, spans: Vec<(Arc<NvmeExtent>, u32, u32)>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        for (extent, start, end) in spans {
+            let mut ahead = segment.read_ahead.lock();
+            if ahead.iter().any(|r| Arc::ptr_eq(&r.extent, &extent) && r.start <= start && end <= r.end) {
+                continue;
+            }
+            let bytes = (end - start) as usize;
+            if self.read_ahead_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes > READ_AHEAD_BYTES {
+                self.read_ahead_bytes.fetch_sub(bytes, Ordering::Relaxed);
+                return;
+            }
+            let counted = Counted { total: self.read_ahead_bytes.clone(), bytes };
+            let reading = extent.clone();
+            let read = futures::FutureExt::shared(futures::FutureExt::boxed(async move {
+                reading.read(start, end - start).await.map_err(|e| e.to_string())
+            }));
+            runtime.spawn(read.clone());
+            ahead.push_back(ReadAhead { extent, start, end, read, _counted: counted });
+            if ahead.len() > READ_AHEAD_SPANS {
+                ahead.pop_front();
+            }
+        }
     }
 
     /// Drops every segment of the listed shuffles and remembers them as freed; returns how many
@@ -736,15 +817,10 @@ impl Shuffles {
     }
 }
 
-/// The page's batches as bytes: views as they are, and each NVMe extent the page covers read
-/// once (the range its batches span), all extents at once.
-async fn read_extents(
-    id: SegmentId,
-    page: Vec<(BatchHeader, Stored)>,
-) -> Result<Vec<(BatchHeader, Bytes)>, ShuffleError> {
-    // Per extent (by address), the range to read.
+/// Per NVMe extent (by address) a page touches, the span its batches cover.
+fn disk_spans(page: &[(BatchHeader, Stored)]) -> Vec<(Arc<NvmeExtent>, u32, u32)> {
     let mut spans: Vec<(Arc<NvmeExtent>, u32, u32)> = Vec::new();
-    for (_, stored) in &page {
+    for (_, stored) in page {
         if let Stored::Disk(extent, offset, len) = stored {
             match spans.iter_mut().find(|(e, _, _)| Arc::ptr_eq(e, extent)) {
                 Some((_, start, end)) => {
@@ -755,11 +831,31 @@ async fn read_extents(
             }
         }
     }
-    let reads = spans.iter().map(|(extent, start, end)| extent.read(*start, end - start));
-    let read = futures::future::try_join_all(reads).await.map_err(|e| ShuffleError::Io {
+    spans
+}
+
+/// The page's batches as bytes: views as they are, and each NVMe extent the page covers read
+/// once (the span its batches cover), all at once, or taken from what was read ahead.
+async fn read_extents(
+    id: SegmentId,
+    segment: &Segment,
+    page: Vec<(BatchHeader, Stored)>,
+) -> Result<Vec<(BatchHeader, Bytes)>, ShuffleError> {
+    let spans = disk_spans(&page);
+    let reads = spans.iter().map(|(extent, start, end)| {
+        let ahead = segment.take_read_ahead(extent, *start, *end);
+        async move {
+            match ahead {
+                // The span read ahead starts at or before this one.
+                Some((from, read)) => read.await.map(|bytes| bytes.slice((start - from) as usize..)),
+                None => extent.read(*start, end - start).await.map_err(|e| e.to_string()),
+            }
+        }
+    });
+    let read = futures::future::try_join_all(reads).await.map_err(|error| ShuffleError::Io {
         segment: id,
         op: "fetch",
-        error: e.to_string(),
+        error,
     })?;
     Ok(page
         .into_iter()
@@ -833,9 +929,10 @@ impl SegmentState {
         &self,
         id: SegmentId,
         request: &FetchRequest,
+        cursor: u32,
         limit: usize,
     ) -> Result<(Vec<(BatchHeader, Stored)>, bool), ShuffleError> {
-        let mut skip = u64::from(request.cursor);
+        let mut skip = u64::from(cursor);
         let mut page = Vec::new();
         let mut size = 0;
         for (&(map, attempt), batches) in &self.index {
@@ -866,8 +963,8 @@ impl SegmentState {
             }
         }
         if skip > 0 {
-            let held = u64::from(request.cursor) - skip;
-            return Err(ShuffleError::CursorPastEnd { segment: id, cursor: request.cursor, held });
+            let held = u64::from(cursor) - skip;
+            return Err(ShuffleError::CursorPastEnd { segment: id, cursor, held });
         }
         Ok((page, false))
     }

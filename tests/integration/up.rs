@@ -115,12 +115,32 @@ async fn nvme_tiers(addr: &str) -> Vec<Option<u64>> {
     live.map(|s| s.tiers.iter().find(|t| t.tier == "nvme").map(|t| t.capacity_bytes)).collect()
 }
 
-fn interrupt(mut up: std::process::Child) {
+/// `tern up` under test: interrupted (Ctrl-C) when dropped, so a failed assertion leaves no
+/// cluster behind.
+struct Up(Option<std::process::Child>);
+
+impl Up {
+    /// Ctrl-C, and `tern up` exits 0.
+    fn interrupt(mut self) {
+        let status = stop(self.0.take().expect("running"));
+        assert!(status.success(), "tern up exited with {status}");
+    }
+}
+
+fn stop(mut up: std::process::Child) -> std::process::ExitStatus {
     // SAFETY: kill(2) on our own child.
     unsafe {
         libc::kill(up.id() as libc::pid_t, libc::SIGINT);
     }
-    assert!(up.wait().unwrap().success());
+    up.wait().unwrap()
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Some(up) = self.0.take() {
+            stop(up);
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,23 +149,24 @@ async fn up_gives_storage_servers_an_nvme_tier_unless_told_not_to() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let port = tern_local::free_port_range(14).unwrap();
     let (up, banner) = start_up(dir.path(), port, &[]);
+    let up = Up(Some(up));
     let tiers = nvme_tiers(&format!("127.0.0.1:{port}")).await;
     assert_eq!(tiers.len(), 2, "{banner}");
     let size = tiers[0].expect("an NVMe tier by default");
     assert!((64 << 20..=2 << 30).contains(&size) && size % (1 << 20) == 0, "{size} bytes");
     assert_eq!(tiers, vec![Some(size); 2]);
-    interrupt(up);
+    up.interrupt();
     // Started again on the same directory, the tiers keep their files and size.
     let port = tern_local::free_port_range(14).unwrap();
-    let (up, _) = start_up(dir.path(), port, &[]);
+    let up = Up(Some(start_up(dir.path(), port, &[]).0));
     assert_eq!(nvme_tiers(&format!("127.0.0.1:{port}")).await, vec![Some(size); 2]);
-    interrupt(up);
+    up.interrupt();
 
     let other = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let port = tern_local::free_port_range(14).unwrap();
-    let (up, _) = start_up(other.path(), port, &["--nvme-size", "off"]);
+    let up = Up(Some(start_up(other.path(), port, &["--nvme-size", "off"]).0));
     assert_eq!(nvme_tiers(&format!("127.0.0.1:{port}")).await, vec![None, None]);
-    interrupt(up);
+    up.interrupt();
     let out = Command::new(common::TERN).args(["up", "--nvme-size", "lots"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("auto, or off"), "{}", String::from_utf8_lossy(&out.stderr));

@@ -85,10 +85,27 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
         assert_eq!(fetch_all(&store, id, 2, max_bytes).await, want, "pages of {max_bytes} bytes");
     }
 
-    // Freeing gives both tiers their slots back.
+    // A page read from NVMe starts reading the next one ahead.
+    let request = FetchRequest { cursor: 0, max_bytes: 1, maps: vec![(0, 0), (1, 0)] };
+    store.fetch(id, &request).await.unwrap();
+    let ahead = store.shuffles().read_ahead_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(ahead, BATCH + 16, "the second page's batch");
+    let request = FetchRequest { cursor: 1, ..request };
+    let page = store.fetch(id, &request).await.unwrap();
+    assert_eq!(page.payload.len(), BATCH + 16);
+    assert_eq!(&page.payload[16..], &data(0, 2)[..], "map 0's second batch, taken from the read-ahead");
+
+    // Freeing gives both tiers their slots back, once the reads ahead still under way are done.
     assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
-    assert_eq!(blocks(&store), (0, 0));
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
+    for _ in 0..100 {
+        if blocks(&store) == (0, 0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(blocks(&store), (0, 0));
+    assert_eq!(store.shuffles().read_ahead_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
 #[tokio::test]
