@@ -148,17 +148,18 @@ async fn read_rates(
     Ok((reads, direct, direct_qd1))
 }
 
-/// Waits until the storage server holds at most one DRAM slot of the shuffle (the one still
-/// open) and the rest on NVMe.
+/// Waits until the storage server holds at most one DRAM slot per segment of the shuffle (the
+/// one still open: a partition continues in a new segment every 256 MiB) and the rest on NVMe.
 async fn wait_until_moved(client: &Client, bytes: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + MOVE_DEADLINE;
+    let open_slots = (bytes.div_ceil(256 << 20) + 1) << 20;
     loop {
         let status = client.status().await?;
         let shuffle = |tier: &str| -> u64 {
             let tiers = status.servers.iter().flat_map(|s| s.tiers.iter());
             tiers.filter(|t| t.tier == tier).map(|t| t.shuffle_bytes).sum()
         };
-        if shuffle("dram") <= 1 << 20 && shuffle("nvme") + shuffle("dram") >= bytes {
+        if shuffle("dram") <= open_slots && shuffle("nvme") + shuffle("dram") >= bytes {
             return Ok(());
         }
         anyhow::ensure!(
