@@ -1273,7 +1273,7 @@ impl FileTarget {
 }
 
 /// A zeroed byte buffer aligned to 4 KiB, as O_DIRECT needs.
-struct AlignedVec {
+pub(crate) struct AlignedVec {
     raw: Vec<u8>,
     start: usize,
     len: usize,
@@ -1282,13 +1282,13 @@ struct AlignedVec {
 impl AlignedVec {
     const ALIGN: usize = 4096;
 
-    fn new(len: usize) -> AlignedVec {
+    pub(crate) fn new(len: usize) -> AlignedVec {
         let raw = vec![0u8; len + AlignedVec::ALIGN];
         let start = raw.as_ptr().align_offset(AlignedVec::ALIGN);
         AlignedVec { raw, start, len }
     }
 
-    fn as_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut(&mut self) -> &mut [u8] {
         &mut self.raw[self.start..self.start + self.len]
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use serde::Serialize;
-use tern_client::{Client, ShuffleOptions};
+use tern_client::{Client, Shuffle, ShuffleOptions};
 use tern_common::median;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{CommitMapRequest, LocateShuffleRequest, RegisterShuffleRequest, StatRequest};
@@ -165,17 +165,7 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
     let shuffle =
         client.register_shuffle(job.id(), 1, ShuffleOptions { maps: options.read_maps, ..Default::default() }).await?;
     let per_map = options.read_bytes / u64::from(options.read_maps.max(1));
-    let piece = vec![0x5au8; 64 << 10];
-    for map in 0..options.read_maps {
-        let mut writer = shuffle.writer(map, 0);
-        let mut left = per_map;
-        while left > 0 {
-            let n = left.min(piece.len() as u64) as usize;
-            writer.write(0, &piece[..n]).await?;
-            left -= n as u64;
-        }
-        writer.commit().await?;
-    }
+    push_partition(&shuffle, options.read_maps, per_map).await?;
     let file = format!("{}/peer-file", job.root());
     client.put(&file, Bytes::from(vec![0x5au8; (per_map * u64::from(options.read_maps)) as usize])).await?;
     let (mut file_rates, mut partition_rates) = (Vec::new(), Vec::new());
@@ -187,13 +177,7 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
             bytes += chunk.len() as u64;
         }
         file_rates.push(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
-        let started = Instant::now();
-        let mut reader = shuffle.reader(0..1, 0..u32::MAX).await?;
-        let mut bytes = 0u64;
-        while let Some(batch) = reader.next_batch().await? {
-            bytes += batch.data.len() as u64;
-        }
-        partition_rates.push(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
+        partition_rates.push(read_partition_gb_s(&shuffle).await?);
     }
     job.end().await.context("ending the bench job")?;
     let (file_read_gb_s, partition_read_gb_s) = (median(file_rates), median(partition_rates));
@@ -213,6 +197,33 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
         partition_read_gb_s,
         partition_read_ratio_to_file: partition_read_gb_s / file_read_gb_s,
     })
+}
+
+/// `maps` maps each push `per_map` bytes into partition 0 of `shuffle`, and commit.
+pub(crate) async fn push_partition(shuffle: &Shuffle, maps: u32, per_map: u64) -> anyhow::Result<()> {
+    let piece: Vec<u8> = (0..64u32 << 10).map(|i| (i * 31 + 7) as u8).collect();
+    for map in 0..maps {
+        let mut writer = shuffle.writer(map, 0);
+        let mut left = per_map;
+        while left > 0 {
+            let n = left.min(piece.len() as u64) as usize;
+            writer.write(0, &piece[..n]).await?;
+            left -= n as u64;
+        }
+        writer.commit().await?;
+    }
+    Ok(())
+}
+
+/// A reducer's read of partition 0 of `shuffle`, whole: GB/s.
+pub(crate) async fn read_partition_gb_s(shuffle: &Shuffle) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut reader = shuffle.reader(0..1, 0..u32::MAX).await?;
+    let mut bytes = 0u64;
+    while let Some(batch) = reader.next_batch().await? {
+        bytes += batch.data.len() as u64;
+    }
+    Ok(bytes as f64 / started.elapsed().as_secs_f64() / 1e9)
 }
 
 pub fn print_table(r: &ShuffleBenchReport) {

@@ -19,6 +19,9 @@ use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
 
+use crate::io::AlignedVec;
+use crate::shuffle::{push_partition, read_partition_gb_s};
+
 /// Reads in flight on the peer's parallel reader: the reducer's fetch streams at once.
 const PEER_READS_IN_FLIGHT: usize = 16;
 /// One O_DIRECT read of the peer.
@@ -106,32 +109,14 @@ async fn read_rates(
     let options_nvme = ShuffleOptions { maps, storage_class: "nvme".into(), ..Default::default() };
     let shuffle = client.register_shuffle(job.id(), 1, options_nvme).await?;
     let per_map = options.read_bytes / u64::from(maps);
-    let piece: Vec<u8> = (0..64 << 10).map(|i: u32| (i * 31 + 7) as u8).collect();
-    for map in 0..maps {
-        let mut writer = shuffle.writer(map, 0);
-        let mut left = per_map;
-        while left > 0 {
-            let n = left.min(piece.len() as u64) as usize;
-            writer.write(0, &piece[..n]).await?;
-            left -= n as u64;
-        }
-        writer.commit().await?;
-    }
+    push_partition(&shuffle, maps, per_map).await?;
     wait_until_moved(&client, per_map * u64::from(maps)).await?;
     let peer = PeerFile::write(&options.dir, per_map * u64::from(maps))?;
     let (mut reads, mut direct, mut direct_qd1) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..options.runs {
         for which in rotation(&[0, 1, 2], run) {
             match which {
-                0 => {
-                    let started = Instant::now();
-                    let mut reader = shuffle.reader(0..1, 0..u32::MAX).await?;
-                    let mut bytes = 0u64;
-                    while let Some(batch) = reader.next_batch().await? {
-                        bytes += batch.data.len() as u64;
-                    }
-                    reads.push(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
-                }
+                0 => reads.push(read_partition_gb_s(&shuffle).await?),
                 1 => direct.push(peer.read(PEER_READS_IN_FLIGHT).await?),
                 _ => direct_qd1.push(peer.read(1).await?),
             }
@@ -209,7 +194,7 @@ impl PeerFile {
                     .map(|first| {
                         let file = &file;
                         scope.spawn(move || -> anyhow::Result<()> {
-                            let mut buf = AlignedBuf::new(PEER_READ_BYTES);
+                            let mut buf = AlignedVec::new(PEER_READ_BYTES);
                             for chunk in (first..chunks).step_by(in_flight) {
                                 file.read_exact_at(buf.as_mut(), chunk * PEER_READ_BYTES as u64)?;
                             }
@@ -225,25 +210,6 @@ impl PeerFile {
             Ok(bytes as f64 / started.elapsed().as_secs_f64() / 1e9)
         })
         .await?
-    }
-}
-
-/// A buffer aligned to 4 KiB, as O_DIRECT needs.
-struct AlignedBuf {
-    raw: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> AlignedBuf {
-        let raw = vec![0u8; len + 4096];
-        let start = raw.as_ptr().align_offset(4096);
-        AlignedBuf { raw, start, len }
-    }
-
-    fn as_mut(&mut self) -> &mut [u8] {
-        &mut self.raw[self.start..self.start + self.len]
     }
 }
 
