@@ -274,8 +274,8 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         pairs: usize,
         /// memory: Spark's local dir on a tmpfs (/dev/shm), Tern's shuffle in DRAM; disk: Spark's
-        /// local dir in --scratch, Tern's shuffle still in DRAM (it has no disk-backed shuffle:
-        /// the output says so); both.
+        /// local dir in --scratch, Tern's shuffle still in DRAM (this bench does not yet give it an
+        /// NVMe tier and the nvme class: the output says so); both.
         #[arg(long, default_value = "both")]
         storage: tern_bench::spark::StorageChoice,
         /// Print one JSON object instead of the table.

@@ -5,9 +5,8 @@
 //! - `memory`: Spark's local dir (spark.local.dir and SPARK_LOCAL_DIRS, where the built-in
 //!   shuffle writes) on a tmpfs under /dev/shm; Tern's shuffle in its DRAM tier.
 //! - `disk`: Spark's local dir in the scratch directory (a disk); Tern's shuffle still in DRAM.
-//!   Tern has no disk-backed shuffle today (segments take their slots from the DRAM tier; a
-//!   shuffle's storage class is accepted but does not move it to NVMe), so this is "built-in on
-//!   disk vs Tern in DRAM", and the output says so: not a like-for-like comparison.
+//!   This bench does not yet give Tern's cluster NVMe tiers and the `nvme` shuffle class, so this
+//!   is "built-in on disk vs Tern in DRAM", and the output says so: not a like-for-like comparison.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -83,7 +82,7 @@ impl Storage {
         match self {
             Storage::Memory => "built-in on tmpfs (/dev/shm) vs Tern in DRAM",
             Storage::Disk => {
-                "built-in on disk (scratch dir) vs Tern in DRAM (Tern has no disk-backed shuffle: not like for like)"
+                "built-in on disk (scratch dir) vs Tern in DRAM (Tern's NVMe shuffle not used here: not like for like)"
             }
         }
     }
@@ -241,7 +240,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
             Storage::Memory => tempfile::Builder::new().prefix("tern-spark-local-").tempdir_in("/dev/shm")?,
             Storage::Disk => tempfile::Builder::new().prefix("tern-spark-local-").tempdir_in(work.path())?,
         };
-        // Tern's shuffle, in DRAM for both storages (it has no disk-backed one): room for it
+        // Tern's shuffle, in DRAM for both storages (its NVMe shuffle is not used here): room for it
         // (compressed, well under the input) on two servers.
         let room = format!("{}MiB", ((options.size_bytes >> 20) + 256).max(512));
         let cluster = EmbeddedCluster::start(&options.tern, 2, &room).await?;
