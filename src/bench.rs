@@ -298,11 +298,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 scratch,
             };
             let report = tern_bench::core::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::core::print_table(&report);
-            }
+            show(json, &report, tern_bench::core::print_table)?;
             Ok(())
         }
         BenchCommand::Soak {
@@ -333,11 +329,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 progress: true,
             };
             let report = tern_bench::soak::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::soak::print_table(&report);
-            }
+            show(json, &report, tern_bench::soak::print_table)?;
             anyhow::ensure!(
                 report.unexpected_errors == 0,
                 "{} unexpected errors, e.g. {:?}",
@@ -363,11 +355,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 progress: !json,
             };
             let report = tern_bench::scheduler::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::scheduler::print_table(&report);
-            }
+            show(json, &report, tern_bench::scheduler::print_table)?;
             Ok(())
         }
         BenchCommand::JobTerasort { size, tasks, executors, runs, json } => {
@@ -381,11 +369,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 progress: !json,
             };
             let report = tern_bench::scheduler::job_terasort(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::scheduler::print_job_terasort(&report);
-            }
+            show(json, &report, tern_bench::scheduler::print_job_terasort)?;
             anyhow::ensure!(report.job_valid && report.terasort_valid, "an output did not validate");
             Ok(())
         }
@@ -399,11 +383,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 progress: true,
             };
             let report = tern_bench::tiers::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::tiers::print_table(&report);
-            }
+            show(json, &report, tern_bench::tiers::print_table)?;
             Ok(())
         }
         BenchCommand::Shuffle { maps, partitions, read_size, read_maps, runs, json } => {
@@ -416,11 +396,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 runs,
             };
             let report = tern_bench::shuffle::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::shuffle::print_table(&report);
-            }
+            show(json, &report, tern_bench::shuffle::print_table)?;
             Ok(())
         }
         BenchCommand::Io {
@@ -495,11 +471,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 quiet: json,
             };
             let report = tern_bench::spark_small::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::spark_small::print_table(&report);
-            }
+            show(json, &report, tern_bench::spark_small::print_table)?;
             Ok(())
         }
         BenchCommand::SparkTerasort {
@@ -529,13 +501,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 quiet: json,
             };
             let report = tern_bench::spark::run(&options).await?;
-            if json {
-                outln!("{}", serde_json::to_string(&report)?);
-            } else {
-                tern_bench::spark::print_table(&report);
-            }
+            show(json, &report, tern_bench::spark::print_table)?;
             anyhow::ensure!(report.all_valid, "a Spark TeraSort output is invalid");
             Ok(())
         }
     }
+}
+
+/// Prints `report` as one JSON object with `--json`, else as its table.
+fn show<R: serde::Serialize>(json: bool, report: &R, table: impl Fn(&R)) -> anyhow::Result<()> {
+    if json {
+        outln!("{}", serde_json::to_string(report)?);
+    } else {
+        table(report);
+    }
+    Ok(())
 }

@@ -668,8 +668,10 @@ impl Shuffles {
         let (page, more, next) = {
             let state = segment.state.lock();
             let (page, more) = state.page(id, request, request.cursor, limit)?;
-            // The page a reader asks for next, as NVMe spans to read ahead.
-            let next = match more {
+            // A reader of NVMe: the page it asks for next, as NVMe spans to read ahead. (Readers
+            // of DRAM alone pay nothing for it.)
+            let from_disk = page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)));
+            let next = match more && from_disk {
                 true => state.page(id, request, request.cursor + page.len() as u32, limit)?.0,
                 false => Vec::new(),
             };
