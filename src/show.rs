@@ -100,14 +100,16 @@ pub fn status_json(status: &StatusResponse) -> Value {
         "directories": status.directories,
         "servers": status.servers.iter().map(server_json).collect::<Vec<_>>(),
         "jobs": status.jobs.iter().map(job_json).collect::<Vec<_>>(),
-        // Limits of 0 are unlimited.
+        // Limits of 0 are unlimited; bytes are files' blocks and shuffles together.
         "tenants": status.tenants.iter().map(|t| json!({
             "tenant": t.tenant,
             "jobs": t.jobs,
             "max_jobs": t.max_jobs,
             "dram_bytes": t.dram_bytes,
+            "dram_shuffle_bytes": t.dram_shuffle_bytes,
             "dram_limit_bytes": t.dram_limit_bytes,
             "nvme_bytes": t.nvme_bytes,
+            "nvme_shuffle_bytes": t.nvme_shuffle_bytes,
             "nvme_limit_bytes": t.nvme_limit_bytes,
         })).collect::<Vec<_>>(),
     })

@@ -85,23 +85,24 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
     }
     if !status.tenants.is_empty() {
-        let of = |used: u64, limit: u64| match limit {
-            0 => format!("{}/-", show::size(used)),
-            limit => format!("{}/{}", show::size(used), show::size(limit)),
+        // Used (of which shuffles) / limit.
+        let of = |used: u64, shuffles: u64, limit: u64| {
+            let limit = if limit == 0 { "-".to_string() } else { show::size(limit) };
+            format!("{} ({})/{limit}", show::size(used), show::size(shuffles))
         };
         outln!();
-        outln!("{:<24} {:>10} {:>22} {:>22}", "TENANT", "JOBS", "DRAM", "NVME");
+        outln!("{:<24} {:>10} {:>30} {:>30}", "TENANT", "JOBS", "DRAM (SHUFFLES)/LIMIT", "NVME (SHUFFLES)/LIMIT");
         for t in &status.tenants {
             let jobs = match t.max_jobs {
                 0 => format!("{}/-", t.jobs),
                 max => format!("{}/{max}", t.jobs),
             };
             outln!(
-                "{:<24} {:>10} {:>22} {:>22}",
+                "{:<24} {:>10} {:>30} {:>30}",
                 t.tenant,
                 jobs,
-                of(t.dram_bytes, t.dram_limit_bytes),
-                of(t.nvme_bytes, t.nvme_limit_bytes)
+                of(t.dram_bytes, t.dram_shuffle_bytes, t.dram_limit_bytes),
+                of(t.nvme_bytes, t.nvme_shuffle_bytes, t.nvme_limit_bytes)
             );
         }
     }

@@ -22,11 +22,17 @@ pub async fn storage_registered(client: &Client, addr: SocketAddr) -> anyhow::Re
     let addr = addr.to_string();
     // A metadata server that kept its state across restarts may also list an earlier, dead
     // registration from the same address.
-    let listed: Vec<bool> = status.servers.iter().filter(|server| server.address == addr).map(|s| s.alive).collect();
-    match (listed.contains(&true), listed.is_empty()) {
+    // Ready once its inventory is reconciled: until then it takes no placements.
+    let listed: Vec<&str> = status
+        .servers
+        .iter()
+        .filter(|server| server.address == addr && server.alive)
+        .map(|s| s.state.as_str())
+        .collect();
+    match (listed.iter().any(|&state| state != "registering"), listed.is_empty()) {
         (true, _) => Ok(()),
-        (false, false) => Err(anyhow!("registered but not alive")),
-        (false, true) => Err(anyhow!("not registered")),
+        (false, false) => Err(anyhow!("registered, its inventory not yet reconciled")),
+        (false, true) => Err(anyhow!("not registered, or not alive")),
     }
 }
 

@@ -72,9 +72,10 @@ pub struct Config {
 pub struct TenantQuota {
     /// Most jobs of the tenant registered at once.
     pub max_jobs: u64,
-    /// Most bytes of DRAM blocks (whole blocks allocated) held by the tenant's jobs' files.
+    /// Most bytes of DRAM held by the tenant's jobs: their files' blocks (whole blocks allocated)
+    /// and their shuffles' bytes.
     pub dram_bytes: ByteSize,
-    /// Most bytes of NVMe blocks held by the tenant's jobs' files.
+    /// Most bytes of NVMe held by the tenant's jobs' files and shuffles.
     pub nvme_bytes: ByteSize,
 }
 

@@ -35,6 +35,8 @@ struct Job {
     tenant: String,
     /// Blocks allocated to the job's files per tier (DRAM, NVMe), for the tenant's quotas.
     blocks: [u64; 2],
+    /// Bytes its shuffles hold per tier, as the storage servers last reported them.
+    shuffle_bytes: [u64; 2],
 }
 
 #[derive(Debug)]
@@ -117,6 +119,7 @@ impl Jobs {
             serial,
             tenant: tenant.to_string(),
             blocks: [0; 2],
+            shuffle_bytes: [0; 2],
         };
         self.jobs.insert(name.clone(), job);
         Ok((name, lease, serial))
@@ -169,26 +172,64 @@ impl Jobs {
         let Some(job) = self.jobs.get(name) else {
             return Ok(());
         };
-        let quota = self.quota(&job.tenant);
+        match self.over_quota(&job.tenant, tier, count * self.block_size) {
+            Some(why) => Err(Refusal::new(ErrorKind::QuotaExceeded, format!("{why} (job {name})"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Why `more` bytes of `tier` would take `tenant` past its quota of the tier; None when they
+    /// would not (or it has none).
+    fn over_quota(&self, tenant: &str, tier: Tier, more: u64) -> Option<String> {
+        let quota = self.quota(tenant);
         let limit = match tier {
             Tier::Dram => quota.dram_bytes.bytes(),
             Tier::Nvme => quota.nvme_bytes.bytes(),
         };
-        if limit == 0 {
-            return Ok(());
+        let (files, shuffles) = self.tenant_bytes(tenant);
+        let used = files[tier_index(tier)] + shuffles[tier_index(tier)];
+        (limit > 0 && used + more > limit).then(|| {
+            let asked = if more > 0 { format!(", {more} more asked") } else { String::new() };
+            format!(
+                "tenant {tenant}: {tier} bytes quota exceeded: limit {limit} bytes, {used} in use ({} of shuffles){asked}",
+                shuffles[tier_index(tier)]
+            )
+        })
+    }
+
+    /// Ok when job `name`'s tenant is below its quota of `tier`: new shuffle segments may be
+    /// placed for it.
+    pub fn check_below_quota(&self, name: &str, tier: Tier) -> Result<(), Refusal> {
+        match self.jobs.get(name).and_then(|job| self.over_quota(&job.tenant, tier, 1)) {
+            Some(why) => Err(Refusal::new(ErrorKind::QuotaExceeded, format!("{why} (job {name})"))),
+            None => Ok(()),
         }
-        let used = self.tenant_blocks(&job.tenant)[tier_index(tier)] * self.block_size;
-        let wanted = count * self.block_size;
-        if used + wanted > limit {
-            return Err(Refusal::new(
-                ErrorKind::QuotaExceeded,
-                format!(
-                    "tenant {}: {tier} bytes quota exceeded: limit {limit} bytes, {used} in use, {wanted} more asked                      (job {name})",
-                    job.tenant
-                ),
-            ));
+    }
+
+    /// Every tenant at (or past) its quota of a tier, with why, per tier (DRAM, NVMe).
+    pub fn at_quota(&self) -> BTreeMap<&str, [Option<String>; 2]> {
+        self.quotas
+            .keys()
+            .filter_map(|tenant| {
+                let why = [Tier::Dram, Tier::Nvme].map(|tier| self.over_quota(tenant, tier, 1));
+                why.iter().any(Option::is_some).then_some((tenant.as_str(), why))
+            })
+            .collect()
+    }
+
+    /// The registered jobs of a tenant.
+    pub fn of_tenant<'a>(&'a self, tenant: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.jobs.iter().filter(move |(_, job)| job.tenant == tenant).map(|(name, _)| name.as_str())
+    }
+
+    /// Adds (or with `add` false, takes away) a report of bytes a job's shuffles hold, per tier.
+    pub fn count_shuffle_bytes(&mut self, name: &str, bytes: [u64; 2], add: bool) {
+        let Some(job) = self.jobs.get_mut(name) else {
+            return;
+        };
+        for (held, b) in job.shuffle_bytes.iter_mut().zip(bytes) {
+            *held = if add { held.saturating_add(b) } else { held.saturating_sub(b) };
         }
-        Ok(())
     }
 
     /// Counts blocks allocated to (`delta` > 0) or released from a job's files, by their ids' tier.
@@ -202,13 +243,16 @@ impl Jobs {
         }
     }
 
-    fn tenant_blocks(&self, tenant: &str) -> [u64; 2] {
-        let mut sum = [0u64; 2];
+    /// Bytes a tenant's jobs hold per tier: in their files' blocks, and in their shuffles.
+    fn tenant_bytes(&self, tenant: &str) -> ([u64; 2], [u64; 2]) {
+        let (mut files, mut shuffles) = ([0u64; 2], [0u64; 2]);
         for job in self.jobs.values().filter(|job| job.tenant == tenant) {
-            sum[0] += job.blocks[0];
-            sum[1] += job.blocks[1];
+            for tier in 0..2 {
+                files[tier] += job.blocks[tier] * self.block_size;
+                shuffles[tier] += job.shuffle_bytes[tier];
+            }
         }
-        sum
+        (files, shuffles)
     }
 
     /// Every tenant with a live job or a quota: jobs and bytes in use against the limits.
@@ -221,15 +265,17 @@ impl Jobs {
             .into_iter()
             .map(|tenant| {
                 let quota = self.quota(tenant);
-                let blocks = self.tenant_blocks(tenant);
+                let (files, shuffles) = self.tenant_bytes(tenant);
                 TenantStatus {
                     tenant: tenant.to_string(),
                     jobs: self.jobs.values().filter(|job| job.tenant == tenant).count() as u64,
                     max_jobs: quota.max_jobs,
-                    dram_bytes: blocks[0] * self.block_size,
+                    dram_bytes: files[0] + shuffles[0],
                     dram_limit_bytes: quota.dram_bytes.bytes(),
-                    nvme_bytes: blocks[1] * self.block_size,
+                    nvme_bytes: files[1] + shuffles[1],
                     nvme_limit_bytes: quota.nvme_bytes.bytes(),
+                    dram_shuffle_bytes: shuffles[0],
+                    nvme_shuffle_bytes: shuffles[1],
                 }
             })
             .collect()

@@ -424,7 +424,7 @@ mod tests {
         assert_eq!(ErrorKind::of_status(&refused), ErrorKind::NotFound);
 
         // The unused block and the shuffle are freed through the next heartbeat.
-        let beat = HeartbeatRequest { server_id: 1, tiers: Vec::new(), freed_through_seq: 0 };
+        let beat = HeartbeatRequest { server_id: 1, ..Default::default() };
         let reply = registry.heartbeat(beat).await.unwrap().into_inner();
         assert_eq!(
             (reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq),

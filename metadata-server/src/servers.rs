@@ -142,10 +142,12 @@ impl Server {
         self.placeable() && self.mode == ServerMode::Active
     }
 
-    /// "alive", "dead", "cordoned" or "draining".
+    /// "alive", "registering" (alive, its inventory not yet reconciled: it takes no
+    /// placements), "dead", "cordoned" or "draining".
     fn state_name(&self) -> &'static str {
         match (self.readable(), self.mode) {
             (false, _) => "dead",
+            (true, ServerMode::Active) if !self.reconciled => "registering",
             (true, ServerMode::Active) => "alive",
             (true, ServerMode::Cordoned) => "cordoned",
             (true, ServerMode::Draining) => "draining",

@@ -390,6 +390,16 @@ impl Shuffles {
         self.shuffle(shuffle_id).map(drop)
     }
 
+    /// The job a registered shuffle belongs to.
+    pub fn job_of(&self, shuffle_id: ShuffleId) -> Option<&str> {
+        self.shuffles.get(&shuffle_id).map(|shuffle| shuffle.job.as_str())
+    }
+
+    /// The shuffles of a job, in order.
+    pub fn of_job(&self, job: &str) -> impl Iterator<Item = ShuffleId> + '_ {
+        self.by_job.get(job).into_iter().flatten().copied()
+    }
+
     /// The registered shuffles' ids, in order.
     pub fn ids(&self) -> Vec<ShuffleId> {
         self.shuffles.keys().copied().collect()

@@ -52,6 +52,9 @@ pub struct State {
     key: TokenKey,
     /// Changes committed since the caller last took them, for the write-ahead log.
     journal: Vec<LogRecord>,
+    /// Each storage server's last report of its shuffles' bytes, by job (not logged: the next
+    /// heartbeats report them again): see `quota`.
+    shuffle_usage: HashMap<ServerId, quota::UsageByJob>,
 }
 
 impl State {
@@ -79,6 +82,7 @@ impl State {
             // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
             shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
             journal: Vec::new(),
+            shuffle_usage: HashMap::new(),
         }
     }
 
@@ -414,6 +418,7 @@ impl State {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
         self.jobs.check_live(&req.job_id, now).context(&context)?;
         let registration = self.shuffles.check_register(&req, self.block_size).context(&context)?;
+        self.check_shuffle_quota(&req.job_id, registration.storage_class).context(&context)?;
         let loads = self.servers.segment_loads(registration.storage_class);
         let firsts =
             planner::place_segments(&loads, req.partitions as usize, &[], registration.replicas).context(&context)?;
@@ -437,6 +442,9 @@ impl State {
         let shuffle_id = ShuffleId(req.shuffle_id);
         // Many writers report the same full segment at once: all get the one successor.
         if let Some(next) = self.shuffles.check_advance(&req).context(&context)? {
+            if let Some(job) = self.shuffles.job_of(shuffle_id) {
+                self.check_shuffle_quota(job, next.storage_class).context(&context)?;
+            }
             let loads = self.servers.segment_loads(next.storage_class);
             let copies = planner::place_segments(&loads, 1, &next.avoid, next.replicas).context(&context)?[0];
             let change = Change::AddSegment(segment_record(shuffle_id, req.partition, copies));
@@ -573,7 +581,14 @@ impl State {
     }
 
     pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Instant) -> Result<HeartbeatResponse, Status> {
-        Ok(self.servers.heartbeat(ServerId(req.server_id), req.tiers, req.freed_through_seq, now))
+        let server_id = ServerId(req.server_id);
+        let mut response = self.servers.heartbeat(server_id, req.tiers, req.freed_through_seq, now);
+        if !response.reregister {
+            let context = format!("heartbeat of storage server {server_id}");
+            self.take_shuffle_usage(server_id, &req.shuffles).context(context)?;
+            self.add_quota_stops(&mut response);
+        }
+        Ok(response)
     }
 
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
@@ -696,6 +711,7 @@ impl State {
     /// shuffle partitions whose last segment was there get a new one on a live server, so map
     /// attempts can push again (readers see the lost segments as lost).
     fn lose_server(&mut self, server_id: ServerId, now: Instant) {
+        self.forget_shuffle_usage(server_id);
         if self.servers.is_alive(server_id) {
             // Alive, but restarted: what it held in DRAM is gone, though the server is not.
             for lost in self.shuffles.lost_on(server_id) {
@@ -788,6 +804,7 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
 
 mod commit;
 mod durable;
+mod quota;
 
 #[cfg(test)]
 mod shuffle_tests;

@@ -147,7 +147,9 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
             ..Default::default()
         }
         .encode_to_vec(),
-        20 => HeartbeatRequest { server_id: small, tiers: Vec::new(), freed_through_seq: rng.count() }.encode_to_vec(),
+        20 => {
+            HeartbeatRequest { server_id: small, freed_through_seq: rng.count(), ..Default::default() }.encode_to_vec()
+        }
         _ => ReportInventoryRequest {
             server_id: small,
             block_ids: lengths,

@@ -213,8 +213,13 @@ impl Session {
         Session { server_id, freed_through_seq: 0 }
     }
 
-    fn request(&self, tiers: Vec<TierUsage>) -> HeartbeatRequest {
-        HeartbeatRequest { server_id: self.server_id, tiers, freed_through_seq: self.freed_through_seq }
+    fn request(&self, store: &BlockStore) -> HeartbeatRequest {
+        HeartbeatRequest {
+            server_id: self.server_id,
+            tiers: tiers(store),
+            freed_through_seq: self.freed_through_seq,
+            shuffles: store.shuffle_usage(),
+        }
     }
 
     /// Carries out a heartbeat reply: frees first, and only then records them as done.
@@ -227,6 +232,7 @@ impl Session {
         }
         let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from(id)));
         let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId(id)));
+        store.set_quota_stops(&reply.quota_stops);
         // Never move the acknowledgement backwards: a reply with nothing to free may carry an
         // older (or zero) sequence number.
         self.freed_through_seq = self.freed_through_seq.max(reply.free_seq);
@@ -354,7 +360,7 @@ impl Heartbeater {
     /// and retried at the next beat.
     pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
         self.metrics.observe_store(&self.store);
-        let reply = match self.client.heartbeat(self.session.request(tiers(&self.store))).await {
+        let reply = match self.client.heartbeat(self.session.request(&self.store)).await {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
                 if let Some(held_back) = self.unreachable.allow(Instant::now()) {
@@ -497,7 +503,7 @@ mod tests {
     fn frees_are_acknowledged_after_they_are_done() {
         let store = store_with(&[1, 2, 3, 4]);
         let mut session = Session::new(7);
-        let first = session.request(tiers(&store));
+        let first = session.request(&store);
         assert_eq!((first.server_id, first.freed_through_seq), (7, 0));
         assert_eq!(first.tiers[0].tier, "dram");
         assert_eq!(first.tiers[0].used_blocks, 4);
@@ -505,7 +511,7 @@ mod tests {
 
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
         assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
-        assert_eq!(session.request(tiers(&store)).freed_through_seq, 12);
+        assert_eq!(session.request(&store).freed_through_seq, 12);
         assert_eq!(store.dram().usage().used_blocks, 2);
         assert!(read(&store, 1).is_err() && read(&store, 3).is_ok());
 
@@ -515,7 +521,7 @@ mod tests {
         assert_eq!(session.apply(&reply(&[], 0), &store), freed(0, 0));
         assert_eq!(session.freed_through_seq, 12);
         assert_eq!(session.apply(&reply(&[3], 13), &store), freed(1, 0));
-        assert_eq!(session.request(tiers(&store)).freed_through_seq, 13);
+        assert_eq!(session.request(&store).freed_through_seq, 13);
     }
 
     #[test]
@@ -525,12 +531,12 @@ mod tests {
             push(&store, shuffle, partition);
         }
         let mut session = Session::new(7);
-        assert_eq!(session.request(tiers(&store)).tiers[0].used_blocks, 4);
+        assert_eq!(session.request(&store).tiers[0].used_blocks, 4);
         // Each batch is stored behind its 16-byte header.
-        assert_eq!(session.request(tiers(&store)).tiers[0].used_bytes, 1 + 3 * (5 + 16));
+        assert_eq!(session.request(&store).tiers[0].used_bytes, 1 + 3 * (5 + 16));
         let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
         assert_eq!(session.apply(&both, &store), freed(1, 2));
-        let request = session.request(tiers(&store));
+        let request = session.request(&store);
         assert_eq!(
             (request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes),
             (20, 1, 5 + 16)

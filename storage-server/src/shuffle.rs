@@ -23,6 +23,12 @@
 //! Only when both tiers are full is it refused OutOfSpace, at once: a full server answers, and
 //! never takes memory it does not have.
 //!
+//! Tenant quotas: the metadata server names, on each heartbeat reply, the shuffles whose tenant
+//! is at a tier's quota ([`Shuffles::set_quota_stops`]). Their new batches stay off that tier:
+//! past the DRAM quota they go straight to NVMe where the class allows, and a push with no tier
+//! left is refused QuotaExceeded with the tenant's reason. The heartbeat reports each shuffle's
+//! bytes per tier ([`Shuffles::usage`]) for the metadata server to count.
+//!
 //! A Fetch names the committed attempt of each map it wants and gets the matching batches ordered
 //! by map index, then arrival, a page at a time; a cursor counts the matching batches already
 //! returned. The order is fixed by the index's layout (by `(map, attempt)`, each in arrival order),
@@ -44,6 +50,7 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
 use tern_proto::shuffle::{BatchHeader, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
+use tern_proto::v1::{QuotaStop, ShuffleUsage};
 use tern_proto::{ErrorKind, ServerId, ShuffleId, StorageClass};
 use tokio::sync::Notify;
 
@@ -116,6 +123,8 @@ pub enum ShuffleError {
          nvme {nvme_in_use} of {nvme_total}"
     )]
     TiersFull { segment: SegmentId, dram_in_use: u64, dram_total: u64, nvme_in_use: u64, nvme_total: u64 },
+    #[error("push to {segment} refused: {reason}")]
+    QuotaExceeded { segment: SegmentId, reason: String },
     #[error("push to {segment} refused: the segment holds the most batches one may ({max}); push to the next segment")]
     SegmentFull { segment: SegmentId, max: u64 },
     #[error("push to {segment} refused: a batch of {len} bytes; batches hold 1 to {max} bytes")]
@@ -138,6 +147,7 @@ impl ShuffleError {
             ShuffleError::Full { .. } | ShuffleError::TiersFull { .. } | ShuffleError::SegmentFull { .. } => {
                 ErrorKind::OutOfSpace
             }
+            ShuffleError::QuotaExceeded { .. } => ErrorKind::QuotaExceeded,
             ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
             ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
             ShuffleError::Io { .. } => ErrorKind::Internal,
@@ -322,6 +332,13 @@ pub struct ShuffleBytes {
     pub nvme: u64,
 }
 
+impl std::ops::AddAssign for ShuffleBytes {
+    fn add_assign(&mut self, other: ShuffleBytes) {
+        self.dram += other.dram;
+        self.nvme += other.nvme;
+    }
+}
+
 /// The shuffle segments of one storage server (their slots come from its tiers').
 #[derive(Default)]
 pub(crate) struct Shuffles {
@@ -337,6 +354,8 @@ pub(crate) struct Shuffles {
     moved: Notify,
     dram_bytes: AtomicU64,
     nvme_bytes: AtomicU64,
+    /// Shuffles whose tenant is at a tier's quota, as the last heartbeat reply listed them.
+    quota_stops: Mutex<HashMap<ShuffleId, QuotaStop>>,
     /// Bytes of NVMe spans read ahead and not yet taken, bounded by [`READ_AHEAD_BYTES`].
     read_ahead_bytes: Arc<AtomicUsize>,
 }
@@ -366,8 +385,17 @@ impl Shuffles {
         if batch.is_empty() || batch.len() > max as usize {
             return Err(ShuffleError::BatchSize { segment: id, len: batch.len(), max });
         }
-        let Some(nvme) = nvme.filter(|_| from.class != StorageClass::Dram) else {
-            return self.try_push(pool, server, id, from, batch, true);
+        let stop = self.quota_stops.lock().get(&id.shuffle).cloned();
+        let (dram_allowed, nvme_allowed) = stop.as_ref().map_or((true, true), |stop| (!stop.dram, !stop.nvme));
+        let nvme = nvme.filter(|_| from.class != StorageClass::Dram && nvme_allowed);
+        let nvme = match (nvme, dram_allowed) {
+            (Some(nvme), true) => nvme,
+            (None, true) => return self.try_push(pool, server, id, from, batch, true),
+            (Some(nvme), false) => return self.push_to_nvme(pool, nvme, server, id, from, batch).await,
+            (None, false) => {
+                let reason = stop.map(|stop| stop.reason).unwrap_or_default();
+                return Err(ShuffleError::QuotaExceeded { segment: id, reason });
+            }
         };
         for _ in 0..MOVE_WAITS {
             // Armed before the attempt, so a move that ends during it is not missed.
@@ -775,12 +803,7 @@ impl Shuffles {
         for segment in segments {
             let mut state = segment.state.lock();
             state.dropped = true;
-            for extent in &state.slots {
-                match extent {
-                    Extent::Dram(_) => gone.dram += extent.len(),
-                    Extent::Nvme(_) => gone.nvme += extent.len(),
-                }
-            }
+            gone += state.bytes_by_tier();
         }
         self.dram_bytes.fetch_sub(gone.dram, Ordering::Relaxed);
         self.nvme_bytes.fetch_sub(gone.nvme, Ordering::Relaxed);
@@ -806,6 +829,27 @@ impl Shuffles {
     /// Shuffle bytes held in each tier.
     pub(crate) fn bytes(&self) -> ShuffleBytes {
         ShuffleBytes { dram: self.dram_bytes.load(Ordering::Relaxed), nvme: self.nvme_bytes.load(Ordering::Relaxed) }
+    }
+
+    /// Each shuffle's bytes per tier, for the tenants' quotas.
+    pub(crate) fn usage(&self) -> Vec<ShuffleUsage> {
+        let segments: Vec<(ShuffleId, Arc<Segment>)> = {
+            let map = self.map.lock();
+            map.shuffles.iter().flat_map(|(&id, segments)| segments.values().map(move |s| (id, s.clone()))).collect()
+        };
+        let mut by_shuffle: BTreeMap<ShuffleId, ShuffleBytes> = BTreeMap::new();
+        for (id, segment) in segments {
+            *by_shuffle.entry(id).or_default() += segment.state.lock().bytes_by_tier();
+        }
+        by_shuffle
+            .into_iter()
+            .map(|(id, bytes)| ShuffleUsage { shuffle_id: id.get(), dram_bytes: bytes.dram, nvme_bytes: bytes.nvme })
+            .collect()
+    }
+
+    /// Takes the metadata server's list of shuffles at a tier's quota in place of the last one.
+    pub(crate) fn set_quota_stops(&self, stops: &[QuotaStop]) {
+        *self.quota_stops.lock() = stops.iter().map(|stop| (ShuffleId(stop.shuffle_id), stop.clone())).collect();
     }
 
     /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.
@@ -873,6 +917,18 @@ async fn read_extents(
 }
 
 impl SegmentState {
+    /// Bytes its extents hold in each tier.
+    fn bytes_by_tier(&self) -> ShuffleBytes {
+        let mut bytes = ShuffleBytes::default();
+        for extent in &self.slots {
+            match extent {
+                Extent::Dram(_) => bytes.dram += extent.len(),
+                Extent::Nvme(_) => bytes.nvme += extent.len(),
+            }
+        }
+        bytes
+    }
+
     /// Appends a batch; returns the segment's bytes afterwards and the slot that closed to make
     /// room, if one did.
     fn append(

@@ -160,6 +160,16 @@ impl BlockStore {
         self.shuffles.bytes()
     }
 
+    /// Each shuffle's bytes per tier (for the tenants' quotas).
+    pub fn shuffle_usage(&self) -> Vec<tern_proto::v1::ShuffleUsage> {
+        self.shuffles.usage()
+    }
+
+    /// Keeps new batches of the listed shuffles off the tiers their tenants' quotas close.
+    pub fn set_quota_stops(&self, stops: &[tern_proto::v1::QuotaStop]) {
+        self.shuffles.set_quota_stops(stops);
+    }
+
     /// Drops every segment of the listed shuffles (ids not held are skipped), and refuses later
     /// pushes to them; returns how many segments were held.
     pub fn free_shuffles(&self, ids: impl IntoIterator<Item = ShuffleId>) -> usize {

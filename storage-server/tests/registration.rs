@@ -84,7 +84,7 @@ impl Registry for FakeRegistry {
             free_seq: state.free_seq,
             reregister,
             free_shuffle_ids: state.to_free_shuffles.clone(),
-            drained: false,
+            ..HeartbeatResponse::default()
         }))
     }
 }

@@ -1,14 +1,14 @@
 //! Job tokens and tenant quotas through a real cluster: a client of one job, knowing another
 //! job's block and shuffle ids (and even their grants), is refused on every data op; forged,
 //! expired and missing tokens are refused; quotas on jobs and DRAM bytes are enforced, exact
-//! across frees, job ends and a metadata restart.
+//! across frees, job ends and a metadata restart; shuffle bytes count per tier and hold pushes.
 
 use crate::common;
 
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use common::{random_bytes, Cluster};
+use common::{random_bytes, Cluster, Nvme};
 use tern_client::{Client, ErrorKind, ShuffleOptions};
 use tern_proto::frame::{self, Frame};
 use tern_proto::shuffle::{FetchRequest, PushHeader};
@@ -232,4 +232,83 @@ async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
     let small = tenant(&client, "small").await;
     assert_eq!((small.jobs, small.dram_bytes), (0, 0));
     client.start_job_for("small", Some("q3"), Duration::from_secs(30)).await.unwrap().end().await.unwrap();
+}
+
+const SHUFFLE_QUOTAS: &str = r#"
+[tenants.etl]
+dram_bytes = "4MiB"
+nvme_bytes = "6MiB"
+"#;
+
+/// Writes `mib` MiB of map `map` into partition 0 and commits it.
+async fn shuffle_map(shuffle: &tern_client::Shuffle, map: u32, mib: usize) -> tern_client::Result<()> {
+    let mut writer = shuffle.writer(map, 0);
+    writer.write(0, &random_bytes(mib * MIB)).await?;
+    writer.commit().await.map(drop)
+}
+
+/// The etl tenant's (DRAM, NVMe) bytes of shuffles, once the heartbeats report `at_least`.
+async fn etl_shuffles(cluster: &Cluster, client: &Client, at_least: (u64, u64)) -> (u64, u64) {
+    cluster
+        .wait_for("the heartbeats to report the shuffle's bytes", Duration::from_secs(10), || async {
+            let t = tenant(client, "etl").await;
+            let held = (t.dram_shuffle_bytes, t.nvme_shuffle_bytes);
+            (held.0 >= at_least.0 && held.1 >= at_least.1).then_some(held)
+        })
+        .await
+}
+
+#[tokio::test]
+async fn tenant_quotas_count_shuffle_bytes_per_tier_and_hold_pushes_to_them() {
+    let nvme = Nvme { size: "64MiB", engine: "psync" };
+    let cluster = Cluster::start_with_nvme_and_metadata_config(1, "64MiB", nvme, SHUFFLE_QUOTAS).await;
+    let client = cluster.client().await;
+    let job = client.start_job_for("etl", Some("s"), Duration::from_secs(30)).await.unwrap();
+    let shuffle = client.register_shuffle("s", 1, ShuffleOptions::default()).await.unwrap();
+    let mib = MIB as u64;
+
+    // 5 MiB pushed at once lands in DRAM (the stop comes a heartbeat later) and is counted there.
+    shuffle_map(&shuffle, 0, 5).await.unwrap();
+    let (dram, nvme) = etl_shuffles(&cluster, &client, (5 * mib, 0)).await;
+    assert!(dram < 5 * mib + mib / 8 && nvme == 0, "({dram}, {nvme})");
+    let status = cluster.tern_ok(&["status"]);
+    assert!(status.contains("DRAM (SHUFFLES)/LIMIT") && status.contains("/4MiB"), "{status}");
+    // Past the DRAM quota, new batches go to NVMe; a `dram` shuffle cannot be registered.
+    shuffle_map(&shuffle, 1, 2).await.unwrap();
+    let (after, nvme) = etl_shuffles(&cluster, &client, (0, 2 * mib)).await;
+    assert_eq!(after, dram, "nothing more went to DRAM");
+    assert!(nvme < 2 * mib + mib / 8, "{nvme}");
+    let dram_only = ShuffleOptions { storage_class: "dram".into(), ..ShuffleOptions::default() };
+    let err = client.register_shuffle("s", 1, dram_only).await.err().expect("a dram shuffle past the dram quota");
+    assert_eq!(err.kind(), ErrorKind::QuotaExceeded, "{err}");
+    assert!(err.message().contains("tenant etl: dram bytes quota exceeded"), "{err}");
+
+    // Past both: pushes are refused, naming the tenant's quotas, within a few heartbeats.
+    let mut map = 2;
+    let err = loop {
+        match shuffle_map(&shuffle, map, 1).await {
+            Ok(()) => assert!(map < 12, "map {map}: pushes past both quotas are still taken"),
+            Err(err) => break err,
+        }
+        map += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(err.kind(), ErrorKind::QuotaExceeded, "{err}");
+    assert!(err.message().contains("tenant etl: nvme bytes quota exceeded"), "{err}");
+    // What was committed reads back; unregistering the shuffle releases the tenant's bytes.
+    let batches = shuffle.reader(0..1, 0..map).await.unwrap().read_to_end().await.unwrap();
+    let read: usize = batches.iter().map(|batch| batch.data.len()).sum();
+    assert_eq!(read, (7 + map as usize - 2) * MIB);
+    shuffle.unregister().await.unwrap();
+    etl_zero(&cluster, &client).await;
+    job.end().await.unwrap();
+}
+
+async fn etl_zero(cluster: &Cluster, client: &Client) {
+    cluster
+        .wait_for("the unregistered shuffle's bytes to be released", Duration::from_secs(10), || async {
+            let t = tenant(client, "etl").await;
+            (t.dram_shuffle_bytes + t.nvme_shuffle_bytes == 0).then_some(())
+        })
+        .await
 }

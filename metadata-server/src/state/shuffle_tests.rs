@@ -54,7 +54,7 @@ fn outputs(reply: &LocateShuffleResponse) -> Vec<(u32, u32, Vec<u64>)> {
 
 /// Heartbeats as `server_id`, acknowledging through `freed_through_seq`.
 fn beat(state: &mut State, server_id: u64, freed_through_seq: u64, now: Instant) -> HeartbeatResponse {
-    state.heartbeat(HeartbeatRequest { server_id, tiers: Vec::new(), freed_through_seq }, now).unwrap()
+    state.heartbeat(HeartbeatRequest { server_id, freed_through_seq, ..Default::default() }, now).unwrap()
 }
 
 fn per_server(segments: &[Segment]) -> BTreeMap<u64, usize> {
@@ -446,7 +446,7 @@ fn file_placement_counts_the_shuffle_data_servers_report() {
     // The server reports 8 blocks in use: 2 of them the file's, the rest shuffle data. The 2 blocks
     // placed after the report count at once.
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 10, used_blocks: 8, ..TierUsage::default() }];
-    state.heartbeat(HeartbeatRequest { server_id: server, tiers, freed_through_seq: 0 }, now).unwrap();
+    state.heartbeat(HeartbeatRequest { server_id: server, tiers, ..Default::default() }, now).unwrap();
     allocate(&mut state, file_id, 2, now);
     let ask = AllocateBlocksRequest { file_id, count: 1, client_host: String::new() };
     let (kind, message) = refused(state.allocate_blocks(ask.clone(), now));
@@ -462,7 +462,12 @@ fn file_placement_counts_the_shuffle_data_servers_report() {
     assert_eq!(reply.free_shuffle_ids, [shuffle]);
     // Done: the server holds the file's 4 blocks and no shuffle data.
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 10, used_blocks: 4, ..TierUsage::default() }];
-    state.heartbeat(HeartbeatRequest { server_id: server, tiers, freed_through_seq: reply.free_seq }, now).unwrap();
+    state
+        .heartbeat(
+            HeartbeatRequest { server_id: server, tiers, freed_through_seq: reply.free_seq, ..Default::default() },
+            now,
+        )
+        .unwrap();
     assert_eq!(state.allocate_blocks(ask, now).unwrap().blocks.len(), 1);
     let status = state.status(StatusRequest {}, now).unwrap();
     assert_eq!((status.servers[0].allocated_blocks, status.servers[0].tiers[0].used_blocks), (5, 4));
@@ -574,4 +579,70 @@ fn replicated_segments_survive_a_log_replay() {
     let after = locate(&mut rebuilt, shuffle, (0, 2), (0, 1), now);
     assert_eq!(after.segments, before.segments);
     assert!(after.segments.iter().all(|s| s.replica_server_id != 0));
+}
+
+/// Heartbeats as `server_id` reporting one shuffle's bytes (DRAM, NVMe).
+fn report(state: &mut State, server_id: u64, shuffle_id: u64, bytes: (u64, u64), now: Instant) -> HeartbeatResponse {
+    let shuffles = vec![ShuffleUsage { shuffle_id, dram_bytes: bytes.0, nvme_bytes: bytes.1 }];
+    state.heartbeat(HeartbeatRequest { server_id, shuffles, ..Default::default() }, now).unwrap()
+}
+
+#[test]
+fn shuffle_bytes_count_against_the_tenants_quotas_per_tier() {
+    let quota = crate::config::TenantQuota { dram_bytes: tern_common::ByteSize(10 * BLOCK), ..Default::default() };
+    let config = Config { tenants: BTreeMap::from([("etl".to_string(), quota)]), ..super::tests::config() };
+    let (mut state, now) = (State::new(&config), Instant::now());
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let other = add_server(&mut state, "10.0.0.2:7000", 100, now);
+    state
+        .register_job(RegisterJobRequest { name: "a".into(), tenant: "etl".into(), ..Default::default() }, now)
+        .unwrap();
+    register_job(&mut state, "free", 0, now);
+    let shuffle = register(&mut state, "a", 2, 0, now).shuffle_id;
+    let unlimited = register(&mut state, "free", 2, 0, now).shuffle_id;
+    let etl = |state: &State| {
+        let t = state.jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
+        (t.dram_bytes, t.dram_shuffle_bytes, t.nvme_bytes, t.nvme_shuffle_bytes)
+    };
+
+    // Each server's report replaces its last one: repeated, nothing is counted twice.
+    for _ in 0..2 {
+        assert!(report(&mut state, server, shuffle, (4 * BLOCK, 100), now).quota_stops.is_empty());
+    }
+    assert!(report(&mut state, other, shuffle, (2 * BLOCK, 0), now).quota_stops.is_empty());
+    report(&mut state, other, unlimited, (50 * BLOCK, 0), now);
+    assert_eq!(etl(&state), (4 * BLOCK, 4 * BLOCK, 100, 100));
+    report(&mut state, server, shuffle, (4 * BLOCK, 100), now);
+    assert_eq!(etl(&state), (4 * BLOCK, 4 * BLOCK, 100, 100), "the other server's report was replaced");
+
+    // Files and shuffles share the DRAM quota: 4 blocks of shuffle data leave room for 6 of files.
+    let file = create(&mut state, "/jobs/a/f", now);
+    allocate(&mut state, file, 6, now);
+    let (kind, message) = refused(
+        state.allocate_blocks(AllocateBlocksRequest { file_id: file, count: 1, client_host: String::new() }, now),
+    );
+    assert_eq!(kind, ErrorKind::QuotaExceeded);
+    assert!(message.contains("tenant etl: dram bytes quota exceeded") && message.contains("of shuffles"), "{message}");
+
+    // At the quota: every heartbeat reply names the tenant's shuffles, DRAM closed, NVMe open.
+    let stops = report(&mut state, server, shuffle, (4 * BLOCK, 100), now).quota_stops;
+    assert_eq!(stops.len(), 1);
+    assert_eq!((stops[0].shuffle_id, stops[0].dram, stops[0].nvme), (shuffle, true, false));
+    assert!(stops[0].reason.contains("tenant etl: dram bytes quota exceeded"), "{}", stops[0].reason);
+    // New segments: a `dram` shuffle has no tier left; an `any` one may still go to NVMe.
+    let dram_only = RegisterShuffleRequest { storage_class: "dram".into(), ..register_request("a", 2, 0) };
+    let (kind, message) = refused(state.register_shuffle(dram_only, now));
+    assert_eq!(kind, ErrorKind::QuotaExceeded);
+    assert!(message.contains("(job a)"), "{message}");
+    let second = register(&mut state, "a", 1, 0, now).shuffle_id;
+    assert_eq!(report(&mut state, server, shuffle, (4 * BLOCK, 100), now).quota_stops.len(), 2);
+    assert!(state.register_shuffle(register_request("free", 1, 0), now).is_ok(), "other tenants are not held");
+
+    // A dead server's shuffles stop counting; the tenant is under its quota again.
+    let later = now + Duration::from_secs(6);
+    state.heartbeat(HeartbeatRequest { server_id: other, ..Default::default() }, later).unwrap();
+    state.reap(later);
+    assert_eq!(etl(&state), (6 * BLOCK, 0, 0, 0));
+    let stops = report(&mut state, other, second, (0, 0), later).quota_stops;
+    assert!(stops.is_empty(), "{stops:?}");
 }

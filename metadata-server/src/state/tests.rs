@@ -81,7 +81,7 @@ fn list(state: &mut State, path: &str, start_after: &str, limit: u32, now: Insta
 
 /// The frees a server is told about on its next heartbeat (acknowledging none).
 fn frees(state: &mut State, server_id: u64, now: Instant) -> Vec<u64> {
-    let request = HeartbeatRequest { server_id, tiers: Vec::new(), freed_through_seq: 0 };
+    let request = HeartbeatRequest { server_id, ..Default::default() };
     let mut ids = state.heartbeat(request, now).unwrap().free_block_ids;
     ids.sort_unstable();
     ids

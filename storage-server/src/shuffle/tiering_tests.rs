@@ -239,3 +239,38 @@ async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
     want.insert(want.iter().position(|(map, _)| *map == 1).unwrap(), (0, data(0, 99)));
     assert_eq!(fetch_all(&store, seg(7, 1), 3, u32::MAX).await, want);
 }
+
+#[tokio::test]
+async fn quota_stops_keep_a_shuffles_batches_off_the_closed_tier_and_usage_counts_each_shuffle() {
+    use tern_proto::v1::QuotaStop;
+    let (_dir, store) = store(16, 16).await;
+    let stored = |batches: u64| batches * (BATCH as u64 + 16);
+    push(&store, seg(1, 0), StorageClass::Any, 0, 0).await.unwrap();
+    push(&store, seg(2, 0), StorageClass::Any, 0, 0).await.unwrap();
+    let stop =
+        |shuffle_id, dram, nvme| QuotaStop { shuffle_id, dram, nvme, reason: format!("tenant t{shuffle_id} at quota") };
+
+    // Past its DRAM quota, a shuffle that may use NVMe goes there, also its open segment's batches.
+    store.set_quota_stops(&[stop(1, true, false)]);
+    push(&store, seg(1, 0), StorageClass::Any, 0, 1).await.unwrap();
+    push(&store, seg(1, 1), StorageClass::Any, 0, 2).await.unwrap();
+    push(&store, seg(2, 0), StorageClass::Any, 0, 1).await.unwrap();
+    let usage: Vec<(u64, u64, u64)> =
+        store.shuffle_usage().iter().map(|u| (u.shuffle_id, u.dram_bytes, u.nvme_bytes)).collect();
+    assert_eq!(usage, [(1, stored(1), stored(2)), (2, stored(2), 0)]);
+
+    // With no tier left (a `dram` shuffle past its DRAM quota, or both closed) a push is refused
+    // with the tenant's reason; other shuffles push on.
+    store.set_quota_stops(&[stop(1, true, true), stop(3, true, false)]);
+    for (id, class) in [(seg(1, 0), StorageClass::Any), (seg(3, 0), StorageClass::Dram)] {
+        let err = push(&store, id, class, 0, 3).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::QuotaExceeded);
+        let want = format!("tenant t{} at quota", id.shuffle.get());
+        assert!(err.to_string().contains(&want), "{err}");
+    }
+    push(&store, seg(2, 0), StorageClass::Any, 0, 2).await.unwrap();
+    // The next reply's list replaces the last.
+    store.set_quota_stops(&[]);
+    push(&store, seg(1, 0), StorageClass::Any, 0, 3).await.unwrap();
+    assert_eq!(fetch_all(&store, seg(1, 0), 1, 1 << 20).await.len(), 3);
+}

@@ -79,6 +79,16 @@ impl Cluster {
         Cluster::start_full(servers, dram, Tls::Off, Some(nvme), None).await
     }
 
+    /// [`Cluster::start_with_nvme`] with the metadata server reading `toml` as its config file.
+    pub async fn start_with_nvme_and_metadata_config(
+        servers: usize,
+        dram: &str,
+        nvme: Nvme<'_>,
+        toml: &str,
+    ) -> Cluster {
+        Cluster::start_full(servers, dram, Tls::Off, Some(nvme), Some(toml)).await
+    }
+
     async fn start_full(
         servers: usize,
         dram: &str,
