@@ -6,12 +6,13 @@
 //! as `freed_through_seq`, and the metadata server stops resending them. A reply that says
 //! `reregister` means the metadata server does not know this server right now (it restarted, or
 //! declared this server dead): the server registers again from the same address, keeps its id,
-//! and reports its inventory (every block and shuffle it holds, in pages). The metadata server
-//! frees what nothing references and marks referenced blocks that are missing as lost, so stale
-//! data is never served and nothing is dropped that a file still needs.
+//! and reports its inventory (every block, shuffle and shuffle segment it holds, in pages). The
+//! metadata server frees what nothing references and marks referenced blocks and segments that
+//! are missing as lost, so stale data is never served and nothing is dropped that is still needed.
 //!
 //! Every registration carries this process's random instance id: a new one tells the metadata
-//! server that the DRAM tier of the previous process is gone.
+//! server that the DRAM tier of the previous process is gone (what came back from NVMe is in the
+//! inventory).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -183,8 +183,8 @@ impl ShuffleIndex {
     }
 }
 
-/// Logs a failed clear: harmless for what is served (a stale entry never completes a seal), but
-/// the entry stays until the next start clears it.
+/// Logs a failed clear of a freed segment's entries. They stay until the next start, which may
+/// take the segment back; its shuffle, unknown to the metadata server by then, is freed again.
 pub(crate) fn log_clear_failure(index: &ShuffleIndex, error: std::io::Error) {
     tracing::error!("{}: clearing entries failed: {error}", index.path().display());
 }
