@@ -36,6 +36,9 @@ pub(crate) struct Layout {
     pub what: &'static str,
 }
 
+/// A slot's entry as read at start: the slot, and its bytes (not all zeros).
+pub(crate) type RawEntry = (usize, Vec<u8>);
+
 /// A file of one fixed-size entry per slot of the tier, after a header; see the module docs.
 pub(crate) struct SlotFile {
     file: Box<dyn FsFile>,
@@ -65,7 +68,7 @@ impl SlotFile {
         layout: &Layout,
         block_size: u32,
         slots: usize,
-    ) -> anyhow::Result<(SlotFile, Vec<(usize, Vec<u8>)>)> {
+    ) -> anyhow::Result<(SlotFile, Vec<RawEntry>)> {
         let what = layout.what;
         let opening = || format!("opening the {what} {}", path.display());
         let file = fs.open(path, Open::Create).with_context(opening)?;
