@@ -154,6 +154,32 @@ async fn a_damaged_extent_or_entry_drops_its_segment() {
     assert_eq!(fetch_all(&store, a).await.unwrap(), expected(a, 6));
 }
 
+#[tokio::test]
+async fn a_segment_whose_dram_and_nvme_appends_interleaved_is_not_sealed() {
+    let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let id = seg(7, 0);
+    let big = vec![9u8; 3500];
+    {
+        let store = open_real(dir.path(), 4, 16).await;
+        push(&store, id, StorageClass::Nvme, 0).await.unwrap();
+        // DRAM fills with a dram shuffle: past the high watermark, a batch that needs a new slot
+        // goes to a new NVMe extent, and the next one still fits the open DRAM slot.
+        for partition in 0..3 {
+            push(&store, seg(8, partition), StorageClass::Dram, 0).await.unwrap();
+        }
+        store.push(id, PushHeader { map: 0, attempt: 0, class: StorageClass::Nvme }, &big).await.unwrap();
+        push(&store, id, StorageClass::Nvme, 3).await.unwrap();
+        assert_eq!(store.nvme().unwrap().usage().used_blocks, 1, "the big batch went straight to NVMe");
+        let order: Vec<Vec<u8>> = fetch_all(&store, id).await.unwrap().into_iter().map(|(_, b)| b).collect();
+        assert_eq!(order, [data(id, 0), big.clone(), data(id, 3)], "arrival order");
+        // Idle, it moves down whole, but its extents' order is not its arrival order.
+        assert_eq!(settle(&store).await, 0);
+        assert_eq!(store.shuffle_bytes().dram, 3 * (BATCH as u64 + 16), "only the dram shuffle is in DRAM");
+    }
+    let store = open_real(dir.path(), 4, 16).await;
+    assert_eq!(fetch_all(&store, id).await, None);
+}
+
 /// A store on the simulated disk `fs`: the tier's data file and both indexes.
 async fn open_sim(fs: &SimFs) -> anyhow::Result<BlockStore> {
     const SLOTS: u64 = 12;
