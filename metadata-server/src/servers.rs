@@ -34,6 +34,7 @@ use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, StorageClass, Tier};
 use crate::error::{invalid, Refusal};
 use crate::namespace::BlockRef;
 use crate::planner::{BlockPlace, Room, SegmentLoad, TierRoom};
+use crate::shuffles::SegmentCopy;
 
 /// Most frees one heartbeat reply carries (8 bytes each: 512 KiB, well under a gRPC message).
 pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
@@ -116,6 +117,7 @@ pub struct Drain {
 struct Inventory {
     blocks: HashSet<BlockId>,
     shuffles: HashSet<ShuffleId>,
+    segments: HashSet<SegmentCopy>,
 }
 
 /// What reconciling an inventory did.
@@ -512,6 +514,7 @@ impl Servers {
         server_id: ServerId,
         blocks: &[BlockId],
         shuffles: &[ShuffleId],
+        segments: &[SegmentCopy],
         block_size: u32,
     ) -> Result<(), Refusal> {
         let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
@@ -523,10 +526,10 @@ impl Servers {
         let Some(inventory) = server.inventory.as_mut() else {
             return Err(invalid(format!("storage server {server_id} already reported its inventory; register again")));
         };
-        if blocks.len() + shuffles.len() > tern_proto::MAX_INVENTORY_PAGE {
+        let entries = blocks.len() + shuffles.len() + segments.len();
+        if entries > tern_proto::MAX_INVENTORY_PAGE {
             return Err(invalid(format!(
-                "an inventory page of {} ids; at most {} per page",
-                blocks.len() + shuffles.len(),
+                "an inventory page of {entries} entries; at most {} per page",
                 tern_proto::MAX_INVENTORY_PAGE
             )));
         }
@@ -543,8 +546,12 @@ impl Servers {
         if inventory.shuffles.len() + shuffles.len() > crate::shuffles::MAX_SHUFFLES {
             return Err(invalid(format!("the inventory reports more than {} shuffles", crate::shuffles::MAX_SHUFFLES)));
         }
+        if (inventory.segments.len() + segments.len()) as u64 > crate::shuffles::MAX_SEGMENTS {
+            return Err(invalid(format!("the inventory reports more than {} segments", crate::shuffles::MAX_SEGMENTS)));
+        }
         inventory.blocks.extend(blocks);
         inventory.shuffles.extend(shuffles);
+        inventory.segments.extend(segments);
         Ok(())
     }
 
@@ -553,16 +560,17 @@ impl Servers {
     /// shuffles with segments there). Blocks held but unreferenced, and unknown shuffles, are
     /// queued for freeing; referenced blocks it did not report are lost (those of unsealed files
     /// only when the server restarted: otherwise they may simply not be written yet). From now
-    /// on, blocks and segments may be placed there.
+    /// on, blocks and segments may be placed there. Returns what it did, and the segments the
+    /// server reported (for the shuffle registry to settle: see `Shuffles::lost_on`).
     pub fn reconcile(
         &mut self,
         server_id: ServerId,
         referenced: &HashMap<BlockId, bool>,
         restarted: bool,
         registered_shuffle: impl Fn(ShuffleId) -> bool,
-    ) -> Reconciled {
+    ) -> (Reconciled, HashSet<SegmentCopy>) {
         let Some(server) = self.servers.get_mut(&server_id) else {
-            return Reconciled::default();
+            return (Reconciled::default(), HashSet::new());
         };
         let inventory = server.inventory.take().unwrap_or_default();
         let mut done = Reconciled::default();
@@ -602,7 +610,7 @@ impl Servers {
             done.unknown_shuffles += 1;
         }
         server.reconciled = true;
-        done
+        (done, inventory.segments)
     }
 
     /// Records a heartbeat, drops the frees it acknowledges, and answers with the frees still due.
@@ -935,7 +943,7 @@ mod tests {
     /// Registers a server (as instance 1) and reconciles its empty inventory: ready for placement.
     fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> ServerId {
         let (id, _) = servers.register(address, tiers, 1, now).unwrap();
-        servers.inventory_page(id, &[], &[], 4096).unwrap();
+        servers.inventory_page(id, &[], &[], &[], 4096).unwrap();
         servers.reconcile(id, &HashMap::new(), false, |_| false);
         id
     }
@@ -1245,11 +1253,12 @@ mod tests {
         assert_eq!((id, previous), (ServerId(1), Some(1)));
         assert!(servers.allocate(1, "", StorageClass::Any).is_err());
         let page = [blocks[0].block_id, blocks[1].block_id, BlockId::from(99)];
-        servers.inventory_page(ServerId(1), &page, &[ShuffleId(7)], 4096).unwrap();
+        servers.inventory_page(ServerId(1), &page, &[ShuffleId(7)], &[], 4096).unwrap();
         // Blocks 1 and 2 belong to sealed files, block 3 to a file still being written.
         let referenced =
             HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
-        let done = servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false);
+        let (done, _) =
+            servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false);
         assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1 });
         assert!(blocks.iter().all(|b| servers.lost(b).is_none()));
         let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
@@ -1260,8 +1269,8 @@ mod tests {
         let (id, previous) = servers.register("10.0.0.1:1", dram(10), 2, now).unwrap();
         assert_eq!((id, previous), (ServerId(1), Some(1)));
         assert!(servers.restarted_since_log(ServerId(1)));
-        servers.inventory_page(ServerId(1), &[blocks[1].block_id], &[], 4096).unwrap();
-        let done = servers.reconcile(ServerId(1), &referenced, true, |_| false);
+        servers.inventory_page(ServerId(1), &[blocks[1].block_id], &[], &[], 4096).unwrap();
+        let (done, _) = servers.reconcile(ServerId(1), &referenced, true, |_| false);
         assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0 });
         let lost = servers.lost(&blocks[0]).unwrap();
         assert!(lost.contains("registered again without it"), "{lost}");
@@ -1270,7 +1279,7 @@ mod tests {
         servers.free(&[blocks[0]]);
         assert!(servers.heartbeat(ServerId(1), Vec::new(), 0, now).free_block_ids.is_empty());
         // An inventory is taken once per registration, and bounded.
-        assert!(servers.inventory_page(ServerId(1), &[BlockId::from(1)], &[], 4096).is_err());
+        assert!(servers.inventory_page(ServerId(1), &[BlockId::from(1)], &[], &[], 4096).is_err());
         assert!(servers.heartbeat(ServerId(99), Vec::new(), 0, now).reregister);
     }
 

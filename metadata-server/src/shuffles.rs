@@ -37,6 +37,15 @@ use tracing::debug;
 use crate::error::{invalid, not_found, Refusal};
 use crate::planner::{parse_storage_class, Copies};
 use crate::servers::Servers;
+
+/// A segment a storage server says it holds: shuffle, partition, and index in the partition's
+/// chain of segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SegmentCopy {
+    pub shuffle_id: ShuffleId,
+    pub partition: u32,
+    pub index: u32,
+}
 use tern_proto::StorageClass;
 
 /// Most reduce partitions of one shuffle.
@@ -337,9 +346,10 @@ impl Shuffles {
         Ok(changes)
     }
 
-    /// The records that mark every segment copy on `server_id` lost (the server restarted and
-    /// lost its DRAM), one per shuffle with copies there not yet marked; changes nothing.
-    pub fn lost_on(&self, server_id: ServerId) -> Vec<LogLostSegments> {
+    /// The records that mark lost every segment copy on `server_id` that is not `held` (the
+    /// server restarted: its DRAM is gone, and it reported what it took back from NVMe), one per
+    /// shuffle with such copies not yet marked; changes nothing.
+    pub fn lost_on(&self, server_id: ServerId, held: &std::collections::HashSet<SegmentCopy>) -> Vec<LogLostSegments> {
         let mut records = Vec::new();
         for (&shuffle_id, shuffle) in &self.shuffles {
             if !shuffle.holders.contains_key(&server_id) {
@@ -348,7 +358,8 @@ impl Shuffles {
             let mut record = LogLostSegments { shuffle_id: shuffle_id.get(), ..LogLostSegments::default() };
             for (p, partition) in (0..).zip(&shuffle.partitions) {
                 for (index, copies) in (0..).zip(partition.servers()) {
-                    if copies.on(server_id) && !shuffle.lost.contains(&(p, index, server_id)) {
+                    let copy = SegmentCopy { shuffle_id, partition: p, index };
+                    if copies.on(server_id) && !shuffle.lost.contains(&(p, index, server_id)) && !held.contains(&copy) {
                         record.partitions.push(p);
                         record.indexes.push(index);
                         record.server_ids.push(server_id.get());

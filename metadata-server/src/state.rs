@@ -30,7 +30,7 @@ use crate::namespace::{FileMeta, Namespace};
 use crate::path::{self, Place, JOBS_DIR};
 use crate::planner::{self, parse_storage_class};
 use crate::servers::Servers;
-use crate::shuffles::{registration_record, segment_record, Shuffles};
+use crate::shuffles::{registration_record, segment_record, SegmentCopy, Shuffles};
 use commit::Applied;
 
 #[derive(Debug)]
@@ -529,7 +529,8 @@ impl State {
         match previous {
             Some(old) if old != req.instance_id => {
                 warn!(
-                    "storage server {server_id} ({}) restarted; its DRAM blocks and shuffle segments are lost",
+                    "storage server {server_id} ({}) restarted; its DRAM blocks and the shuffle segments it does not \
+                     report are lost",
                     req.address
                 );
                 self.lose_server(server_id, now);
@@ -551,13 +552,16 @@ impl State {
     pub fn report_inventory(
         &mut self,
         req: ReportInventoryRequest,
-        _now: Instant,
+        now: Instant,
     ) -> Result<ReportInventoryResponse, Status> {
         let context = format!("inventory of storage server {}", req.server_id);
         let server_id = ServerId(req.server_id);
         let blocks: Vec<BlockId> = req.block_ids.iter().map(|&id| BlockId::from(id)).collect();
         let shuffles: Vec<ShuffleId> = req.shuffle_ids.iter().map(|&id| ShuffleId(id)).collect();
-        self.servers.inventory_page(server_id, &blocks, &shuffles, self.block_size).context(&context)?;
+        let segments: Vec<SegmentCopy> = (req.segments.iter())
+            .map(|s| SegmentCopy { shuffle_id: ShuffleId(s.shuffle_id), partition: s.partition, index: s.index })
+            .collect();
+        self.servers.inventory_page(server_id, &blocks, &shuffles, &segments, self.block_size).context(&context)?;
         if !req.last {
             return Ok(ReportInventoryResponse::default());
         }
@@ -569,7 +573,13 @@ impl State {
         }
         let restarted = self.servers.restarted_since_log(server_id);
         let shuffles = &self.shuffles;
-        let done = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        let (done, held) = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        if restarted {
+            // A new process: the segments it did not take back from NVMe are gone with its DRAM.
+            for lost in self.shuffles.lost_on(server_id, &held) {
+                self.commit_own(Change::LostSegments(lost), now);
+            }
+        }
         if done.lost > 0 || done.unreferenced > 0 || done.unknown_shuffles > 0 {
             warn!(
                 "storage server {server_id} reconciled: {} referenced blocks lost, {} unreferenced blocks and {} \
@@ -707,17 +717,12 @@ impl State {
         }
     }
 
-    /// After a storage server died (or restarted, losing its DRAM): its segments are lost, and
-    /// shuffle partitions whose last segment was there get a new one on a live server, so map
-    /// attempts can push again (readers see the lost segments as lost).
+    /// After a storage server died (or restarted, losing its DRAM): shuffle partitions whose
+    /// last segment was there get a new one on a live server, so map attempts can push again.
+    /// (Readers see a dead server's segments as lost; a restarted server's inventory says which
+    /// of its segments came back, and the rest are marked lost then.)
     fn lose_server(&mut self, server_id: ServerId, now: Instant) {
         self.forget_shuffle_usage(server_id);
-        if self.servers.is_alive(server_id) {
-            // Alive, but restarted: what it held in DRAM is gone, though the server is not.
-            for lost in self.shuffles.lost_on(server_id) {
-                self.commit_own(Change::LostSegments(lost), now);
-            }
-        }
         let mut placed = 0;
         for shuffle_id in self.shuffles.ids() {
             // Placed shuffle by shuffle, each seeing the load the ones before it added.

@@ -155,6 +155,7 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
             block_ids: lengths,
             shuffle_ids: Vec::new(),
             last: rng.below(2) == 0,
+            segments: Vec::new(),
         }
         .encode_to_vec(),
     }

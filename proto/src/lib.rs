@@ -41,7 +41,8 @@ pub const MIN_BLOCK_SIZE: u32 = 4 << 10;
 pub const MAX_ALLOCATE_BLOCKS: u32 = 1024;
 /// Largest gRPC message either side accepts.
 pub const MAX_GRPC_MESSAGE_BYTES: usize = 16 << 20;
-/// Most ids (blocks and shuffles together) one ReportInventory page carries: 512 KiB of ids.
+/// Most entries (block ids, shuffle ids and segments together) one ReportInventory page carries:
+/// at most 1 MiB.
 pub const MAX_INVENTORY_PAGE: usize = 65536;
 /// Most copies of a file's block (`CreateRequest.replicas`): each copy needs its own storage server.
 pub const MAX_REPLICAS: u32 = 2;

@@ -138,6 +138,11 @@ impl BatchHeader {
         buf.put_u32_le(self.crc);
         out
     }
+
+    pub fn decode(bytes: &[u8; BATCH_HEADER_LEN]) -> BatchHeader {
+        let mut buf = &bytes[..];
+        BatchHeader { map: buf.get_u32_le(), attempt: buf.get_u32_le(), len: buf.get_u32_le(), crc: buf.get_u32_le() }
+    }
 }
 
 /// The batches of a Fetch reply payload, each with its bytes (slices of the payload, no copy).
@@ -156,13 +161,8 @@ pub fn batches(payload: Bytes) -> impl Iterator<Item = Result<(BatchHeader, Byte
                 rest.len()
             ))));
         }
-        let mut head = rest.split_to(BATCH_HEADER_LEN);
-        let header = BatchHeader {
-            map: head.get_u32_le(),
-            attempt: head.get_u32_le(),
-            len: head.get_u32_le(),
-            crc: head.get_u32_le(),
-        };
+        let head = rest.split_to(BATCH_HEADER_LEN);
+        let header = BatchHeader::decode(head[..].try_into().expect("a header's bytes"));
         if header.len as usize > rest.len() {
             failed = true;
             return Some(Err(FrameError::BadShufflePayload(format!(

@@ -140,6 +140,23 @@ impl<M> Slots<M> {
         Some(Arc::new(Slot { slots: self.clone(), index, len: AtomicU32::new(0), writing: AtomicBool::new(writing) }))
     }
 
+    /// The listed slots (index, published length) as found at start, off the free list; `None`,
+    /// taking nothing, if any of them is not free.
+    fn take_listed(self: &Arc<Slots<M>>, listed: &[(usize, u32)]) -> Option<Vec<Arc<Slot<M>>>> {
+        let mut free = self.free.lock();
+        let wanted: std::collections::HashSet<usize> = listed.iter().map(|&(index, _)| index).collect();
+        if wanted.len() != listed.len() || free.iter().filter(|index| wanted.contains(index)).count() != wanted.len() {
+            return None;
+        }
+        free.retain(|index| !wanted.contains(index));
+        drop(free);
+        let slots = listed.iter().map(|&(index, len)| {
+            self.used_bytes.fetch_add(u64::from(len), Ordering::Relaxed);
+            Arc::new(Slot { slots: self.clone(), index, len: AtomicU32::new(len), writing: AtomicBool::new(false) })
+        });
+        Some(slots.collect())
+    }
+
     fn full(&self) -> StoreError {
         StoreError::Full { tier: self.tier, in_use: self.count, total: self.count }
     }
@@ -418,6 +435,12 @@ impl<M> Appender<M> {
     /// An empty slot off the free list, or `None` when the tier is full.
     pub(crate) fn take(slots: &Arc<Slots<M>>) -> Option<Appender<M>> {
         slots.take(false).map(|slot| Appender { slot })
+    }
+
+    /// The listed slots (index, length) found at start, each with its appender; `None`, taking
+    /// nothing, if any of them is not free.
+    pub(crate) fn take_listed(slots: &Arc<Slots<M>>, listed: &[(usize, u32)]) -> Option<Vec<Appender<M>>> {
+        Some(slots.take_listed(listed)?.into_iter().map(|slot| Appender { slot }).collect())
     }
 
     /// The slot; bytes at or above [`Appender::len`] are this appender's alone.

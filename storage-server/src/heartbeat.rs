@@ -6,12 +6,13 @@
 //! as `freed_through_seq`, and the metadata server stops resending them. A reply that says
 //! `reregister` means the metadata server does not know this server right now (it restarted, or
 //! declared this server dead): the server registers again from the same address, keeps its id,
-//! and reports its inventory (every block and shuffle it holds, in pages). The metadata server
-//! frees what nothing references and marks referenced blocks that are missing as lost, so stale
-//! data is never served and nothing is dropped that a file still needs.
+//! and reports its inventory (every block, shuffle and shuffle segment it holds, in pages). The
+//! metadata server frees what nothing references and marks referenced blocks and segments that
+//! are missing as lost, so stale data is never served and nothing is dropped that is still needed.
 //!
 //! Every registration carries this process's random instance id: a new one tells the metadata
-//! server that the DRAM tier of the previous process is gone.
+//! server that the DRAM tier of the previous process is gone (what came back from NVMe is in the
+//! inventory).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +23,8 @@ use tern_common::Backoff;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{
-    HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
-    TierUsage,
+    HeartbeatRequest, HeartbeatResponse, HeldSegment, RegisterServerRequest, RegisterServerResponse,
+    ReportInventoryRequest, TierUsage,
 };
 use tern_proto::ErrorKind;
 use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
@@ -31,7 +32,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
 
 use crate::metrics::Metrics;
-use crate::store::BlockStore;
+use crate::store::{BlockStore, Inventory};
 use crate::Usage;
 
 /// How long start-up waits for the metadata server to accept the registration.
@@ -79,31 +80,40 @@ pub(crate) fn instance_id() -> u64 {
 }
 
 /// Reports everything `store` holds to the metadata server, in pages of at most
-/// [`tern_proto::MAX_INVENTORY_PAGE`] ids; the last page settles it.
+/// [`tern_proto::MAX_INVENTORY_PAGE`] entries; the last page settles it.
 pub(crate) async fn report_inventory(
     client: &mut RegistryClient<Channel>,
     server_id: u64,
     store: &BlockStore,
 ) -> Result<(u64, u64), tonic::Status> {
-    let (blocks, shuffles) = store.inventory();
-    let (blocks, shuffles): (Vec<u64>, Vec<u64>) =
-        (blocks.into_iter().map(u64::from).collect(), shuffles.into_iter().map(u64::from).collect());
-    let page = tern_proto::MAX_INVENTORY_PAGE;
-    let mut block_pages = blocks.chunks(page).peekable();
-    let mut shuffle_pages = shuffles.chunks(page).peekable();
-    loop {
-        let block_ids = block_pages.next().map(<[u64]>::to_vec).unwrap_or_default();
-        // Shuffles ride along only once the blocks are done, so a page stays within the bound.
-        let shuffle_ids = if block_ids.is_empty() {
-            shuffle_pages.next().map(<[u64]>::to_vec).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let last = block_pages.peek().is_none() && shuffle_pages.peek().is_none();
-        let request = ReportInventoryRequest { server_id, block_ids, shuffle_ids, last };
+    for request in inventory_pages(server_id, store.inventory()) {
+        let last = request.last;
         let reply = client.report_inventory(request).await?.into_inner();
         if last {
             return Ok((reply.blocks_unreferenced, reply.blocks_lost));
+        }
+    }
+    unreachable!("the pages end with a last one")
+}
+
+/// The inventory as ReportInventory pages: blocks first, then shuffles, then segments, each page
+/// within the bound; the last one says so (an empty inventory is one empty last page).
+fn inventory_pages(server_id: u64, inventory: Inventory) -> Vec<ReportInventoryRequest> {
+    let page = tern_proto::MAX_INVENTORY_PAGE;
+    let mut blocks = inventory.blocks.into_iter().map(u64::from).peekable();
+    let mut shuffles = inventory.shuffles.into_iter().map(u64::from).peekable();
+    let mut segments = (inventory.segments.into_iter())
+        .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition, index: s.index })
+        .peekable();
+    let mut pages = Vec::new();
+    loop {
+        let block_ids: Vec<u64> = blocks.by_ref().take(page).collect();
+        let shuffle_ids: Vec<u64> = shuffles.by_ref().take(page - block_ids.len()).collect();
+        let held: Vec<HeldSegment> = segments.by_ref().take(page - block_ids.len() - shuffle_ids.len()).collect();
+        let last = blocks.peek().is_none() && shuffles.peek().is_none() && segments.peek().is_none();
+        pages.push(ReportInventoryRequest { server_id, block_ids, shuffle_ids, last, segments: held });
+        if last {
+            return pages;
         }
     }
 }
@@ -563,10 +573,40 @@ mod tests {
         let outcome = session.apply(&HeartbeatResponse { reregister: true, ..reply(&[], 0) }, &store);
         assert_eq!(outcome, Outcome::Reregister);
         // The metadata server decides what goes, from the inventory.
-        let (mut blocks, shuffles) = store.inventory();
-        blocks.sort_unstable();
-        assert_eq!((blocks, shuffles), (vec![BlockId::from(2), BlockId::from(3)], vec![ShuffleId(4)]));
+        let mut inventory = store.inventory();
+        inventory.blocks.sort_unstable();
+        let segment = SegmentId { shuffle: ShuffleId(4), partition: 0, index: 0 };
+        let want = Inventory {
+            blocks: vec![BlockId::from(2), BlockId::from(3)],
+            shuffles: vec![ShuffleId(4)],
+            segments: vec![segment],
+        };
+        assert_eq!(inventory, want);
         assert!(read(&store, 2).is_ok());
+    }
+
+    #[test]
+    fn inventory_pages_stay_within_the_bound_and_end_with_the_last() {
+        let page = tern_proto::MAX_INVENTORY_PAGE;
+        assert_eq!(
+            inventory_pages(3, Inventory::default()),
+            vec![ReportInventoryRequest { server_id: 3, last: true, ..Default::default() }]
+        );
+        let inventory = Inventory {
+            blocks: (1..=page as u64 + 1).map(BlockId::from).collect(),
+            shuffles: vec![ShuffleId(9)],
+            segments: (0..page as u32)
+                .map(|partition| SegmentId { shuffle: ShuffleId(9), partition, index: 2 })
+                .collect(),
+        };
+        let pages = inventory_pages(3, inventory);
+        let sizes: Vec<usize> =
+            pages.iter().map(|p| p.block_ids.len() + p.shuffle_ids.len() + p.segments.len()).collect();
+        assert_eq!(sizes, vec![page, page, 2]);
+        assert_eq!(pages.iter().map(|p| p.last).collect::<Vec<_>>(), vec![false, false, true]);
+        assert_eq!(pages[1].block_ids.len(), 1);
+        assert_eq!(pages[1].shuffle_ids, vec![9]);
+        assert_eq!(pages[2].segments[1], HeldSegment { shuffle_id: 9, partition: page as u32 - 1, index: 2 });
     }
 
     #[test]

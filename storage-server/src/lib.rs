@@ -230,6 +230,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
             .context("cutting the NVMe tier into the cluster's blocks")?
             .with_index(&index)?;
         store = store.with_nvme(tier);
+        store.restore_shuffles(&shuffle::durable::ShuffleIndex::path_for(nvme_path)).await?;
     }
     // Every data frame is checked against the metadata server's key from here on.
     store.authority().require_tokens();

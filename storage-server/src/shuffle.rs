@@ -34,6 +34,13 @@
 //! returned. The order is fixed by the index's layout (by `(map, attempt)`, each in arrival order),
 //! so later pushes (of other attempts) never shift what a cursor points at.
 //!
+//! Restarts: a segment wholly on NVMe is sealed in the shuffle index ([`durable`]) once it took
+//! no batch for a tick of the mover (which also moves down the open DRAM slot of an idle `nvme`
+//! segment first), and comes back when the server restarts on the same `--nvme` path; a push to a
+//! sealed segment unseals it (durably) before the batch goes in. Segments with any part in DRAM
+//! are lost with the process, and the metadata server, told which segments came back, marks the
+//! rest lost.
+//!
 //! Concurrency: a short map lock finds or creates a segment; each segment has its own lock,
 //! held while a push copies its batch in, so pushes to one segment serialise and pushes to
 //! different segments do not contend. A Fetch picks its page under the segment's lock as views of
@@ -56,6 +63,9 @@ use tokio::sync::Notify;
 
 use crate::dram::{AppendSlot, DramSlots};
 use crate::nvme::{NvmeExtent, NvmeTier};
+use durable::{ExtentRecord, Sealed, ShuffleIndex};
+
+pub(crate) mod durable;
 
 /// Most bytes one Fetch reply carries, whatever the request asks for (a single batch may make it
 /// up to [`BATCH_HEADER_LEN`] bytes more than the block size, which clients must accept).
@@ -73,6 +83,9 @@ const FREED_REMEMBERED: usize = 1 << 16;
 /// ahead in all: a reducer's next pages are on their way while it takes this one, within a bound.
 const READ_AHEAD_SPANS: usize = 8;
 const READ_AHEAD_BYTES: usize = 256 << 20;
+/// Times a push unseals its segment and tries again (the mover cannot seal it meanwhile: more
+/// than one try happens only if the segment was freed and pushed to anew).
+const UNSEAL_TRIES: usize = 3;
 /// Times a push that finds both tiers full waits for a move under way, and how long each.
 const MOVE_WAITS: usize = 3;
 const MOVE_WAIT: Duration = Duration::from_secs(1);
@@ -212,6 +225,17 @@ struct SegmentState {
     batches_in_nvme_open: u32,
     /// Freed (its bytes no longer counted): a racing push is refused, a racing move discarded.
     dropped: bool,
+    /// The durable record (see [`durable`]): a seal being written; the slot of extent 0 once
+    /// sealed (a push clears its entry before adding a batch); whether the shuffle index may hold
+    /// entries of its extents (cleared when it is freed).
+    sealing: bool,
+    sealed: Option<usize>,
+    recorded: bool,
+    /// `batches` at the mover's last durability pass: equal again, the segment is idle.
+    batches_seen: u64,
+    /// Every batch went to its last extent, so the extents' order is the arrival order, which is
+    /// what a restart rebuilds; a segment whose DRAM and NVMe appends interleaved is never sealed.
+    in_extent_order: bool,
     /// By `(map, attempt)`, each in arrival order. A Fetch names one attempt per map, so walking
     /// this in key order yields its batches by map, then arrival.
     index: BTreeMap<(u32, u32), Vec<Batch>>,
@@ -220,12 +244,16 @@ struct SegmentState {
 }
 
 struct Segment {
+    id: SegmentId,
     /// From its first push: which tiers it may use.
     class: StorageClass,
     state: Mutex<SegmentState>,
     /// Held across a push straight to NVMe (the state's lock cannot be held across I/O), so that
     /// those append to the open NVMe extent one at a time.
     nvme_appends: tokio::sync::Mutex<()>,
+    /// Held while its seal is written, and by a push from unsealing it until its batch is in, so
+    /// a seal never misses a batch that was acknowledged.
+    durable: Arc<tokio::sync::Mutex<()>>,
     /// NVMe spans read ahead for the pages readers will ask for next, oldest first.
     read_ahead: Mutex<VecDeque<ReadAhead>>,
 }
@@ -266,27 +294,97 @@ impl Segment {
 }
 
 impl Segment {
-    fn new(class: StorageClass, first: Extent) -> Arc<Segment> {
+    fn new(id: SegmentId, class: StorageClass, first: Extent) -> Arc<Segment> {
         let (dram_open, nvme_open) = match first {
             Extent::Dram(_) => (Some(0), None),
             Extent::Nvme(_) => (None, Some(0)),
         };
-        Arc::new(Segment {
+        Segment::with_state(
+            id,
             class,
-            state: Mutex::new(SegmentState {
+            SegmentState {
                 slots: vec![first],
                 dram_open,
                 batches_in_dram_open: 0,
                 nvme_open,
                 batches_in_nvme_open: 0,
                 dropped: false,
+                sealing: false,
+                sealed: None,
+                recorded: false,
+                batches_seen: 0,
+                in_extent_order: true,
                 index: BTreeMap::new(),
                 batches: 0,
                 bytes: 0,
-            }),
+            },
+        )
+    }
+
+    fn with_state(id: SegmentId, class: StorageClass, state: SegmentState) -> Arc<Segment> {
+        Arc::new(Segment {
+            id,
+            class,
+            state: Mutex::new(state),
             nvme_appends: tokio::sync::Mutex::new(()),
+            durable: Arc::new(tokio::sync::Mutex::new(())),
             read_ahead: Mutex::new(VecDeque::new()),
         })
+    }
+
+    /// Rebuilds a sealed segment from its extents, found at start: its index from the batch
+    /// headers the extents hold. `Err` says why it cannot be (the caller drops its extents).
+    async fn restore(seal: &Sealed, extents: Vec<NvmeExtent>, max_batch: u32) -> Result<Arc<Segment>, String> {
+        let mut index: BTreeMap<(u32, u32), Vec<Batch>> = BTreeMap::new();
+        let (mut batches, mut bytes) = (0u64, 0u64);
+        for (slot, extent) in (0..).zip(&extents) {
+            let (mut offset, len) = (0u32, extent.len());
+            while offset < len {
+                let header_len = BATCH_HEADER_LEN as u32;
+                if len - offset < header_len {
+                    return Err(format!("extent {slot} ends inside a batch header at byte {offset}"));
+                }
+                let head = extent.read(offset, header_len).await.map_err(|e| format!("reading extent {slot}: {e}"))?;
+                let header = BatchHeader::decode(head[..].try_into().expect("a header's bytes"));
+                if header.len == 0 || header.len > max_batch || header.len > len - offset - header_len {
+                    return Err(format!("extent {slot} holds a batch header of {} bytes at byte {offset}", header.len));
+                }
+                let batch = Batch { slot, offset: offset + header_len, len: header.len, crc: header.crc };
+                index.entry((header.map, header.attempt)).or_default().push(batch);
+                batches += 1;
+                bytes += u64::from(header.len);
+                offset += header_len + header.len;
+            }
+        }
+        let state = SegmentState {
+            slots: extents.into_iter().map(|extent| Extent::Nvme(Arc::new(extent))).collect(),
+            dram_open: None,
+            batches_in_dram_open: 0,
+            nvme_open: None,
+            batches_in_nvme_open: 0,
+            dropped: false,
+            sealing: false,
+            sealed: Some(seal.extents[0].0),
+            recorded: true,
+            batches_seen: batches,
+            in_extent_order: true,
+            index,
+            batches,
+            bytes,
+        };
+        Ok(Segment::with_state(seal.segment, seal.class, state))
+    }
+}
+
+/// Why a push did not go in: refused, or its segment is sealed and must be unsealed first.
+enum PushError {
+    Refused(ShuffleError),
+    Sealed(Arc<Segment>),
+}
+
+impl From<ShuffleError> for PushError {
+    fn from(error: ShuffleError) -> PushError {
+        PushError::Refused(error)
     }
 }
 
@@ -358,6 +456,11 @@ pub(crate) struct Shuffles {
     quota_stops: Mutex<HashMap<ShuffleId, QuotaStop>>,
     /// Bytes of NVMe spans read ahead and not yet taken, bounded by [`READ_AHEAD_BYTES`].
     read_ahead_bytes: Arc<AtomicUsize>,
+    /// The NVMe shuffle index, once [`Shuffles::restore`] opened it; without it nothing is
+    /// sealed (and a restart loses every segment).
+    index: std::sync::OnceLock<Arc<ShuffleIndex>>,
+    /// The next seal's generation: above every one found at start.
+    next_generation: AtomicU64,
 }
 
 fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
@@ -385,6 +488,50 @@ impl Shuffles {
         if batch.is_empty() || batch.len() > max as usize {
             return Err(ShuffleError::BatchSize { segment: id, len: batch.len(), max });
         }
+        // Held until the batch is in, so the segment is not sealed again without it.
+        let mut unsealed = Vec::new();
+        for _ in 0..UNSEAL_TRIES {
+            match self.push_once(pool, nvme, server, id, from, batch).await {
+                Ok(bytes) => return Ok(bytes),
+                Err(PushError::Refused(error)) => return Err(error),
+                Err(PushError::Sealed(segment)) => unsealed.push(self.unseal(&segment).await?),
+            }
+        }
+        Err(ShuffleError::Io { segment: id, op: "push", error: "its segment was sealed again each time".into() })
+    }
+
+    /// Clears the seal of `segment` durably, so that a crash from now on drops it rather than
+    /// serve it without the batch about to go in; returns the guard that keeps the mover from
+    /// sealing it again meanwhile.
+    async fn unseal(&self, segment: &Arc<Segment>) -> Result<tokio::sync::OwnedMutexGuard<()>, ShuffleError> {
+        let guard = segment.durable.clone().lock_owned().await;
+        let sealed = segment.state.lock().sealed;
+        if let (Some(slot), Some(index)) = (sealed, self.index.get()) {
+            let index = index.clone();
+            let cleared = tokio::task::spawn_blocking(move || index.clear(&[slot])).await;
+            let error = match cleared {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(error) = error {
+                return Err(ShuffleError::Io { segment: segment.id, op: "push (unsealing)", error });
+            }
+            segment.state.lock().sealed = None;
+        }
+        Ok(guard)
+    }
+
+    /// One try of [`Shuffles::push`].
+    async fn push_once(
+        &self,
+        pool: &Arc<DramSlots>,
+        nvme: Option<&NvmeTier>,
+        server: ServerId,
+        id: SegmentId,
+        from: PushHeader,
+        batch: &[u8],
+    ) -> Result<u64, PushError> {
         let stop = self.quota_stops.lock().get(&id.shuffle).cloned();
         let (dram_allowed, nvme_allowed) = stop.as_ref().map_or((true, true), |stop| (!stop.dram, !stop.nvme));
         let nvme = nvme.filter(|_| from.class != StorageClass::Dram && nvme_allowed);
@@ -394,7 +541,7 @@ impl Shuffles {
             (Some(nvme), false) => return self.push_to_nvme(pool, nvme, server, id, from, batch).await,
             (None, false) => {
                 let reason = stop.map(|stop| stop.reason).unwrap_or_default();
-                return Err(ShuffleError::QuotaExceeded { segment: id, reason });
+                return Err(ShuffleError::QuotaExceeded { segment: id, reason }.into());
             }
         };
         for _ in 0..MOVE_WAITS {
@@ -405,13 +552,13 @@ impl Shuffles {
             // Past the high watermark, new slots come from NVMe: DRAM is left to what is there.
             let may_take_dram = share_in_use(pool) < HIGH_WATERMARK;
             let full = match self.try_push(pool, server, id, from, batch, may_take_dram) {
-                Err(ShuffleError::Full { .. }) => {
+                Err(PushError::Refused(ShuffleError::Full { .. })) => {
                     self.wake_mover.notify_one();
                     match self.push_to_nvme(pool, nvme, server, id, from, batch).await {
                         // NVMe filled meanwhile: DRAM may have room now.
-                        Err(full @ ShuffleError::TiersFull { .. }) => {
+                        Err(PushError::Refused(full @ ShuffleError::TiersFull { .. })) => {
                             match self.try_push(pool, server, id, from, batch, true) {
-                                Err(ShuffleError::Full { .. }) => full,
+                                Err(PushError::Refused(ShuffleError::Full { .. })) => full,
                                 pushed => return pushed,
                             }
                         }
@@ -424,17 +571,17 @@ impl Shuffles {
             if self.moves_in_flight.load(Ordering::Acquire) == 0
                 || tokio::time::timeout(MOVE_WAIT, moved).await.is_err()
             {
-                return Err(full);
+                return Err(full.into());
             }
         }
         let (dram, disk) = (pool.usage(), nvme.usage());
-        Err(ShuffleError::TiersFull {
+        Err(PushError::Refused(ShuffleError::TiersFull {
             segment: id,
             dram_in_use: dram.used_blocks,
             dram_total: dram.capacity_blocks,
             nvme_in_use: disk.used_blocks,
             nvme_total: disk.capacity_blocks,
-        })
+        }))
     }
 
     fn try_push(
@@ -445,12 +592,16 @@ impl Shuffles {
         from: PushHeader,
         batch: &[u8],
         may_take_dram: bool,
-    ) -> Result<u64, ShuffleError> {
+    ) -> Result<u64, PushError> {
         let first_slot = || if may_take_dram { AppendSlot::take(pool).map(Extent::Dram) } else { None };
         let segment = self.segment_for_push(server, id, from.class, first_slot).ok_or_else(|| full(pool, id))??;
         let mut state = segment.state.lock();
         if state.dropped {
-            return Err(ShuffleError::Freed { segment: id, server });
+            return Err(ShuffleError::Freed { segment: id, server }.into());
+        }
+        if state.sealing || state.sealed.is_some() {
+            drop(state);
+            return Err(PushError::Sealed(segment));
         }
         let (bytes, closed) = state.append(pool, id, from, batch, may_take_dram)?;
         drop(state);
@@ -470,7 +621,7 @@ impl Shuffles {
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
-    ) -> Result<u64, ShuffleError> {
+    ) -> Result<u64, PushError> {
         let tiers_full = || {
             let (dram, disk) = (pool.usage(), nvme.usage());
             ShuffleError::TiersFull {
@@ -488,10 +639,14 @@ impl Shuffles {
         let (extent, fresh) = {
             let state = segment.state.lock();
             if state.dropped {
-                return Err(ShuffleError::Freed { segment: id, server });
+                return Err(ShuffleError::Freed { segment: id, server }.into());
+            }
+            if state.sealing || state.sealed.is_some() {
+                drop(state);
+                return Err(PushError::Sealed(segment.clone()));
             }
             if state.batches >= MAX_SEGMENT_BATCHES {
-                return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
+                return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES }.into());
             }
             let open = state.nvme_open.and_then(|at| match &state.slots[at as usize] {
                 Extent::Nvme(extent)
@@ -516,7 +671,7 @@ impl Shuffles {
         let mut state = segment.state.lock();
         if state.dropped {
             // Freed meanwhile: the extent goes with the segment.
-            return Err(ShuffleError::Freed { segment: id, server });
+            return Err(ShuffleError::Freed { segment: id, server }.into());
         }
         let slot = match fresh {
             true => {
@@ -529,6 +684,7 @@ impl Shuffles {
             false => state.nvme_open.expect("the open extent appended to"),
         };
         state.batches_in_nvme_open += 1;
+        state.in_extent_order &= slot as usize == state.slots.len() - 1;
         state.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
         state.batches += 1;
         state.bytes += u64::from(len);
@@ -553,7 +709,7 @@ impl Shuffles {
         if let Some(segment) = map.get(id) {
             return Some(Ok(segment));
         }
-        let segment = Segment::new(class, first_slot()?);
+        let segment = Segment::new(id, class, first_slot()?);
         map.shuffles.entry(id.shuffle).or_default().insert((id.partition, id.index), segment.clone());
         map.segments += 1;
         Some(Ok(segment))
@@ -797,16 +953,31 @@ impl Shuffles {
         removed.iter().map(HashMap::len).sum()
     }
 
-    /// Takes the bytes of dropped segments off the per-tier counts.
+    /// Takes the bytes of dropped segments off the per-tier counts, and their extents out of the
+    /// shuffle index (while the segments still hold their slots, so no slot is reused first).
     fn uncount<'a>(&self, segments: impl Iterator<Item = &'a Arc<Segment>>) {
         let mut gone = ShuffleBytes::default();
+        let mut recorded = Vec::new();
         for segment in segments {
             let mut state = segment.state.lock();
             state.dropped = true;
             gone += state.bytes_by_tier();
+            if state.recorded {
+                recorded.extend(state.nvme_slots());
+            }
         }
         self.dram_bytes.fetch_sub(gone.dram, Ordering::Relaxed);
         self.nvme_bytes.fetch_sub(gone.nvme, Ordering::Relaxed);
+        self.forget(&recorded);
+    }
+
+    /// Clears the shuffle index's entries of `slots` (of freed segments).
+    fn forget(&self, slots: &[usize]) {
+        if let Some(index) = self.index.get() {
+            if let Err(e) = index.clear(slots) {
+                durable::log_clear_failure(index, e);
+            }
+        }
     }
 
     /// Drops every segment and forgets which shuffles were freed (a new registration may see ids
@@ -820,6 +991,157 @@ impl Shuffles {
     /// The shuffles it holds segments of (its inventory).
     pub(crate) fn ids(&self) -> Vec<ShuffleId> {
         self.map.lock().shuffles.keys().copied().collect()
+    }
+
+    /// The segments it holds (its inventory).
+    pub(crate) fn held(&self) -> Vec<SegmentId> {
+        let map = self.map.lock();
+        let segments = map.shuffles.iter().flat_map(|(&shuffle, segments)| {
+            segments.keys().map(move |&(partition, index)| SegmentId { shuffle, partition, index })
+        });
+        segments.collect()
+    }
+
+    /// Every segment held, to look at outside the map lock.
+    fn all_segments(&self) -> Vec<Arc<Segment>> {
+        self.map.lock().shuffles.values().flat_map(HashMap::values).cloned().collect()
+    }
+
+    /// Opens the shuffle index and takes back the segments sealed in it (before any push or
+    /// fetch); from then on idle segments wholly on NVMe are sealed. Returns how many came back.
+    pub(crate) async fn restore(
+        &self,
+        nvme: &NvmeTier,
+        fs: Arc<dyn tern_common::durable::Fs>,
+        path: &std::path::Path,
+    ) -> anyhow::Result<usize> {
+        let (index, sealed, mut stale) = ShuffleIndex::open_in(fs, path, nvme.block_size(), nvme.slot_count())?;
+        let max_batch = max_batch_bytes(nvme.block_size());
+        let (mut restored, mut generation) = (0, 0);
+        for seal in sealed {
+            let slots = seal.extents.iter().map(|&(slot, _)| slot);
+            let why = match nvme.restore_extents(&seal.extents) {
+                None => "a block holds one of its NVMe slots".to_string(),
+                Some(extents) => match Segment::restore(&seal, extents, max_batch).await {
+                    Ok(segment) => {
+                        let bytes: u64 = segment.state.lock().slots.iter().map(Extent::len).sum();
+                        self.nvme_bytes.fetch_add(bytes, Ordering::Relaxed);
+                        let mut map = self.map.lock();
+                        let id = seal.segment;
+                        map.shuffles.entry(id.shuffle).or_default().insert((id.partition, id.index), segment);
+                        map.segments += 1;
+                        generation = generation.max(seal.generation);
+                        restored += 1;
+                        continue;
+                    }
+                    Err(why) => why,
+                },
+            };
+            tracing::warn!("{}: {} is not restored: {why}", path.display(), seal.segment);
+            stale.extend(slots);
+        }
+        index.clear(&stale).map_err(|e| anyhow::anyhow!("clearing stale entries of {}: {e}", path.display()))?;
+        if restored > 0 {
+            tracing::info!("NVMe tier: {restored} shuffle segments taken back from {}", path.display());
+        }
+        self.next_generation.store(generation + 1, Ordering::Relaxed);
+        if self.index.set(Arc::new(index)).is_err() {
+            anyhow::bail!("the NVMe shuffle index was opened twice");
+        }
+        Ok(restored)
+    }
+
+    /// The mover's durability pass, each tick: the open DRAM slot of each `nvme` segment idle
+    /// since the last pass is closed and moved down, then every idle segment wholly on NVMe and
+    /// not sealed yet is sealed (all in one sync of the data and one of the index). Returns how
+    /// many segments it sealed. Nothing without a shuffle index.
+    pub(crate) async fn make_idle_durable(&self, pool: &DramSlots, nvme: &Arc<NvmeTier>) -> usize {
+        let Some(index) = self.index.get().cloned() else { return 0 };
+        let mut idle = Vec::new();
+        for segment in self.all_segments() {
+            let mut state = segment.state.lock();
+            let quiet = state.batches == state.batches_seen;
+            state.batches_seen = state.batches;
+            if !quiet || state.dropped {
+                continue;
+            }
+            if segment.class == StorageClass::Nvme && state.open_dram_len().is_some() {
+                let slot = state.dram_open.take().expect("open_dram_len found it");
+                drop(state);
+                self.queue_move(&segment, slot, pool);
+            } else {
+                drop(state);
+            }
+            idle.push(segment);
+        }
+        if idle.is_empty() {
+            return 0;
+        }
+        self.move_down(pool, nvme).await;
+        self.seal(&idle, nvme, &index).await
+    }
+
+    /// Seals those of `segments` wholly on NVMe, with data, not sealed, and not being pushed to;
+    /// returns how many.
+    async fn seal(&self, segments: &[Arc<Segment>], nvme: &Arc<NvmeTier>, index: &Arc<ShuffleIndex>) -> usize {
+        let mut sealing = Vec::new();
+        let mut records = Vec::new();
+        for segment in segments {
+            // Busy: a push is unsealing it, or appending to NVMe. The next pass will do.
+            let (Ok(durable), Ok(appends)) = (segment.durable.try_lock(), segment.nvme_appends.try_lock()) else {
+                continue;
+            };
+            let mut state = segment.state.lock();
+            let on_nvme = state.slots.iter().all(|extent| matches!(extent, Extent::Nvme(_)));
+            if state.dropped || state.sealed.is_some() || state.batches == 0 || !on_nvme || !state.in_extent_order {
+                continue;
+            }
+            let generation = self.next_generation.fetch_add(1, Ordering::Relaxed);
+            let extents = u32::try_from(state.slots.len()).expect("fewer extents than batches");
+            for (ordinal, extent) in (0..).zip(&state.slots) {
+                let Extent::Nvme(extent) = extent else { unreachable!("checked above") };
+                let (id, class, len) = (segment.id, segment.class, extent.len());
+                let record = ExtentRecord { segment: id, class, ordinal, extents, len, generation };
+                records.push((extent.slot(), record));
+            }
+            state.sealing = true;
+            state.recorded = true;
+            let first = state.nvme_slots().next().expect("a segment has an extent");
+            drop(state);
+            sealing.push((segment, first, durable, appends));
+        }
+        if sealing.is_empty() {
+            return 0;
+        }
+        let (disk, index_for_io) = (nvme.clone(), index.clone());
+        // The data first: an entry must never name bytes a power cut could take back.
+        let written = tokio::task::spawn_blocking(move || {
+            disk.sync_data()?;
+            index_for_io.record(&records)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+        let mut freed_meanwhile = Vec::new();
+        for (segment, first, _, _) in &sealing {
+            let mut state = segment.state.lock();
+            state.sealing = false;
+            if state.dropped {
+                // Freed while its seal was written: its entries go again.
+                freed_meanwhile.extend(state.nvme_slots());
+            } else {
+                // Even if the seal failed: its entries may be on disk, so the next push must
+                // clear them first, as it would a seal's.
+                state.sealed = Some(*first);
+            }
+        }
+        self.forget(&freed_meanwhile);
+        match written {
+            Ok(()) => sealing.len(),
+            Err(e) => {
+                tracing::error!("sealing {} shuffle segments in {} failed: {e}", sealing.len(), index.path().display());
+                0
+            }
+        }
     }
 
     pub(crate) fn segments(&self) -> usize {
@@ -967,10 +1289,19 @@ impl SegmentState {
         let (offset, crc) = open
             .append_with_header(batch, |crc| BatchHeader { map: from.map, attempt: from.attempt, len, crc }.encode());
         self.batches_in_dram_open += 1;
+        self.in_extent_order &= slot as usize == self.slots.len() - 1;
         self.index.entry((from.map, from.attempt)).or_default().push(Batch { slot, offset, len, crc });
         self.batches += 1;
         self.bytes += u64::from(len);
         Ok((self.bytes, closed))
+    }
+
+    /// The slots of its NVMe extents.
+    fn nvme_slots(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots.iter().filter_map(|extent| match extent {
+            Extent::Nvme(extent) => Some(extent.slot()),
+            Extent::Dram(_) => None,
+        })
     }
 
     /// The published bytes of the open DRAM slot, if there is one and it holds some.
@@ -1028,6 +1359,8 @@ impl SegmentState {
     }
 }
 
+#[cfg(test)]
+mod durable_tests;
 #[cfg(test)]
 mod tiering_tests;
 

@@ -22,6 +22,16 @@ pub enum TierRef<'a> {
     Nvme(&'a Arc<NvmeTier>),
 }
 
+/// What a storage server holds, as it reports it when it registers.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Inventory {
+    /// Blocks of both tiers.
+    pub blocks: Vec<BlockId>,
+    /// Shuffles it holds segments of.
+    pub shuffles: Vec<ShuffleId>,
+    pub segments: Vec<SegmentId>,
+}
+
 /// Every tier of one storage server, and the server's id and authority.
 pub struct BlockStore {
     dram: DramTier,
@@ -108,13 +118,41 @@ impl BlockStore {
         nvme_freed + self.dram.free(&dram)
     }
 
-    /// What this server holds, for its inventory: blocks of both tiers, and shuffles.
-    pub fn inventory(&self) -> (Vec<BlockId>, Vec<ShuffleId>) {
+    /// What this server holds, for its inventory.
+    pub fn inventory(&self) -> Inventory {
         let mut blocks = self.dram.ids();
         if let Some(nvme) = &self.nvme {
             blocks.extend(nvme.ids());
         }
-        (blocks, self.shuffles.ids())
+        Inventory { blocks, shuffles: self.shuffles.ids(), segments: self.shuffles.held() }
+    }
+
+    /// Takes back the shuffle segments sealed in the NVMe shuffle index at `path` (see
+    /// [`crate::shuffle::durable`]), and keeps sealing idle ones there; returns how many came back.
+    /// Called once, before the server serves anyone; nothing without an NVMe tier.
+    pub async fn restore_shuffles(&self, path: &std::path::Path) -> anyhow::Result<usize> {
+        self.restore_shuffles_in(tern_common::durable::RealFs::shared(), path).await
+    }
+
+    /// [`BlockStore::restore_shuffles`] with the index on the filesystem `fs`.
+    pub async fn restore_shuffles_in(
+        &self,
+        fs: Arc<dyn tern_common::durable::Fs>,
+        path: &std::path::Path,
+    ) -> anyhow::Result<usize> {
+        match &self.nvme {
+            Some(nvme) => self.shuffles.restore(nvme, fs, path).await,
+            None => Ok(0),
+        }
+    }
+
+    /// The mover's durability pass (see [`crate::shuffle`]): segments idle since the last pass
+    /// are made durable; returns how many were sealed.
+    pub async fn make_idle_shuffles_durable(&self) -> usize {
+        match &self.nvme {
+            Some(nvme) => self.shuffles.make_idle_durable(self.dram.slots(), nvme).await,
+            None => 0,
+        }
     }
 
     /// Drops every block and shuffle segment: the cluster no longer counts them, so they must
@@ -149,9 +187,15 @@ impl BlockStore {
     pub async fn run_shuffle_mover(self: Arc<BlockStore>) {
         // Past the high watermark, pushes wake it; the tick catches what they did not.
         const TICK: std::time::Duration = std::time::Duration::from_millis(200);
+        let mut last_pass = tokio::time::Instant::now();
         loop {
             self.shuffles.mover_woken(TICK).await;
             self.move_shuffles_down().await;
+            // Once a tick, however often pushes wake it: "idle" means no batch for a tick.
+            if last_pass.elapsed() >= TICK {
+                last_pass = tokio::time::Instant::now();
+                self.make_idle_shuffles_durable().await;
+            }
         }
     }
 

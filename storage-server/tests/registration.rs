@@ -237,13 +237,18 @@ async fn registers_heartbeats_frees_and_reregisters() {
         assert!(first.instance_id != 0 && again.instance_id == first.instance_id, "one process, one instance id");
         let after: Vec<_> = state.heartbeats.iter().filter(|h| h.server_id == 2).collect();
         assert_eq!(after[0].freed_through_seq, 0, "a new registration acknowledges from zero");
-        // At start an empty inventory; after registering again, the blocks, then the shuffles.
+        // At start an empty inventory; after registering again, the blocks, the shuffles and
+        // their segments (one page: they fit).
         let inventories: Vec<(u64, Vec<u64>, Vec<u64>, bool)> = state
             .inventories
             .iter()
             .map(|i| (i.server_id, i.block_ids.clone(), i.shuffle_ids.clone(), i.last))
             .collect();
-        assert_eq!(inventories, [(1, vec![], vec![], true), (2, vec![3], vec![], false), (2, vec![], vec![21], true)]);
+        assert_eq!(inventories, [(1, vec![], vec![], true), (2, vec![3], vec![21], true)]);
+        let segments: Vec<Vec<(u64, u32, u32)>> = (state.inventories.iter())
+            .map(|i| i.segments.iter().map(|s| (s.shuffle_id, s.partition, s.index)).collect())
+            .collect();
+        assert_eq!(segments, [vec![], vec![(21, 0, 0)]]);
     }
 
     let metrics = http_get(server.admin_addr(), "/metrics").await;

@@ -646,3 +646,41 @@ fn shuffle_bytes_count_against_the_tenants_quotas_per_tier() {
     let stops = report(&mut state, other, second, (0, 0), later).quota_stops;
     assert!(stops.is_empty(), "{stops:?}");
 }
+
+#[test]
+fn a_restarted_server_keeps_the_segments_it_reports_and_loses_the_rest() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 1000, now);
+    register_job(&mut state, "j", 60_000, now);
+    let shuffle = register(&mut state, "j", 3, 0, now).shuffle_id;
+    assert_eq!(advance(&mut state, shuffle, 1, 0, now).server_id, server, "partition 1 continues in segment 1");
+    // A new process at the same address took back partition 0's segment and partition 1's first
+    // from NVMe (and reports a segment the registry never had, which changes nothing).
+    let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 1000, ..TierUsage::default() }];
+    let request =
+        RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers, instance_id: u64::MAX, ..Default::default() };
+    assert_eq!(state.register_server(request, now).unwrap().server_id, server);
+    let held = |partition, index| HeldSegment { shuffle_id: shuffle, partition, index };
+    let inventory = ReportInventoryRequest {
+        server_id: server,
+        shuffle_ids: vec![shuffle],
+        segments: vec![held(0, 0), held(1, 0), held(7, 3)],
+        last: true,
+        ..Default::default()
+    };
+    state.report_inventory(inventory, now).unwrap();
+    let reply = locate(&mut state, shuffle, (0, 3), (0, 0), now);
+    let segments: Vec<(u32, u32, bool)> = reply.segments.iter().map(|s| (s.partition, s.index, s.lost)).collect();
+    assert_eq!(segments, [(0, 0, false), (1, 0, false), (1, 1, true), (2, 0, true)]);
+    // The same process registering again (the metadata server lost track of it) loses nothing,
+    // whatever it reports.
+    let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 1000, ..TierUsage::default() }];
+    let again =
+        RegisterServerRequest { address: "10.0.0.1:7000".into(), tiers, instance_id: u64::MAX, ..Default::default() };
+    state.register_server(again, now).unwrap();
+    state
+        .report_inventory(ReportInventoryRequest { server_id: server, last: true, ..Default::default() }, now)
+        .unwrap();
+    let reply = locate(&mut state, shuffle, (0, 3), (0, 0), now);
+    assert_eq!(reply.segments.iter().filter(|s| s.lost).count(), 2);
+}

@@ -17,8 +17,8 @@
 //! storage server restarts on the same path.
 //!
 //! Shuffle segments also take this tier's slots, as [`NvmeExtent`]s: a DRAM slot's batches moved
-//! down whole, in one aligned write (see [`crate::shuffle`]). They are not in the index: shuffle
-//! data is lost with its server's process, as DRAM segments are.
+//! down whole, in one aligned write (see [`crate::shuffle`]). They are not in the block index:
+//! the shuffle index ([`crate::shuffle::durable`]) records the segments wholly on NVMe.
 
 pub mod aligned;
 pub mod device;
@@ -173,6 +173,26 @@ impl NvmeTier {
         Appender::take(self.table.slots()).map(|appender| NvmeExtent { appender: parking_lot::Mutex::new(appender) })
     }
 
+    /// Extents found at start by the shuffle index: the listed slots (index, length), off the
+    /// free list; `None`, taking nothing, if a block (or another extent) holds any of them.
+    pub(crate) fn restore_extents(&self, listed: &[(usize, u32)]) -> Option<Vec<NvmeExtent>> {
+        let appenders = Appender::take_listed(self.table.slots(), listed)?;
+        Some(appenders.into_iter().map(|appender| NvmeExtent { appender: parking_lot::Mutex::new(appender) }).collect())
+    }
+
+    /// fdatasync of the device: every write done so far is durable.
+    pub(crate) fn sync_data(&self) -> std::io::Result<()> {
+        self.disk().engine.sync_data()
+    }
+
+    pub(crate) fn block_size(&self) -> u32 {
+        self.table.slots().block_size()
+    }
+
+    pub(crate) fn slot_count(&self) -> usize {
+        self.table.slots().count()
+    }
+
     /// Writes `bytes` (at most a block) to a free slot, as a shuffle segment's extent; `None`
     /// when every slot is in use.
     pub(crate) async fn write_extent(&self, bytes: &[u8]) -> std::io::Result<Option<NvmeExtent>> {
@@ -221,6 +241,11 @@ impl NvmeExtent {
     /// Bytes it holds.
     pub(crate) fn len(&self) -> u32 {
         self.appender.lock().len()
+    }
+
+    /// Which slot of the tier it is.
+    pub(crate) fn slot(&self) -> usize {
+        self.appender.lock().slot().index()
     }
 
     /// Bytes free at its end.

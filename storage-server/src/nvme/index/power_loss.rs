@@ -29,7 +29,7 @@ const INDEX: &str = "/nvme/tier.index";
 const DATA: &str = "/nvme/tier";
 
 /// The tier's data file on the simulated disk: what is not synced when the power goes is lost.
-struct SimEngine(Box<dyn FsFile>);
+pub(crate) struct SimEngine(pub(crate) Box<dyn FsFile>);
 
 impl IoEngine for SimEngine {
     fn name(&self) -> &'static str {
