@@ -563,7 +563,7 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         return Ok(index);
     }
     let last = why_moved.message();
-    Err(Error::new(why_moved.kind(), format!("no segment took the batch after {moves} moves (last: {last})")))
+    Err(Error::new(why_moved.kind(), format!("no segment took the batch after {moves} move(s) (last: {last})")))
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.

@@ -74,13 +74,14 @@ async fn spark_jobs_on_tern_match_the_builtin_shuffle() {
 }
 
 /// Long applications under storage pressure (see spark-shuffle/tests/spark_space.py): 2 storage
-/// servers of 40 MiB DRAM each and no NVMe tier; each query shuffles ~30 MiB.
+/// servers of 56 MiB DRAM each and no NVMe tier; each query shuffles ~30 MiB (~40 of the 112 blocks:
+/// batches of three 256 KiB chunks fill three quarters of a 1 MiB block).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_applications_free_finished_queries_shuffles_under_storage_pressure() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     ensure_pyspark();
     let (jar, _) = build_plugin(root);
-    let cluster = Cluster::start(2, "40MiB").await;
+    let cluster = Cluster::start(2, "56MiB").await;
     let out = tokio::process::Command::new("python3")
         .arg(root.join("spark-shuffle/tests/spark_space.py"))
         .env("TERN_METADATA", &cluster.metadata_addr)

@@ -254,7 +254,7 @@ public class TernShuffleManager implements ShuffleManager {
     private String spaceAdvice(String refusal, long heldBytes, int heldShuffles, int stageId) {
         String held = heldBytes < 0 ? ""
                 : "; the application still holds " + org.apache.spark.util.Utils.bytesToString(heldBytes)
-                        + " of shuffle output in " + heldShuffles + " shuffles Spark has not freed";
+                        + " of shuffle output in " + heldShuffles + " shuffle(s) Spark has not freed";
         String storageClass = conf.storageClass.isEmpty() ? "any" : conf.storageClass;
         String tiers = "any".equals(storageClass)
                 ? "more storage servers, or more DRAM or NVMe on them"
