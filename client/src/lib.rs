@@ -43,6 +43,7 @@ pub use job::JobSession;
 pub use reader::FileReader;
 pub use shuffle::{
     CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader, SpaceWait,
+    SpaceWaitHook,
 };
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, JobStatus, ServerMode, ServerStatus, StatusResponse};
 pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};

@@ -86,8 +86,11 @@ pub struct SpaceWait {
     pub limit: Duration,
     /// Called, on a runtime thread, each time a push refused for space starts a pause, with the
     /// refusal (which says which segment and tiers are full). It must not block.
-    pub on_wait: Option<Arc<dyn Fn(&Error) + Send + Sync>>,
+    pub on_wait: Option<SpaceWaitHook>,
 }
+
+/// What [`SpaceWait::on_wait`] calls: given the refusal, on a runtime thread.
+pub type SpaceWaitHook = Arc<dyn Fn(&Error) + Send + Sync>;
 
 impl std::fmt::Debug for SpaceWait {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
