@@ -545,14 +545,9 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
             tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
-            // The server's own words: which tiers are full, and how full.
+            // The server's own words, after its address: which tiers are full, and how full.
             let why = results.iter().find_map(|r| r.as_ref().err()).map(Error::message).unwrap_or_default();
-            let servers: Vec<String> =
-                segment_holders(&segment).into_iter().map(|h| format!("storage server {}", h.address)).collect();
-            why_moved = Error::new(
-                ErrorKind::OutOfSpace,
-                format!("segment {index} on {} is full: {why}", servers.join(" and ")),
-            );
+            why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full: {why}"));
             segment = shuffle.advance(partition, index).await?;
             continue;
         }
