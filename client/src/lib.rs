@@ -41,7 +41,10 @@ pub use auth::{TENANT_ENV, TOKEN_ENV};
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
 pub use reader::FileReader;
-pub use shuffle::{CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader};
+pub use shuffle::{
+    CommitOutcome, MapWriter, MapWriterOptions, Shuffle, ShuffleBatch, ShuffleOptions, ShuffleReader, SpaceWait,
+    SpaceWaitHook,
+};
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, JobStatus, ServerMode, ServerStatus, StatusResponse};
 pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
 pub use tern_transport::TransportKind;

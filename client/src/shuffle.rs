@@ -24,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::stream::FuturesUnordered;
@@ -73,6 +74,33 @@ impl Default for MapWriterOptions {
         MapWriterOptions { buffer_bytes: 64 << 20, batch_bytes: 1 << 20, pushes_in_flight: 16 }
     }
 }
+
+/// What a map writer does when no segment takes a batch for space: by default it fails at once
+/// (OutOfSpace); with a `limit`, each such push waits for room, retrying with backoff, and fails
+/// only when the limit has passed. Space comes back when something frees a shuffle, which a
+/// caller can prompt through `on_wait` (Spark's plugin has its driver collect garbage so that
+/// Spark's ContextCleaner unregisters the shuffles nothing references).
+#[derive(Clone, Default)]
+pub struct SpaceWait {
+    /// The longest one push waits for space (zero: it does not wait).
+    pub limit: Duration,
+    /// Called, on a runtime thread, each time a push refused for space starts a pause, with the
+    /// refusal (which says which segment and tiers are full). It must not block.
+    pub on_wait: Option<SpaceWaitHook>,
+}
+
+/// What [`SpaceWait::on_wait`] calls: given the refusal, on a runtime thread.
+pub type SpaceWaitHook = Arc<dyn Fn(&Error) + Send + Sync>;
+
+impl std::fmt::Debug for SpaceWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpaceWait").field("limit", &self.limit).field("on_wait", &self.on_wait.is_some()).finish()
+    }
+}
+
+/// The first pause of a push waiting for space; each next one doubles, up to [`SPACE_PAUSE_MAX`].
+const SPACE_PAUSE_FIRST: Duration = Duration::from_millis(100);
+const SPACE_PAUSE_MAX: Duration = Duration::from_secs(2);
 
 /// Bytes a Fetch page may carry.
 const FETCH_PAGE_BYTES: u32 = 1 << 20;
@@ -242,6 +270,7 @@ impl Shuffle {
             segments: vec![None; partitions],
             pushing: vec![false; partitions],
             in_flight: FuturesUnordered::new(),
+            space_wait: SpaceWait::default(),
         }
     }
 
@@ -329,9 +358,16 @@ pub struct MapWriter {
     /// push order, within a segment and across segments; pushes to different partitions overlap.
     pushing: Vec<bool>,
     in_flight: FuturesUnordered<JoinHandle<Result<(u32, u32)>>>,
+    space_wait: SpaceWait,
 }
 
 impl MapWriter {
+    /// Has pushes refused for space wait for room as `wait` says, instead of failing at once.
+    pub fn wait_for_space(mut self, wait: SpaceWait) -> MapWriter {
+        self.space_wait = wait;
+        self
+    }
+
     /// Appends `data` to `partition`'s output.
     pub async fn write(&mut self, partition: u32, mut data: &[u8]) -> Result<()> {
         if partition >= self.shuffle.partitions {
@@ -383,10 +419,11 @@ impl MapWriter {
         self.pushing[partition as usize] = true;
         let shuffle = self.shuffle.clone();
         let (map, attempt) = (self.map, self.attempt);
+        let wait = self.space_wait.clone();
         self.in_flight.push(tokio::spawn(async move {
-            push_batch(&shuffle, partition, batch.freeze()).await.map(|segment| (partition, segment)).map_err(|e| {
-                e.context(format_args!("shuffle {} partition {partition} map {map} attempt {attempt}", shuffle.id))
-            })
+            push_batch(&shuffle, partition, batch.freeze(), &wait).await.map(|segment| (partition, segment)).map_err(
+                |e| e.context(format_args!("shuffle {} partition {partition} map {map} attempt {attempt}", shuffle.id)),
+            )
         }));
         Ok(())
     }
@@ -433,17 +470,43 @@ impl MapWriter {
     }
 }
 
+/// Pushes one batch as [`push_to_segments`] does; when no segment takes it for space and `wait`
+/// allows, pauses (with backoff, telling `wait.on_wait`) and tries again until its limit has
+/// passed. A retry tries the current segment and at most one new one: the metadata server places
+/// a new segment on the server with the most room, so one move finds space freed anywhere.
+async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes, wait: &SpaceWait) -> Result<u32> {
+    let started = Instant::now();
+    let mut pause = SPACE_PAUSE_FIRST;
+    let mut moves = PUSH_ADVANCES;
+    loop {
+        let refused = match push_to_segments(shuffle, partition, &payload, moves).await {
+            Err(e) if e.kind() == ErrorKind::OutOfSpace && !wait.limit.is_zero() => e,
+            done => return done,
+        };
+        let waited = started.elapsed();
+        if waited >= wait.limit {
+            return Err(refused.context(format_args!("still no room after waiting {:.1}s", waited.as_secs_f64())));
+        }
+        if let Some(on_wait) = &wait.on_wait {
+            on_wait(&refused);
+        }
+        tokio::time::sleep(pause.min(wait.limit - waited)).await;
+        pause = (pause * 2).min(SPACE_PAUSE_MAX);
+        moves = 1;
+    }
+}
+
 /// Pushes one batch to its partition's current segment (every copy of it); returns the segment
 /// index it landed in. A refusal for space everywhere, or a copy's server that cannot be reached
 /// at all before anything is sent (nothing stored either way), moves to a new segment and tries
-/// again, a bounded number of times; any other failure fails the push, since a copy may or may
-/// not have stored the batch and only a new attempt keeps the output exactly-once.
-async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result<u32> {
+/// again, at most `moves` times; any other failure fails the push, since a copy may or may not
+/// have stored the batch and only a new attempt keeps the output exactly-once.
+async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, moves: u32) -> Result<u32> {
     let mut segment = shuffle.current_segment(partition);
     // The last reason for moving on, with the kind the push fails with if no segment takes the
     // batch: full servers are OutOfSpace, lost or unreachable ones Unavailable.
     let mut why_moved = Error::unavailable(String::new());
-    for _ in 0..=PUSH_ADVANCES {
+    for _ in 0..=moves {
         // A lost segment takes no pushes; nor does one that lost a copy: its successor has all
         // its copies on live servers, so new output stays replicated.
         if segment.lost || segment.replica_lost {
@@ -482,7 +545,7 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
             tracing::debug!("segment {index} of partition {partition} is full; moving on to a new segment");
-            // The server's own words: which tiers are full, and how full.
+            // The server's own words, after its address: which tiers are full, and how full.
             let why = results.iter().find_map(|r| r.as_ref().err()).map(Error::message).unwrap_or_default();
             why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full: {why}"));
             segment = shuffle.advance(partition, index).await?;
@@ -498,7 +561,7 @@ async fn push_batch(shuffle: &Shuffle, partition: u32, payload: Bytes) -> Result
         return Ok(index);
     }
     let last = why_moved.message();
-    Err(Error::new(why_moved.kind(), format!("no segment took the batch after {PUSH_ADVANCES} moves (last: {last})")))
+    Err(Error::new(why_moved.kind(), format!("no segment took the batch after {moves} move(s) (last: {last})")))
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.

@@ -10,7 +10,11 @@
 //!   ([`exclusive`]). See [`shared`] for which Java objects hold which handle.
 //! - **Nothing unwinds into the JVM.** Each entry point runs under `catch_unwind`; an error or a
 //!   panic becomes a thrown `io.tern.spark.TernException` carrying the message and the error kind
-//!   (`data-lost`, `not-found`, ... as in `tern_proto::ErrorKind::name`, or `panic`).
+//!   (`data-lost`, `not-found`, ... as in `tern_proto::ErrorKind::name`, or `panic`); an
+//!   `out-of-space` one is thrown as its subclass `io.tern.spark.TernOutOfSpaceException`.
+//! - **One call back into Java**: a map writer waiting for space calls the static
+//!   `TernNative.spaceWait(String)` from a runtime thread (attached to the JVM as a daemon), so
+//!   Spark's driver can be asked to free what it no longer needs while the push waits.
 //! - **Zero copy.** Data goes in and out as direct ByteBuffers: a write reads the caller's buffer
 //!   in place; a read hands Java a direct buffer over the fetched bytes, valid until the next
 //!   `nextBatch` or `closeReader` on that reader.
@@ -21,18 +25,23 @@
 #![allow(unsafe_code)]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use jni::objects::{JByteBuffer, JClass, JIntArray, JObject, JString, JValue};
+use jni::objects::{GlobalRef, JByteBuffer, JClass, JIntArray, JObject, JString, JValue};
 use jni::sys::{jint, jintArray, jlong, jlongArray, jobject, jstring};
-use jni::JNIEnv;
+use jni::{JNIEnv, JavaVM};
 use tern_client::{
     Client, ErrorKind, JobSession, MapWriter, MapWriterOptions, Shuffle, ShuffleId, ShuffleOptions, ShuffleReader,
+    SpaceWait,
 };
 
 const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
+/// Thrown instead of [`EXCEPTION_CLASS`] for `out-of-space`, so Java can tell it apart by type.
+const OUT_OF_SPACE_CLASS: &str = "io/tern/spark/TernOutOfSpaceException";
+/// The class whose static `spaceWait(String)` a waiting push calls.
+const NATIVE_CLASS: &str = "io/tern/spark/TernNative";
 
 /// An error on its way to Java: a kind (`ErrorKind::name`, or `panic`/`jni`) and a message.
 struct Failure {
@@ -107,8 +116,9 @@ fn throw(env: &mut JNIEnv, failure: &Failure) {
     let thrown = (|| -> jni::errors::Result<()> {
         let kind = env.new_string(&failure.kind)?;
         let message = env.new_string(&failure.message)?;
+        let class = if failure.kind == ErrorKind::OutOfSpace.name() { OUT_OF_SPACE_CLASS } else { EXCEPTION_CLASS };
         let exception = env.new_object(
-            EXCEPTION_CLASS,
+            class,
             "(Ljava/lang/String;Ljava/lang/String;)V",
             &[JValue::Object(&kind), JValue::Object(&message)],
         )?;
@@ -440,6 +450,51 @@ pub extern "system" fn Java_io_tern_spark_TernNative_invalidateMaps<'l>(
     })
 }
 
+// ---- waiting for space -------------------------------------------------------------------------
+
+/// The JVM and a global reference to `TernNative`, kept by the first `openWriter` that waits for
+/// space: runtime threads have no class loader of their own to find the plugin's classes with.
+static JAVA: OnceLock<(JavaVM, GlobalRef)> = OnceLock::new();
+
+/// A [`SpaceWait`] of `limit_ms` whose pauses call `TernNative.spaceWait(message)`.
+fn space_wait(env: &mut JNIEnv, limit_ms: jlong) -> Outcome<SpaceWait> {
+    if limit_ms <= 0 {
+        return Ok(SpaceWait::default());
+    }
+    if JAVA.get().is_none() {
+        let class = env.find_class(NATIVE_CLASS)?;
+        let _ = JAVA.set((env.get_java_vm()?, env.new_global_ref(class)?));
+    }
+    Ok(SpaceWait {
+        limit: Duration::from_millis(limit_ms as u64),
+        on_wait: Some(Arc::new(|refusal: &tern_client::Error| tell_java_space_wait(refusal))),
+    })
+}
+
+/// Calls `TernNative.spaceWait(refusal)` on this (runtime) thread. A failure is logged, never
+/// raised: the push waits and retries either way.
+fn tell_java_space_wait(refusal: &tern_client::Error) {
+    let Some((vm, native)) = JAVA.get() else { return };
+    let called = (|| -> jni::errors::Result<()> {
+        let mut env = vm.attach_current_thread_as_daemon()?;
+        // A frame frees the call's local references: this thread never returns to Java to do it.
+        env.with_local_frame(4, |env| -> jni::errors::Result<()> {
+            let message = env.new_string(refusal.to_string())?;
+            let class = <&JClass>::from(native.as_obj());
+            let result =
+                env.call_static_method(class, "spaceWait", "(Ljava/lang/String;)V", &[JValue::Object(&message)]);
+            if env.exception_check()? {
+                env.exception_describe()?;
+                env.exception_clear()?;
+            }
+            result.map(|_| ())
+        })
+    })();
+    if let Err(e) = called {
+        tracing::warn!("telling Java that a push waits for space failed: {e}");
+    }
+}
+
 // ---- map writers ------------------------------------------------------------------------------
 
 #[no_mangle]
@@ -452,8 +507,9 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openWriter<'l>(
     buffer_bytes: jlong,
     batch_bytes: jint,
     pushes_in_flight: jint,
+    space_wait_ms: jlong,
 ) -> jlong {
-    entry(&mut env, |_| {
+    entry(&mut env, |env| {
         // SAFETY: a live shuffle handle.
         let shuffle = unsafe { shared::<Shuffle>(shuffle)? };
         if map < 0 || buffer_bytes <= 0 || batch_bytes <= 0 || pushes_in_flight <= 0 {
@@ -466,7 +522,8 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openWriter<'l>(
             batch_bytes: batch_bytes as usize,
             pushes_in_flight: pushes_in_flight as usize,
         };
-        let writer = shuffle.writer_with(map as u32, attempt as u32, options);
+        let wait = space_wait(env, space_wait_ms)?;
+        let writer = shuffle.writer_with(map as u32, attempt as u32, options).wait_for_space(wait);
         Ok(into_handle(Writer { writer: Some(writer) }))
     })
 }

@@ -1,13 +1,14 @@
-//! The shuffle service through a real cluster: exactly-once commits, ranges, splits, frees and
-//! lost servers.
+//! The shuffle service through a real cluster: exactly-once commits, ranges, splits, frees,
+//! lost servers, and pushes that wait for space.
 
 use crate::common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::Cluster;
-use tern_client::{ErrorKind, MapWriterOptions, ShuffleOptions};
+use tern_client::{ErrorKind, MapWriterOptions, ShuffleOptions, SpaceWait};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::LocateShuffleRequest;
 
@@ -248,9 +249,6 @@ async fn a_restarted_server_keeps_nvme_segments_and_reports_dram_ones_lost() {
     let nvme = common::Nvme { size: "128MiB", engine: "auto" };
     let mut cluster = Cluster::start_with_nvme(1, "64MiB", nvme).await;
     let client = cluster.client().await;
-    // Listed alive is not yet reconciled: wait until the server takes placements.
-    let reconciled = || async { client.put("/probe", bytes::Bytes::from_static(b"x")).await.is_ok().then_some(()) };
-    cluster.wait_for("the storage server to take placements", Duration::from_secs(20), reconciled).await;
     let job = client.start_job(Some("restart"), Duration::from_secs(120)).await.unwrap();
     let mut shuffles = Vec::new();
     for class in ["nvme", "dram"] {
@@ -298,4 +296,69 @@ async fn a_restarted_server_keeps_nvme_segments_and_reports_dram_ones_lost() {
     assert_eq!(in_dram.lost_maps(0..4, 0..3).await.unwrap(), vec![0, 1, 2]);
     let err = in_dram.reader(0..4, 0..3).await.err().expect("a dram shuffle's segments are lost with the process");
     assert_eq!(err.kind(), ErrorKind::DataLost, "{err}");
+}
+
+/// A push refused for space waits (`SpaceWait`) and lands once space is freed meanwhile, telling
+/// its hook at each pause; with nothing freed it fails when the wait runs out, saying how long it
+/// waited and which server and tier are full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_refused_for_space_waits_for_room_within_its_bound() {
+    let cluster = Cluster::start(1, "8MiB").await;
+    let client = cluster.client().await;
+    let job = client.start_job(Some("space-wait"), Duration::from_secs(30)).await.unwrap();
+    let dram = || ShuffleOptions { storage_class: "dram".into(), ..Default::default() };
+    // Three chunks make one batch, which fills most of one 1 MiB block.
+    let chunk = vec![7u8; 300 << 10];
+    // Five of the server's 8 blocks go to a first shuffle.
+    let first = client.register_shuffle(job.id(), 1, dram()).await.unwrap();
+    let mut writer = first.writer(0, 0);
+    for _ in 0..15 {
+        writer.write(0, &chunk).await.unwrap();
+    }
+    writer.commit().await.unwrap();
+
+    // A second shuffle of four blocks does not fit beside it; its pushes wait, and the first pause frees the first.
+    let second = client.register_shuffle(job.id(), 1, dram()).await.unwrap();
+    let (paused, mut pauses) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let wait = SpaceWait {
+        limit: Duration::from_secs(20),
+        on_wait: Some(Arc::new(move |refusal: &tern_client::Error| {
+            let _ = paused.send(refusal.to_string());
+        })),
+    };
+    let freer = tokio::spawn(async move {
+        let refusal = pauses.recv().await.expect("no push paused for space");
+        first.unregister().await.unwrap();
+        refusal
+    });
+    let mut writer = second.writer(0, 0).wait_for_space(wait);
+    for _ in 0..12 {
+        writer.write(0, &chunk).await.unwrap();
+    }
+    assert!(writer.commit().await.unwrap().committed);
+    let refusal = freer.await.unwrap();
+    assert!(refusal.contains("dram tier full") && refusal.contains(&cluster.storage_addrs[0]), "{refusal}");
+    let read = read_back(&second, 0..1, 0..1).await;
+    assert_eq!(read[&(0, 0)], chunk.repeat(12));
+
+    // Nothing frees room for a third: it fails once its wait has run out.
+    let third = client.register_shuffle(job.id(), 1, dram()).await.unwrap();
+    let limit = Duration::from_secs(2);
+    let mut writer = third.writer(0, 0).wait_for_space(SpaceWait { limit, on_wait: None });
+    let started = std::time::Instant::now();
+    let mut failed = None;
+    for _ in 0..30 {
+        if let Err(e) = writer.write(0, &chunk).await {
+            failed = Some(e);
+            break;
+        }
+    }
+    let err = match failed {
+        Some(e) => e,
+        None => writer.commit().await.unwrap_err(),
+    };
+    let took = started.elapsed();
+    assert_eq!(err.kind(), ErrorKind::OutOfSpace, "{err}");
+    assert!(err.message().contains("still no room after waiting 2.") && err.message().contains("is full"), "{err}");
+    assert!(took >= limit && took < limit * 3, "failed after {took:?} with a {limit:?} wait");
 }

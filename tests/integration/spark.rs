@@ -5,6 +5,10 @@
 //! between a shuffle's map and reduce stages, recovered by one map-stage retry that reruns exactly
 //! the lost maps; and a second driver with dynamic allocation (executors released between two
 //! reads of one shuffle) that is SIGKILLed, its data freed when its job lease lapses.
+//! spark-shuffle/tests/spark_space.py runs long applications on a cluster whose DRAM holds about
+//! two of their shuffles: without the plugin's cleanup a later query fails out-of-space; with it
+//! (past a threshold, or when pushes wait for space) every query is right, and a shuffle larger
+//! than the cluster fails within the wait with a message saying what is full and what to do.
 //!
 //! Needs python3 and a JDK (javac, jar); installs pyspark==3.5.3 with pip if it is missing.
 
@@ -67,6 +71,34 @@ async fn spark_jobs_on_tern_match_the_builtin_shuffle() {
         tail(&cluster.logs(), 60)
     );
     assert!(stdout.contains("all Spark cases agree"), "{stdout}");
+}
+
+/// Long applications under storage pressure (see spark-shuffle/tests/spark_space.py): 2 storage
+/// servers of 56 MiB DRAM each and no NVMe tier; each query shuffles ~30 MiB (~40 of the 112 blocks:
+/// batches of three 256 KiB chunks fill three quarters of a 1 MiB block).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_applications_free_finished_queries_shuffles_under_storage_pressure() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let cluster = Cluster::start(2, "56MiB").await;
+    let out = tokio::process::Command::new("python3")
+        .arg(root.join("spark-shuffle/tests/spark_space.py"))
+        .env("TERN_METADATA", &cluster.metadata_addr)
+        .env("TERN_SPARK_JAR", &jar)
+        .env("TERN_BIN", TERN)
+        .output()
+        .await
+        .expect("running spark_space.py");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "spark_space.py failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
+        tail(&String::from_utf8_lossy(&out.stderr), 200),
+        tail(&cluster.logs(), 60)
+    );
+    assert!(stdout.contains("storage pressure handled"), "{stdout}");
 }
 
 fn tail(text: &str, lines: usize) -> String {

@@ -22,6 +22,12 @@ final class TernConf {
     static final String PUSH_BATCH = "spark.tern.push.batchSize";
     /** Pushes a map task has in flight at once. */
     static final String PUSHES_IN_FLIGHT = "spark.tern.push.inFlight";
+    /** How long a map task's push refused for space waits for room before the task fails (0: no wait). */
+    static final String SPACE_WAIT = "spark.tern.spaceWait";
+    /** Shuffle bytes the application may hold before the driver has Spark free unreferenced ones (0: never). */
+    static final String CLEANER_THRESHOLD = "spark.tern.cleanerThreshold";
+    /** Least time between two garbage collections the plugin runs on the driver. */
+    static final String CLEANER_INTERVAL = "spark.tern.cleanerInterval";
     /** Where the native library is unpacked (a directory that allows executing files). */
     static final String NATIVE_DIR = "spark.tern.nativeDir";
 
@@ -34,6 +40,9 @@ final class TernConf {
     final long pushBufferBytes;
     final int pushBatchBytes;
     final int pushesInFlight;
+    final long spaceWaitMs;
+    final long cleanerThresholdBytes;
+    final long cleanerIntervalMs;
 
     TernConf(SparkConf conf) {
         metadata = conf.get(METADATA, "");
@@ -45,6 +54,9 @@ final class TernConf {
         pushBufferBytes = conf.getSizeAsBytes(PUSH_BUFFER, "16m");
         pushBatchBytes = (int) Math.min(conf.getSizeAsBytes(PUSH_BATCH, "1m"), 1L << 30);
         pushesInFlight = conf.getInt(PUSHES_IN_FLIGHT, 16);
+        spaceWaitMs = conf.getTimeAsMs(SPACE_WAIT, "60s");
+        cleanerThresholdBytes = conf.getSizeAsBytes(CLEANER_THRESHOLD, "1g");
+        cleanerIntervalMs = conf.getTimeAsMs(CLEANER_INTERVAL, "5s");
     }
 
     /**

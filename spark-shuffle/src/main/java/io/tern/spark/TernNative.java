@@ -54,8 +54,22 @@ public final class TernNative {
 
     public static native int invalidateMaps(long shuffle, int[] maps);
 
+    /**
+     * A map attempt's writer. A push refused for space waits up to {@code spaceWaitMs} for room
+     * (calling {@link #spaceWait} at each pause) before failing with TernOutOfSpaceException.
+     */
     public static native long openWriter(
-            long shuffle, int map, int attempt, long bufferBytes, int batchBytes, int pushesInFlight);
+            long shuffle, int map, int attempt, long bufferBytes, int batchBytes, int pushesInFlight,
+            long spaceWaitMs);
+
+    /**
+     * Called by the native library, on one of its own threads, each time a push refused for space
+     * pauses before trying again: {@code refusal} says which segment, server and tiers are full.
+     * Must not block (it only sends a message).
+     */
+    static void spaceWait(String refusal) {
+        TernShuffleManager.pushWaitsForSpace(refusal);
+    }
 
     /** Appends bytes [offset, offset+length) of a direct buffer to a partition. */
     public static native void write(long writer, int partition, ByteBuffer data, int offset, int length);

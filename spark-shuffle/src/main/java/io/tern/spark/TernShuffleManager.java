@@ -7,6 +7,7 @@ import org.apache.spark.ShuffleDependency;
 import org.apache.spark.MapOutputTrackerMaster;
 import org.apache.spark.ShuffleStatus;
 import org.apache.spark.SparkConf;
+import org.apache.spark.SparkContext;
 import org.apache.spark.SparkEnv;
 import org.apache.spark.TaskContext;
 import org.apache.spark.network.buffer.ManagedBuffer;
@@ -41,6 +42,13 @@ import scala.reflect.ClassTag$;
  * <p>Lost data: the driver also serves {@link TernDriverEndpoint}, through which a reader that hit
  * lost data has every lost map output of the shuffle unregistered at once (see
  * {@link #unregisterLostMaps}), so one map-stage resubmission recomputes them all.
+ *
+ * <p>Space: a push Tern refuses for space waits up to {@code spark.tern.spaceWait} for room, and
+ * meanwhile has the driver collect garbage so Spark's ContextCleaner unregisters (and so frees in
+ * Tern) the shuffles nothing references ({@link TernCleaner}, which also does so when the
+ * application's shuffle bytes pass {@code spark.tern.cleanerThreshold}); a task whose wait runs out
+ * has the driver cancel its stage with a message saying what is full and what to do
+ * ({@link #failStageForSpace}).
  */
 public class TernShuffleManager implements ShuffleManager {
     private static final Logger LOG = LoggerFactory.getLogger(TernShuffleManager.class);
@@ -61,6 +69,16 @@ public class TernShuffleManager implements ShuffleManager {
     private boolean stopped;
     /** The driver's endpoint: served here on the driver, looked up on executors. */
     private RpcEndpointRef endpoint;
+    /** Driver side: the application's context and the cleaner listening to it (from the first shuffle on). */
+    private SparkContext sparkContext;
+    private TernCleaner cleaner;
+    /** Driver side: stages cancelled for want of space (each once, however many tasks report it). */
+    private final java.util.Set<Integer> stagesFailedForSpace = ConcurrentHashMap.newKeySet();
+    /** When this process last told the driver a push waits for space (ms since the epoch). */
+    private static final java.util.concurrent.atomic.AtomicLong LAST_SPACE_REPORT_MS =
+            new java.util.concurrent.atomic.AtomicLong();
+    /** This process tells the driver a push waits for space at most once per this many ms. */
+    private static final long SPACE_REPORT_INTERVAL_MS = 1000;
 
     public TernShuffleManager(SparkConf conf, boolean isDriver) {
         LOG.info("libtern_spark loaded from {}", NativeLibrary.load(TernConf.nativeDir(conf)));
@@ -119,6 +137,7 @@ public class TernShuffleManager implements ShuffleManager {
         int partitions = Math.max(1, dependency.partitioner().numPartitions());
         int maps = dependency.rdd().getNumPartitions();
         serveEndpoint();
+        startCleaner(dependency.rdd().context());
         long handle = TernNative.registerShuffle(
                 client(), jobId(), partitions, maps, conf.storageClass, conf.splitSizeBytes);
         long ternId = TernNative.shuffleId(handle);
@@ -136,6 +155,120 @@ public class TernShuffleManager implements ShuffleManager {
         }
     }
 
+    /** On the driver, starts the {@link TernCleaner} once, listening to the application's events. */
+    private synchronized void startCleaner(SparkContext context) {
+        if (isDriver && cleaner == null && context != null) {
+            sparkContext = context;
+            cleaner = new TernCleaner(conf);
+            context.addSparkListener(cleaner);
+        }
+    }
+
+    /** The driver's endpoint, looked up once (executors). */
+    private synchronized RpcEndpointRef driverEndpoint() {
+        if (endpoint == null) {
+            SparkEnv env = SparkEnv.get();
+            endpoint = RpcUtils.makeDriverRef(TernDriverEndpoint.NAME, env.conf(), env.rpcEnv());
+        }
+        return endpoint;
+    }
+
+    /**
+     * A push of this process waits for space ({@link TernNative#spaceWait}, on a native thread):
+     * tells the driver, at most once a second per process, without waiting for an answer.
+     */
+    static void pushWaitsForSpace(String refusal) {
+        SparkEnv env = SparkEnv.get();
+        if (env == null || !(env.shuffleManager() instanceof TernShuffleManager)) {
+            return;
+        }
+        long now = System.currentTimeMillis();
+        long last = LAST_SPACE_REPORT_MS.get();
+        if (now - last < SPACE_REPORT_INTERVAL_MS || !LAST_SPACE_REPORT_MS.compareAndSet(last, now)) {
+            return;
+        }
+        TernShuffleManager manager = (TernShuffleManager) env.shuffleManager();
+        try {
+            if (manager.isDriver) {
+                manager.freeUnreferencedShuffles(refusal);
+            } else {
+                manager.driverEndpoint().send(new TernDriverEndpoint.SpaceShort(refusal));
+            }
+        } catch (RuntimeException e) {
+            LOG.warn("telling the driver that a push waits for space failed: {}", e.toString());
+        }
+    }
+
+    /** Driver side: a push waits for space; has Spark free the shuffles nothing references. */
+    void freeUnreferencedShuffles(String refusal) {
+        TernCleaner c;
+        synchronized (this) {
+            c = cleaner;
+        }
+        if (c != null && c.collect("a push waits for space: " + refusal)) {
+            LOG.warn("Tern is short of space for this application's shuffles; asked Spark to free the unreferenced "
+                    + "ones: {}", refusal);
+        }
+    }
+
+    /**
+     * A map task found no space within {@code spark.tern.spaceWait}: the exception it fails with.
+     * With a wait configured, the driver cancels the task's stage with a message saying what is
+     * full and what to do, so Spark does not retry into the same wall; with none (0), the task
+     * fails as any task does and Spark retries it.
+     */
+    RuntimeException outOfSpace(TaskContext task, TernOutOfSpaceException refused) {
+        if (conf.spaceWaitMs <= 0) {
+            return refused;
+        }
+        String message;
+        try {
+            message = isDriver
+                    ? failStageForSpace(task.stageId(), refused.getMessage())
+                    : driverEndpoint().askSync(new TernDriverEndpoint.SpaceExhausted(task.stageId(), refused.getMessage()),
+                            ClassTag$.MODULE$.apply(String.class));
+        } catch (RuntimeException e) {
+            LOG.warn("asking the driver to cancel stage {} for want of space failed: {}", task.stageId(), e.toString());
+            message = spaceAdvice(refused.getMessage(), -1, 0, task.stageId());
+        }
+        return new TernOutOfSpaceException("out-of-space", message);
+    }
+
+    /** Driver side: cancels {@code stageId} (once) for want of space; returns the message it fails with. */
+    String failStageForSpace(int stageId, String refusal) {
+        TernCleaner c;
+        SparkContext context;
+        synchronized (this) {
+            c = cleaner;
+            context = sparkContext;
+        }
+        String message = spaceAdvice(refusal, c == null ? -1 : c.heldBytes(), c == null ? 0 : c.heldShuffles(), stageId);
+        if (stagesFailedForSpace.add(stageId) && context != null) {
+            LOG.error("cancelling stage {}: {}", stageId, message);
+            context.cancelStage(stageId, message);
+        }
+        return message;
+    }
+
+    /** What is full, what was tried, and what to do. {@code heldBytes} < 0: not known. */
+    private String spaceAdvice(String refusal, long heldBytes, int heldShuffles, int stageId) {
+        String held = heldBytes < 0 ? ""
+                : "; the application still holds " + org.apache.spark.util.Utils.bytesToString(heldBytes)
+                        + " of shuffle output in " + heldShuffles + " shuffle(s) Spark has not freed";
+        String storageClass = conf.storageClass.isEmpty() ? "any" : conf.storageClass;
+        String tiers = "any".equals(storageClass)
+                ? "more storage servers, or more DRAM or NVMe on them"
+                : "more storage servers, more " + storageClass.toUpperCase(java.util.Locale.ROOT)
+                        + " on them, or spark.tern.storageClass=any (now " + storageClass
+                        + ") so shuffles may use both DRAM and an NVMe tier";
+        return "Tern has no room for this application's shuffle output: " + refusal
+                + ". The map task waited " + conf.spaceWaitMs / 1000.0 + "s (spark.tern.spaceWait) while the driver had"
+                + " Spark free the shuffles nothing references" + held + ". To fix: give Tern more room (" + tiers
+                + "); let Spark free finished queries' shuffles (drop references to their DataFrames and RDDs,"
+                + " run fewer shuffle-heavy queries per application, or lower spark.tern.cleanerThreshold); or wait"
+                + " longer (spark.tern.spaceWait). Spark does not retry this task: stage " + stageId + " is cancelled";
+    }
+
     /**
      * Called by a reader that found data of Spark shuffle {@code shuffleId} lost: has the driver
      * unregister every lost map output of the shuffle (all partitions, all maps) and returns their
@@ -145,15 +278,7 @@ public class TernShuffleManager implements ShuffleManager {
         if (isDriver) {
             return unregisterLostMaps(shuffleId);
         }
-        RpcEndpointRef driver;
-        synchronized (this) {
-            if (endpoint == null) {
-                SparkEnv env = SparkEnv.get();
-                endpoint = RpcUtils.makeDriverRef(TernDriverEndpoint.NAME, env.conf(), env.rpcEnv());
-            }
-            driver = endpoint;
-        }
-        return driver.askSync(new TernDriverEndpoint.UnregisterLostMaps(shuffleId), ClassTag$.MODULE$.apply(int[].class));
+        return driverEndpoint().askSync(new TernDriverEndpoint.UnregisterLostMaps(shuffleId), ClassTag$.MODULE$.apply(int[].class));
     }
 
     /**
@@ -198,6 +323,11 @@ public class TernShuffleManager implements ShuffleManager {
     /** The Spark shuffle ids this process holds open (on the driver: those not yet unregistered). */
     public int[] registeredShuffles() {
         return ternIds.keySet().stream().mapToInt(Integer::intValue).sorted().toArray();
+    }
+
+    /** Driver side: garbage collections the plugin has run so Spark frees unreferenced shuffles. */
+    public synchronized long cleanerCollections() {
+        return cleaner == null ? 0 : cleaner.collections();
     }
 
     /** The id of the driver's Tern job ("" before the first shuffle). */
@@ -253,6 +383,13 @@ public class TernShuffleManager implements ShuffleManager {
         try {
             if (isDriver) {
                 TernNative.unregisterShuffle(handle);
+                TernCleaner c;
+                synchronized (this) {
+                    c = cleaner;
+                }
+                if (c != null) {
+                    c.shuffleUnregistered(shuffleId);
+                }
             }
         } catch (TernException e) {
             LOG.warn("freeing Tern shuffle {} (Spark shuffle {}) failed; it goes with the job: {}",
@@ -283,6 +420,10 @@ public class TernShuffleManager implements ShuffleManager {
             }
         }
         endpoint = null;
+        if (cleaner != null) {
+            cleaner.stop();
+            cleaner = null;
+        }
         for (Long handle : shuffles.values()) {
             TernNative.closeShuffle(handle);
         }

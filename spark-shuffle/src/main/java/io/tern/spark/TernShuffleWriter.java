@@ -74,8 +74,17 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
     }
 
     @Override
-    @SuppressWarnings({"unchecked", "rawtypes"})
     public void write(scala.collection.Iterator<Product2<K, V>> records) throws IOException {
+        try {
+            writeAll(records);
+        } catch (TernOutOfSpaceException refused) {
+            // The native writer waited spark.tern.spaceWait for room already.
+            throw manager.outOfSpace(context, refused);
+        }
+    }
+
+    @SuppressWarnings({"unchecked", "rawtypes"})
+    private void writeAll(scala.collection.Iterator<Product2<K, V>> records) throws IOException {
         int mapIndex = context.partitionId();
         long shuffle = manager.shuffle(handle.ternShuffleId());
         long start = System.nanoTime();
@@ -88,7 +97,8 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
             }
         }
         writer = TernNative.openWriter(
-                shuffle, mapIndex, (int) mapId, conf.pushBufferBytes, conf.pushBatchBytes, conf.pushesInFlight);
+                shuffle, mapIndex, (int) mapId, conf.pushBufferBytes, conf.pushBatchBytes, conf.pushesInFlight,
+                conf.spaceWaitMs);
         long nativeNanos = System.nanoTime() - start;
         scala.collection.Iterator<? extends Product2<K, ?>> input = dep.mapSideCombine()
                 ? (scala.collection.Iterator) dep.aggregator().get().combineValuesByKey(records, context)
