@@ -352,6 +352,10 @@ pub(crate) async fn submit_for_result<T: serde::de::DeserializeOwned>(
     submit_streaming(command, marker, name, limit, |_| Ok(())).await
 }
 
+fn parse_result<T: serde::de::DeserializeOwned>(json: &str) -> anyhow::Result<T> {
+    serde_json::from_str(json).with_context(|| format!("parsing {json}"))
+}
+
 /// Lines of Spark's stderr an error carries.
 const STDERR_TAIL_LINES: usize = 60;
 
@@ -377,7 +381,7 @@ pub(crate) async fn submit_streaming<T: serde::de::DeserializeOwned>(
             tokio::select! {
                 line = stdout.next_line(), if stdout_open => match line? {
                     Some(line) => match line.strip_prefix(marker) {
-                        Some(json) => result = Some(serde_json::from_str::<T>(json).with_context(|| format!("parsing {json}"))?),
+                        Some(json) => result = Some(parse_result(json)?),
                         None => on_line(&line)?,
                     },
                     None => stdout_open = false,
@@ -394,9 +398,7 @@ pub(crate) async fn submit_streaming<T: serde::de::DeserializeOwned>(
             }
         }
         let status = child.wait().await?;
-        result.with_context(|| {
-            format!("{name} run printed no result ({status}):\n{}", Vec::from(tail).join("\n"))
-        })
+        result.with_context(|| format!("{name} run printed no result ({status}):\n{}", Vec::from(tail).join("\n")))
     };
     tokio::time::timeout(limit, run).await.with_context(|| format!("spark-submit ran over {limit:?}"))?
 }
