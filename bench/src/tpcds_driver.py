@@ -37,8 +37,11 @@ def cell(value):
 
 
 def first_line(error):
-    """The line of a Spark error that says what went wrong (py4j wraps the JVM's in a stack)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    """The line of a Spark error that says what went wrong: for an error in the JVM its exception's
+    own message, not py4j's "An error occurred while calling ..." above it."""
+    java = getattr(error, "java_exception", None)
+    text = str(java.toString()) if java is not None else str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
 
 
