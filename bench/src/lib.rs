@@ -13,3 +13,4 @@ pub mod soak;
 pub mod spark;
 pub mod spark_small;
 pub mod tiers;
+pub mod tpcds;

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use indicatif::{MultiProgress, ProgressDrawTarget};
 use serde::Serialize;
 use tern_common::Spread;
@@ -354,26 +354,63 @@ pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<Strin
 /// Runs a spark-submit of one of the jar's drivers, within `limit`, and parses the JSON the
 /// driver prints after `marker`; without it, the error carries the end of Spark's stderr.
 pub(crate) async fn submit_for_result<T: serde::de::DeserializeOwned>(
-    mut command: tokio::process::Command,
+    command: tokio::process::Command,
     marker: &str,
     name: &str,
     limit: Duration,
 ) -> anyhow::Result<T> {
-    let output = tokio::time::timeout(limit, command.output())
-        .await
-        .with_context(|| format!("spark-submit ran over {limit:?}"))?
-        .context("running spark-submit")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let Some(line) = stdout.lines().find_map(|l| l.strip_prefix(marker)) else {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let tail: Vec<&str> = stderr.lines().rev().take(60).collect();
-        bail!(
-            "{name} run printed no result ({}):\n{}",
-            output.status,
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        );
+    submit_streaming(command, marker, name, limit, |_| Ok(())).await
+}
+
+fn parse_result<T: serde::de::DeserializeOwned>(json: &str) -> anyhow::Result<T> {
+    serde_json::from_str(json).with_context(|| format!("parsing {json}"))
+}
+
+/// Lines of Spark's stderr an error carries.
+const STDERR_TAIL_LINES: usize = 60;
+
+/// As [`submit_for_result`], handing every other line the driver prints to `on_line` as it comes
+/// (a long application's progress and partial results); an error from `on_line` ends the run.
+/// spark-submit is killed when the run ends early or passes `limit`.
+pub(crate) async fn submit_streaming<T: serde::de::DeserializeOwned>(
+    mut command: tokio::process::Command,
+    marker: &str,
+    name: &str,
+    limit: Duration,
+    mut on_line: impl FnMut(&str) -> anyhow::Result<()>,
+) -> anyhow::Result<T> {
+    use tokio::io::AsyncBufReadExt;
+    command.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).kill_on_drop(true);
+    let mut child = command.spawn().context("running spark-submit")?;
+    let mut stdout = tokio::io::BufReader::new(child.stdout.take().context("spark-submit's stdout")?).lines();
+    let mut stderr = tokio::io::BufReader::new(child.stderr.take().context("spark-submit's stderr")?).lines();
+    let run = async {
+        let (mut result, mut tail) = (None, std::collections::VecDeque::with_capacity(STDERR_TAIL_LINES));
+        let (mut stdout_open, mut stderr_open) = (true, true);
+        while stdout_open || stderr_open {
+            tokio::select! {
+                line = stdout.next_line(), if stdout_open => match line? {
+                    Some(line) => match line.strip_prefix(marker) {
+                        Some(json) => result = Some(parse_result(json)?),
+                        None => on_line(&line)?,
+                    },
+                    None => stdout_open = false,
+                },
+                line = stderr.next_line(), if stderr_open => match line? {
+                    Some(line) => {
+                        if tail.len() == STDERR_TAIL_LINES {
+                            tail.pop_front();
+                        }
+                        tail.push_back(line);
+                    }
+                    None => stderr_open = false,
+                },
+            }
+        }
+        let status = child.wait().await?;
+        result.with_context(|| format!("{name} run printed no result ({status}):\n{}", Vec::from(tail).join("\n")))
     };
-    serde_json::from_str(line).with_context(|| format!("parsing {line}"))
+    tokio::time::timeout(limit, run).await.with_context(|| format!("spark-submit ran over {limit:?}"))?
 }
 
 pub fn print_table(r: &SparkTerasortReport) {

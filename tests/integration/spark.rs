@@ -204,3 +204,35 @@ fn the_small_jobs_bench_compares_results_and_times() {
     let except = &report["tern_runs"][0]["jobs"][3];
     assert!(except["rows"].as_u64().is_some_and(|rows| rows > 0), "{stdout}");
 }
+
+/// `tern bench tpcds` at scale factor 0.01 (tpcgen-cli takes fractions) on four shuffle-heavy
+/// queries: the packages are pip-installed and the data generated into a fresh cache, both
+/// systems run every query, each result is the same on both (the bench fails otherwise), and the
+/// report has the per-query and total figures.
+#[test]
+fn the_tpcds_bench_compares_every_query_on_both_shuffles() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let cache = tempfile::tempdir().unwrap();
+    let queries = "q24a,q25,q27,q39a";
+    let out = Command::new(TERN)
+        .args(["bench", "tpcds", "--scale", "0.01", "--queries", queries, "--pairs", "1", "--json", "--jar", &jar])
+        .arg("--cache")
+        .arg(cache.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", tail(&String::from_utf8_lossy(&out.stderr), 80));
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let names: Vec<&str> = report["queries"].as_array().unwrap().iter().map(|q| q["name"].as_str().unwrap()).collect();
+    assert_eq!(names.join(","), queries);
+    assert!(report["queries"].as_array().unwrap().iter().all(|q| q["outcome"] == "same"), "{stdout}");
+    assert_eq!((report["compared"].as_u64(), report["same"].as_u64()), (Some(4), Some(4)), "{stdout}");
+    assert_eq!(report["all_same"], true);
+    assert_eq!(report["ratio"]["runs"], 1);
+    assert!(report["ratio"]["median"].as_f64().is_some_and(|r| r > 0.0), "{stdout}");
+    assert!(report["tern_total_seconds"]["median"].as_f64().is_some_and(|s| s > 0.0), "{stdout}");
+    // q27 (a rollup over store sales) returns 100 rows at this scale: a comparison of something.
+    assert_eq!(report["queries"][2]["rows"], 100, "{stdout}");
+}
