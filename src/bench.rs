@@ -229,16 +229,8 @@ enum BenchCommand {
         /// Only these jobs, comma-separated [default: all].
         #[arg(long, value_delimiter = ',')]
         jobs: Vec<String>,
-        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
-        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
-        jar: PathBuf,
-        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
-        #[arg(long)]
-        spark_home: Option<PathBuf>,
-        #[arg(long, default_value = "local-cluster[2,1,1024]")]
-        master: String,
-        #[arg(long, default_value = "900m")]
-        executor_memory: String,
+        #[command(flatten)]
+        spark: SparkArgs,
         /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
@@ -268,16 +260,8 @@ enum BenchCommand {
         /// Most time one query may take before its jobs are cancelled (it is then reported failed).
         #[arg(long, default_value = "10m", value_parser = tern_common::parse_duration)]
         query_limit: std::time::Duration,
-        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
-        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
-        jar: PathBuf,
-        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
-        #[arg(long)]
-        spark_home: Option<PathBuf>,
-        #[arg(long, default_value = "local-cluster[2,1,1024]")]
-        master: String,
-        #[arg(long, default_value = "900m")]
-        executor_memory: String,
+        #[command(flatten)]
+        spark: SparkArgs,
         /// Print one JSON object instead of the table (progress still goes to stderr).
         #[arg(long)]
         json: bool,
@@ -294,17 +278,8 @@ enum BenchCommand {
         /// Reduce partitions [default: one per 64 MiB, at least 4].
         #[arg(long, default_value_t = 0)]
         partitions: usize,
-        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with
-        /// spark-shuffle/build.sh --release].
-        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
-        jar: PathBuf,
-        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
-        #[arg(long)]
-        spark_home: Option<PathBuf>,
-        #[arg(long, default_value = "local-cluster[2,1,1024]")]
-        master: String,
-        #[arg(long, default_value = "900m")]
-        executor_memory: String,
+        #[command(flatten)]
+        spark: SparkArgs,
         /// Directory for the input and outputs (local disk, about 2x the size), and with
         /// --storage disk Spark's local dir.
         #[arg(long, default_value = "/tmp")]
@@ -313,8 +288,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 3)]
         pairs: usize,
         /// memory: Spark's local dir on a tmpfs (/dev/shm), Tern's shuffle in DRAM; disk: Spark's
-        /// local dir in --scratch, Tern's shuffle still in DRAM (this bench does not yet give it an
-        /// NVMe tier and the nvme class: the output says so); both.
+        /// local dir in --scratch, Tern's shuffle on its NVMe tier (class nvme) there too; both.
         #[arg(long, default_value = "both")]
         storage: tern_bench::spark::StorageChoice,
         /// Print one JSON object instead of the table.
@@ -497,13 +471,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        BenchCommand::SparkSmall { pairs, rows, jobs, jar, spark_home, master, executor_memory, json } => {
+        BenchCommand::SparkSmall { pairs, rows, jobs, spark, json } => {
             let options = tern_bench::spark_small::SparkSmallOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
-                jar,
-                spark_home,
-                master,
-                executor_memory,
+                spark: spark.into(),
                 pairs,
                 rows,
                 jobs,
@@ -513,18 +484,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             show(json, &report, tern_bench::spark_small::print_table)?;
             Ok(())
         }
-        BenchCommand::Tpcds {
-            scale,
-            queries,
-            pairs,
-            cache,
-            query_limit,
-            jar,
-            spark_home,
-            master,
-            executor_memory,
-            json,
-        } => {
+        BenchCommand::Tpcds { scale, queries, pairs, cache, query_limit, spark, json } => {
             let options = tern_bench::tpcds::TpcdsOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 scale,
@@ -532,37 +492,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 pairs,
                 cache: cache.unwrap_or_else(tern_bench::tpcds::default_cache),
                 query_limit,
-                jar,
-                spark_home,
-                master,
-                executor_memory,
+                spark: spark.into(),
                 quiet: false,
             };
             let report = tern_bench::tpcds::run(&options).await?;
             show(json, &report, tern_bench::tpcds::print_table)?;
             tern_bench::tpcds::verdict(&report)
         }
-        BenchCommand::SparkTerasort {
-            size,
-            partitions,
-            jar,
-            spark_home,
-            master,
-            executor_memory,
-            scratch,
-            pairs,
-            storage,
-            json,
-        } => {
+        BenchCommand::SparkTerasort { size, partitions, spark, scratch, pairs, storage, json } => {
             anyhow::ensure!(pairs >= 1, "--pairs must be at least 1");
             let options = tern_bench::spark::SparkTerasortOptions {
                 tern: std::env::current_exe().context("locating the tern binary")?,
                 size_bytes: size.bytes(),
                 partitions,
-                jar,
-                spark_home,
-                master,
-                executor_memory,
+                spark: spark.into(),
                 scratch,
                 pairs,
                 storage,
@@ -572,6 +515,32 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             show(json, &report, tern_bench::spark::print_table)?;
             anyhow::ensure!(report.all_valid, "a Spark TeraSort output is invalid");
             Ok(())
+        }
+    }
+}
+
+/// Where Spark and the plugin jar are, and the executors: the Spark benches' common flags.
+#[derive(Debug, clap::Args)]
+pub struct SparkArgs {
+    /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
+    #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
+    jar: PathBuf,
+    /// Spark installation [default: $SPARK_HOME, else the pyspark package].
+    #[arg(long)]
+    spark_home: Option<PathBuf>,
+    #[arg(long, default_value = "local-cluster[2,1,1024]")]
+    master: String,
+    #[arg(long, default_value = "900m")]
+    executor_memory: String,
+}
+
+impl From<SparkArgs> for tern_bench::spark::SparkSetup {
+    fn from(a: SparkArgs) -> Self {
+        tern_bench::spark::SparkSetup {
+            jar: a.jar,
+            spark_home: a.spark_home,
+            master: a.master,
+            executor_memory: a.executor_memory,
         }
     }
 }

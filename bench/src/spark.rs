@@ -25,11 +25,7 @@ pub struct SparkTerasortOptions {
     pub size_bytes: u64,
     /// Reduce partitions (0: one per 64 MiB, at least 4).
     pub partitions: usize,
-    /// The plugin jar (spark-shuffle/build.sh).
-    pub jar: PathBuf,
-    pub spark_home: Option<PathBuf>,
-    pub master: String,
-    pub executor_memory: String,
+    pub spark: SparkSetup,
     /// Where input and outputs go (local disk; about 3x the size).
     pub scratch: PathBuf,
     /// Pairs of runs (one built-in, one Tern) per storage.
@@ -176,7 +172,31 @@ fn compare(storage: Storage, spark_local_dir: String, size_bytes: u64, pairs: Ve
     }
 }
 
-pub(crate) fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+/// Where Spark and the plugin jar are, and the executors the Spark benches run on.
+#[derive(Debug, Clone)]
+pub struct SparkSetup {
+    /// The plugin jar (spark-shuffle/build.sh).
+    pub jar: PathBuf,
+    /// Spark's installation (None: $SPARK_HOME, else the pyspark package's).
+    pub spark_home: Option<PathBuf>,
+    pub master: String,
+    pub executor_memory: String,
+}
+
+impl SparkSetup {
+    /// The jar's absolute path (executors run in their own work directories), Spark's home and
+    /// its spark-submit, each checked to exist.
+    pub(crate) fn resolve(&self) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
+        anyhow::ensure!(self.jar.exists(), "no plugin jar at {} (run spark-shuffle/build.sh)", self.jar.display());
+        let jar = std::fs::canonicalize(&self.jar)?;
+        let home = spark_home(self.spark_home.as_deref())?;
+        let submit = home.join("bin/spark-submit");
+        anyhow::ensure!(submit.exists(), "no {}", submit.display());
+        Ok((jar, home, submit))
+    }
+}
+
+fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(home) = given {
         return Ok(home.to_path_buf());
     }
@@ -192,16 +212,7 @@ pub(crate) fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
 }
 
 pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasortReport> {
-    anyhow::ensure!(
-        options.jar.exists(),
-        "no plugin jar at {} (run spark-shuffle/build.sh --release)",
-        options.jar.display()
-    );
-    // Executors run in their own work directories: the jar path must be absolute.
-    let jar_path = std::fs::canonicalize(&options.jar)?;
-    let spark_home = spark_home(options.spark_home.as_deref())?;
-    let submit = spark_home.join("bin/spark-submit");
-    anyhow::ensure!(submit.exists(), "no {}", submit.display());
+    let (jar_path, spark_home, submit) = options.spark.resolve()?;
     let partitions =
         if options.partitions > 0 { options.partitions } else { ((options.size_bytes >> 26) as usize).max(4) };
     std::fs::create_dir_all(&options.scratch)?;
@@ -228,8 +239,8 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         submit,
         home: spark_home,
         jar,
-        master: options.master.clone(),
-        memory: options.executor_memory.clone(),
+        master: options.spark.master.clone(),
+        memory: options.spark.executor_memory.clone(),
     };
     let mut comparisons = Vec::new();
     for storage in options.storage.storages() {

@@ -13,14 +13,11 @@ use serde::{Deserialize, Serialize};
 use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 
-use crate::spark::{plugin_confs, spark_home, submit_for_result};
+use crate::spark::{plugin_confs, submit_for_result, SparkSetup};
 
 pub struct SparkSmallOptions {
     pub tern: PathBuf,
-    pub jar: PathBuf,
-    pub spark_home: Option<PathBuf>,
-    pub master: String,
-    pub executor_memory: String,
+    pub spark: SparkSetup,
     /// Pairs of runs (one per backend each).
     pub pairs: usize,
     /// Rows each job's facts table has.
@@ -63,12 +60,7 @@ pub struct SparkSmallReport {
 
 pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport> {
     ensure!(options.pairs >= 1, "--pairs must be at least 1");
-    ensure!(options.jar.exists(), "no plugin jar at {} (run spark-shuffle/build.sh)", options.jar.display());
-    // Executors run in their own work directories: the jar path must be absolute.
-    let jar = std::fs::canonicalize(&options.jar)?;
-    let spark_home = spark_home(options.spark_home.as_deref())?;
-    let submit = spark_home.join("bin/spark-submit");
-    ensure!(submit.exists(), "no {}", submit.display());
+    let (jar, spark_home, submit) = options.spark.resolve()?;
     let cluster = EmbeddedCluster::start(&options.tern, 2, "1GiB").await?;
 
     let (mut builtin_runs, mut tern_runs) = (Vec::new(), Vec::new());
@@ -81,8 +73,8 @@ pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport
             let mut command = tokio::process::Command::new(&submit);
             command
                 .env("SPARK_HOME", &spark_home)
-                .args(["--master", &options.master, "--class", "io.tern.spark.tools.SmallJobs"])
-                .args(["--driver-memory", "1g", "--executor-memory", &options.executor_memory]);
+                .args(["--master", &options.spark.master, "--class", "io.tern.spark.tools.SmallJobs"])
+                .args(["--driver-memory", "1g", "--executor-memory", &options.spark.executor_memory]);
             let metadata = tern.then_some(cluster.metadata_addr.as_str());
             for conf in plugin_confs(&jar, metadata) {
                 command.args(["--conf", &conf]);

@@ -19,7 +19,7 @@ use serde_json::Value;
 use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 
-use crate::spark::{plugin_confs, spark_home, submit_streaming, Backend};
+use crate::spark::{plugin_confs, submit_streaming, Backend, SparkSetup};
 
 /// The data generator, pinned: its output (and so every result) depends on its version.
 pub const TPCGEN_CLI: &str = "tpcgen-cli==4.0.0";
@@ -47,10 +47,7 @@ pub struct TpcdsOptions {
     pub cache: PathBuf,
     /// Most seconds one query may run before its jobs are cancelled (then reported as failed).
     pub query_limit: Duration,
-    pub jar: PathBuf,
-    pub spark_home: Option<PathBuf>,
-    pub master: String,
-    pub executor_memory: String,
+    pub spark: SparkSetup,
     pub quiet: bool,
 }
 
@@ -148,12 +145,7 @@ pub struct TpcdsReport {
 pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
     ensure!(options.pairs >= 1, "--pairs must be at least 1");
     ensure!(options.scale > 0.0 && options.scale.is_finite(), "--scale must be a positive number");
-    ensure!(options.jar.exists(), "no plugin jar at {} (run spark-shuffle/build.sh)", options.jar.display());
-    // Executors run in their own work directories: the jar path must be absolute.
-    let jar = std::fs::canonicalize(&options.jar)?;
-    let spark_home = spark_home(options.spark_home.as_deref())?;
-    let submit = spark_home.join("bin/spark-submit");
-    ensure!(submit.exists(), "no {}", submit.display());
+    let (jar, spark_home, submit) = options.spark.resolve()?;
     std::fs::create_dir_all(&options.cache).with_context(|| format!("making {}", options.cache.display()))?;
     let cache = std::fs::canonicalize(&options.cache)?;
 
@@ -177,8 +169,8 @@ pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
         submit,
         home: spark_home,
         jar,
-        master: options.master.clone(),
-        executor_memory: options.executor_memory.clone(),
+        master: options.spark.master.clone(),
+        executor_memory: options.spark.executor_memory.clone(),
         driver,
         data,
         queries_dir,
