@@ -186,9 +186,14 @@ impl Jobs {
             Tier::Dram => quota.dram_bytes.bytes(),
             Tier::Nvme => quota.nvme_bytes.bytes(),
         };
+        if limit == 0 {
+            // Unlimited (the usual case): no need to sum the tenant's jobs, which every
+            // allocation and segment placement would otherwise pay for.
+            return None;
+        }
         let (files, shuffles) = self.tenant_bytes(tenant);
         let used = files[tier_index(tier)] + shuffles[tier_index(tier)];
-        (limit > 0 && used + more > limit).then(|| {
+        (used + more > limit).then(|| {
             let asked = if more > 0 { format!(", {more} more asked") } else { String::new() };
             format!(
                 "tenant {tenant}: {tier} bytes quota exceeded: limit {limit} bytes, {used} in use ({} of shuffles){asked}",
