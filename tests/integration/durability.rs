@@ -239,15 +239,7 @@ async fn a_restarted_storage_server_keeps_its_nvme_blocks_and_reports_dram_lost(
     client.delete("/nvme-gone", false).await.unwrap();
 
     cluster.restart_storage(0);
-    let address = cluster.storage_addrs[0].clone();
-    cluster
-        .wait_for("the storage server to register again", Duration::from_secs(20), || async {
-            let status = client.status().await.ok()?;
-            let server = status.servers.iter().find(|s| s.address == address)?;
-            // Registered again and reconciled: new blocks can go there.
-            (server.alive && client.put("/probe", Bytes::from_static(b"x")).await.is_ok()).then_some(())
-        })
-        .await;
+    cluster.wait_storage_back(0, &client).await;
     for (path, class, data) in &files {
         let read = match client.open(path).await {
             Ok(reader) => reader.read_to_end().await,

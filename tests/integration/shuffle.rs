@@ -277,15 +277,7 @@ async fn a_restarted_server_keeps_nvme_segments_and_reports_dram_ones_lost() {
     let (on_nvme, in_dram) = (&shuffles[0], &shuffles[1]);
 
     cluster.restart_storage(0);
-    let address = cluster.storage_addrs[0].clone();
-    cluster
-        .wait_for("the storage server to register again", Duration::from_secs(20), || async {
-            let status = client.status().await.ok()?;
-            let server = status.servers.iter().find(|s| s.address == address)?;
-            // Registered again and reconciled: new blocks can go there.
-            (server.alive && client.put("/probe-again", bytes::Bytes::from_static(b"x")).await.is_ok()).then_some(())
-        })
-        .await;
+    cluster.wait_storage_back(0, &client).await;
     assert_eq!(on_nvme.lost_maps(0..4, 0..3).await.unwrap(), Vec::<u32>::new(), "nothing to recompute");
     let back = read_back(on_nvme, 0..4, 0..3).await;
     for map in 0..3 {

@@ -51,26 +51,9 @@ async fn spark_jobs_on_tern_match_the_builtin_shuffle() {
     let (jar, _) = build_plugin(root);
     let cluster = Cluster::start(3, "512MiB").await;
     let work = tempfile::tempdir().unwrap();
-    let suite = root.join("spark-shuffle/tests/spark_suite.py");
-    let out = tokio::process::Command::new("python3")
-        .arg(&suite)
-        .env("TERN_METADATA", &cluster.metadata_addr)
-        .env("TERN_SPARK_JAR", &jar)
-        .env("TERN_BIN", TERN)
-        .env("TERN_KILL_PID", cluster.storage_pid(0).to_string())
-        .env("TERN_WORK", work.path())
-        .output()
-        .await
-        .expect("running the Spark suite");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the Spark suite failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
-        tail(&String::from_utf8_lossy(&out.stderr), 200),
-        tail(&cluster.logs(), 60)
-    );
-    assert!(stdout.contains("all Spark cases agree"), "{stdout}");
+    let envs =
+        [("TERN_KILL_PID", cluster.storage_pid(0).to_string()), ("TERN_WORK", work.path().display().to_string())];
+    run_script(&cluster, &jar, &root.join("spark-shuffle/tests/spark_suite.py"), &envs, "all Spark cases agree").await;
 }
 
 /// Long applications under storage pressure (see spark-shuffle/tests/spark_space.py): 2 storage
@@ -82,23 +65,32 @@ async fn long_applications_free_finished_queries_shuffles_under_storage_pressure
     ensure_pyspark();
     let (jar, _) = build_plugin(root);
     let cluster = Cluster::start(2, "56MiB").await;
+    run_script(&cluster, &jar, &root.join("spark-shuffle/tests/spark_space.py"), &[], "storage pressure handled").await;
+}
+
+/// Runs one of the plugin's Python test scripts against `cluster` (TERN_METADATA, TERN_SPARK_JAR and
+/// TERN_BIN set, and `envs`), printing its output; fails unless it exits 0 having printed `done`,
+/// showing the tails of its stderr and of the cluster's logs.
+async fn run_script(cluster: &Cluster, jar: &str, script: &Path, envs: &[(&str, String)], done: &str) {
     let out = tokio::process::Command::new("python3")
-        .arg(root.join("spark-shuffle/tests/spark_space.py"))
+        .arg(script)
         .env("TERN_METADATA", &cluster.metadata_addr)
-        .env("TERN_SPARK_JAR", &jar)
+        .env("TERN_SPARK_JAR", jar)
         .env("TERN_BIN", TERN)
+        .envs(envs.iter().map(|(k, v)| (k, v)))
         .output()
         .await
-        .expect("running spark_space.py");
+        .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
+    let name = script.file_name().unwrap_or_default().to_string_lossy();
     assert!(
         out.status.success(),
-        "spark_space.py failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
+        "{name} failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
         tail(&String::from_utf8_lossy(&out.stderr), 200),
         tail(&cluster.logs(), 60)
     );
-    assert!(stdout.contains("storage pressure handled"), "{stdout}");
+    assert!(stdout.contains(done), "{stdout}");
 }
 
 fn tail(text: &str, lines: usize) -> String {

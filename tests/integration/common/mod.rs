@@ -238,6 +238,20 @@ impl Cluster {
         self.respawn(1 + i, log);
     }
 
+    /// Waits until storage server `i`, started again, takes new blocks: registered and reconciled.
+    /// A write proves it (status alone may still list the killed process as alive); it leaves a
+    /// one-byte file at `/probe-storage-<i>`.
+    pub async fn wait_storage_back(&self, i: usize, client: &Client) {
+        let address = self.storage_addrs[i].clone();
+        let probe = format!("/probe-storage-{i}");
+        self.wait_for("the storage server to register again", Duration::from_secs(20), || async {
+            let status = client.status().await.ok()?;
+            let server = status.servers.iter().find(|s| s.address == address)?;
+            (server.alive && client.put(&probe, bytes::Bytes::from_static(b"x")).await.is_ok()).then_some(())
+        })
+        .await;
+    }
+
     /// SIGKILLs daemon `d` (unless it is dead already) and starts it again as it was, logging to `log`.
     fn respawn(&mut self, d: usize, log: PathBuf) {
         let daemon = &mut self.daemons[d];
