@@ -204,6 +204,19 @@ impl<M> Slot<M> {
     }
 }
 
+impl<M> Slot<M> {
+    /// Counts `added` bytes published in a piece of this slot (see `dram::pieces`), which keeps
+    /// its own length; the tier's used bytes stay the bytes held.
+    pub(crate) fn count_piece_bytes(&self, added: u32) {
+        self.slots.used_bytes.fetch_add(u64::from(added), Ordering::Relaxed);
+    }
+
+    /// Uncounts a freed piece's `len` bytes.
+    pub(crate) fn uncount_piece_bytes(&self, len: u32) {
+        self.slots.used_bytes.fetch_sub(u64::from(len), Ordering::Relaxed);
+    }
+}
+
 impl<M> Drop for Slot<M> {
     fn drop(&mut self) {
         // The last reference is gone: no reader or writer can touch these bytes any more.

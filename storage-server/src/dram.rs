@@ -13,6 +13,10 @@ use tern_proto::{BlockId, ServerId, Tier};
 
 use crate::arena::Arena;
 use crate::block_table::{Appender, BlockTable, Slot, Slots, StoreError, Usage, Writer};
+use pieces::Piece;
+pub(crate) use pieces::Pieces;
+
+pub(crate) mod pieces;
 
 /// The DRAM tier's slots: shuffle segments take theirs from the same ones as blocks.
 pub(crate) type DramSlots = Slots<Arena>;
@@ -59,30 +63,56 @@ impl AsRef<[u8]> for SlotView {
     }
 }
 
-/// A shuffle segment's slot of the arena: the block table's [`Appender`] plus the bytes. Views
-/// of published bytes may be taken and outlive it, like block reads.
-pub(crate) struct AppendSlot {
-    appender: Appender<Arena>,
+/// A shuffle segment's extent in the arena: a whole slot (the block table's [`Appender`]), or a
+/// piece of one (see [`pieces`]). Views of published bytes may be taken and outlive it, like
+/// block reads, and keep its bytes from reuse.
+pub(crate) enum AppendSlot {
+    Whole(Appender<Arena>),
+    Piece(Arc<Piece>),
 }
 
 impl AppendSlot {
     /// An empty slot off the tier's free list, or `None` when the tier is full.
     pub(crate) fn take(slots: &Arc<DramSlots>) -> Option<AppendSlot> {
-        Appender::take(slots).map(|appender| AppendSlot { appender })
+        Appender::take(slots).map(AppendSlot::Whole)
     }
 
-    /// Bytes still free at the end of the slot.
+    /// An empty piece, or `None` when that size has none to give.
+    pub(crate) fn take_piece(pieces: &Arc<Pieces>) -> Option<AppendSlot> {
+        pieces.take().map(|piece| AppendSlot::Piece(Arc::new(piece)))
+    }
+
+    /// Bytes it holds when full.
+    pub(crate) fn capacity(&self) -> u32 {
+        match self {
+            AppendSlot::Whole(appender) => appender.slot().block_size(),
+            AppendSlot::Piece(piece) => piece.capacity(),
+        }
+    }
+
+    /// Bytes still free at the end of it.
     pub(crate) fn room(&self) -> u32 {
-        self.appender.room()
+        self.capacity() - self.len()
     }
 
     /// Bytes appended so far.
     pub(crate) fn len(&self) -> u32 {
-        self.appender.len()
+        match self {
+            AppendSlot::Whole(appender) => appender.len(),
+            AppendSlot::Piece(piece) => piece.published(),
+        }
+    }
+
+    /// The slot and the offset in it of byte `offset` of this extent.
+    fn at(&self, offset: u32) -> (&Arc<Slot<Arena>>, u32) {
+        match self {
+            AppendSlot::Whole(appender) => (appender.slot(), offset),
+            AppendSlot::Piece(piece) => piece.at(offset),
+        }
     }
 
     /// Appends a batch as it is served, `[header | data]` with `header = head(crc of data)`, and
-    /// publishes both at once; returns the data's offset in the slot and its crc32c as stored.
+    /// publishes both at once; returns the data's offset in the extent and its crc32c as stored.
     /// One pass over the data, and a Fetch of the batch can send the stored bytes as they are.
     /// Panics if it does not fit (callers check `room`).
     pub(crate) fn append_with_header<const H: usize>(
@@ -90,47 +120,77 @@ impl AppendSlot {
         data: &[u8],
         head: impl FnOnce(u32) -> [u8; H],
     ) -> (u32, u32) {
-        let offset = self.appender.len();
+        let offset = self.len();
         let total = u32::try_from(H + data.len()).ok().filter(|total| *total <= self.room());
         let Some(total) = total else {
-            panic!("append of {H}+{} bytes to a slot with {} bytes of room", data.len(), self.room());
+            panic!("append of {H}+{} bytes to an extent with {} bytes of room", data.len(), self.room());
         };
-        // SAFETY: `[offset, offset + total)` lies within the slot (`total <= room`) and at or above
-        // its published length, so no view covers it, and `&mut self` makes this the only writer.
-        // `data` cannot overlap it: any slice of arena bytes is of published bytes. `dst` is last
-        // used before the bytes are published.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.appender.slot().ptr(offset), total as usize) };
+        let (slot, at) = self.at(offset);
+        // SAFETY: `[offset, offset + total)` lies within the extent (`total <= room`) and at or
+        // above its published length, so no view covers it, and `&mut self` makes this the only
+        // writer (a piece's bytes are its alone). `data` cannot overlap it: any slice of arena
+        // bytes is of published bytes. `dst` is last used before the bytes are published.
+        let dst = unsafe { std::slice::from_raw_parts_mut(slot.ptr(at), total as usize) };
         let (header, body) = dst.split_at_mut(H);
         body.copy_from_slice(data);
         // Taken over the arena bytes, so reads can check the bytes at rest, not only in flight.
         let crc = crc32c::crc32c(body);
         header.copy_from_slice(&head(crc));
-        self.appender.publish(total);
+        match self {
+            AppendSlot::Whole(appender) => {
+                appender.publish(total);
+            }
+            AppendSlot::Piece(piece) => piece.publish(total),
+        }
         (offset + H as u32, crc)
     }
 
-    /// The published bytes `[offset, offset + len)`, without copying; they keep the slot from
+    /// The published bytes `[offset, offset + len)`, without copying; they keep the extent from
     /// reuse until dropped.
     pub(crate) fn view(&self, offset: u32, len: u32) -> Bytes {
-        let slot = self.appender.slot();
-        let held = slot.published();
+        let held = self.len();
         assert!(
             u64::from(offset) + u64::from(len) <= u64::from(held),
-            "view {offset}+{len} of a slot holding {held} bytes"
+            "view {offset}+{len} of an extent holding {held} bytes"
         );
-        SlotView::bytes(slot.clone(), offset, len)
+        match self {
+            AppendSlot::Whole(appender) => SlotView::bytes(appender.slot().clone(), offset, len),
+            AppendSlot::Piece(_) if len == 0 => Bytes::new(),
+            AppendSlot::Piece(piece) => Bytes::from_owner(PieceView { piece: piece.clone(), offset, len }),
+        }
     }
 
     /// Test hook: flips one published byte, as a fault in DRAM would.
     #[cfg(test)]
     pub(crate) fn flip_byte(&mut self, offset: u32) {
-        assert!(offset < self.appender.len(), "offset {offset} is not a published byte");
-        let slot = self.appender.slot();
-        assert_eq!(Arc::strong_count(slot), 1, "a view of this slot is still alive");
-        // SAFETY: the byte is within the slot; this `AppendSlot` holds the only reference to it
+        assert!(offset < self.len(), "offset {offset} is not a published byte");
+        let holders = match self {
+            AppendSlot::Whole(appender) => Arc::strong_count(appender.slot()),
+            AppendSlot::Piece(piece) => Arc::strong_count(piece),
+        };
+        assert_eq!(holders, 1, "a view of this extent is still alive");
+        let (slot, at) = self.at(offset);
+        // SAFETY: the byte is within the extent; this `AppendSlot` holds the only reference to it
         // (checked above, and `&mut self` stops a view being taken meanwhile), so no slice of it
         // exists anywhere.
-        unsafe { *slot.ptr(offset) ^= 0xff };
+        unsafe { *slot.ptr(at) ^= 0xff };
+    }
+}
+
+/// Published bytes of a piece, kept alive (and the piece out of its free list) while referenced.
+struct PieceView {
+    piece: Arc<Piece>,
+    offset: u32,
+    len: u32,
+}
+
+impl AsRef<[u8]> for PieceView {
+    fn as_ref(&self) -> &[u8] {
+        let (slot, at) = self.piece.at(self.offset);
+        // SAFETY: as for `SlotView`: the range lies below the piece's published length (checked by
+        // `AppendSlot::view` after an Acquire load), its bytes are never written again while the
+        // piece lives, and `self.piece` keeps it alive.
+        unsafe { std::slice::from_raw_parts(slot.ptr(at), self.len as usize) }
     }
 }
 

@@ -5,7 +5,9 @@
 //! class it keeps. Map writers push batches; each batch is stored whole, in arrival order, in
 //! slots taken from the DRAM tier's (so shuffle data and file blocks share one arena and one
 //! capacity count), and indexed with the map index and attempt that wrote it and a crc32c of its
-//! bytes as stored.
+//! bytes as stored. A young segment's first extents are pieces of slots (1/64, then 1/8 of one;
+//! see [`crate::dram::pieces`]), so a shuffle of many small partitions takes slots in proportion
+//! to its bytes, not to its partitions; pieces stay in DRAM and never move down.
 //!
 //! Tiering (write-behind): a segment's slots are extents, each in DRAM or on NVMe. Pushes always
 //! land in DRAM; the mover ([`Shuffles::move_down`], run by the server in the background) writes
@@ -61,7 +63,7 @@ use tern_proto::v1::{QuotaStop, ShuffleUsage};
 use tern_proto::{ErrorKind, ServerId, ShuffleId, StorageClass};
 use tokio::sync::Notify;
 
-use crate::dram::{AppendSlot, DramSlots};
+use crate::dram::{AppendSlot, DramSlots, Pieces};
 use crate::nvme::{NvmeExtent, NvmeTier};
 use durable::{ExtentRecord, Sealed, ShuffleIndex};
 
@@ -195,6 +197,12 @@ enum Extent {
 }
 
 impl Extent {
+    /// A whole DRAM slot, which the mover may write down to NVMe. Pieces stay: one would take a
+    /// whole NVMe slot and free no DRAM until every piece of its slot is free.
+    fn is_movable(&self) -> bool {
+        matches!(self, Extent::Dram(AppendSlot::Whole(_)))
+    }
+
     /// Bytes stored in it (batches with their headers).
     fn len(&self) -> u64 {
         match self {
@@ -461,6 +469,8 @@ pub(crate) struct Shuffles {
     index: std::sync::OnceLock<Arc<ShuffleIndex>>,
     /// The next seal's generation: above every one found at start.
     next_generation: AtomicU64,
+    /// Pieces of DRAM slots for segments' first extents, cut from the pool on first use.
+    pieces: std::sync::OnceLock<Vec<Arc<Pieces>>>,
 }
 
 fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
@@ -593,7 +603,9 @@ impl Shuffles {
         batch: &[u8],
         may_take_dram: bool,
     ) -> Result<u64, PushError> {
-        let first_slot = || if may_take_dram { AppendSlot::take(pool).map(Extent::Dram) } else { None };
+        let need = (BATCH_HEADER_LEN + batch.len()) as u32;
+        let take = |nth| self.dram_extent(pool, from.class, nth, need);
+        let first_slot = || if may_take_dram { take(0).map(Extent::Dram) } else { None };
         let segment = self.segment_for_push(server, id, from.class, first_slot).ok_or_else(|| full(pool, id))??;
         let mut state = segment.state.lock();
         if state.dropped {
@@ -603,13 +615,22 @@ impl Shuffles {
             drop(state);
             return Err(PushError::Sealed(segment));
         }
-        let (bytes, closed) = state.append(pool, id, from, batch, may_take_dram)?;
+        let (bytes, closed) = state.append(pool, id, from, batch, may_take_dram.then_some(take))?;
         drop(state);
         self.dram_bytes.fetch_add((BATCH_HEADER_LEN + batch.len()) as u64, Ordering::Relaxed);
         if let Some(closed) = closed {
             self.queue_move(&segment, closed, pool);
         }
         Ok(bytes)
+    }
+
+    /// A DRAM extent for a segment's extent number `nth` that takes a batch of `need` bytes with its
+    /// header: a piece while the segment is young (see [`crate::dram::pieces`]) and one is free,
+    /// else a whole slot. `nvme` segments take whole slots, which the mover writes down whole.
+    fn dram_extent(&self, pool: &Arc<DramSlots>, class: StorageClass, nth: usize, need: u32) -> Option<AppendSlot> {
+        let pieces = self.pieces.get_or_init(|| Pieces::for_tier(pool));
+        let piece = pieces.get(nth).filter(|pieces| class != StorageClass::Nvme && need <= pieces.piece_bytes());
+        piece.and_then(AppendSlot::take_piece).or_else(|| AppendSlot::take(pool))
     }
 
     /// Appends `batch` to the segment's open NVMe extent, or to a new one; see the module docs.
@@ -1174,6 +1195,12 @@ impl Shuffles {
         *self.quota_stops.lock() = stops.iter().map(|stop| (ShuffleId(stop.shuffle_id), stop.clone())).collect();
     }
 
+    /// Test hook: how many slots each size of pieces has cut.
+    #[cfg(test)]
+    pub(crate) fn slots_cut(&self) -> Vec<usize> {
+        self.pieces.get().map(|pieces| pieces.iter().map(|p| p.slots_cut()).collect()).unwrap_or_default()
+    }
+
     /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.
     #[cfg(test)]
     pub(crate) fn corrupt(&self, id: SegmentId, map: u32) {
@@ -1253,13 +1280,16 @@ impl SegmentState {
 
     /// Appends a batch; returns the segment's bytes afterwards and the slot that closed to make
     /// room, if one did.
+    /// Appends `batch` to the open DRAM extent, or to a new one from `take` (given the new
+    /// extent's number) when it does not fit; `None` takes none. Returns the segment's bytes and
+    /// the extent it closed, if that is one the mover may write down.
     fn append(
         &mut self,
-        pool: &Arc<DramSlots>,
+        pool: &DramSlots,
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
-        may_take_dram: bool,
+        take: Option<impl FnOnce(usize) -> Option<AppendSlot>>,
     ) -> Result<(u64, Option<u32>), ShuffleError> {
         if self.batches >= MAX_SEGMENT_BATCHES {
             return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
@@ -1269,16 +1299,16 @@ impl SegmentState {
         let fits = match self.dram_open.map(|at| &self.slots[at as usize]) {
             Some(Extent::Dram(open)) => {
                 len + BATCH_HEADER_LEN as u32 <= open.room()
-                    && self.batches_in_dram_open < pool.block_size() / MIN_BYTES_PER_BATCH
+                    && self.batches_in_dram_open < open.capacity() / MIN_BYTES_PER_BATCH
             }
             _ => false,
         };
         let mut closed = None;
         if !fits {
-            // Batches are stored whole, in one slot each: the rest of the open slot stays unused.
-            let slot = may_take_dram.then(|| AppendSlot::take(pool)).flatten().ok_or_else(|| full(pool, id))?;
-            // The open slot closes (if the mover has not closed it already).
-            closed = self.dram_open;
+            // Batches are stored whole, in one extent each: the rest of the open one stays unused.
+            let slot = take.and_then(|take| take(self.slots.len())).ok_or_else(|| full(pool, id))?;
+            // The open extent closes (if the mover has not closed it already).
+            closed = self.dram_open.filter(|&at| self.slots[at as usize].is_movable());
             self.slots.push(Extent::Dram(slot));
             self.dram_open = Some(u32::try_from(self.slots.len() - 1).expect("fewer extents than batches"));
             self.batches_in_dram_open = 0;
@@ -1304,10 +1334,11 @@ impl SegmentState {
         })
     }
 
-    /// The published bytes of the open DRAM slot, if there is one and it holds some.
+    /// The published bytes of the open DRAM slot, if there is one, the mover may write it down,
+    /// and it holds some.
     fn open_dram_len(&self) -> Option<u32> {
         match self.dram_open.map(|at| &self.slots[at as usize]) {
-            Some(Extent::Dram(slot)) if slot.len() > 0 => Some(slot.len()),
+            Some(extent @ Extent::Dram(slot)) if extent.is_movable() && slot.len() > 0 => Some(slot.len()),
             _ => None,
         }
     }

@@ -17,13 +17,19 @@ const BS: u32 = 64 << 10;
 /// Three batches (each behind its 16-byte header) fill a slot but for a few bytes.
 const BATCH: usize = 21_000;
 
+/// A store of blocks of `BS`: too small for pieces, so segments take whole slots (see
+/// `young_segments_take_pieces_of_slots_and_grow_into_whole_ones` for pieces).
 async fn store(dram_blocks: u64, nvme_blocks: u64) -> (tempfile::TempDir, Arc<BlockStore>) {
+    store_of(BS, dram_blocks, nvme_blocks).await
+}
+
+async fn store_of(block: u32, dram_blocks: u64, nvme_blocks: u64) -> (tempfile::TempDir, Arc<BlockStore>) {
     let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
     let path = dir.path().join("tier.nvme");
-    let device = device::open(&path, Some(ByteSize(nvme_blocks * u64::from(BS)))).unwrap();
+    let device = device::open(&path, Some(ByteSize(nvme_blocks * u64::from(block)))).unwrap();
     let engine = engine::choose(IoEngineChoice::Psync, Arc::new(device.file), device.align as usize).await.unwrap();
-    let nvme = NvmeTier::new(engine, device.size, device.align, BS).unwrap();
-    let store = BlockStore::new(BS, dram_blocks * u64::from(BS)).unwrap().with_nvme(nvme);
+    let nvme = NvmeTier::new(engine, device.size, device.align, block).unwrap();
+    let store = BlockStore::new(block, dram_blocks * u64::from(block)).unwrap().with_nvme(nvme);
     (dir, Arc::new(store))
 }
 
@@ -106,6 +112,51 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
     }
     assert_eq!(blocks(&store), (0, 0));
     assert_eq!(store.shuffles().read_ahead_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// Spark's small shuffles: 200 partitions of a few hundred bytes each take pieces of 4 slots, not
+/// 200 slots; a partition that grows goes on to a bigger piece, then to whole slots; under
+/// pressure whole slots move down and pieces stay; `nvme` segments take whole slots.
+#[tokio::test]
+async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
+    const BLOCK: u32 = 256 << 10;
+    // 32 slots: pieces of 4 KiB (64 a slot) and of 32 KiB, each size cutting at most 4 slots.
+    let (_dir, store) = store_of(BLOCK, 32, 64).await;
+    let small = |p: u32, n: u32| -> Vec<u8> { (0..300).map(|i| (i + p * 7 + n * 13) as u8).collect() };
+    let any = PushHeader { map: 0, attempt: 0, class: StorageClass::Any };
+    for p in 0..200 {
+        store.push(seg(1, p), any, &small(p, 0)).await.unwrap();
+    }
+    assert_eq!(blocks(&store), (4, 0), "200 partitions in pieces of 4 slots");
+    // Partition 0 grows by 3000-byte batches: 1 more fits its 4 KiB piece, 10 a 32 KiB one, and
+    // the rest go to a whole slot.
+    let grow = |n: u32| -> Vec<u8> { (0..3000).map(|i| (i * 3 + n) as u8).collect() };
+    for n in 0..12 {
+        store.push(seg(1, 0), any, &grow(n)).await.unwrap();
+    }
+    assert_eq!(blocks(&store), (6, 0), "one slot cut into 32 KiB pieces, one whole");
+    // An `nvme` segment takes a whole slot, which the mover writes down whole.
+    let nvme = PushHeader { class: StorageClass::Nvme, ..any };
+    store.push(seg(2, 0), nvme, &small(0, 0)).await.unwrap();
+    assert_eq!(blocks(&store), (7, 0));
+    // Past the high watermark whole slots move and pieces stay.
+    for n in 0..24 {
+        store.push(seg(3, n), any, &data(0, n)).await.unwrap();
+        store.push(seg(3, n), any, &vec![n as u8; 200_000]).await.unwrap();
+    }
+    store.move_shuffles_down().await;
+    let (dram, disk) = blocks(&store);
+    assert!((dram as f64) < LOW_WATERMARK * 32.0 && dram + disk == 7 + 24, "{dram} slots in DRAM, {disk} on NVMe");
+    assert_eq!(store.shuffles().slots_cut(), [4, 1], "every piece still in DRAM");
+    for p in 0..200 {
+        let mut want = vec![(0, small(p, 0))];
+        if p == 0 {
+            want.extend((0..12).map(|n| (0, grow(n))));
+        }
+        assert_eq!(fetch_all(&store, seg(1, p), 1, u32::MAX).await, want, "partition {p}");
+    }
+    assert_eq!(store.free_shuffles([ShuffleId(1), ShuffleId(2), ShuffleId(3)]), 200 + 1 + 24, "segments freed");
+    assert_eq!(blocks(&store), (0, 0));
 }
 
 #[tokio::test]
