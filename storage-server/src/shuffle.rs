@@ -604,8 +604,8 @@ impl Shuffles {
         may_take_dram: bool,
     ) -> Result<u64, PushError> {
         let need = (BATCH_HEADER_LEN + batch.len()) as u32;
-        let take = |nth| self.dram_extent(pool, from.class, nth, need);
-        let first_slot = || if may_take_dram { take(0).map(Extent::Dram) } else { None };
+        let take = |nth| self.dram_extent(pool, from.class, nth, need, may_take_dram);
+        let first_slot = || take(0).map(Extent::Dram);
         let segment = self.segment_for_push(server, id, from.class, first_slot).ok_or_else(|| full(pool, id))??;
         let mut state = segment.state.lock();
         if state.dropped {
@@ -615,7 +615,7 @@ impl Shuffles {
             drop(state);
             return Err(PushError::Sealed(segment));
         }
-        let (bytes, closed) = state.append(pool, id, from, batch, may_take_dram.then_some(take))?;
+        let (bytes, closed) = state.append(pool, id, from, batch, take)?;
         drop(state);
         self.dram_bytes.fetch_add((BATCH_HEADER_LEN + batch.len()) as u64, Ordering::Relaxed);
         if let Some(closed) = closed {
@@ -626,11 +626,20 @@ impl Shuffles {
 
     /// A DRAM extent for a segment's extent number `nth` that takes a batch of `need` bytes with its
     /// header: a piece while the segment is young (see [`crate::dram::pieces`]) and one is free,
-    /// else a whole slot. `nvme` segments take whole slots, which the mover writes down whole.
-    fn dram_extent(&self, pool: &Arc<DramSlots>, class: StorageClass, nth: usize, need: u32) -> Option<AppendSlot> {
+    /// else a whole slot if `whole` allows. Pieces are bounded apart from the watermarks, and past
+    /// the high one a small partition in a whole NVMe slot would waste far more than its piece
+    /// does. `nvme` segments take whole slots, which the mover writes down whole.
+    fn dram_extent(
+        &self,
+        pool: &Arc<DramSlots>,
+        class: StorageClass,
+        nth: usize,
+        need: u32,
+        whole: bool,
+    ) -> Option<AppendSlot> {
         let pieces = self.pieces.get_or_init(|| Pieces::for_tier(pool));
         let piece = pieces.get(nth).filter(|pieces| class != StorageClass::Nvme && need <= pieces.piece_bytes());
-        piece.and_then(AppendSlot::take_piece).or_else(|| AppendSlot::take(pool))
+        piece.and_then(AppendSlot::take_piece).or_else(|| whole.then(|| AppendSlot::take(pool)).flatten())
     }
 
     /// Appends `batch` to the segment's open NVMe extent, or to a new one; see the module docs.
@@ -1278,18 +1287,16 @@ impl SegmentState {
         bytes
     }
 
-    /// Appends a batch; returns the segment's bytes afterwards and the slot that closed to make
-    /// room, if one did.
     /// Appends `batch` to the open DRAM extent, or to a new one from `take` (given the new
-    /// extent's number) when it does not fit; `None` takes none. Returns the segment's bytes and
-    /// the extent it closed, if that is one the mover may write down.
+    /// extent's number) when it does not fit. Returns the segment's bytes and the extent it
+    /// closed, if that is one the mover may write down.
     fn append(
         &mut self,
         pool: &DramSlots,
         id: SegmentId,
         from: PushHeader,
         batch: &[u8],
-        take: Option<impl FnOnce(usize) -> Option<AppendSlot>>,
+        take: impl FnOnce(usize) -> Option<AppendSlot>,
     ) -> Result<(u64, Option<u32>), ShuffleError> {
         if self.batches >= MAX_SEGMENT_BATCHES {
             return Err(ShuffleError::SegmentFull { segment: id, max: MAX_SEGMENT_BATCHES });
@@ -1306,7 +1313,7 @@ impl SegmentState {
         let mut closed = None;
         if !fits {
             // Batches are stored whole, in one extent each: the rest of the open one stays unused.
-            let slot = take.and_then(|take| take(self.slots.len())).ok_or_else(|| full(pool, id))?;
+            let slot = take(self.slots.len()).ok_or_else(|| full(pool, id))?;
             // The open extent closes (if the mover has not closed it already).
             closed = self.dram_open.filter(|&at| self.slots[at as usize].is_movable());
             self.slots.push(Extent::Dram(slot));

@@ -116,7 +116,8 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
 
 /// Spark's small shuffles: 200 partitions of a few hundred bytes each take pieces of 4 slots, not
 /// 200 slots; a partition that grows goes on to a bigger piece, then to whole slots; under
-/// pressure whole slots move down and pieces stay; `nvme` segments take whole slots.
+/// pressure new partitions still take pieces, whole slots move down and pieces stay; `nvme`
+/// segments take whole slots.
 #[tokio::test]
 async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
     const BLOCK: u32 = 256 << 10;
@@ -144,6 +145,11 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
         store.push(seg(3, n), any, &data(0, n)).await.unwrap();
         store.push(seg(3, n), any, &vec![n as u8; 200_000]).await.unwrap();
     }
+    // Still past the high watermark, a new small partition takes a piece, not an NVMe slot.
+    let before = blocks(&store);
+    assert!(before.0 as f64 >= HIGH_WATERMARK * 32.0 && before.1 > 0, "{before:?}");
+    store.push(seg(4, 0), any, &small(0, 0)).await.unwrap();
+    assert_eq!(blocks(&store), before);
     store.move_shuffles_down().await;
     let (dram, disk) = blocks(&store);
     assert!((dram as f64) < LOW_WATERMARK * 32.0 && dram + disk == 7 + 24, "{dram} slots in DRAM, {disk} on NVMe");
@@ -155,7 +161,8 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
         }
         assert_eq!(fetch_all(&store, seg(1, p), 1, u32::MAX).await, want, "partition {p}");
     }
-    assert_eq!(store.free_shuffles([ShuffleId(1), ShuffleId(2), ShuffleId(3)]), 200 + 1 + 24, "segments freed");
+    let all = [1, 2, 3, 4].map(ShuffleId);
+    assert_eq!(store.free_shuffles(all), 200 + 1 + 24 + 1, "segments freed");
     assert_eq!(blocks(&store), (0, 0));
 }
 
