@@ -87,6 +87,8 @@ pub struct TerasortArgs {
     /// With --metadata: transport of block data (auto, tcp, tls or quic), as for `tern fs`.
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto")]
     transport: TransportKind,
+    #[command(flatten)]
+    deadlines: crate::cli::Deadlines,
 }
 
 async fn client_unless_local(local: bool, metadata: &MetadataAddr) -> anyhow::Result<Option<tern_client::Client>> {
@@ -149,8 +151,12 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
         metadata: args.metadata.clone().unwrap_or_default(),
         // An embedded cluster is plain loopback, whatever the shell exported for other clusters.
         client: match args.metadata {
-            Some(_) => ClientOptions { tls_dir: args.tls_dir.clone(), transport: args.transport, ..Default::default() },
-            None => ClientOptions::default(),
+            Some(_) => args.deadlines.apply(ClientOptions {
+                tls_dir: args.tls_dir.clone(),
+                transport: args.transport,
+                ..Default::default()
+            }),
+            None => args.deadlines.apply(ClientOptions::default()),
         },
         maps: args.maps.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),
         reduces: args.reduces.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),

@@ -7,6 +7,11 @@
 //! caller with a small request and nothing queued writes it itself, one task hop fewer), a
 //! reader task matches replies to waiting callers by request id. A semaphore bounds the requests
 //! in flight, so a fast producer waits instead of queueing without limit.
+//!
+//! Every request has a deadline. A connection on which one is missed is given up at once: it
+//! leaves the pool, its other requests fail with it, and its reader task is stopped. A server
+//! whose link is cut answers nothing and refuses nothing, so a pooled connection to it would
+//! otherwise make every later request wait out the deadline again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
@@ -39,8 +44,12 @@ pub(crate) struct BlockConnection {
     next_id: AtomicU64,
     in_flight: Semaphore,
     broken: Arc<AtomicBool>,
-    /// How long a request may wait for its reply before it fails as Unavailable.
+    /// How long a request may wait for its reply before it fails as Unavailable and the
+    /// connection is given up.
     request_timeout: Duration,
+    /// The task reading replies: stopped with the connection (on a cut link its read would
+    /// otherwise wait for TCP to give up, many minutes).
+    receiver: tokio::task::AbortHandle,
     /// Job tokens bound on this connection: job serial -> (slot, MAC of the token bound there).
     /// A refreshed token of the same job rebinds the job's slot.
     slots: Mutex<HashMap<u64, (u16, [u8; 32])>>,
@@ -67,7 +76,8 @@ impl BlockConnection {
         let broken = Arc::new(AtomicBool::new(false));
         let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(64 << 10, write_half)));
         tokio::spawn(send_frames(inbox, out.clone(), broken.clone()));
-        tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string()));
+        let receiver =
+            tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string())).abort_handle();
         Ok(BlockConnection {
             addr: addr.to_string(),
             outbox,
@@ -77,6 +87,7 @@ impl BlockConnection {
             in_flight: Semaphore::new(max_in_flight),
             broken,
             request_timeout,
+            receiver,
             slots: Mutex::default(),
             next_slot: AtomicU16::new(1),
             binding: tokio::sync::Mutex::new(()),
@@ -154,8 +165,9 @@ impl BlockConnection {
         let reply = match tokio::time::timeout(self.request_timeout, rx).await {
             Ok(reply) => reply.map_err(|_| self.lost("connection lost"))??,
             Err(_) => {
-                self.pending.lock().remove(&id);
-                return Err(self.lost(&format!("no reply within {:?}", self.request_timeout)));
+                let missed = self.lost(&format!("no reply within {:?}", self.request_timeout));
+                self.give_up(&missed);
+                return Err(missed);
             }
         };
         reply
@@ -185,8 +197,24 @@ impl BlockConnection {
         self.outbox.send(frame).await.is_ok()
     }
 
+    /// Gives the connection up after a missed deadline: it leaves the pool (broken), the
+    /// requests still waiting on it fail with `why`, and its reader stops.
+    fn give_up(&self, why: &Error) {
+        self.broken.store(true, Ordering::Release);
+        self.receiver.abort();
+        for (_, waiter) in self.pending.lock().drain() {
+            let _ = waiter.send(Err(why.clone()));
+        }
+    }
+
     fn lost(&self, what: &str) -> Error {
         Error::unavailable(format!("storage server {}: {what}", self.addr))
+    }
+}
+
+impl Drop for BlockConnection {
+    fn drop(&mut self) {
+        self.receiver.abort();
     }
 }
 
@@ -258,7 +286,9 @@ pub(crate) struct BlockPool {
     request_timeout: Duration,
     servers: Mutex<HashMap<String, Vec<Arc<BlockConnection>>>>,
     next: AtomicUsize,
-    connecting: tokio::sync::Mutex<()>,
+    /// Per server, one connect at a time: a server that cannot be reached holds up only the
+    /// calls to it, for at most the connect deadline, not the calls to every other server.
+    connecting: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl BlockPool {
@@ -277,7 +307,7 @@ impl BlockPool {
             request_timeout,
             servers: Mutex::default(),
             next: AtomicUsize::new(0),
-            connecting: tokio::sync::Mutex::new(()),
+            connecting: Mutex::default(),
         }
     }
 
@@ -287,8 +317,9 @@ impl BlockPool {
         if let Some(conn) = self.pick(addr, turn) {
             return Ok(conn);
         }
-        // One connect at a time, so a burst of calls does not open a burst of sockets.
-        let _guard = self.connecting.lock().await;
+        // One connect at a time per server, so a burst of calls does not open a burst of sockets.
+        let connecting = self.connecting.lock().entry(addr.to_string()).or_default().clone();
+        let _guard = connecting.lock().await;
         if let Some(conn) = self.pick(addr, turn) {
             return Ok(conn);
         }

@@ -322,6 +322,23 @@ impl Shuffle {
         self.current.lock()[partition as usize].clone()
     }
 
+    /// Asks the metadata server for `partition`'s segments and takes its newest as the current
+    /// one: after its server failed a push, the segment may have been declared lost and placed
+    /// anew (its server dead), and pushes must follow.
+    async fn follow_placement(&self, partition: u32) -> Result<()> {
+        let located = self.client.locate(self.id, partition..partition + 1, 0..0).await?;
+        let newest = located.segments.into_iter().filter(|s| s.partition == partition).max_by_key(|s| s.index);
+        if let Some(newest) = newest {
+            let mut current = self.current.lock();
+            let slot = &mut current[partition as usize];
+            // The same index too: its `lost` flags may have changed.
+            if slot.index <= newest.index {
+                *slot = newest;
+            }
+        }
+        Ok(())
+    }
+
     /// Moves `partition` past segment `full` (idempotent across writers) and returns the new one.
     async fn advance(&self, partition: u32, full: u32) -> Result<Segment> {
         let request = pb::AdvanceSegmentRequest { shuffle_id: self.id.get(), partition, full_segment: full };
@@ -550,6 +567,19 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
             why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full: {why}"));
             segment = shuffle.advance(partition, index).await?;
             continue;
+        }
+        // A copy's server that missed a deadline or dropped the connection may or may not have
+        // stored the batch: the attempt fails (a new one keeps the output exactly-once), but
+        // first the metadata server says where the partition goes now, so the next attempt
+        // never pushes to a placement it has already replaced.
+        let unavailable = results.iter().find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Unavailable));
+        if let Some(e) = unavailable {
+            if let Err(asked) = shuffle.follow_placement(partition).await {
+                tracing::debug!(
+                    "after {e}: could not ask the metadata server where partition {partition} goes: {asked}"
+                );
+            }
+            return Err(e.clone());
         }
         let mut size = 0u32;
         for result in results {

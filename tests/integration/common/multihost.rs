@@ -120,6 +120,10 @@ impl MultiHost {
         cluster
     }
 
+    pub fn network(&self) -> &Network {
+        &self.network
+    }
+
     /// Client options with the cluster's TLS material and block transport `transport`.
     pub fn options(&self, transport: TransportKind) -> ClientOptions {
         ClientOptions { transport, tls_dir: Some(self.tls_dir.clone()), ..ClientOptions::default() }
