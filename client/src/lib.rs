@@ -377,6 +377,29 @@ impl Client {
         Ok(*size)
     }
 
+    /// Tells the metadata server that the storage server at `address` (its block or QUIC
+    /// address) cannot be reached from here, `why`: while it is alive, placement avoids it for a
+    /// while. Returns whether the metadata server still lists it alive (false: dead already, its
+    /// data re-placed or lost).
+    pub async fn report_unreachable(&self, address: &str, why: &Error) -> Result<bool> {
+        let request = pb::ReportUnreachableRequest { address: address.to_string(), reason: why.to_string() };
+        Ok(self.metadata().report_unreachable(request).await?.into_inner().alive)
+    }
+
+    /// [`Client::report_unreachable`] for a request to `address` that failed with `error`, if
+    /// it failed for want of the server (Unavailable); a failure to report is only logged, the
+    /// caller's own error being the one that matters.
+    pub(crate) async fn report_if_unreachable(&self, address: &str, error: &Error) {
+        if error.kind() != ErrorKind::Unavailable {
+            return;
+        }
+        match self.report_unreachable(address, error).await {
+            Ok(true) => tracing::info!("reported storage server {address} unreachable: {error}"),
+            Ok(false) => tracing::debug!("storage server {address} is dead already: {error}"),
+            Err(e) => tracing::debug!("could not report storage server {address} unreachable: {e}"),
+        }
+    }
+
     /// Storage servers with their tiers, and jobs.
     pub async fn status(&self) -> Result<StatusResponse> {
         Ok(self.metadata().status(pb::StatusRequest {}).await?.into_inner())

@@ -536,8 +536,9 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         // out the partition's next segment (re-placed already if a server is dead).
         let mut conns = Vec::with_capacity(2);
         let mut unreachable = None;
-        for holder in segment_holders(&segment) {
-            match shuffle.client.block_connection(&holder).await {
+        let holders = segment_holders(&segment);
+        for holder in &holders {
+            match shuffle.client.block_connection(holder).await {
                 Ok(conn) => conns.push(conn),
                 // A server without the transport asked for: no other segment would do better.
                 Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
@@ -549,6 +550,8 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         }
         if let Some(e) = unreachable {
             tracing::debug!("{e}; moving on to a new segment");
+            // Reported first, so the new segment is not placed where this client cannot reach.
+            shuffle.client.report_if_unreachable(&holders[conns.len()].address, &e).await;
             why_moved = Error::unavailable(e.to_string());
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
@@ -572,8 +575,11 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         // stored the batch: the attempt fails (a new one keeps the output exactly-once), but
         // first the metadata server says where the partition goes now, so the next attempt
         // never pushes to a placement it has already replaced.
-        let unavailable = results.iter().find_map(|r| r.as_ref().err().filter(|e| e.kind() == ErrorKind::Unavailable));
-        if let Some(e) = unavailable {
+        let unavailable = results.iter().zip(&holders).find_map(|(r, holder)| {
+            r.as_ref().err().filter(|e| e.kind() == ErrorKind::Unavailable).map(|e| (e, holder))
+        });
+        if let Some((e, holder)) = unavailable {
+            shuffle.client.report_if_unreachable(&holder.address, e).await;
             if let Err(asked) = shuffle.follow_placement(partition).await {
                 tracing::debug!(
                     "after {e}: could not ask the metadata server where partition {partition} goes: {asked}"

@@ -126,10 +126,27 @@ impl Network {
         run("tc", ["qdisc", "del", "dev", self.link_of(host)?, "root"])
     }
 
+    /// Drops everything host `from` sends to host `to` (a blackhole route on `from`; its sockets
+    /// get EINVAL): `to` stays reachable from every other host, a partition only `from` sees.
+    pub fn block(&self, from: &str, to: &str) -> anyhow::Result<()> {
+        let to = format!("{}/32", self.host(to).ip());
+        ip(["-n", self.netns_of(from)?, "route", "add", "blackhole", &to])
+    }
+
+    /// Undoes [`Network::block`].
+    pub fn unblock(&self, from: &str, to: &str) -> anyhow::Result<()> {
+        let to = format!("{}/32", self.host(to).ip());
+        ip(["-n", self.netns_of(from)?, "route", "del", "blackhole", &to])
+    }
+
+    fn netns_of(&self, host: &str) -> anyhow::Result<&str> {
+        self.host(host).netns().ok_or_else(|| anyhow!("host {host} is not a namespace"))
+    }
+
     /// Runs `f` on a thread inside `host`'s namespace: the sockets it opens are that host's (a
     /// test's own client, readiness probes). The rest of this process stays where it is.
     pub fn on_host<T: Send>(&self, host: &str, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
-        let netns = self.host(host).netns().ok_or_else(|| anyhow!("host {host} is not a namespace"))?.to_string();
+        let netns = self.netns_of(host)?.to_string();
         std::thread::scope(|scope| {
             let thread = scope.spawn(move || -> anyhow::Result<T> {
                 enter_netns(&netns)?;
@@ -235,6 +252,10 @@ mod tests {
         network.heal("b").unwrap();
         // The port and the neighbour entry take a moment to come back.
         assert!((0..20).any(|_| connects()), "a healed host stays unreachable");
+        network.block("a", "b").unwrap();
+        assert!(!connects(), "a reaches b through a blackhole");
+        network.unblock("a", "b").unwrap();
+        assert!(connects());
         // A thread on a host sees that host's interfaces only.
         let seen = network.on_host("a", || std::fs::read_to_string("/proc/thread-self/net/dev").unwrap()).unwrap();
         assert!(seen.contains("eth0") && !seen.contains(a.link().unwrap()), "{seen}");

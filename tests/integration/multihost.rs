@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use tern_client::TransportKind;
 
-use crate::common::multihost::{storage_host, Layout, MultiHost};
+use crate::common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
 
 /// The metadata server's default `server_timeout_ms`: how long a silent server stays alive.
 const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -71,4 +71,27 @@ async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_v
     // The cut was felt: tasks failed and ran again (maps recomputed, if their output was lost).
     let redone = report["task_retries"].as_u64().unwrap() + report["maps_recomputed"].as_u64().unwrap();
     assert!(redone >= 1, "nothing was redone after the cut? {report}");
+}
+
+/// A storage server the metadata server hears from but the client cannot reach (a partition
+/// only the client sees): the client reports it, placement avoids it, and the job validates
+/// on the other server. Without the report every retry would be placed half on it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_the_client_cannot_reach_is_reported_and_placement_avoids_it() {
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    cluster.network().block(CLIENT_HOST, &storage_host(1)).unwrap();
+    let mut sort = cluster.spawn_terasort("256MiB", TransportKind::Auto, &[]);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    assert!(report["task_retries"].as_u64().unwrap() >= 1, "the blocked server was never tried? {report}");
+    let metadata_log = std::fs::read_to_string(cluster.dir.path().join("metadata.log")).unwrap();
+    let blocked = format!("({})", cluster.storage_addrs[1]);
+    let reported =
+        metadata_log.lines().any(|l| l.contains("a client cannot reach storage server") && l.contains(&blocked));
+    assert!(reported, "no report of {blocked} in the metadata log:\n{metadata_log}");
+    // It was alive all along: reachable from the metadata server, heartbeating.
+    let status = cluster.on_client(async || {
+        let options = cluster.options(TransportKind::Auto);
+        tern_client::Client::connect_with(&cluster.metadata_url, options).await.unwrap().status().await.unwrap()
+    });
+    assert!(status.servers.iter().all(|s| s.alive), "{status:?}");
 }
