@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::auth::{Access, Held};
 use crate::error::{Error, Result};
+use crate::liveness::{Stalls, STALLED_AFTER};
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Frame>>>>>;
 /// The connection's socket writer, shared by its writer task and callers sending small frames.
@@ -50,6 +51,8 @@ pub(crate) struct BlockConnection {
     /// The task reading replies: stopped with the connection (on a cut link its read would
     /// otherwise wait for TCP to give up, many minutes).
     receiver: tokio::task::AbortHandle,
+    /// Where a request that waits long says so, for the client's liveness watcher.
+    stalls: Arc<Stalls>,
     /// Job tokens bound on this connection: job serial -> (slot, MAC of the token bound there).
     /// A refreshed token of the same job rebinds the job's slot.
     slots: Mutex<HashMap<u64, (u16, [u8; 32])>>,
@@ -65,6 +68,7 @@ impl BlockConnection {
         max_in_flight: usize,
         timeout: Duration,
         request_timeout: Duration,
+        stalls: Arc<Stalls>,
     ) -> Result<BlockConnection> {
         let stream = tokio::time::timeout(timeout, connector.connect(addr))
             .await
@@ -88,6 +92,7 @@ impl BlockConnection {
             broken,
             request_timeout,
             receiver,
+            stalls,
             slots: Mutex::default(),
             next_slot: AtomicU16::new(1),
             binding: tokio::sync::Mutex::new(()),
@@ -162,7 +167,7 @@ impl BlockConnection {
             self.pending.lock().remove(&id);
             return Err(self.lost("connection lost"));
         }
-        let reply = match tokio::time::timeout(self.request_timeout, rx).await {
+        let reply = match self.wait_for_reply(rx).await {
             Ok(reply) => reply.map_err(|_| self.lost("connection lost"))??,
             Err(_) => {
                 let missed = self.lost(&format!("no reply within {:?}", self.request_timeout));
@@ -173,6 +178,23 @@ impl BlockConnection {
         reply
             .into_result()
             .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
+    }
+
+    /// Waits up to the request deadline for `rx`; past [`STALLED_AFTER`] the request counts as
+    /// stalled, so the liveness watcher may give the connection up sooner (its server dead).
+    async fn wait_for_reply<T>(
+        &self,
+        mut rx: oneshot::Receiver<T>,
+    ) -> Result<Result<T, oneshot::error::RecvError>, tokio::time::error::Elapsed> {
+        let first = STALLED_AFTER.min(self.request_timeout);
+        match tokio::time::timeout(first, &mut rx).await {
+            Ok(reply) => Ok(reply),
+            Err(elapsed) if first == self.request_timeout => Err(elapsed),
+            Err(_) => {
+                let _stalled = self.stalls.stalled(&self.addr);
+                tokio::time::timeout(self.request_timeout - first, rx).await
+            }
+        }
     }
 
     /// Writes a small frame itself when nothing is queued, else queues it for the writer task;
@@ -286,6 +308,8 @@ pub(crate) struct BlockPool {
     request_timeout: Duration,
     servers: Mutex<HashMap<String, Vec<Arc<BlockConnection>>>>,
     next: AtomicUsize,
+    /// Requests stalled per server, watched by the client's liveness watcher.
+    stalls: Arc<Stalls>,
     /// Per server, one connect at a time: a server that cannot be reached holds up only the
     /// calls to it, for at most the connect deadline, not the calls to every other server.
     connecting: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -307,6 +331,7 @@ impl BlockPool {
             request_timeout,
             servers: Mutex::default(),
             next: AtomicUsize::new(0),
+            stalls: Arc::default(),
             connecting: Mutex::default(),
         }
     }
@@ -330,6 +355,7 @@ impl BlockPool {
                 self.max_in_flight,
                 self.connect_timeout,
                 self.request_timeout,
+                self.stalls.clone(),
             )
             .await?,
         );
@@ -338,6 +364,19 @@ impl BlockPool {
         conns.retain(|c| !c.is_broken());
         conns.push(conn.clone());
         Ok(conn)
+    }
+
+    /// Requests stalled per server, for the liveness watcher.
+    pub(crate) fn stalls(&self) -> &Arc<Stalls> {
+        &self.stalls
+    }
+
+    /// Gives up every connection to `addr` (its server is dead): its requests fail with `why`.
+    pub(crate) fn give_up_server(&self, addr: &str, why: &Error) {
+        let conns = self.servers.lock().remove(addr).unwrap_or_default();
+        for conn in conns {
+            conn.give_up(why);
+        }
     }
 
     fn pick(&self, addr: &str, turn: usize) -> Option<Arc<BlockConnection>> {

@@ -21,6 +21,7 @@ mod auth;
 mod conn;
 mod error;
 mod job;
+mod liveness;
 mod location;
 mod reader;
 mod shuffle;
@@ -152,6 +153,13 @@ struct Inner {
     tokens: auth::Tokens,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The liveness watcher holds the client weakly; this ends it.
+        self.blocks.stalls().close();
+    }
+}
+
 /// The block connector of `kind`; TLS and QUIC need the TLS material.
 fn connector(
     kind: TransportKind,
@@ -218,7 +226,8 @@ impl Client {
             options.connect_timeout,
             options.block_request_timeout,
         );
-        Ok(Client {
+        let stalls = blocks.stalls().clone();
+        let client = Client {
             inner: Arc::new(Inner {
                 metadata_addr: addr,
                 metadata,
@@ -229,7 +238,9 @@ impl Client {
                 block_size: tokio::sync::OnceCell::new(),
                 tokens,
             }),
-        })
+        };
+        tokio::spawn(liveness::watch(Arc::downgrade(&client.inner), stalls));
+        Ok(client)
     }
 
     /// The metadata server's address.

@@ -82,7 +82,9 @@ async fn a_storage_server_the_client_cannot_reach_is_reported_and_placement_avoi
     cluster.network().block(CLIENT_HOST, &storage_host(1)).unwrap();
     let mut sort = cluster.spawn_terasort("256MiB", TransportKind::Auto, &[]);
     let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
-    assert!(report["task_retries"].as_u64().unwrap() >= 1, "the blocked server was never tried? {report}");
+    // Teragen parts and pushes moved off the blocked server within their tasks; the report
+    // below shows it was tried.
+    assert_eq!(report["maps_recomputed"], 0, "{report}");
     let metadata_log = std::fs::read_to_string(cluster.dir.path().join("metadata.log")).unwrap();
     let blocked = format!("({})", cluster.storage_addrs[1]);
     let reported =
