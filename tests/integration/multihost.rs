@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use tern_client::TransportKind;
+use tern_client::{StatusResponse, TransportKind};
 
 use crate::common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
 
@@ -28,12 +28,7 @@ async fn a_1_gib_terasort_from_a_client_host_validates_over_tls_across_hosts() {
     assert_eq!(report["records"], (1u64 << 30) / 100, "{report}");
     assert_eq!((report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()), (Some(0), Some(0)));
     // Both storage servers took part: the shuffle crossed hosts.
-    let status = cluster.on_client(async || {
-        let client = tern_client::Client::connect_with(&cluster.metadata_url, cluster.options(TransportKind::Auto))
-            .await
-            .unwrap();
-        client.status().await.unwrap()
-    });
+    let status = cluster.with_client_on(CLIENT_HOST, async |client| client.status().await.unwrap());
     assert_eq!(status.servers.len(), 2, "{status:?}");
     let mut listed: Vec<&str> = status.servers.iter().filter(|s| s.alive).map(|s| s.address.as_str()).collect();
     listed.sort();
@@ -91,9 +86,101 @@ async fn a_storage_server_the_client_cannot_reach_is_reported_and_placement_avoi
         metadata_log.lines().any(|l| l.contains("a client cannot reach storage server") && l.contains(&blocked));
     assert!(reported, "no report of {blocked} in the metadata log:\n{metadata_log}");
     // It was alive all along: reachable from the metadata server, heartbeating.
-    let status = cluster.on_client(async || {
-        let options = cluster.options(TransportKind::Auto);
-        tern_client::Client::connect_with(&cluster.metadata_url, options).await.unwrap().status().await.unwrap()
-    });
+    let status = cluster.with_client_on(CLIENT_HOST, async |client| client.status().await.unwrap());
     assert!(status.servers.iter().all(|s| s.alive), "{status:?}");
+}
+
+/// Whether every storage server in `status` is alive and holds nothing (blocks and shuffle
+/// segments all freed), as its last heartbeat reported.
+fn all_alive_and_empty(status: &StatusResponse) -> bool {
+    status.servers.iter().all(|s| s.alive && s.state == "alive" && s.tiers.iter().all(|t| t.used_blocks == 0))
+}
+
+/// The client host cut off mid-terasort: nobody renews its job's lease, so the lease lapses,
+/// the metadata server ends the job, and everything the job wrote (input, shuffle, output) is
+/// freed on the storage servers, which stay up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_host_cut_off_mid_job_loses_its_lease_and_everything_it_wrote_is_freed() {
+    const LEASE: Duration = Duration::from_secs(5);
+    let lease = format!("max_lease_ms={}", LEASE.as_millis());
+    let layout = Layout { metadata_sets: &[&lease, "default_lease_ms=5000"], ..two_storage_servers() };
+    let cluster = MultiHost::start(layout).await;
+    let mut sort = cluster.spawn_terasort("1GiB", TransportKind::Auto, &[]);
+    let job = cluster.wait_status("the terasort's job to hold data", Duration::from_secs(60), |status| {
+        status.jobs.iter().find(|j| j.bytes > 0).map(|j| j.job_id.clone())
+    });
+    cluster.network().cut(CLIENT_HOST).unwrap();
+    let cut = Instant::now();
+    cluster.wait_status("the job to end with its lease", LEASE + Duration::from_secs(30), |status| {
+        status.jobs.iter().all(|j| j.job_id != job).then_some(())
+    });
+    let ended = cut.elapsed();
+    cluster.wait_status("everything the job wrote to be freed", Duration::from_secs(60), |status| {
+        all_alive_and_empty(status).then_some(())
+    });
+    eprintln!(
+        "job ended {:.1} s after the cut, everything freed {:.1} s after it",
+        ended.as_secs_f64(),
+        cut.elapsed().as_secs_f64()
+    );
+    assert!(ended >= LEASE - Duration::from_secs(1), "the job ended {ended:?} after the cut, before its lease lapsed");
+    assert!(sort.try_wait().unwrap().is_none_or(|exit| !exit.success()), "the cut-off terasort succeeded?");
+}
+
+/// A storage server cut off until it is declared dead, the files with blocks there deleted
+/// meanwhile (the cluster gives that data up), then healed: it registers again, its blocks of
+/// the deleted files (no longer referenced) are freed, and none of that data is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_healed_after_it_was_declared_dead_registers_again_and_its_given_up_blocks_are_freed() {
+    const FILES: usize = 8;
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let cut_server = cluster.storage_addrs[1].clone();
+    let data = crate::common::random_bytes(4 << 20);
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        for i in 0..FILES {
+            client.put(&format!("/given-up/f{i}"), bytes::Bytes::from(data.clone())).await.unwrap();
+        }
+    });
+    cluster.wait_status("both servers to hold blocks", Duration::from_secs(20), |status| {
+        status.servers.iter().all(|s| s.tiers.iter().any(|t| t.used_blocks > 0)).then_some(())
+    });
+    cluster.network().cut(&storage_host(1)).unwrap();
+    cluster.wait_status("the cut server to be declared dead", SERVER_TIMEOUT + Duration::from_secs(20), |status| {
+        status.servers.iter().any(|s| s.address == cut_server && !s.alive).then_some(())
+    });
+    // Its blocks are lost, not silently missing; then the cluster gives the files up.
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        let mut lost = 0;
+        for i in 0..FILES {
+            let read = async { client.open(&format!("/given-up/f{i}")).await?.read_to_end().await };
+            match read.await {
+                Ok(bytes) => assert_eq!(bytes, data),
+                Err(e) => {
+                    assert_eq!(e.kind(), tern_client::ErrorKind::DataLost, "{e}");
+                    assert!(e.message().contains(&cut_server), "{e}");
+                    lost += 1;
+                }
+            }
+        }
+        assert!(lost > 0, "no file had a block on the cut server");
+        client.delete("/given-up", true).await.unwrap();
+    });
+    cluster.network().heal(&storage_host(1)).unwrap();
+    let healed = Instant::now();
+    cluster.wait_status(
+        "the healed server to register again and both to free everything",
+        Duration::from_secs(60),
+        |status| {
+            (status.servers.iter().filter(|s| s.address == cut_server).any(|s| s.alive) && all_alive_and_empty(status))
+                .then_some(())
+        },
+    );
+    eprintln!("registered again and emptied {:.1} s after the heal", healed.elapsed().as_secs_f64());
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        let err = client.open("/given-up/f0").await.err().expect("a deleted file was served");
+        assert_eq!(err.kind(), tern_client::ErrorKind::NotFound, "{err}");
+        // The healed server takes new data again.
+        client.put("/after-heal", bytes::Bytes::from(data.clone())).await.unwrap();
+        assert_eq!(client.open("/after-heal").await.unwrap().read_to_end().await.unwrap(), data);
+    });
 }

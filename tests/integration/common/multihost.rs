@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use tern_client::{ClientOptions, TransportKind};
+use tern_client::{Client, ClientOptions, StatusResponse, TransportKind};
 use tern_local::{Daemon, DaemonSpec, Deadline, Network};
 
 use super::TERN;
@@ -20,6 +20,8 @@ const METADATA_PORT: u16 = 9060;
 const STORAGE_PORT: u16 = 9070;
 /// How long the cluster may take to come up.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often [`MultiHost::wait_status`] asks.
+const STATUS_POLL: Duration = Duration::from_millis(200);
 /// The host clients run on.
 pub const CLIENT_HOST: &str = "client";
 pub const METADATA_HOST: &str = "meta";
@@ -129,10 +131,50 @@ impl MultiHost {
         ClientOptions { transport, tls_dir: Some(self.tls_dir.clone()), ..ClientOptions::default() }
     }
 
-    /// Runs `f` with a runtime on a thread of the client host: what it connects to, it reaches
+    /// Runs `f` with a client of the cluster on a thread of host `host` (its own runtime: what
+    /// the client starts in the background ends with `f`): what it connects to, it reaches
     /// across the bridge as the `tern` command on that host would.
-    pub fn on_client<T: Send>(&self, f: impl AsyncFnOnce() -> T + Send) -> T {
-        self.network.on_host(CLIENT_HOST, || current_thread_runtime().block_on(f())).unwrap_or_else(|e| panic!("{e:#}"))
+    pub fn with_client_on<T: Send>(&self, host: &str, f: impl AsyncFnOnce(Client) -> T + Send) -> T {
+        let options = self.options(TransportKind::Auto);
+        let run = || {
+            current_thread_runtime().block_on(async {
+                let deadline = Deadline::after(Duration::from_secs(20));
+                let connect = || Client::connect_with(&self.metadata_url, options.clone());
+                let client = tern_local::poll_until(&deadline, connect).await;
+                f(client.unwrap_or_else(|e| panic!("the metadata server never answered from {host}: {e}"))).await
+            })
+        };
+        self.network.on_host(host, run).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    /// Polls the metadata server's status from its own host (reachable whatever else is cut)
+    /// until `check` yields a value; fails the test, with the logs, after `timeout`.
+    pub fn wait_status<T: Send>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut check: impl FnMut(&StatusResponse) -> Option<T> + Send,
+    ) -> T {
+        let found = self.with_client_on(METADATA_HOST, async |client| {
+            let deadline = Instant::now() + timeout;
+            let mut last = None;
+            loop {
+                if let Ok(status) = client.status().await {
+                    if let Some(found) = check(&status) {
+                        return Ok(found);
+                    }
+                    last = Some(status);
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(last);
+                }
+                tokio::time::sleep(STATUS_POLL.min(left)).await;
+            }
+        });
+        found.unwrap_or_else(|last| {
+            panic!("timed out after {timeout:?} waiting for {what}; last status: {last:?}\n{}", self.logs())
+        })
     }
 
     /// `tern ARGS` on the client host, started in the background against this cluster with its
