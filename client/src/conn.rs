@@ -389,3 +389,51 @@ impl BlockPool {
         Some(conns[turn % conns.len()].clone())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A server that accepts connections and never answers (a hung host): a request misses its
+    /// deadline, the requests beside it fail with it, and the pool connects anew.
+    #[tokio::test]
+    async fn a_missed_deadline_gives_the_connection_up_and_the_next_call_connects_anew() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                held.push(socket);
+            }
+        });
+        let deadline = Duration::from_millis(300);
+        let connector = Arc::new(tern_transport::tcp::TcpConnector);
+        let pool = BlockPool::new(connector, 1, 4, Duration::from_secs(5), deadline);
+        let conn = pool.get(&addr).await.unwrap();
+        let started = std::time::Instant::now();
+        let (first, second) =
+            tokio::join!(conn.call(|id| Frame::read(id, 1, 0, 1)), conn.call(|id| Frame::read(id, 2, 0, 1)));
+        for failed in [first.unwrap_err(), second.unwrap_err()] {
+            assert_eq!(failed.kind(), crate::ErrorKind::Unavailable, "{failed}");
+            assert!(failed.message().contains("no reply within"), "{failed}");
+        }
+        // The second waited no longer than the first: it was failed with its connection.
+        assert!(started.elapsed() < deadline * 3, "{:?}", started.elapsed());
+        assert!(conn.is_broken());
+        let again = pool.get(&addr).await.unwrap();
+        assert!(!Arc::ptr_eq(&conn, &again), "the pool handed out the connection that missed its deadline");
+        // The listener's task counts the second connection once it gets to accept it.
+        for _ in 0..100 {
+            if accepted.load(Ordering::SeqCst) == 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{} connections accepted, not 2", accepted.load(Ordering::SeqCst));
+    }
+}
