@@ -256,6 +256,16 @@ mod tests {
         assert!(!connects(), "a reaches b through a blackhole");
         network.unblock("a", "b").unwrap();
         assert!(connects());
+        // A slowed link has a token bucket on it, and loses it again.
+        let qdisc = || {
+            let out = Command::new("tc").args(["qdisc", "show", "dev", b.link().unwrap()]).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        network.slow("b", "100mbit").unwrap();
+        assert!(qdisc().contains("tbf") && qdisc().contains("100Mbit"), "{}", qdisc());
+        assert!(connects());
+        network.unslow("b").unwrap();
+        assert!(!qdisc().contains("tbf"), "{}", qdisc());
         // A thread on a host sees that host's interfaces only.
         let seen = network.on_host("a", || std::fs::read_to_string("/proc/thread-self/net/dev").unwrap()).unwrap();
         assert!(seen.contains("eth0") && !seen.contains(a.link().unwrap()), "{seen}");
@@ -264,5 +274,21 @@ mod tests {
         let listed = Command::new("ip").args(["netns", "list"]).output().unwrap();
         assert!(!String::from_utf8_lossy(&listed.stdout).contains(&netns));
         assert!(!Command::new("ip").args(["link", "show", &link]).output().unwrap().status.success());
+    }
+
+    /// What a killed run left behind (its pid gone) is removed by the next run's start.
+    #[test]
+    fn a_dead_runs_namespaces_and_links_are_removed_at_the_next_start() {
+        let dead_pid =
+            (4_000_000..4_100_000).find(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()).unwrap();
+        let (netns, bridge) = (format!("{NETNS_PREFIX}{dead_pid}-0-x"), format!("{BRIDGE_PREFIX}{dead_pid}x0"));
+        ip(["netns", "add", &netns]).unwrap();
+        ip(["link", "add", &bridge, "type", "bridge"]).unwrap();
+        let network = Network::create(&["a"]).unwrap();
+        let listed = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        let left = String::from_utf8_lossy(&listed.stdout).contains(&netns);
+        let bridge_left = Command::new("ip").args(["link", "show", &bridge]).output().unwrap().status.success();
+        drop(network);
+        assert!(!left && !bridge_left, "a dead run's namespace ({left}) or bridge ({bridge_left}) was left");
     }
 }

@@ -184,3 +184,32 @@ async fn a_storage_server_healed_after_it_was_declared_dead_registers_again_and_
         assert_eq!(client.open("/after-heal").await.unwrap().read_to_end().await.unwrap(), data);
     });
 }
+
+/// Two copies of everything on three storage servers, one cut off mid-terasort: every block and
+/// segment still has a live copy, so no map is recomputed and the job validates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_copies_on_three_servers_a_cut_off_server_costs_no_recomputation() {
+    let cluster = MultiHost::start(Layout { storage_servers: 3, ..two_storage_servers() }).await;
+    let mut sort = cluster.spawn_terasort("512MiB", TransportKind::Auto, &["--replicas", "2"]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the cut:\n{}", cluster.logs());
+    cluster.network().cut(&storage_host(1)).unwrap();
+    let cut = Instant::now();
+    let (report, finished) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    eprintln!("validated {:.1} s after the cut ({report})", (finished - cut).as_secs_f64());
+    assert_eq!(report["maps_recomputed"], 0, "{report}");
+}
+
+/// The easy fault across hosts: a storage server SIGKILLed mid-terasort (its connections reset
+/// at once), one copy: the lost maps are recomputed and the job validates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_killed_mid_terasort_across_hosts_costs_its_maps_and_the_job_validates() {
+    let mut cluster = MultiHost::start(two_storage_servers()).await;
+    let mut sort = cluster.spawn_terasort("512MiB", TransportKind::Auto, &[]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the kill:\n{}", cluster.logs());
+    cluster.kill_storage(1);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    let redone = report["task_retries"].as_u64().unwrap() + report["maps_recomputed"].as_u64().unwrap();
+    assert!(redone >= 1, "nothing was redone after the kill? {report}");
+}

@@ -220,6 +220,13 @@ impl MultiHost {
         (report, finished)
     }
 
+    /// SIGKILLs storage server `i`.
+    pub fn kill_storage(&mut self, i: usize) {
+        let daemon = &mut self.daemons[1 + i];
+        daemon.kill().unwrap();
+        daemon.wait().unwrap();
+    }
+
     /// Every daemon's and client's log, to print when a test fails.
     pub fn logs(&self) -> String {
         super::logs_in(self.dir.path())
