@@ -20,6 +20,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 export TERN_TEST_REQUIRE_REDIS=1
 
+# The multi-host tests make network namespaces, veths and a bridge (ip) and slow links (tc).
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+    echo "installing iproute2..." >&2
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update
+    $sudo apt-get install -y iproute2
+fi
+
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 

@@ -85,11 +85,49 @@ pub struct MetadataAddr {
     /// --tls-dir).
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto", global = true)]
     pub transport: TransportKind,
+    #[command(flatten)]
+    pub deadlines: Deadlines,
+}
+
+/// The client's deadlines, in milliseconds; defaults are `tern_client`'s (one definition each).
+#[derive(Args, Clone, Debug)]
+pub struct Deadlines {
+    /// Deadline for opening a connection, handshake included, to the metadata server or a
+    /// storage server.
+    #[arg(long, env = "TERN_CONNECT_TIMEOUT_MS", global = true, value_name = "MS",
+          default_value_t = tern_client::DEFAULT_CONNECT_TIMEOUT.as_millis() as u64)]
+    pub connect_timeout_ms: u64,
+    /// Deadline for each metadata (control-plane) call.
+    #[arg(long, env = "TERN_RPC_TIMEOUT_MS", global = true, value_name = "MS",
+          default_value_t = tern_client::DEFAULT_RPC_TIMEOUT.as_millis() as u64)]
+    pub rpc_timeout_ms: u64,
+    /// Deadline for each request to a storage server (Auth, block read or write, shuffle push
+    /// or fetch); a connection that misses one is given up.
+    #[arg(long, env = "TERN_BLOCK_TIMEOUT_MS", global = true, value_name = "MS",
+          default_value_t = tern_client::DEFAULT_BLOCK_REQUEST_TIMEOUT.as_millis() as u64)]
+    pub block_timeout_ms: u64,
+}
+
+impl Deadlines {
+    /// `options` with these deadlines.
+    pub fn apply(&self, options: ClientOptions) -> ClientOptions {
+        use std::time::Duration;
+        ClientOptions {
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            request_timeout: Duration::from_millis(self.rpc_timeout_ms),
+            block_request_timeout: Duration::from_millis(self.block_timeout_ms),
+            ..options
+        }
+    }
 }
 
 impl MetadataAddr {
     pub fn options(&self) -> ClientOptions {
-        ClientOptions { transport: self.transport, tls_dir: self.tls_dir.clone(), ..ClientOptions::default() }
+        self.deadlines.apply(ClientOptions {
+            transport: self.transport,
+            tls_dir: self.tls_dir.clone(),
+            ..ClientOptions::default()
+        })
     }
 
     pub async fn connect(&self) -> anyhow::Result<tern_client::Client> {

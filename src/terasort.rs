@@ -1,11 +1,12 @@
 //! `tern teragen`, `tern teravalidate` and `tern terasort` (tern-terasort does the work; this
 //! module starts the throwaway cluster `tern terasort` runs on when given none).
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
 use indicatif::MultiProgress;
-use tern_client::StorageClass;
+use tern_client::{ClientOptions, StorageClass, TransportKind};
 use tern_common::ByteSize;
 use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
@@ -79,6 +80,15 @@ pub struct TerasortArgs {
     /// Print one JSON object instead of progress and a table.
     #[arg(long)]
     json: bool,
+    /// With --metadata: TLS material (`tern cert init`) for mutual TLS to the metadata server,
+    /// needed for --transport tls and quic. An embedded cluster (no --metadata) ignores it.
+    #[arg(long = "tls-dir", env = "TERN_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
+    /// With --metadata: transport of block data (auto, tcp, tls or quic), as for `tern fs`.
+    #[arg(long, env = "TERN_TRANSPORT", default_value = "auto")]
+    transport: TransportKind,
+    #[command(flatten)]
+    deadlines: crate::cli::Deadlines,
 }
 
 async fn client_unless_local(local: bool, metadata: &MetadataAddr) -> anyhow::Result<Option<tern_client::Client>> {
@@ -139,6 +149,15 @@ pub async fn terasort(args: TerasortArgs) -> anyhow::Result<()> {
     let mut options = TerasortOptions {
         size_bytes: args.size.bytes(),
         metadata: args.metadata.clone().unwrap_or_default(),
+        // An embedded cluster is plain loopback, whatever the shell exported for other clusters.
+        client: match args.metadata {
+            Some(_) => args.deadlines.apply(ClientOptions {
+                tls_dir: args.tls_dir.clone(),
+                transport: args.transport,
+                ..Default::default()
+            }),
+            None => args.deadlines.apply(ClientOptions::default()),
+        },
         maps: args.maps.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),
         reduces: args.reduces.unwrap_or_else(|| tasks::default_tasks(args.size.bytes())),
         started: Instant::now(),

@@ -417,6 +417,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
         let report = driver::terasort(&driver::TerasortOptions {
             size_bytes: options.size_bytes,
             metadata: cluster.metadata_addr.clone(),
+            client: tern_client::ClientOptions::default(),
             maps: options.tasks as usize,
             reduces: options.tasks as usize,
             started: Instant::now(),

@@ -221,6 +221,7 @@ async fn sort_rate(options: &TiersBenchOptions, class: StorageClass) -> anyhow::
     let report = driver::terasort(&TerasortOptions {
         size_bytes: options.sort_bytes,
         metadata: cluster.metadata_addr.clone(),
+        client: tern_client::ClientOptions::default(),
         maps: tern_terasort::tasks::default_tasks(options.sort_bytes),
         reduces: tern_terasort::tasks::default_tasks(options.sort_bytes),
         started: Instant::now(),

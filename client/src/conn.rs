@@ -7,6 +7,11 @@
 //! caller with a small request and nothing queued writes it itself, one task hop fewer), a
 //! reader task matches replies to waiting callers by request id. A semaphore bounds the requests
 //! in flight, so a fast producer waits instead of queueing without limit.
+//!
+//! Every request has a deadline. A connection on which one is missed is given up at once: it
+//! leaves the pool, its other requests fail with it, and its reader task is stopped. A server
+//! whose link is cut answers nothing and refuses nothing, so a pooled connection to it would
+//! otherwise make every later request wait out the deadline again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
@@ -21,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::auth::{Access, Held};
 use crate::error::{Error, Result};
+use crate::liveness::{Stalls, STALLED_AFTER};
 
 type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Result<Frame>>>>>;
 /// The connection's socket writer, shared by its writer task and callers sending small frames.
@@ -39,8 +45,14 @@ pub(crate) struct BlockConnection {
     next_id: AtomicU64,
     in_flight: Semaphore,
     broken: Arc<AtomicBool>,
-    /// How long a request may wait for its reply before it fails as Unavailable.
+    /// How long a request may wait for its reply before it fails as Unavailable and the
+    /// connection is given up.
     request_timeout: Duration,
+    /// The task reading replies: stopped with the connection (on a cut link its read would
+    /// otherwise wait for TCP to give up, many minutes).
+    receiver: tokio::task::AbortHandle,
+    /// Where a request that waits long says so, for the client's liveness watcher.
+    stalls: Arc<Stalls>,
     /// Job tokens bound on this connection: job serial -> (slot, MAC of the token bound there).
     /// A refreshed token of the same job rebinds the job's slot.
     slots: Mutex<HashMap<u64, (u16, [u8; 32])>>,
@@ -56,6 +68,7 @@ impl BlockConnection {
         max_in_flight: usize,
         timeout: Duration,
         request_timeout: Duration,
+        stalls: Arc<Stalls>,
     ) -> Result<BlockConnection> {
         let stream = tokio::time::timeout(timeout, connector.connect(addr))
             .await
@@ -67,7 +80,8 @@ impl BlockConnection {
         let broken = Arc::new(AtomicBool::new(false));
         let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(64 << 10, write_half)));
         tokio::spawn(send_frames(inbox, out.clone(), broken.clone()));
-        tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string()));
+        let receiver =
+            tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string())).abort_handle();
         Ok(BlockConnection {
             addr: addr.to_string(),
             outbox,
@@ -77,6 +91,8 @@ impl BlockConnection {
             in_flight: Semaphore::new(max_in_flight),
             broken,
             request_timeout,
+            receiver,
+            stalls,
             slots: Mutex::default(),
             next_slot: AtomicU16::new(1),
             binding: tokio::sync::Mutex::new(()),
@@ -151,16 +167,34 @@ impl BlockConnection {
             self.pending.lock().remove(&id);
             return Err(self.lost("connection lost"));
         }
-        let reply = match tokio::time::timeout(self.request_timeout, rx).await {
+        let reply = match self.wait_for_reply(rx).await {
             Ok(reply) => reply.map_err(|_| self.lost("connection lost"))??,
             Err(_) => {
-                self.pending.lock().remove(&id);
-                return Err(self.lost(&format!("no reply within {:?}", self.request_timeout)));
+                let missed = self.lost(&format!("no reply within {:?}", self.request_timeout));
+                self.give_up(&missed);
+                return Err(missed);
             }
         };
         reply
             .into_result()
             .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
+    }
+
+    /// Waits up to the request deadline for `rx`; past [`STALLED_AFTER`] the request counts as
+    /// stalled, so the liveness watcher may give the connection up sooner (its server dead).
+    async fn wait_for_reply<T>(
+        &self,
+        mut rx: oneshot::Receiver<T>,
+    ) -> Result<Result<T, oneshot::error::RecvError>, tokio::time::error::Elapsed> {
+        let first = STALLED_AFTER.min(self.request_timeout);
+        match tokio::time::timeout(first, &mut rx).await {
+            Ok(reply) => Ok(reply),
+            Err(elapsed) if first == self.request_timeout => Err(elapsed),
+            Err(_) => {
+                let _stalled = self.stalls.stalled(&self.addr);
+                tokio::time::timeout(self.request_timeout - first, rx).await
+            }
+        }
     }
 
     /// Writes a small frame itself when nothing is queued, else queues it for the writer task;
@@ -185,8 +219,24 @@ impl BlockConnection {
         self.outbox.send(frame).await.is_ok()
     }
 
+    /// Gives the connection up after a missed deadline: it leaves the pool (broken), the
+    /// requests still waiting on it fail with `why`, and its reader stops.
+    fn give_up(&self, why: &Error) {
+        self.broken.store(true, Ordering::Release);
+        self.receiver.abort();
+        for (_, waiter) in self.pending.lock().drain() {
+            let _ = waiter.send(Err(why.clone()));
+        }
+    }
+
     fn lost(&self, what: &str) -> Error {
         Error::unavailable(format!("storage server {}: {what}", self.addr))
+    }
+}
+
+impl Drop for BlockConnection {
+    fn drop(&mut self) {
+        self.receiver.abort();
     }
 }
 
@@ -258,7 +308,11 @@ pub(crate) struct BlockPool {
     request_timeout: Duration,
     servers: Mutex<HashMap<String, Vec<Arc<BlockConnection>>>>,
     next: AtomicUsize,
-    connecting: tokio::sync::Mutex<()>,
+    /// Requests stalled per server, watched by the client's liveness watcher.
+    stalls: Arc<Stalls>,
+    /// Per server, one connect at a time: a server that cannot be reached holds up only the
+    /// calls to it, for at most the connect deadline, not the calls to every other server.
+    connecting: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl BlockPool {
@@ -277,7 +331,8 @@ impl BlockPool {
             request_timeout,
             servers: Mutex::default(),
             next: AtomicUsize::new(0),
-            connecting: tokio::sync::Mutex::new(()),
+            stalls: Arc::default(),
+            connecting: Mutex::default(),
         }
     }
 
@@ -287,8 +342,9 @@ impl BlockPool {
         if let Some(conn) = self.pick(addr, turn) {
             return Ok(conn);
         }
-        // One connect at a time, so a burst of calls does not open a burst of sockets.
-        let _guard = self.connecting.lock().await;
+        // One connect at a time per server, so a burst of calls does not open a burst of sockets.
+        let connecting = self.connecting.lock().entry(addr.to_string()).or_default().clone();
+        let _guard = connecting.lock().await;
         if let Some(conn) = self.pick(addr, turn) {
             return Ok(conn);
         }
@@ -299,6 +355,7 @@ impl BlockPool {
                 self.max_in_flight,
                 self.connect_timeout,
                 self.request_timeout,
+                self.stalls.clone(),
             )
             .await?,
         );
@@ -309,6 +366,19 @@ impl BlockPool {
         Ok(conn)
     }
 
+    /// Requests stalled per server, for the liveness watcher.
+    pub(crate) fn stalls(&self) -> &Arc<Stalls> {
+        &self.stalls
+    }
+
+    /// Gives up every connection to `addr` (its server is dead): its requests fail with `why`.
+    pub(crate) fn give_up_server(&self, addr: &str, why: &Error) {
+        let conns = self.servers.lock().remove(addr).unwrap_or_default();
+        for conn in conns {
+            conn.give_up(why);
+        }
+    }
+
     fn pick(&self, addr: &str, turn: usize) -> Option<Arc<BlockConnection>> {
         let mut servers = self.servers.lock();
         let conns = servers.get_mut(addr)?;
@@ -317,5 +387,53 @@ impl BlockPool {
             return None;
         }
         Some(conns[turn % conns.len()].clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A server that accepts connections and never answers (a hung host): a request misses its
+    /// deadline, the requests beside it fail with it, and the pool connects anew.
+    #[tokio::test]
+    async fn a_missed_deadline_gives_the_connection_up_and_the_next_call_connects_anew() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                held.push(socket);
+            }
+        });
+        let deadline = Duration::from_millis(300);
+        let connector = Arc::new(tern_transport::tcp::TcpConnector);
+        let pool = BlockPool::new(connector, 1, 4, Duration::from_secs(5), deadline);
+        let conn = pool.get(&addr).await.unwrap();
+        let started = std::time::Instant::now();
+        let (first, second) =
+            tokio::join!(conn.call(|id| Frame::read(id, 1, 0, 1)), conn.call(|id| Frame::read(id, 2, 0, 1)));
+        for failed in [first.unwrap_err(), second.unwrap_err()] {
+            assert_eq!(failed.kind(), crate::ErrorKind::Unavailable, "{failed}");
+            assert!(failed.message().contains("no reply within"), "{failed}");
+        }
+        // The second waited no longer than the first: it was failed with its connection.
+        assert!(started.elapsed() < deadline * 3, "{:?}", started.elapsed());
+        assert!(conn.is_broken());
+        let again = pool.get(&addr).await.unwrap();
+        assert!(!Arc::ptr_eq(&conn, &again), "the pool handed out the connection that missed its deadline");
+        // The listener's task counts the second connection once it gets to accept it.
+        for _ in 0..100 {
+            if accepted.load(Ordering::SeqCst) == 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("{} connections accepted, not 2", accepted.load(Ordering::SeqCst));
     }
 }

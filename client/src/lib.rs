@@ -21,6 +21,7 @@ mod auth;
 mod conn;
 mod error;
 mod job;
+mod liveness;
 mod location;
 mod reader;
 mod shuffle;
@@ -50,6 +51,17 @@ pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
+/// Default [`ClientOptions::connect_timeout`]: a handshake on a live network takes milliseconds.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default [`ClientOptions::request_timeout`]: metadata calls are small but some walk many
+/// entries (a recursive delete, a shuffle's locations).
+pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default [`ClientOptions::block_request_timeout`]: a 1 MiB block takes about 10 ms at 1 Gbit/s,
+/// and the requests queued ahead of it on a connection (64 by default) about 0.6 s; 10 s leaves
+/// room for a loaded server and a 100 Mbit/s link, and is short enough that a job stalls on a
+/// server cut off from it for about twice the metadata server's default 5 s heartbeat timeout.
+pub const DEFAULT_BLOCK_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Tuning knobs; the defaults suit a client on the same 10-100 Gbit/s network as the servers.
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
@@ -63,9 +75,17 @@ pub struct ClientOptions {
     pub requests_per_connection: usize,
     /// Largest number of blocks a writer asks the metadata server for at once.
     pub max_allocate_batch: u32,
+    /// Deadline for opening a connection, handshake included: to the metadata server and to
+    /// each storage server (TCP, TLS or QUIC). Default [`DEFAULT_CONNECT_TIMEOUT`].
     pub connect_timeout: Duration,
-    /// Deadline for one metadata call or one block request.
+    /// Deadline for each control-plane call (one metadata or admin RPC). Default
+    /// [`DEFAULT_RPC_TIMEOUT`].
     pub request_timeout: Duration,
+    /// Deadline for each data-plane request to a storage server: a job token's Auth, a block
+    /// read or write, a shuffle push or fetch. A connection on which one is missed is given up,
+    /// and the caller asks the metadata server what became of the server. Default
+    /// [`DEFAULT_BLOCK_REQUEST_TIMEOUT`].
+    pub block_request_timeout: Duration,
     /// Transport of block traffic: `auto` (default: plain TCP to servers on loopback, TLS over
     /// TCP to others when `tls_dir` is given), `tcp`, `tls` or `quic` (both need `tls_dir`).
     pub transport: TransportKind,
@@ -85,8 +105,9 @@ impl Default for ClientOptions {
             connections_per_server: 2,
             requests_per_connection: 64,
             max_allocate_batch: 256,
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(30),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            request_timeout: DEFAULT_RPC_TIMEOUT,
+            block_request_timeout: DEFAULT_BLOCK_REQUEST_TIMEOUT,
             transport: TransportKind::Auto,
             tls_dir: None,
             tenant: std::env::var(auth::TENANT_ENV).unwrap_or_default(),
@@ -130,6 +151,13 @@ struct Inner {
     block_size: tokio::sync::OnceCell<u32>,
     /// Job tokens held, by job.
     tokens: auth::Tokens,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The liveness watcher holds the client weakly; this ends it.
+        self.blocks.stalls().close();
+    }
 }
 
 /// The block connector of `kind`; TLS and QUIC need the TLS material.
@@ -196,9 +224,10 @@ impl Client {
             options.connections_per_server,
             options.requests_per_connection,
             options.connect_timeout,
-            options.request_timeout,
+            options.block_request_timeout,
         );
-        Ok(Client {
+        let stalls = blocks.stalls().clone();
+        let client = Client {
             inner: Arc::new(Inner {
                 metadata_addr: addr,
                 metadata,
@@ -209,7 +238,9 @@ impl Client {
                 block_size: tokio::sync::OnceCell::new(),
                 tokens,
             }),
-        })
+        };
+        tokio::spawn(liveness::watch(Arc::downgrade(&client.inner), stalls));
+        Ok(client)
     }
 
     /// The metadata server's address.
@@ -355,6 +386,29 @@ impl Client {
         let size =
             self.inner.block_size.get_or_try_init(|| async { self.status().await.map(|s| s.block_size) }).await?;
         Ok(*size)
+    }
+
+    /// Tells the metadata server that the storage server at `address` (its block or QUIC
+    /// address) cannot be reached from here, `why`: while it is alive, placement avoids it for a
+    /// while. Returns whether the metadata server still lists it alive (false: dead already, its
+    /// data re-placed or lost).
+    pub async fn report_unreachable(&self, address: &str, why: &Error) -> Result<bool> {
+        let request = pb::ReportUnreachableRequest { address: address.to_string(), reason: why.to_string() };
+        Ok(self.metadata().report_unreachable(request).await?.into_inner().alive)
+    }
+
+    /// [`Client::report_unreachable`] for a request to `address` that failed with `error`, if
+    /// it failed for want of the server (Unavailable); a failure to report is only logged, the
+    /// caller's own error being the one that matters.
+    pub(crate) async fn report_if_unreachable(&self, address: &str, error: &Error) {
+        if error.kind() != ErrorKind::Unavailable {
+            return;
+        }
+        match self.report_unreachable(address, error).await {
+            Ok(true) => tracing::info!("reported storage server {address} unreachable: {error}"),
+            Ok(false) => tracing::debug!("storage server {address} is dead already: {error}"),
+            Err(e) => tracing::debug!("could not report storage server {address} unreachable: {e}"),
+        }
     }
 
     /// Storage servers with their tiers, and jobs.

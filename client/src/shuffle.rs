@@ -322,6 +322,23 @@ impl Shuffle {
         self.current.lock()[partition as usize].clone()
     }
 
+    /// Asks the metadata server for `partition`'s segments and takes its newest as the current
+    /// one: after its server failed a push, the segment may have been declared lost and placed
+    /// anew (its server dead), and pushes must follow.
+    async fn follow_placement(&self, partition: u32) -> Result<()> {
+        let located = self.client.locate(self.id, partition..partition + 1, 0..0).await?;
+        let newest = located.segments.into_iter().filter(|s| s.partition == partition).max_by_key(|s| s.index);
+        if let Some(newest) = newest {
+            let mut current = self.current.lock();
+            let slot = &mut current[partition as usize];
+            // The same index too: its `lost` flags may have changed.
+            if slot.index <= newest.index {
+                *slot = newest;
+            }
+        }
+        Ok(())
+    }
+
     /// Moves `partition` past segment `full` (idempotent across writers) and returns the new one.
     async fn advance(&self, partition: u32, full: u32) -> Result<Segment> {
         let request = pb::AdvanceSegmentRequest { shuffle_id: self.id.get(), partition, full_segment: full };
@@ -519,8 +536,9 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         // out the partition's next segment (re-placed already if a server is dead).
         let mut conns = Vec::with_capacity(2);
         let mut unreachable = None;
-        for holder in segment_holders(&segment) {
-            match shuffle.client.block_connection(&holder).await {
+        let holders = segment_holders(&segment);
+        for holder in &holders {
+            match shuffle.client.block_connection(holder).await {
                 Ok(conn) => conns.push(conn),
                 // A server without the transport asked for: no other segment would do better.
                 Err(e) if e.kind() == ErrorKind::Invalid => return Err(e),
@@ -532,6 +550,8 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
         }
         if let Some(e) = unreachable {
             tracing::debug!("{e}; moving on to a new segment");
+            // Reported first, so the new segment is not placed where this client cannot reach.
+            shuffle.client.report_if_unreachable(&holders[conns.len()].address, &e).await;
             why_moved = Error::unavailable(e.to_string());
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
@@ -550,6 +570,22 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
             why_moved = Error::new(ErrorKind::OutOfSpace, format!("segment {index} is full: {why}"));
             segment = shuffle.advance(partition, index).await?;
             continue;
+        }
+        // A copy's server that missed a deadline or dropped the connection may or may not have
+        // stored the batch: the attempt fails (a new one keeps the output exactly-once), but
+        // first the metadata server says where the partition goes now, so the next attempt
+        // never pushes to a placement it has already replaced.
+        let unavailable = results.iter().zip(&holders).find_map(|(r, holder)| {
+            r.as_ref().err().filter(|e| e.kind() == ErrorKind::Unavailable).map(|e| (e, holder))
+        });
+        if let Some((e, holder)) = unavailable {
+            shuffle.client.report_if_unreachable(&holder.address, e).await;
+            if let Err(asked) = shuffle.follow_placement(partition).await {
+                tracing::debug!(
+                    "after {e}: could not ask the metadata server where partition {partition} goes: {asked}"
+                );
+            }
+            return Err(e.clone());
         }
         let mut size = 0u32;
         for result in results {

@@ -162,16 +162,21 @@ impl FileWriter {
             let writes = copies.into_iter().map(|(location, access)| {
                 let (client, path, data) = (client.clone(), path.clone(), data.clone());
                 async move {
-                    let conn = client.block_connection(&location.holder).await?;
-                    conn.call_as(&access, |id| Frame::write(id, location.block.get(), 0, data))
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| {
-                            e.context(format_args!(
-                                "write {path}: block {} on storage server {} ({})",
-                                location.block, location.holder.id, location.holder.address
-                            ))
-                        })
+                    let written = match client.block_connection(&location.holder).await {
+                        Ok(conn) => conn.call_as(&access, |id| Frame::write(id, location.block.get(), 0, data)).await,
+                        Err(e) => Err(e),
+                    };
+                    // The file's writer fails (a retry writes it anew), but its new blocks must
+                    // not be placed where this client cannot reach.
+                    if let Err(e) = &written {
+                        client.report_if_unreachable(&location.holder.address, e).await;
+                    }
+                    written.map(|_| ()).map_err(|e| {
+                        e.context(format_args!(
+                            "write {path}: block {} on storage server {} ({})",
+                            location.block, location.holder.id, location.holder.address
+                        ))
+                    })
                 }
             });
             futures::future::try_join_all(writes).await.map(|_| ())

@@ -103,6 +103,9 @@ struct Server {
     drained: bool,
     /// Blocks here that no other readable copy backs, as last counted.
     sole_copy_blocks: u64,
+    /// A client reported it cannot reach the server (while it heartbeats here, a partition the
+    /// metadata server cannot see): nothing new is placed there until then.
+    unreachable_until: Option<Instant>,
 }
 
 /// A storage server's drain as the registry sees it, for the state to check.
@@ -141,7 +144,7 @@ impl Server {
 
     /// New blocks and segments go there: placeable, and not cordoned or draining.
     fn takes_placements(&self) -> bool {
-        self.placeable() && self.mode == ServerMode::Active
+        self.placeable() && self.mode == ServerMode::Active && self.unreachable_until.is_none()
     }
 
     /// "alive", "registering" (alive, its inventory not yet reconciled: it takes no
@@ -150,6 +153,7 @@ impl Server {
         match (self.readable(), self.mode) {
             (false, _) => "dead",
             (true, ServerMode::Active) if !self.reconciled => "registering",
+            (true, ServerMode::Active) if self.unreachable_until.is_some() => "unreachable",
             (true, ServerMode::Active) => "alive",
             (true, ServerMode::Cordoned) => "cordoned",
             (true, ServerMode::Draining) => "draining",
@@ -271,6 +275,7 @@ impl Server {
             drain_waiting_for: String::new(),
             drained: false,
             sole_copy_blocks: 0,
+            unreachable_until: None,
         }
     }
 
@@ -356,7 +361,22 @@ impl Servers {
         server.inventory = Some(Inventory::default());
         server.death.clear();
         server.last_seen = now;
+        server.unreachable_until = None;
         server.take_report(tiers);
+    }
+
+    /// A client cannot reach the server at `address` (its block or QUIC address): if it is
+    /// alive, nothing new is placed there until `until` (see [`Servers::expire`]). Returns
+    /// whether it is alive, or `None` for an address no server has.
+    pub fn report_unreachable(&mut self, address: &str, until: Instant) -> Option<(ServerId, bool)> {
+        let (&id, server) = self
+            .servers
+            .iter_mut()
+            .find(|(_, s)| s.address == address || (!s.quic_address.is_empty() && s.quic_address == address))?;
+        if server.alive {
+            server.unreachable_until = Some(server.unreachable_until.map_or(until, |t| t.max(until)));
+        }
+        Some((id, server.alive))
     }
 
     /// Names the blocks of a placement plan, in order, from the next block ids. Changes nothing:
@@ -662,6 +682,11 @@ impl Servers {
     /// Declares dead every live server silent for longer than `timeout`; returns their ids and
     /// descriptions.
     pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(ServerId, String)> {
+        // Reports of unreachability lapse: the server takes placements again (a client that
+        // still cannot reach it reports again).
+        for server in self.servers.values_mut() {
+            server.unreachable_until = server.unreachable_until.filter(|&until| until > now);
+        }
         let silent: Vec<(ServerId, Duration)> = self
             .servers
             .iter()
@@ -1122,6 +1147,28 @@ mod tests {
         servers.free(&blocks[1..2]);
         servers.mark_dead(ServerId(2), "test".into());
         assert_eq!(servers.status(now)[1].allocated_blocks, 1);
+    }
+
+    #[test]
+    fn a_server_clients_cannot_reach_takes_no_placements_until_the_report_lapses() {
+        let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
+        let until = now + Duration::from_secs(5);
+        assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId(2), true)));
+        assert_eq!(servers.report_unreachable("10.0.0.9:1", until), None);
+        assert_eq!(servers.plan_segments(3, None).unwrap(), [1, 1, 1]);
+        assert!(servers.allocate(4, "", StorageClass::Any).unwrap().iter().all(|b| b.server_id == ServerId(1)));
+        // Still alive (readable), shown as unreachable.
+        assert!(servers.is_alive(ServerId(2)));
+        assert_eq!(servers.servers[&ServerId(2)].state_name(), "unreachable");
+        // The report lapses with the reaper's next pass after `until`.
+        assert!(servers.expire(until - Duration::from_millis(1), Duration::from_secs(60)).is_empty());
+        assert_eq!(servers.plan_segments(1, None).unwrap(), [1]);
+        servers.expire(until, Duration::from_secs(60));
+        assert_eq!(servers.servers[&ServerId(2)].state_name(), "alive");
+        assert!(servers.plan_segments(2, None).unwrap().contains(&2));
+        // A dead server's report changes nothing: it says so.
+        servers.mark_dead(ServerId(2), "test".into());
+        assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId(2), false)));
     }
 
     #[test]

@@ -147,6 +147,13 @@ impl Metadata for Service {
         self.call("status", |state, now| state.status(request.into_inner(), now)).await
     }
 
+    async fn report_unreachable(
+        &self,
+        request: Request<ReportUnreachableRequest>,
+    ) -> Result<Response<ReportUnreachableResponse>, Status> {
+        self.call("report_unreachable", |state, now| state.report_unreachable(request.into_inner(), now)).await
+    }
+
     async fn register_shuffle(
         &self,
         request: Request<RegisterShuffleRequest>,

@@ -399,6 +399,26 @@ impl State {
         Ok(SetServerModeResponse { server })
     }
 
+    /// A client cannot reach a storage server: while the server is alive, placement avoids it
+    /// for a server timeout (a partition between it and clients that its heartbeats here do not
+    /// show). Not logged: like liveness, it is rebuilt by what clients see.
+    pub fn report_unreachable(
+        &mut self,
+        req: ReportUnreachableRequest,
+        now: Instant,
+    ) -> Result<ReportUnreachableResponse, Status> {
+        let Some((server_id, alive)) = self.servers.report_unreachable(&req.address, now + self.server_timeout) else {
+            return Err(not_found(format!("no storage server at {}", req.address)).status("report unreachable"));
+        };
+        if alive {
+            warn!(
+                "a client cannot reach storage server {server_id} ({}): {}; placing nothing new there for {:?}",
+                req.address, req.reason, self.server_timeout
+            );
+        }
+        Ok(ReportUnreachableResponse { alive })
+    }
+
     pub fn status(&mut self, _req: StatusRequest, now: Instant) -> Result<StatusResponse, Status> {
         Ok(StatusResponse {
             block_size: self.block_size,

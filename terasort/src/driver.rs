@@ -40,6 +40,8 @@ pub struct TerasortOptions {
     pub size_bytes: u64,
     /// The cluster's metadata server.
     pub metadata: String,
+    /// How the driver's client reaches the cluster (TLS material, block transport, deadlines).
+    pub client: tern_client::ClientOptions,
     pub maps: usize,
     pub reduces: usize,
     /// When the run began: [`TerasortReport::total_seconds`] counts from here, so a caller that
@@ -127,7 +129,7 @@ pub fn dram_per_server(size_bytes: u64, replicas: u32) -> String {
 /// `options.metadata`, under a Tern job of its own (ended, and so freed, at the end).
 pub async fn terasort(options: &TerasortOptions) -> anyhow::Result<TerasortReport> {
     let records = options.records()?;
-    let client = Client::connect(&options.metadata).await?;
+    let client = Client::connect_with(&options.metadata, options.client.clone()).await?;
     let job = client
         .start_job(
             Some(&format!("terasort-{}-{}", std::process::id(), tern_common::unix_ms())),

@@ -126,11 +126,44 @@ pub async fn teragen(
     }
     let tasks = split_records(records, parts).into_iter().enumerate().map(|(i, (first, count))| {
         let (client, target, bar) = (client.cloned(), out.part(i), bar.clone());
-        async move { generate_part_with(client.as_ref(), first, count, &target, 0, &bar, create).await }
+        async move { generate_part_retried(client.as_ref(), first, count, &target, &bar, create).await }
     });
     let summary = run_all("teragen", tasks).await?.iter().fold(Summary::default(), |all, part| all.merge(part));
     bar.finish();
     Ok(summary)
+}
+
+/// Attempts of one teragen part before teragen fails. A part whose storage server was cut off
+/// mid-write fails at the block's deadline; the metadata server has declared the server dead by
+/// then (its heartbeat timeout is shorter), so the next attempt's blocks go to live servers.
+const PART_ATTEMPTS: u32 = 8;
+const PART_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(250);
+const PART_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// [`generate_part_with`], each failed attempt followed by a new one (under its own name, so
+/// the first whole attempt wins), at most [`PART_ATTEMPTS`] in all. Only the first attempt
+/// counts on `bar`.
+async fn generate_part_retried(
+    client: Option<&Client>,
+    first: u64,
+    count: u64,
+    target: &Location,
+    bar: &ProgressBar,
+    create: CreateOptions,
+) -> anyhow::Result<Summary> {
+    let mut backoff = tern_common::Backoff::new(PART_RETRY_FIRST, PART_RETRY_MAX);
+    for attempt in 0..PART_ATTEMPTS {
+        let shown = if attempt == 0 { bar.clone() } else { ProgressBar::hidden() };
+        match generate_part_with(client, first, count, target, attempt, &shown, create).await {
+            Ok(summary) => return Ok(summary),
+            // A local disk's failure is not one a retry mends.
+            Err(_) if attempt + 1 < PART_ATTEMPTS && matches!(target, Location::Store(_)) => {
+                tokio::time::sleep(backoff.next().expect("an unbounded backoff always has a next delay")).await;
+            }
+            Err(e) => return Err(e.context(format!("teragen part {target:?}: attempt {attempt} failed"))),
+        }
+    }
+    unreachable!("the last attempt returns")
 }
 
 /// Generates records `first..first + count` as one part at `target`, chunk by chunk (bounded

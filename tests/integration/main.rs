@@ -12,6 +12,7 @@ mod failures;
 mod files;
 mod jobs;
 mod monitoring;
+mod multihost;
 mod ops;
 mod quic;
 mod replication;

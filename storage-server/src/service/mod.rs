@@ -360,7 +360,8 @@ async fn linger(rd: &mut BoxRead) {
 /// Reads a request's whole payload. `Ok(Err(reply))` when it is unusable but the stream is still
 /// at a frame boundary (a bad checksum): the error reply to send.
 async fn read_request_payload(rd: &mut BoxRead, h: &Header) -> Result<Result<Bytes, Frame>, FrameError> {
-    match frame::read_payload(rd, h).await {
+    let read = tokio::time::timeout(PAYLOAD_DEADLINE, frame::read_payload(rd, h)).await;
+    match read.unwrap_or_else(|_| Err(payload_late())) {
         Ok(payload) => Ok(Ok(payload)),
         Err(e) if !e.is_fatal() => Ok(Err(frame_error(h, &e))),
         Err(e) => Err(e),
@@ -390,8 +391,25 @@ fn frame_error(h: &Header, e: &FrameError) -> Frame {
     error_reply(h, e.kind(), &format!("{h}: {e}"))
 }
 
-/// Fills `buf` from the stream; `Truncated` if the stream ends first.
+/// How long a request's payload may take to follow its header. A client cut off mid-frame (its
+/// link down: nothing arrives, nothing is refused) would otherwise hold what the request began
+/// (a block's write, a segment's append) and its connection until TCP gives up, long after the
+/// metadata server freed the block with the client's job. A 1 MiB payload takes 80 ms at
+/// 100 Mbit/s; the client's own deadline for the whole request is 10 s by default.
+const PAYLOAD_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The stream error of a payload that missed [`PAYLOAD_DEADLINE`]: the connection closes.
+fn payload_late() -> FrameError {
+    let why = format!("the payload did not follow its header within {PAYLOAD_DEADLINE:?}");
+    FrameError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, why))
+}
+
+/// Fills `buf` from the stream within [`PAYLOAD_DEADLINE`]; `Truncated` if the stream ends first.
 async fn read_exactly<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {
+    tokio::time::timeout(PAYLOAD_DEADLINE, read_exactly_now(rd, buf)).await.unwrap_or_else(|_| Err(payload_late()))
+}
+
+async fn read_exactly_now<R: AsyncRead + Unpin>(rd: &mut R, buf: &mut [u8]) -> Result<(), FrameError> {
     let mut got = 0;
     while got < buf.len() {
         match rd.read(&mut buf[got..]).await? {

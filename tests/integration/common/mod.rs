@@ -1,5 +1,8 @@
 //! A real cluster for black-box tests: the `tern` binary started as separate processes (one
-//! metadata server, N storage servers) on loopback ports, state and logs in a temp dir.
+//! metadata server, N storage servers) on loopback ports, state and logs in a temp dir; and
+//! [`multihost`], the same on several hosts (network namespaces) with TLS between them.
+
+pub mod multihost;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -308,20 +311,22 @@ impl Cluster {
 
     /// Every daemon's log, to print when a test fails.
     pub fn logs(&self) -> String {
-        let mut names: Vec<PathBuf> = std::fs::read_dir(self.dir.path())
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.path())
-                    .filter(|p| p.extension().is_some_and(|x| x == "log"))
-                    .collect()
-            })
-            .unwrap_or_default();
-        names.sort();
-        names
-            .iter()
-            .map(|p| format!("--- {} ---\n{}", p.display(), std::fs::read_to_string(p).unwrap_or_default()))
-            .collect()
+        logs_in(self.dir.path())
     }
+}
+
+/// Every `*.log` file in `dir`, each under its name: what a failing test prints.
+pub fn logs_in(dir: &Path) -> String {
+    let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok()).map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "log")).collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+        .iter()
+        .map(|p| format!("--- {} ---\n{}", p.display(), std::fs::read_to_string(p).unwrap_or_default()))
+        .collect()
 }
 
 /// `n` random bytes.

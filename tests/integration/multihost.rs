@@ -1,0 +1,220 @@
+//! Tern across hosts: each daemon and the client on a network-namespace host of its own
+//! ([`common::multihost`]), TLS between them, faults as a real network has them. These need root
+//! to make namespaces (CI has it) and fail, saying so, without it.
+
+use std::time::{Duration, Instant};
+
+use tern_client::{StatusResponse, TransportKind};
+
+use crate::common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
+
+/// The metadata server's default `server_timeout_ms`: how long a silent server stays alive.
+const SERVER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What `tern terasort` spends after the job, sorting the same records in memory for its report.
+const IN_MEMORY_SORT_ALLOWANCE: Duration = Duration::from_secs(30);
+/// How long a terasort of the sizes here may take on a loaded 2-core machine.
+const SORT_TIMEOUT: Duration = Duration::from_secs(240);
+
+fn two_storage_servers() -> Layout<'static> {
+    Layout { storage_servers: 2, dram: "3GiB", metadata_sets: &[] }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_1_gib_terasort_from_a_client_host_validates_over_tls_across_hosts() {
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let mut sort = cluster.spawn_terasort("1GiB", TransportKind::Auto, &[]);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    assert_eq!(report["records"], (1u64 << 30) / 100, "{report}");
+    assert_eq!((report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()), (Some(0), Some(0)));
+    // Both storage servers took part: the shuffle crossed hosts.
+    let status = cluster.with_client_on(CLIENT_HOST, async |client| client.status().await.unwrap());
+    assert_eq!(status.servers.len(), 2, "{status:?}");
+    let mut listed: Vec<&str> = status.servers.iter().filter(|s| s.alive).map(|s| s.address.as_str()).collect();
+    listed.sort();
+    assert_eq!(listed, cluster.storage_addrs, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terasort_over_quic_across_hosts_validates() {
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let mut sort = cluster.spawn_terasort("256MiB", TransportKind::Quic, &[]);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    assert_eq!(report["records"], (256u64 << 20) / 100, "{report}");
+}
+
+/// The scenario: a storage server's link cut mid-terasort (packets vanish, nothing is
+/// refused), one copy of everything. The metadata server declares it dead after its heartbeat
+/// timeout and places its segments anew; the client must stop waiting on it, follow the new
+/// placement and recompute the lost maps, all within the heartbeat timeout + 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_validates_in_time() {
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let mut sort = cluster.spawn_terasort("1GiB", TransportKind::Auto, &[]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the cut:\n{}", cluster.logs());
+    cluster.network().cut(&storage_host(1)).unwrap();
+    let cut = Instant::now();
+    let target = SERVER_TIMEOUT + Duration::from_secs(30);
+    let (report, finished) = cluster.validated(&mut sort, target + IN_MEMORY_SORT_ALLOWANCE).await;
+    // The run ends with an in-memory sort of the same records, measured for the report after
+    // the job validated: not part of the job's recovery.
+    let in_memory = Duration::from_secs_f64(report["in_memory_sort"]["seconds"].as_f64().unwrap());
+    let validated = finished - in_memory - cut;
+    eprintln!("validated {:.1} s after the cut ({report})", validated.as_secs_f64());
+    assert!(validated <= target, "validated {validated:?} after the cut, beyond {target:?}: {report}");
+    // The cut was felt: tasks failed and ran again (maps recomputed, if their output was lost).
+    let redone = report["task_retries"].as_u64().unwrap() + report["maps_recomputed"].as_u64().unwrap();
+    assert!(redone >= 1, "nothing was redone after the cut? {report}");
+}
+
+/// A storage server the metadata server hears from but the client cannot reach (a partition
+/// only the client sees): the client reports it, placement avoids it, and the job validates
+/// on the other server. Without the report every retry would be placed half on it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_the_client_cannot_reach_is_reported_and_placement_avoids_it() {
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    cluster.network().block(CLIENT_HOST, &storage_host(1)).unwrap();
+    let mut sort = cluster.spawn_terasort("256MiB", TransportKind::Auto, &[]);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    // Teragen parts and pushes moved off the blocked server within their tasks; the report
+    // below shows it was tried.
+    assert_eq!(report["maps_recomputed"], 0, "{report}");
+    let metadata_log = std::fs::read_to_string(cluster.dir.path().join("metadata.log")).unwrap();
+    let blocked = format!("({})", cluster.storage_addrs[1]);
+    let reported =
+        metadata_log.lines().any(|l| l.contains("a client cannot reach storage server") && l.contains(&blocked));
+    assert!(reported, "no report of {blocked} in the metadata log:\n{metadata_log}");
+    // It was alive all along: reachable from the metadata server, heartbeating.
+    let status = cluster.with_client_on(CLIENT_HOST, async |client| client.status().await.unwrap());
+    assert!(status.servers.iter().all(|s| s.alive), "{status:?}");
+}
+
+/// Whether every storage server in `status` is alive and holds nothing (blocks and shuffle
+/// segments all freed), as its last heartbeat reported.
+fn all_alive_and_empty(status: &StatusResponse) -> bool {
+    status.servers.iter().all(|s| s.alive && s.state == "alive" && s.tiers.iter().all(|t| t.used_blocks == 0))
+}
+
+/// The client host cut off mid-terasort: nobody renews its job's lease, so the lease lapses,
+/// the metadata server ends the job, and everything the job wrote (input, shuffle, output) is
+/// freed on the storage servers, which stay up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_host_cut_off_mid_job_loses_its_lease_and_everything_it_wrote_is_freed() {
+    const LEASE: Duration = Duration::from_secs(5);
+    let lease = format!("max_lease_ms={}", LEASE.as_millis());
+    let layout = Layout { metadata_sets: &[&lease, "default_lease_ms=5000"], ..two_storage_servers() };
+    let cluster = MultiHost::start(layout).await;
+    let mut sort = cluster.spawn_terasort("1GiB", TransportKind::Auto, &[]);
+    let job = cluster.wait_status("the terasort's job to hold data", Duration::from_secs(60), |status| {
+        status.jobs.iter().find(|j| j.bytes > 0).map(|j| j.job_id.clone())
+    });
+    cluster.network().cut(CLIENT_HOST).unwrap();
+    let cut = Instant::now();
+    cluster.wait_status("the job to end with its lease", LEASE + Duration::from_secs(30), |status| {
+        status.jobs.iter().all(|j| j.job_id != job).then_some(())
+    });
+    let ended = cut.elapsed();
+    // A write the client had begun when cut off holds its block until the storage server's
+    // payload deadline (30 s) closes the connection; then it is freed too.
+    cluster.wait_status("everything the job wrote to be freed", Duration::from_secs(60), |status| {
+        all_alive_and_empty(status).then_some(())
+    });
+    eprintln!(
+        "job ended {:.1} s after the cut, everything freed {:.1} s after it",
+        ended.as_secs_f64(),
+        cut.elapsed().as_secs_f64()
+    );
+    // Ended by its lease, not by its client: the reaper says so.
+    let metadata_log = std::fs::read_to_string(cluster.dir.path().join("metadata.log")).unwrap();
+    let lapsed = format!("job {job} lease lapsed");
+    assert!(metadata_log.contains(&lapsed), "no '{lapsed}' in the metadata log:\n{metadata_log}");
+    assert!(sort.try_wait().unwrap().is_none_or(|exit| !exit.success()), "the cut-off terasort succeeded?");
+}
+
+/// A storage server cut off until it is declared dead, the files with blocks there deleted
+/// meanwhile (the cluster gives that data up), then healed: it registers again, its blocks of
+/// the deleted files (no longer referenced) are freed, and none of that data is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_healed_after_it_was_declared_dead_registers_again_and_its_given_up_blocks_are_freed() {
+    const FILES: usize = 8;
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let cut_server = cluster.storage_addrs[1].clone();
+    let data = crate::common::random_bytes(4 << 20);
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        for i in 0..FILES {
+            client.put(&format!("/given-up/f{i}"), bytes::Bytes::from(data.clone())).await.unwrap();
+        }
+    });
+    cluster.wait_status("both servers to hold blocks", Duration::from_secs(20), |status| {
+        status.servers.iter().all(|s| s.tiers.iter().any(|t| t.used_blocks > 0)).then_some(())
+    });
+    cluster.network().cut(&storage_host(1)).unwrap();
+    cluster.wait_status("the cut server to be declared dead", SERVER_TIMEOUT + Duration::from_secs(20), |status| {
+        status.servers.iter().any(|s| s.address == cut_server && !s.alive).then_some(())
+    });
+    // Its blocks are lost, not silently missing; then the cluster gives the files up.
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        let mut lost = 0;
+        for i in 0..FILES {
+            let read = async { client.open(&format!("/given-up/f{i}")).await?.read_to_end().await };
+            match read.await {
+                Ok(bytes) => assert_eq!(bytes, data),
+                Err(e) => {
+                    assert_eq!(e.kind(), tern_client::ErrorKind::DataLost, "{e}");
+                    assert!(e.message().contains(&cut_server), "{e}");
+                    lost += 1;
+                }
+            }
+        }
+        assert!(lost > 0, "no file had a block on the cut server");
+        client.delete("/given-up", true).await.unwrap();
+    });
+    cluster.network().heal(&storage_host(1)).unwrap();
+    let healed = Instant::now();
+    cluster.wait_status(
+        "the healed server to register again and both to free everything",
+        Duration::from_secs(60),
+        |status| {
+            (status.servers.iter().filter(|s| s.address == cut_server).any(|s| s.alive) && all_alive_and_empty(status))
+                .then_some(())
+        },
+    );
+    eprintln!("registered again and emptied {:.1} s after the heal", healed.elapsed().as_secs_f64());
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        let err = client.open("/given-up/f0").await.err().expect("a deleted file was served");
+        assert_eq!(err.kind(), tern_client::ErrorKind::NotFound, "{err}");
+        // The healed server takes new data again.
+        client.put("/after-heal", bytes::Bytes::from(data.clone())).await.unwrap();
+        assert_eq!(client.open("/after-heal").await.unwrap().read_to_end().await.unwrap(), data);
+    });
+}
+
+/// Two copies of everything on three storage servers, one cut off mid-terasort: every block and
+/// segment still has a live copy, so no map is recomputed and the job validates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_copies_on_three_servers_a_cut_off_server_costs_no_recomputation() {
+    let cluster = MultiHost::start(Layout { storage_servers: 3, ..two_storage_servers() }).await;
+    let mut sort = cluster.spawn_terasort("512MiB", TransportKind::Auto, &["--replicas", "2"]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the cut:\n{}", cluster.logs());
+    cluster.network().cut(&storage_host(1)).unwrap();
+    let cut = Instant::now();
+    let (report, finished) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    eprintln!("validated {:.1} s after the cut ({report})", (finished - cut).as_secs_f64());
+    assert_eq!(report["maps_recomputed"], 0, "{report}");
+}
+
+/// The easy fault across hosts: a storage server SIGKILLed mid-terasort (its connections reset
+/// at once), one copy: the lost maps are recomputed and the job validates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_killed_mid_terasort_across_hosts_costs_its_maps_and_the_job_validates() {
+    let mut cluster = MultiHost::start(two_storage_servers()).await;
+    let mut sort = cluster.spawn_terasort("512MiB", TransportKind::Auto, &[]);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the kill:\n{}", cluster.logs());
+    cluster.kill_storage(1);
+    let (report, _) = cluster.validated(&mut sort, SORT_TIMEOUT).await;
+    let redone = report["task_retries"].as_u64().unwrap() + report["maps_recomputed"].as_u64().unwrap();
+    assert!(redone >= 1, "nothing was redone after the kill? {report}");
+}
