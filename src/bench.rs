@@ -532,6 +532,9 @@ pub struct SparkArgs {
     master: String,
     #[arg(long, default_value = "900m")]
     executor_memory: String,
+    /// The driver's heap (spark-submit --driver-memory): it collects results and builds broadcasts.
+    #[arg(long, default_value = "1g")]
+    driver_memory: String,
 }
 
 impl From<SparkArgs> for tern_bench::spark::SparkSetup {
@@ -541,6 +544,7 @@ impl From<SparkArgs> for tern_bench::spark::SparkSetup {
             spark_home: a.spark_home,
             master: a.master,
             executor_memory: a.executor_memory,
+            driver_memory: a.driver_memory,
         }
     }
 }

@@ -181,6 +181,7 @@ pub struct SparkSetup {
     pub spark_home: Option<PathBuf>,
     pub master: String,
     pub executor_memory: String,
+    pub driver_memory: String,
 }
 
 impl SparkSetup {
@@ -193,6 +194,12 @@ impl SparkSetup {
         let submit = home.join("bin/spark-submit");
         anyhow::ensure!(submit.exists(), "no {}", submit.display());
         Ok((jar, home, submit))
+    }
+
+    /// spark-submit's flags for the driver's and the executors' memory.
+    pub(crate) fn memory_args(&self) -> Vec<String> {
+        let (driver, executor) = (self.driver_memory.clone(), self.executor_memory.clone());
+        vec!["--driver-memory".into(), driver, "--executor-memory".into(), executor]
     }
 }
 
@@ -240,7 +247,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         home: spark_home,
         jar,
         master: options.spark.master.clone(),
-        memory: options.spark.executor_memory.clone(),
+        memory_args: options.spark.memory_args(),
     };
     let mut comparisons = Vec::new();
     for storage in options.storage.storages() {
@@ -307,7 +314,7 @@ struct Spark {
     home: PathBuf,
     jar: String,
     master: String,
-    memory: String,
+    memory_args: Vec<String>,
 }
 
 impl Spark {
@@ -328,7 +335,7 @@ impl Spark {
             // Read by the local-cluster workers, which hand it to their executors.
             .env("SPARK_LOCAL_DIRS", local)
             .args(["--master", &self.master, "--class", "io.tern.spark.tools.TeraSort"])
-            .args(["--driver-memory", "1g", "--executor-memory", &self.memory]);
+            .args(&self.memory_args);
         let jar = Path::new(&self.jar);
         let mut confs = plugin_confs(jar, tern);
         if tern.is_some() {

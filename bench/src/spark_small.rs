@@ -74,7 +74,7 @@ pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport
             command
                 .env("SPARK_HOME", &spark_home)
                 .args(["--master", &options.spark.master, "--class", "io.tern.spark.tools.SmallJobs"])
-                .args(["--driver-memory", "1g", "--executor-memory", &options.spark.executor_memory]);
+                .args(options.spark.memory_args());
             let metadata = tern.then_some(cluster.metadata_addr.as_str());
             for conf in plugin_confs(&jar, metadata) {
                 command.args(["--conf", &conf]);

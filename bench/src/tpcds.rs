@@ -170,7 +170,7 @@ pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
         home: spark_home,
         jar,
         master: options.spark.master.clone(),
-        executor_memory: options.spark.executor_memory.clone(),
+        memory_args: options.spark.memory_args(),
         driver,
         data,
         queries_dir,
@@ -299,7 +299,7 @@ struct Application {
     home: PathBuf,
     jar: PathBuf,
     master: String,
-    executor_memory: String,
+    memory_args: Vec<String>,
     driver: PathBuf,
     data: PathBuf,
     queries_dir: PathBuf,
@@ -317,7 +317,8 @@ impl Application {
             .env("SPARK_HOME", &self.home)
             // Read by the local-cluster workers, which hand it to their executors.
             .env("SPARK_LOCAL_DIRS", &self.local)
-            .args(["--master", &self.master, "--driver-memory", "1g", "--executor-memory", &self.executor_memory]);
+            .args(["--master", &self.master])
+            .args(&self.memory_args);
         let mut confs = plugin_confs(&self.jar, tern);
         confs.push(format!("spark.local.dir={}", self.local.display()));
         for conf in confs {

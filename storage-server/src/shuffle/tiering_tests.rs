@@ -332,3 +332,43 @@ async fn quota_stops_keep_a_shuffles_batches_off_the_closed_tier_and_usage_count
     push(&store, seg(1, 0), StorageClass::Any, 0, 3).await.unwrap();
     assert_eq!(fetch_all(&store, seg(1, 0), 1, 1 << 20).await.len(), 3);
 }
+
+/// Map `map`'s batches in push order, as (partition, bytes): 6 rounds over 200 partitions, of
+/// 1 B to 3 KB, and to 60 KB for every 7th partition.
+fn map_batches(map: u32) -> impl Iterator<Item = (u32, Vec<u8>)> {
+    let mut rng = u64::from(map) * 7919 + 1;
+    (0..6u32).flat_map(|round| (0..200u32).map(move |p| (round, p))).map(move |(round, p)| {
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let len = 1 + (rng >> 33) as usize % if p % 7 == 0 { 60_000 } else { 3_000 };
+        let seed = (map * 31) ^ (p * 7) ^ (round * 13);
+        (p, (0..len).map(|i| (i as u32 ^ seed) as u8).collect())
+    })
+}
+
+/// 24 maps pushing at once to 200 partitions (partitions growing through both piece sizes into
+/// whole slots, pieces of many segments sharing slots): every partition reads back exactly, by
+/// map then arrival.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_maps_across_pieces_and_slots_read_back_exactly() {
+    const MAPS: u32 = 24;
+    let (_dir, store) = store_of(1 << 20, 1024, 64).await;
+    let pushing = (0..MAPS).map(|map| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            for (p, bytes) in map_batches(map) {
+                let from = PushHeader { map, attempt: 0, class: StorageClass::Any };
+                store.push(seg(9, p), from, &bytes).await.unwrap();
+            }
+        })
+    });
+    for task in pushing.collect::<Vec<_>>() {
+        task.await.unwrap();
+    }
+    assert!(store.shuffles().slots_cut().iter().all(|&cut| cut > 0), "both piece sizes in use");
+    for p in 0..200 {
+        let want: Vec<(u32, Vec<u8>)> = (0..MAPS)
+            .flat_map(|map| map_batches(map).filter(|(q, _)| *q == p).map(move |(_, bytes)| (map, bytes)))
+            .collect();
+        assert!(fetch_all(&store, seg(9, p), MAPS, 1 << 20).await == want, "partition {p} differs");
+    }
+}
