@@ -469,8 +469,8 @@ pub(crate) struct Shuffles {
     index: std::sync::OnceLock<Arc<ShuffleIndex>>,
     /// The next seal's generation: above every one found at start.
     next_generation: AtomicU64,
-    /// Pieces of DRAM slots for segments' first extents, cut from the pool on first use.
-    pieces: std::sync::OnceLock<Vec<Arc<Pieces>>>,
+    /// Pieces of the DRAM tier's slots for segments' first extents, one set per size.
+    pieces: Vec<Arc<Pieces>>,
 }
 
 fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
@@ -483,6 +483,11 @@ fn share_in_use(pool: &DramSlots) -> f64 {
 }
 
 impl Shuffles {
+    /// The segments of a server whose DRAM tier is `pool` (pieces are cut from its slots).
+    pub(crate) fn new(pool: &Arc<DramSlots>) -> Shuffles {
+        Shuffles { pieces: Pieces::for_tier(pool), ..Shuffles::default() }
+    }
+
     /// Appends `batch` to the segment (created on its first push); returns the segment's size in
     /// bytes afterwards. Into DRAM, or straight to NVMe where the module docs say.
     pub(crate) async fn push(
@@ -637,8 +642,7 @@ impl Shuffles {
         need: u32,
         whole: bool,
     ) -> Option<AppendSlot> {
-        let pieces = self.pieces.get_or_init(|| Pieces::for_tier(pool));
-        let piece = pieces.get(nth).filter(|pieces| class != StorageClass::Nvme && need <= pieces.piece_bytes());
+        let piece = self.pieces.get(nth).filter(|pieces| class != StorageClass::Nvme && need <= pieces.piece_bytes());
         piece.and_then(AppendSlot::take_piece).or_else(|| whole.then(|| AppendSlot::take(pool)).flatten())
     }
 
@@ -1207,7 +1211,7 @@ impl Shuffles {
     /// Test hook: how many slots each size of pieces has cut.
     #[cfg(test)]
     pub(crate) fn slots_cut(&self) -> Vec<usize> {
-        self.pieces.get().map(|pieces| pieces.iter().map(|p| p.slots_cut()).collect()).unwrap_or_default()
+        self.pieces.iter().map(|p| p.slots_cut()).collect()
     }
 
     /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.

@@ -58,9 +58,9 @@ impl BlockStore {
 
     fn with_dram(dram: DramTier) -> BlockStore {
         BlockStore {
+            shuffles: Shuffles::new(dram.slots()),
             dram,
             nvme: None,
-            shuffles: Shuffles::default(),
             server_id: AtomicU64::new(0),
             authority: crate::auth::Authority::default(),
         }
