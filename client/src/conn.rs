@@ -18,8 +18,11 @@ use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering}
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
-use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES, MAX_SLOT};
+use tern_proto::frame::{self, Frame, Lease, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
+use tern_proto::token::Grant;
+use tern_transport::local::SharedArena;
 use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -59,7 +62,28 @@ pub(crate) struct BlockConnection {
     next_slot: AtomicU16,
     /// One Auth at a time per connection.
     binding: tokio::sync::Mutex<()>,
+    /// On a same-host connection, the server's DRAM arena, mapped read-only.
+    arena: Option<Arc<SharedArena>>,
+    /// Blocks leased on a same-host connection, by block and the grant that leased it (a read
+    /// under another job's grant does not get to use this one's lease).
+    leased: Mutex<HashMap<(u64, Grant), Leased>>,
 }
+
+/// A block leased on a same-host connection (see `tern_transport::local`).
+#[derive(Debug, Clone, Copy)]
+struct Leased {
+    lease: Lease,
+    /// Bytes lent: the block's length when it was leased.
+    len: u32,
+    /// Until when the client reads it: [`LEASE_TTL`] after the Lease was sent, less a margin, so
+    /// the server (counting from when it lent) never ends it while a copy runs.
+    until: tokio::time::Instant,
+}
+
+/// Most blocks one connection keeps leased, well below the server's bound per connection.
+const MAX_LEASED_BLOCKS: usize = 32;
+/// How much sooner than the server a client stops reading a lease.
+const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
 impl BlockConnection {
     async fn connect(
@@ -74,7 +98,7 @@ impl BlockConnection {
             .await
             .map_err(|_| Error::unavailable(format!("storage server {addr}: connect timed out after {timeout:?}")))?
             .map_err(|e| Error::unavailable(format!("storage server {addr}: cannot connect: {e}")))?;
-        let (read_half, write_half) = (stream.reader, stream.writer);
+        let (read_half, write_half, arena) = (stream.reader, stream.writer, stream.arena);
         let (outbox, inbox) = mpsc::channel(max_in_flight);
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
@@ -96,7 +120,89 @@ impl BlockConnection {
             slots: Mutex::default(),
             next_slot: AtomicU16::new(1),
             binding: tokio::sync::Mutex::new(()),
+            arena,
+            leased: Mutex::default(),
         })
+    }
+
+    /// Reads `len` bytes of block `block` from `offset` under `access`. On a same-host
+    /// connection they are copied from the server's arena under a lease of the block (one Lease
+    /// round trip per block and [`LEASE_TTL`]); elsewhere, or when the block cannot be leased
+    /// (on NVMe, say), they come in a Read's reply.
+    pub(crate) async fn read(&self, access: &Access, block: u64, offset: u32, len: u32) -> Result<Bytes> {
+        if let Some(arena) = &self.arena {
+            if let Some(leased) = self.leased(access, block, offset.saturating_add(len)).await {
+                return arena
+                    .copy_out(leased.lease.offset + u64::from(offset), len as usize)
+                    .map_err(|e| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {e}", self.addr)));
+            }
+        }
+        Ok(self.call_as(access, |id| Frame::read(id, block, offset, len)).await?.payload)
+    }
+
+    /// A live lease of `block` covering its first `end` bytes: the one held, or a new one.
+    /// `None` when the server will not lend it: the caller reads it instead, and that read's
+    /// reply says why, as for any client.
+    async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Leased> {
+        let key = (block, access.grant);
+        let now = tokio::time::Instant::now();
+        let mut ended = Vec::new();
+        {
+            let mut leased = self.leased.lock();
+            match leased.get(&key) {
+                Some(held) if held.until > now && end <= held.len => return Some(*held),
+                // Expired, or the block grew since: lease it anew.
+                Some(_) => ended.extend(leased.remove(&key).map(|held| held.lease.id)),
+                None => {}
+            }
+        }
+        let until = now + LEASE_TTL - LEASE_MARGIN;
+        let reply = self.call_as(access, |id| Frame::lease(id, block)).await;
+        let fresh = match reply.map(|reply| (Lease::decode(&reply.payload), reply.header.length)) {
+            Ok((Ok(lease), len)) => Some(Leased { lease, len, until }),
+            Ok((Err(e), _)) => {
+                tracing::warn!("storage server {}: a bad Lease reply ({e}); reading through the socket", self.addr);
+                None
+            }
+            Err(e) => {
+                tracing::debug!("storage server {}: block {block} not leased ({e}); reading it", self.addr);
+                None
+            }
+        };
+        {
+            let mut leased = self.leased.lock();
+            let now = tokio::time::Instant::now();
+            leased.retain(|_, held| {
+                let live = held.until > now;
+                if !live {
+                    ended.push(held.lease.id);
+                }
+                live
+            });
+            if let Some(fresh) = fresh {
+                if leased.len() >= MAX_LEASED_BLOCKS {
+                    let oldest = leased.iter().min_by_key(|(_, held)| held.until).map(|(key, _)| *key);
+                    ended.extend(oldest.and_then(|key| leased.remove(&key)).map(|held| held.lease.id));
+                }
+                if let Some(replaced) = leased.insert(key, fresh) {
+                    ended.push(replaced.lease.id);
+                }
+            }
+        }
+        if !ended.is_empty() {
+            self.post(|id| Frame::release(id, &ended)).await;
+        }
+        fresh.filter(|fresh| end <= fresh.len)
+    }
+
+    /// Sends a frame whose reply nobody waits for (a Release): the reply is matched and dropped.
+    async fn post(&self, build: impl FnOnce(u64) -> Frame) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, _) = oneshot::channel();
+        self.pending.lock().insert(id, tx);
+        if !self.send(build(id)).await {
+            self.pending.lock().remove(&id);
+        }
     }
 
     /// [`BlockConnection::call`] acting under `access`: the job's token bound to a slot of this

@@ -171,9 +171,10 @@ fn connector(
         ))
     };
     Ok(match kind {
-        TransportKind::Auto => Arc::new(
+        TransportKind::Auto => Arc::new(tern_transport::local::LocalFirst::new(
             tern_transport::tls_tcp::AutoConnector::new(tls).map_err(|e| Error::invalid(format!("{kind}: {e:#}")))?,
-        ),
+        )),
+        TransportKind::Local => Arc::new(tern_transport::local::LocalConnector),
         TransportKind::Tcp => Arc::new(tern_transport::tcp::TcpConnector),
         TransportKind::Tls => Arc::new(
             tern_transport::tls_tcp::TlsTcpConnector::new(tls.ok_or_else(needs_tls)?)
@@ -255,7 +256,7 @@ impl Client {
     /// A pooled block connection to a storage server over the client's transport.
     pub(crate) async fn block_connection(&self, holder: &location::Holder) -> Result<Arc<conn::BlockConnection>> {
         let addr = match self.inner.options.transport {
-            TransportKind::Auto | TransportKind::Tcp | TransportKind::Tls => &holder.address,
+            TransportKind::Auto | TransportKind::Local | TransportKind::Tcp | TransportKind::Tls => &holder.address,
             TransportKind::Quic if holder.quic_address.is_empty() => {
                 return Err(Error::invalid(format!(
                     "storage server {} ({}) has no QUIC endpoint: start it with --tls-dir",

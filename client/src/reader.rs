@@ -7,7 +7,6 @@
 use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
-use tern_proto::frame::Frame;
 use tern_proto::v1::FileInfo;
 use tern_proto::BlockId;
 use tokio::task::JoinHandle;
@@ -165,14 +164,14 @@ async fn fetch_copy(client: &Client, path: &str, block: &BlockCopy, offset: u32,
     let len = len.unwrap_or(block.length - offset);
     let access = client.access(crate::auth::job_of(path), &block.grant).await?;
     let conn = client.block_connection(&block.holder).await?;
-    let reply = conn.call_as(&access, |id| Frame::read(id, block.block.get(), offset, len)).await?;
-    if reply.payload.len() != len as usize {
+    let data = conn.read(&access, block.block.get(), offset, len).await?;
+    if data.len() != len as usize {
         return Err(Error::new(
             ErrorKind::Corrupt,
-            format!("read {path}: block {} returned {} bytes, expected {len}", block.block, reply.payload.len()),
+            format!("read {path}: block {} returned {} bytes, expected {len}", block.block, data.len()),
         ));
     }
-    Ok(reply.payload)
+    Ok(data)
 }
 
 /// Asks the metadata server whether the servers of a block's copies are dead: when every copy is

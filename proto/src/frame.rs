@@ -46,6 +46,15 @@ pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 pub const MAX_FREE_IDS: usize = 8192;
 /// Bytes per Free entry: block id, then its grant.
 pub const FREE_ENTRY_LEN: usize = 8 + GRANT_LEN;
+/// Most lease ids one Release frame may carry.
+pub const MAX_RELEASE_IDS: usize = 1024;
+/// How long a lease holds a block's memory. A client reads a leased block only until this long
+/// after it sent the Lease (client and server share the host's monotonic clock, so the server,
+/// which counts from when it lent, never ends a lease its client still reads); the server ends
+/// it this long after lending even without a Release, so a client that stops releasing cannot
+/// pin memory (a freed block's, say) for long.
+pub const LEASE_TTL: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Highest slot number a connection may bind a token to (slots 1..=MAX_SLOT; 0 is the volume
 /// principal's, bound to no token).
 pub const MAX_SLOT: u16 = 1024;
@@ -75,6 +84,14 @@ pub enum Op {
     /// [`MAX_TOKEN_BYTES`]) to slot `offset` (1 to [`MAX_SLOT`]) of this connection; later frames
     /// naming the slot act as that job. Rebinding a slot replaces its token.
     Auth = 7,
+    /// Same-host connections only (`tern_transport::local`): lend the published bytes of a DRAM
+    /// block, authorized as a Read of it. The server keeps the block's memory from reuse until a
+    /// Release or [`LEASE_TTL`] after the lease; the reply's `length` is the bytes lent (the
+    /// block's length) and its payload a [`Lease`] saying where they lie in the shared arena.
+    Lease = 8,
+    /// Same-host connections only: end the leases the payload lists (a u64 id each, at most
+    /// [`MAX_RELEASE_IDS`]); unknown ids are skipped. The reply's `length` is the number ended.
+    Release = 9,
     /// Only in error replies to frames whose op could not be read.
     Malformed = 0x7f,
 }
@@ -89,6 +106,8 @@ impl Op {
             5 => Some(Op::Push),
             6 => Some(Op::Fetch),
             7 => Some(Op::Auth),
+            8 => Some(Op::Lease),
+            9 => Some(Op::Release),
             0x7f => Some(Op::Malformed),
             _ => None,
         }
@@ -248,6 +267,29 @@ impl Frame {
         Frame::new(Op::Auth, false, request_id, 0, u32::from(slot), 0, token)
     }
 
+    /// A Lease of block `block_id`'s published bytes (same-host connections only).
+    pub fn lease(request_id: u64, block_id: u64) -> Frame {
+        Frame::new(Op::Lease, false, request_id, block_id, 0, 0, Bytes::new())
+    }
+
+    /// A Release of `leases` (same-host connections only).
+    pub fn release(request_id: u64, leases: &[u64]) -> Frame {
+        assert!(leases.len() <= MAX_RELEASE_IDS, "at most {MAX_RELEASE_IDS} ids per Release frame");
+        let mut payload = BytesMut::with_capacity(leases.len() * 8);
+        for id in leases {
+            payload.put_u64_le(*id);
+        }
+        Frame::new(Op::Release, false, request_id, 0, 0, leases.len() as u32, payload.freeze())
+    }
+
+    /// The lease ids a Release frame lists.
+    pub fn release_ids(&self) -> Result<Vec<u64>, FrameError> {
+        if !self.payload.len().is_multiple_of(8) || self.payload.len() / 8 > MAX_RELEASE_IDS {
+            return Err(FrameError::BadReleaseList { bytes: self.payload.len() });
+        }
+        Ok(self.payload.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+
     /// This request, acting under `slot` with `grant` for its block or shuffle.
     pub fn authorized(mut self, slot: u16, grant: Grant) -> Frame {
         self.header.slot = slot;
@@ -327,6 +369,33 @@ impl Frame {
     }
 }
 
+/// A block lent over a same-host connection: the payload of a Lease reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// What a Release names it by.
+    pub id: u64,
+    /// Where the block's first byte lies in the server's shared arena.
+    pub offset: u64,
+}
+
+impl Lease {
+    pub const LEN: usize = 16;
+
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(Lease::LEN);
+        out.put_u64_le(self.id);
+        out.put_u64_le(self.offset);
+        out.freeze()
+    }
+
+    pub fn decode(mut payload: &[u8]) -> Result<Lease, FrameError> {
+        if payload.len() != Lease::LEN {
+            return Err(FrameError::BadLease { bytes: payload.len() });
+        }
+        Ok(Lease { id: payload.get_u64_le(), offset: payload.get_u64_le() })
+    }
+}
+
 /// Why a frame could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -346,6 +415,10 @@ pub enum FrameError {
     PayloadChecksum { expected: u32, actual: u32 },
     #[error("Free frame payload of {bytes} bytes is not a list of at most {MAX_FREE_IDS} entries (u64 block id, 16-byte grant)")]
     BadFreeList { bytes: usize },
+    #[error("Release frame payload of {bytes} bytes is not a list of at most {MAX_RELEASE_IDS} u64 lease ids")]
+    BadReleaseList { bytes: usize },
+    #[error("Lease reply payload of {bytes} bytes (expected {})", Lease::LEN)]
+    BadLease { bytes: usize },
     #[error("malformed shuffle payload: {0}")]
     BadShufflePayload(String),
     #[error("i/o error: {0}")]
@@ -361,6 +434,8 @@ impl FrameError {
             FrameError::UnknownOp { .. }
                 | FrameError::PayloadChecksum { .. }
                 | FrameError::BadFreeList { .. }
+                | FrameError::BadReleaseList { .. }
+                | FrameError::BadLease { .. }
                 | FrameError::BadShufflePayload(_)
         )
     }

@@ -57,6 +57,12 @@ pub struct Config {
     /// then exits 0. 0: exit at once. A second signal cuts the wait short. Below Kubernetes'
     /// default 30 s termination grace, so the pod exits before it is killed.
     pub drain_grace_ms: u64,
+    /// Serve clients on this host (this network namespace) through a Unix socket as well, and
+    /// share the DRAM arena with them read-only, so they read leased DRAM blocks with no request
+    /// at all. The arena is then a memfd (shared memory), which gets transparent huge pages only
+    /// where `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them (`advise`); false
+    /// keeps it anonymous memory.
+    pub local_clients: bool,
 }
 
 impl Default for Config {
@@ -75,6 +81,7 @@ impl Default for Config {
             io_engine: IoEngineChoice::Auto,
             quic_listen: None,
             drain_grace_ms: 25_000,
+            local_clients: true,
         }
     }
 }

@@ -280,6 +280,13 @@ impl DramTier {
         Ok((SlotView::bytes(slot, offset, len), held))
     }
 
+    /// Every published byte of `block`, without copying (what a same-host lease lends); the
+    /// returned bytes keep the slot from reuse until dropped.
+    pub fn read_published(&self, block: BlockId, server: ServerId) -> Result<Bytes, StoreError> {
+        let (slot, held) = self.table.read(block, 0, 0, server)?;
+        Ok(SlotView::bytes(slot, 0, held))
+    }
+
     /// Drops the listed blocks (ids not held are skipped); returns how many were held.
     pub fn free(&self, ids: &[BlockId]) -> usize {
         // Slots go back to the free list as these drop, outside the map lock.

@@ -3,7 +3,7 @@
 //! - [`config`]: the typed configuration;
 //! - `block_table`: one tier's slots and blocks, and the rules every block follows (write-once,
 //!   append-only, one writer, Acquire/Release publication), for every tier;
-//! - `arena`: the DRAM tier's one anonymous memory mapping;
+//! - `arena`: the DRAM tier's one memory mapping (a memfd, shared read-only with same-host clients);
 //! - [`dram`]: the arena cut into blocks: writes straight into it, zero-copy reads;
 //! - [`nvme`]: the NVMe tier: an O_DIRECT file or block device cut into blocks, behind an io
 //!   engine (io_uring or pread/pwrite);
@@ -162,9 +162,9 @@ impl Drop for StorageServer {
 pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     config.validate()?;
     let dram = config.dram.bytes();
-    let (prefault, huge_pages) = (config.prefault, config.huge_pages);
+    let (prefault, huge_pages, shared) = (config.prefault, config.huge_pages, config.local_clients);
     // Prefaulting a large arena takes a while: keep it off the async workers.
-    let arena = tokio::task::spawn_blocking(move || arena::Arena::map(dram, prefault, huge_pages))
+    let arena = tokio::task::spawn_blocking(move || arena::Arena::map_with(dram, prefault, huge_pages, shared))
         .await
         .context("mapping the DRAM arena")??;
 
@@ -210,6 +210,13 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         quic_address = config.advertised_quic_address(bound)?;
         quic_addr = Some(bound);
         listeners.push(Box::new(quic));
+    }
+    if let Some(memfd) = arena.memfd() {
+        let shared = tern_transport::local::SharedArena::lent(arena.base(), arena.len());
+        let local = tern_transport::local::LocalListener::bind(addr, &address, memfd, shared).with_context(|| {
+            format!("binding the same-host socket @{}", tern_transport::local::socket_name(&address))
+        })?;
+        listeners.push(Box::new(local));
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);

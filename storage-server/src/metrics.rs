@@ -60,7 +60,8 @@ pub struct Metrics {
     connections: Gauge,
 }
 
-const OPS: [Op; 8] = [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Auth, Op::Malformed];
+const OPS: [Op; 10] =
+    [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Auth, Op::Lease, Op::Release, Op::Malformed];
 
 fn op_name(op: Op) -> &'static str {
     match op {
@@ -71,6 +72,8 @@ fn op_name(op: Op) -> &'static str {
         Op::Push => "push",
         Op::Fetch => "fetch",
         Op::Auth => "auth",
+        Op::Lease => "lease",
+        Op::Release => "release",
         Op::Malformed => "malformed",
     }
 }

@@ -8,11 +8,14 @@
 //! - a [`Listener`] (server side) accepts them, with the peer's address;
 //!
 //! implemented for plain TCP ([`tcp`]), TLS 1.3 over TCP ([`tls_tcp`], mutual, the encrypted path
-//! between hosts by default) and QUIC with mutual TLS ([`quic`]: one bidirectional stream per
-//! block connection, spread over several endpoints so more than one core carries traffic). [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
+//! between hosts by default), QUIC with mutual TLS ([`quic`]: one bidirectional stream per
+//! block connection, spread over several endpoints so more than one core carries traffic), and a
+//! Unix socket to a storage server on the client's own host ([`local`]), which also shares the
+//! server's DRAM arena read-only so leased blocks are read with no request at all. [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
 //! (The rule that keeps plain TCP on loopback unless a network is trusted is daemon config:
 //! `tern_common::config::check_listen`.)
 
+pub mod local;
 pub mod quic;
 pub mod tcp;
 pub mod tls;
@@ -37,6 +40,9 @@ pub struct Stream {
     pub writer: BoxWrite,
     /// The other end's address.
     pub peer: SocketAddr,
+    /// On a same-host connection ([`local`]), the storage server's DRAM arena, which the client
+    /// reads leased blocks from directly.
+    pub arena: Option<std::sync::Arc<local::SharedArena>>,
 }
 
 impl fmt::Debug for Stream {
@@ -91,11 +97,13 @@ pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<S
 /// Which transport a client uses for block traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {
-    /// Per server: plain TCP to one on loopback (this host), TLS over TCP to any other when the
-    /// client has TLS material, plain TCP otherwise (a trusted network). See
-    /// [`tls_tcp::AutoConnector`].
+    /// Per server: its same-host socket when it runs on this host (see [`local`]), plain TCP to
+    /// one on loopback, TLS over TCP to any other when the client has TLS material, plain TCP
+    /// otherwise (a trusted network). See [`local::LocalFirst`] and [`tls_tcp::AutoConnector`].
     #[default]
     Auto,
+    /// Only the same-host socket: a server on another host is an error.
+    Local,
     /// Plain TCP (TCP_NODELAY), the storage servers' `listen` address.
     Tcp,
     /// TLS 1.3 over TCP, mutual, on the same address as plain TCP; needs TLS material.
@@ -108,6 +116,7 @@ impl fmt::Display for TransportKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             TransportKind::Auto => "auto",
+            TransportKind::Local => "local",
             TransportKind::Tcp => "tcp",
             TransportKind::Tls => "tls",
             TransportKind::Quic => "quic",
@@ -121,10 +130,11 @@ impl FromStr for TransportKind {
     fn from_str(s: &str) -> Result<TransportKind, String> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(TransportKind::Auto),
+            "local" => Ok(TransportKind::Local),
             "tcp" => Ok(TransportKind::Tcp),
             "tls" => Ok(TransportKind::Tls),
             "quic" => Ok(TransportKind::Quic),
-            other => Err(format!("unknown transport {other:?} (expected auto, tcp, tls or quic)")),
+            other => Err(format!("unknown transport {other:?} (expected auto, local, tcp, tls or quic)")),
         }
     }
 }

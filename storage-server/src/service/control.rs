@@ -54,7 +54,9 @@ pub(super) async fn ping(rd: &mut BoxRead, h: &Header) -> Result<Served, FrameEr
 /// The reply to a header that could not be decoded: `Err` when the connection must close after it.
 pub(super) async fn bad_header(rd: &mut BoxRead, err: FrameError) -> Result<Served, Frame> {
     if let FrameError::UnknownOp { request_id, payload_len, .. } = err {
-        let message = format!("request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch, Auth)");
+        let message = format!(
+            "request {request_id}: {err} (requests are Ping, Write, Read, Free, Push, Fetch, Auth, Lease, Release)"
+        );
         // The header was sound, so skipping the payload brings the stream to the next frame.
         return match frame::skip_payload(rd, payload_len).await {
             Ok(()) => Ok(Served::Reply(Frame::error(request_id, Op::Malformed, 0, err.kind(), &message), 0)),

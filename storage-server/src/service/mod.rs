@@ -15,8 +15,9 @@
 //! copied into its segment (the segment's lock is not held while a slow client sends), and a Fetch
 //! reply gathers whole batches into one payload.
 //!
-//! The ops are served by family: [`blocks`] (Read, Write, Free), [`shuffles`] (Push, Fetch) and
-//! [`control`] (Auth, Ping, admission, frames that make no sense). Each hands back a reply (or
+//! The ops are served by family: [`blocks`] (Read, Write, Free), [`shuffles`] (Push, Fetch),
+//! [`leases`] (Lease, Release: same-host connections only) and [`control`] (Auth, Ping,
+//! admission, frames that make no sense). Each hands back a reply (or
 //! the news that a task will send it); this module sends it and records it, in one place.
 //!
 //! Bad input never takes the server down: a frame the server cannot make sense of is answered
@@ -25,6 +26,7 @@
 
 mod blocks;
 mod control;
+mod leases;
 mod shuffles;
 
 use std::net::SocketAddr;
@@ -134,7 +136,7 @@ pub async fn serve_block_listeners(
                 };
                 metrics.connection_opened();
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
-                let Stream { reader, writer, peer } = stream;
+                let Stream { reader, writer, peer, arena } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
                 let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer)));
                 tasks.spawn(write_replies(out.clone(), rx, guard.clone(), peer));
@@ -144,6 +146,7 @@ pub async fn serve_block_listeners(
                     replies: Replies { tx, out },
                     nvme_ops: Arc::new(Semaphore::new(limits.max_in_flight_per_connection)),
                     slots: Slots::default(),
+                    leases: arena.map(leases::Leases::new),
                 };
                 tasks.spawn(read_requests(reader, conn, guard, peer));
             }
@@ -175,7 +178,7 @@ impl Drop for ConnectionGuard {
 async fn refuse_connection(stream: Stream, limit: usize, metrics: &Metrics) {
     let message = format!("storage server is at its limit of {limit} connections; retry later");
     let frame = Frame::error(0, Op::Malformed, 0, ErrorKind::Unavailable, &message);
-    let Stream { reader, mut writer, peer } = stream;
+    let Stream { reader, mut writer, peer, .. } = stream;
     let sent = tokio::time::timeout(REFUSAL_TIMEOUT, async {
         frame::write_frame(&mut writer, &frame).await?;
         writer.shutdown().await
@@ -255,6 +258,8 @@ struct Connection {
     nvme_ops: Arc<Semaphore>,
     /// The job tokens this connection bound (Auth frames), by slot.
     slots: Slots,
+    /// On a same-host connection, the blocks it leased.
+    leases: Option<leases::Leases>,
 }
 
 /// What serving one request came to, short of a stream error.
@@ -332,6 +337,8 @@ async fn serve(rd: &mut BoxRead, conn: &mut Connection, h: &Header, started: Ins
         Op::Free => blocks::free(rd, conn, h).await,
         Op::Push => shuffles::push(rd, conn, h).await,
         Op::Fetch => shuffles::fetch(rd, conn, h).await,
+        Op::Lease => leases::lease(rd, conn, h).await,
+        Op::Release => leases::release(rd, conn, h).await,
         Op::Malformed => {
             let message = format!("{h}: op Malformed only appears in error replies");
             refuse(rd, h, ErrorKind::Invalid, &message).await
