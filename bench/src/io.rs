@@ -71,6 +71,9 @@ pub enum System {
     TernQuic,
     /// Tern's NVMe tier over plain TCP.
     TernNvme,
+    /// Tern's DRAM tier from a client on the server's host: the same-host socket, and reads of
+    /// leased blocks straight from the shared arena (`tern_transport::local`).
+    TernLocal,
     /// The raw peers: the same transports with nothing but a request and its bytes ([`crate::raw`]).
     TcpRaw,
     TlsRaw,
@@ -81,11 +84,12 @@ pub enum System {
 }
 
 impl System {
-    pub const ALL: [System; 10] = [
+    pub const ALL: [System; 11] = [
         System::TernTcp,
         System::TernTls,
         System::TernQuic,
         System::TernNvme,
+        System::TernLocal,
         System::TcpRaw,
         System::TlsRaw,
         System::QuicRaw,
@@ -100,6 +104,7 @@ impl System {
             System::TernTls => "tern-tls",
             System::TernQuic => "tern-quic",
             System::TernNvme => "tern-nvme",
+            System::TernLocal => "tern-local",
             System::TcpRaw => "tcp-raw",
             System::TlsRaw => "tls-raw",
             System::QuicRaw => "quic-raw",
@@ -110,13 +115,15 @@ impl System {
     }
 
     pub fn is_tern(self) -> bool {
-        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme)
+        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernLocal)
     }
 
     /// The raw peer over the same transport: the limit this Tern system is measured against.
     pub fn raw_peer(self) -> Option<System> {
         match self {
-            System::TernTcp | System::TernNvme => Some(System::TcpRaw),
+            // A same-host reader's bar is the fastest way to move bytes between two processes
+            // here that this bench has: TCP on loopback.
+            System::TernTcp | System::TernNvme | System::TernLocal => Some(System::TcpRaw),
             System::TernTls => Some(System::TlsRaw),
             System::TernQuic => Some(System::QuicRaw),
             _ => None,
@@ -344,7 +351,7 @@ enum TargetKind {
 impl Target {
     async fn start(system: System, options: &IoOptions) -> anyhow::Result<Target> {
         let kind = match system {
-            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme => {
+            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernLocal => {
                 TargetKind::Tern(Box::new(TernTarget::start(system, options).await?))
             }
             System::TcpRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tcp).await?),
@@ -710,7 +717,11 @@ impl TernTarget {
                     if quic { tern_client::TransportKind::Quic } else { tern_client::TransportKind::Tls };
                 options.tls_dir = Some(cluster.tls_dir());
             }
-            System::TernNvme => class = tern_client::StorageClass::Nvme,
+            System::TernNvme => {
+                class = tern_client::StorageClass::Nvme;
+                options.transport = tern_client::TransportKind::Tcp;
+            }
+            System::TernLocal => options.transport = tern_client::TransportKind::Local,
             _ => options.transport = tern_client::TransportKind::Tcp,
         }
         // The embedded cluster's control plane is plain on loopback, QUIC or not.
@@ -1565,7 +1576,7 @@ mod tests {
             assert_eq!(system.name().parse::<System>().unwrap(), system);
         }
         assert!("memcached".parse::<System>().unwrap_err().to_string().contains(
-            "tern-tcp, tern-tls, tern-quic, tern-nvme, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
+            "tern-tcp, tern-tls, tern-quic, tern-nvme, tern-local, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
         ));
         assert!(System::TernTcp.is_tern() && !System::Redis.is_tern() && !System::TcpRaw.is_tern());
         assert_eq!(System::TernNvme.raw_peer(), Some(System::TcpRaw));

@@ -35,9 +35,9 @@ fn quick_run_writes_json_lines_of_the_schema() {
     let with_redis = redis_on_path();
     assert!(with_redis || !require_redis, "TERN_TEST_REQUIRE_REDIS=1 but redis-server is not on PATH");
     let systems = if with_redis {
-        "tern-tcp,tern-tls,tern-quic,tern-nvme,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
+        "tern-tcp,tern-tls,tern-quic,tern-nvme,tern-local,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
     } else {
-        "tern-tcp,tern-tls,tern-quic,tern-nvme,tcp-raw,tls-raw,quic-raw,file,file-direct"
+        "tern-tcp,tern-tls,tern-quic,tern-nvme,tern-local,tcp-raw,tls-raw,quic-raw,file,file-direct"
     };
     // O_DIRECT (tern-nvme, file-direct) needs a disk filesystem: the target dir is on one.
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -16,6 +16,7 @@ mod multihost;
 mod ops;
 mod quic;
 mod replication;
+mod same_host;
 mod scheduler;
 mod security;
 mod shuffle;

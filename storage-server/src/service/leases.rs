@@ -19,9 +19,10 @@ use tern_transport::BoxRead;
 use super::{error_reply, frame_error, read_request_payload, refuse, refuse_payload, Connection, Served};
 use crate::store::TierRef;
 
-/// Most leases one connection holds at once. A client caches a few dozen blocks; past this a
-/// Lease is refused (Unavailable) and the client reads through the socket instead.
-pub(super) const MAX_LEASES_PER_CONNECTION: usize = 256;
+/// Most leases one connection holds at once. A client keeps at most 32 blocks leased; past this a
+/// Lease is refused (Unavailable) and the client reads through the socket instead. Expired
+/// leases end at the connection's next Lease (or with the connection).
+pub(super) const MAX_LEASES_PER_CONNECTION: usize = 64;
 
 /// One same-host connection's leases.
 pub(super) struct Leases {
@@ -67,9 +68,7 @@ pub(super) async fn lease(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
         return Ok(Served::Reply(error_reply(h, ErrorKind::Internal, &message), 0));
     };
     let now = Instant::now();
-    if leases.held.len() >= MAX_LEASES_PER_CONNECTION {
-        leases.expire(now);
-    }
+    leases.expire(now);
     if leases.held.len() >= MAX_LEASES_PER_CONNECTION {
         let message = format!("{h}: this connection holds {MAX_LEASES_PER_CONNECTION} leases; release some first");
         return Ok(Served::Reply(error_reply(h, ErrorKind::Unavailable, &message), 0));

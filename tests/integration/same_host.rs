@@ -1,0 +1,110 @@
+//! Same-host reads (`tern_transport::local`): a client on a storage server's host reaches it
+//! through the server's abstract Unix socket and reads leased DRAM blocks straight from the
+//! server's arena, mapped read-only; leases are authorized as reads, and served only there.
+
+use crate::common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{random_bytes, Cluster};
+use tern_client::{ErrorKind, TransportKind};
+use tern_proto::frame::{self, Frame, Lease};
+use tern_proto::token::JobToken;
+use tern_transport::local::LocalConnector;
+use tern_transport::Stream;
+use tokio::io::AsyncWriteExt;
+
+/// The cluster's block size (the metadata server's default).
+const BLOCK: usize = 1 << 20;
+
+#[tokio::test]
+async fn files_of_every_edge_size_read_back_exactly_through_the_shared_arena() {
+    let cluster = Cluster::start(1, "64MiB").await;
+    let writer = cluster.client().await;
+    let sizes = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 7];
+    let mut files = Vec::new();
+    for size in sizes {
+        let data = Bytes::from(random_bytes(size));
+        let path = format!("/same-host/{size}");
+        writer.put(&path, data.clone()).await.unwrap();
+        files.push((path, data));
+    }
+    // `local` reaches the server only through its same-host socket; `auto` picks it.
+    for transport in [TransportKind::Local, TransportKind::Auto] {
+        let reader = cluster.client_over(transport).await;
+        for (path, data) in &files {
+            let back = reader.open(path).await.unwrap().read_to_end().await.unwrap();
+            assert!(back == *data, "{transport}: {path} read back differently");
+            if data.len() > 10 {
+                // Ranges inside one block and across a block boundary, twice (the lease is reused).
+                let file = reader.open(path).await.unwrap();
+                for _ in 0..2 {
+                    for (offset, len) in [(3, 7), (data.len() as u64 / 2, data.len() as u64 / 3)] {
+                        let got = file.read_at(offset, len as usize).await.unwrap();
+                        assert_eq!(got[..], data[offset as usize..(offset + len) as usize], "{transport}: {path}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A raw same-host connection, to check the ops as a hostile client would.
+async fn raw_local(addr: &str) -> Stream {
+    LocalConnector.dial(addr).await.expect("the storage server's same-host socket")
+}
+
+async fn call(stream: &mut Stream, frame: Frame) -> Result<Frame, (ErrorKind, String)> {
+    let id = frame.header.request_id;
+    frame::write_frame(&mut stream.writer, &frame).await.unwrap();
+    stream.writer.flush().await.unwrap();
+    let reply = frame::read_frame(&mut stream.reader, frame::MAX_PAYLOAD_BYTES).await.unwrap().unwrap();
+    assert_eq!(reply.header.request_id, id);
+    reply.into_result()
+}
+
+#[tokio::test]
+async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_only_on_the_host() {
+    let cluster = Cluster::start(1, "64MiB").await;
+    let addr = cluster.storage_addrs[0].clone();
+    let client_b = cluster.client().await;
+    let _job_b = client_b.start_job(Some("b"), Duration::from_secs(30)).await.unwrap();
+    let data = Bytes::from(random_bytes(BLOCK + 5));
+    client_b.put("/jobs/b/data", data.clone()).await.unwrap();
+    let token_b = JobToken::from_text(&client_b.job_token("b").unwrap()).unwrap();
+    let client_a = cluster.client().await;
+    let _job_a = client_a.start_job(Some("a"), Duration::from_secs(30)).await.unwrap();
+    let token_a = JobToken::from_text(&client_a.job_token("a").unwrap()).unwrap();
+    let (_, blocks) = client_a.stat_with_blocks("/jobs/b/data", true).await.unwrap();
+    let (first, grant): (_, [u8; 16]) = (blocks[0].0.clone(), blocks[0].0.grant[..].try_into().unwrap());
+
+    let mut local = raw_local(&addr).await;
+    let arena = local.arena.clone().expect("a same-host stream carries the server's arena");
+    call(&mut local, Frame::auth(1, 1, Bytes::from(token_a.encode()))).await.unwrap();
+    call(&mut local, Frame::auth(2, 2, Bytes::from(token_b.encode()))).await.unwrap();
+    // Job A holds B's grant but not B's token: refused, as a Read would be.
+    let (kind, message) =
+        call(&mut local, Frame::lease(3, first.block_id).authorized(1, grant)).await.expect_err("A leasing B's block");
+    assert_eq!(kind, ErrorKind::PermissionDenied, "{message}");
+    // Job B gets its block lent: the bytes at the lease's offset in the mapping are the block's.
+    let reply = call(&mut local, Frame::lease(4, first.block_id).authorized(2, grant)).await.unwrap();
+    let lease = Lease::decode(&reply.payload).unwrap();
+    assert_eq!(reply.header.length as usize, BLOCK, "the whole published block is lent");
+    assert!(arena.copy_out(lease.offset, BLOCK).unwrap() == data.slice(..BLOCK));
+    assert!(arena.copy_out(arena.len() as u64 - 1, 2).is_err(), "bytes past the arena are refused, not read");
+    let released = call(&mut local, Frame::release(5, &[lease.id, 999])).await.unwrap();
+    assert_eq!(released.header.length, 1, "the unknown lease is skipped");
+
+    // Over TCP neither op is served, even to the block's own job.
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    frame::write_frame(&mut tcp, &Frame::auth(6, 1, Bytes::from(token_b.encode()))).await.unwrap();
+    frame::read_frame(&mut tcp, frame::MAX_PAYLOAD_BYTES).await.unwrap().unwrap().into_result().unwrap();
+    for request in [Frame::lease(7, first.block_id).authorized(1, grant), Frame::release(8, &[1])] {
+        frame::write_frame(&mut tcp, &request).await.unwrap();
+        let reply = frame::read_frame(&mut tcp, frame::MAX_PAYLOAD_BYTES).await.unwrap().unwrap();
+        let (kind, message) = reply.into_result().expect_err("a same-host op over TCP");
+        assert_eq!(kind, ErrorKind::Invalid, "{message}");
+        assert!(message.contains("own host"), "{message}");
+    }
+}
