@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tern_proto::frame::{self, Frame, Lease, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
+use tern_proto::frame::{self, Frame, Lease, LentPage, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
 use tern_proto::token::Grant;
 use tern_transport::local::SharedArena;
 use tern_transport::{BoxRead, BoxWrite, Connector};
@@ -281,9 +281,35 @@ impl BlockConnection {
                 return Err(missed);
             }
         };
-        reply
+        let reply = reply
             .into_result()
-            .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))
+            .map_err(|(kind, message)| Error::new(kind, format!("storage server {}: {message}", self.addr)))?;
+        match reply.is_lent() {
+            true => self.take_lent(reply).await,
+            false => Ok(reply),
+        }
+    }
+
+    /// A reply whose bytes were lent in the shared arena (a same-host Fetch page): the bytes
+    /// copied out of the mapping and checked against the crc the server took, the lease released.
+    async fn take_lent(&self, mut reply: Frame) -> Result<Frame> {
+        let corrupt =
+            |why: String| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {why}", self.addr));
+        let page = LentPage::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
+        let arena =
+            self.arena.as_ref().ok_or_else(|| corrupt("a lent reply on a connection without a shared arena".into()))?;
+        let copied = arena.copy_out(page.lease.offset, page.len as usize);
+        self.post(|id| Frame::release(id, &[page.lease.id])).await;
+        let bytes = copied.map_err(|e| corrupt(e.to_string()))?;
+        let actual = crc32c::crc32c(&bytes);
+        if actual != page.crc {
+            return Err(corrupt(format!("lent bytes have crc {actual:#010x}, the server took {:#010x}", page.crc)));
+        }
+        reply.header.slot = 0;
+        reply.header.payload_len = page.len;
+        reply.header.payload_crc = page.crc;
+        reply.payload = bytes;
+        Ok(reply)
     }
 
     /// Waits up to the request deadline for `rx`; past [`STALLED_AFTER`] the request counts as

@@ -396,6 +396,57 @@ impl Lease {
     }
 }
 
+/// In a reply's `slot` field (requests-only otherwise): the payload is a [`LentPage`] saying
+/// where the reply's bytes lie in the server's shared arena, not the bytes. Only same-host
+/// connections carry such replies (Fetch pages that are one extent of the arena).
+pub const REPLY_LENT: u16 = 1;
+
+/// A reply's bytes lent in the shared arena: the payload of a reply marked [`REPLY_LENT`]. The
+/// reader copies `len` bytes at the lease's offset, checks them against `crc`, and releases
+/// the lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LentPage {
+    pub lease: Lease,
+    pub len: u32,
+    /// crc32c of the lent bytes (what the payload crc would have been).
+    pub crc: u32,
+}
+
+impl LentPage {
+    pub const LEN: usize = Lease::LEN + 8;
+
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(LentPage::LEN);
+        out.put_slice(&self.lease.encode());
+        out.put_u32_le(self.len);
+        out.put_u32_le(self.crc);
+        out.freeze()
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<LentPage, FrameError> {
+        if payload.len() != LentPage::LEN {
+            return Err(FrameError::BadLease { bytes: payload.len() });
+        }
+        let lease = Lease::decode(&payload[..Lease::LEN])?;
+        let mut rest = &payload[Lease::LEN..];
+        Ok(LentPage { lease, len: rest.get_u32_le(), crc: rest.get_u32_le() })
+    }
+}
+
+impl Frame {
+    /// This reply with its payload lent as `page` instead of carried (see [`REPLY_LENT`]).
+    pub fn lent(self, page: LentPage) -> Frame {
+        let mut lent = Frame::reply(&self.header, self.header.length, page.encode());
+        lent.header.slot = REPLY_LENT;
+        lent
+    }
+
+    /// Whether this reply's payload is a [`LentPage`].
+    pub fn is_lent(&self) -> bool {
+        self.header.response && self.header.slot == REPLY_LENT
+    }
+}
+
 /// Why a frame could not be decoded.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -417,7 +468,11 @@ pub enum FrameError {
     BadFreeList { bytes: usize },
     #[error("Release frame payload of {bytes} bytes is not a list of at most {MAX_RELEASE_IDS} u64 lease ids")]
     BadReleaseList { bytes: usize },
-    #[error("Lease reply payload of {bytes} bytes (expected {})", Lease::LEN)]
+    #[error(
+        "lease payload of {bytes} bytes (expected {} for a Lease reply, {} for a lent page)",
+        Lease::LEN,
+        LentPage::LEN
+    )]
     BadLease { bytes: usize },
     #[error("malformed shuffle payload: {0}")]
     BadShufflePayload(String),

@@ -4,13 +4,17 @@
 
 use crate::common;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::{random_bytes, Cluster};
 use tern_client::{ErrorKind, TransportKind};
-use tern_proto::frame::{self, Frame, Lease};
+use tern_proto::frame::{self, Frame, Lease, LentPage};
+use tern_proto::shuffle::FetchRequest;
 use tern_proto::token::JobToken;
+use tern_proto::v1::metadata_client::MetadataClient;
+use tern_proto::v1::LocateShuffleRequest;
 use tern_transport::local::LocalConnector;
 use tern_transport::Stream;
 use tokio::io::AsyncWriteExt;
@@ -96,6 +100,29 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
     let released = call(&mut local, Frame::release(5, &[lease.id, 999])).await.unwrap();
     assert_eq!(released.header.length, 1, "the unknown lease is skipped");
 
+    // A Fetch page that is one extent of the arena comes lent, with the crc the server took.
+    let shuffle = client_b.register_shuffle("b", 1, Default::default()).await.unwrap();
+    let batch = random_bytes(200 << 10);
+    let mut writer = shuffle.writer(0, 0);
+    writer.write(0, &batch).await.unwrap();
+    assert!(writer.commit().await.unwrap().committed);
+    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
+    let request =
+        LocateShuffleRequest { shuffle_id: shuffle.id().get(), end_partition: 1, end_map: 1, ..Default::default() };
+    let located = metadata.locate_shuffle(request).await.unwrap().into_inner();
+    let shuffle_grant: [u8; 16] = located.grant[..].try_into().unwrap();
+    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
+    let index = located.segments[0].index;
+    let reply = call(&mut local, Frame::fetch(9, shuffle.id().get(), 0, index, fetch).authorized(2, shuffle_grant))
+        .await
+        .unwrap();
+    assert!(reply.is_lent(), "a one-batch page on a same-host connection is lent");
+    let page = LentPage::decode(&reply.payload).unwrap();
+    let bytes = arena.copy_out(page.lease.offset, page.len as usize).unwrap();
+    assert_eq!(crc32c::crc32c(&bytes), page.crc);
+    assert!(bytes.ends_with(&batch), "the page is the batch's header and bytes");
+    call(&mut local, Frame::release(10, &[page.lease.id])).await.unwrap();
+
     // Over TCP neither op is served, even to the block's own job.
     let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
     frame::write_frame(&mut tcp, &Frame::auth(6, 1, Bytes::from(token_b.encode()))).await.unwrap();
@@ -106,5 +133,42 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
         let (kind, message) = reply.into_result().expect_err("a same-host op over TCP");
         assert_eq!(kind, ErrorKind::Invalid, "{message}");
         assert!(message.contains("own host"), "{message}");
+    }
+}
+
+#[tokio::test]
+async fn a_shuffle_written_and_read_on_the_servers_host_reads_back_exactly_over_map_ranges() {
+    let cluster = Cluster::start(1, "256MiB").await;
+    let client = cluster.client_over(TransportKind::Local).await;
+    let _job = client.start_job(Some("local"), Duration::from_secs(60)).await.unwrap();
+    let shuffle = client.register_shuffle("local", 4, Default::default()).await.unwrap();
+    // Per (partition, map): one large batch (its own page, lent from the arena) and small ones
+    // (gathered into a page, sent through the socket).
+    let mut expected: BTreeMap<(u32, u32), Vec<u8>> = BTreeMap::new();
+    for map in 0..3u32 {
+        let mut writer = shuffle.writer(map, 0);
+        for partition in 0..4u32 {
+            let large = random_bytes(300 << 10 | (map * 4 + partition) as usize);
+            writer.write(partition, &large).await.unwrap();
+            let small = format!("map {map} partition {partition};").repeat(5);
+            writer.write(partition, small.as_bytes()).await.unwrap();
+            let bytes = expected.entry((partition, map)).or_default();
+            bytes.extend_from_slice(&large);
+            bytes.extend_from_slice(small.as_bytes());
+        }
+        assert!(writer.commit().await.unwrap().committed);
+    }
+    for (partitions, maps) in [(0..4, 0..3), (1..3, 1..2), (3..4, 0..2)] {
+        let mut got: BTreeMap<(u32, u32), Vec<u8>> = BTreeMap::new();
+        for batch in shuffle.reader(partitions.clone(), maps.clone()).await.unwrap().read_to_end().await.unwrap() {
+            got.entry((batch.partition, batch.map)).or_default().extend_from_slice(&batch.data);
+        }
+        let want: BTreeMap<(u32, u32), Vec<u8>> = expected
+            .iter()
+            .filter(|((p, m), _)| partitions.contains(p) && maps.contains(m))
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>(), "{partitions:?} x {maps:?}");
+        assert!(got == want, "{partitions:?} x {maps:?}: bytes differ");
     }
 }

@@ -1,9 +1,9 @@
 //! Same-host leases (`tern_transport::local`): the Lease and Release ops, which only a
 //! connection from the server's own host accepts.
 //!
-//! A lease is a view of a DRAM block's published bytes, held here so the block's slot is not
-//! reused (even if the block is freed) while the client reads the bytes straight from its
-//! read-only mapping of the arena. Leases are bounded per connection, in number and in time
+//! A lease is a view of a DRAM block's published bytes (or of a Fetch page that is one extent of
+//! the arena), held here so its slot is not reused (even if the block or shuffle is freed) while
+//! the client reads the bytes straight from its read-only mapping of the arena. Leases are bounded per connection, in number and in time
 //! ([`LEASE_TTL`]); all of a connection's leases end with it.
 
 use std::collections::HashMap;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use tern_proto::frame::{Frame, FrameError, Header, Lease, LEASE_TTL, MAX_RELEASE_IDS};
+use tern_proto::frame::{Frame, FrameError, Header, Lease, LentPage, LEASE_TTL, MAX_RELEASE_IDS};
 use tern_proto::{BlockId, ErrorKind};
 use tern_transport::local::SharedArena;
 use tern_transport::BoxRead;
@@ -36,9 +36,37 @@ impl Leases {
         Leases { arena, held: HashMap::new(), next_id: 1 }
     }
 
-    /// Ends the leases whose time is up.
-    fn expire(&mut self, now: Instant) {
+    /// Lends `view`: `Err` with the reason when it is not in the shared arena or this
+    /// connection holds all the leases it may. Expired leases end first.
+    pub(super) fn lend(&mut self, view: Bytes) -> Result<Lease, (ErrorKind, String)> {
+        let Some(offset) = self.arena.offset_of(&view) else {
+            return Err((ErrorKind::Internal, "its bytes are not in the shared arena".to_string()));
+        };
+        let now = Instant::now();
         self.held.retain(|_, (_, lent)| now.duration_since(*lent) < LEASE_TTL);
+        if self.held.len() >= MAX_LEASES_PER_CONNECTION {
+            let why = format!("this connection holds {MAX_LEASES_PER_CONNECTION} leases; release some first");
+            return Err((ErrorKind::Unavailable, why));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.held.insert(id, (view, now));
+        Ok(Lease { id, offset })
+    }
+}
+
+/// `reply` (a Fetch page) on a same-host connection: lent when its bytes are one extent of the
+/// arena (the usual page of large batches), so the client copies them from its mapping; as it
+/// is otherwise (a page gathered from several batches, or read from NVMe).
+pub(super) fn lend_page(leases: Option<&mut Leases>, reply: Frame) -> Frame {
+    let Some(leases) = leases else { return reply };
+    if reply.payload.is_empty() {
+        return reply;
+    }
+    let (len, crc) = (reply.payload.len() as u32, reply.header.payload_crc);
+    match leases.lend(reply.payload.clone()) {
+        Ok(lease) => reply.lent(LentPage { lease, len, crc }),
+        Err(_) => reply,
     }
 }
 
@@ -63,21 +91,12 @@ pub(super) async fn lease(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
         }
         Err(e) => return Ok(Served::Reply(error_reply(h, e.kind(), &e.to_string()), 0)),
     };
-    let Some(offset) = leases.arena.offset_of(&view) else {
-        let message = format!("{h}: block {block}'s bytes are not in the shared arena");
-        return Ok(Served::Reply(error_reply(h, ErrorKind::Internal, &message), 0));
-    };
-    let now = Instant::now();
-    leases.expire(now);
-    if leases.held.len() >= MAX_LEASES_PER_CONNECTION {
-        let message = format!("{h}: this connection holds {MAX_LEASES_PER_CONNECTION} leases; release some first");
-        return Ok(Served::Reply(error_reply(h, ErrorKind::Unavailable, &message), 0));
-    }
-    let id = leases.next_id;
-    leases.next_id += 1;
     let length = view.len() as u32;
-    leases.held.insert(id, (view, now));
-    Ok(Served::Reply(Frame::reply(h, length, Lease { id, offset }.encode()), 0))
+    let lease = match leases.lend(view) {
+        Ok(lease) => lease,
+        Err((kind, why)) => return Ok(Served::Reply(error_reply(h, kind, &format!("{h}: block {block}: {why}")), 0)),
+    };
+    Ok(Served::Reply(Frame::reply(h, length, lease.encode()), 0))
 }
 
 /// Ends the leases a Release lists; the reply's length is how many were held.

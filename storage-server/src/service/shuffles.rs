@@ -44,7 +44,7 @@ pub(super) async fn push(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Res
 }
 
 /// Answers a Fetch with a page of committed batches; the reply's length is the next cursor.
-pub(super) async fn fetch(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Result<Served, FrameError> {
+pub(super) async fn fetch(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -> Result<Served, FrameError> {
     let payload = match read_request_payload(rd, h).await? {
         Ok(payload) => payload,
         Err(reply) => return Ok(Served::Reply(reply, 0)),
@@ -56,7 +56,8 @@ pub(super) async fn fetch(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Re
     Ok(match conn.store.fetch(segment_of(h), &request).await {
         Ok(page) => {
             let bytes = page.payload.len() as u64;
-            Served::Reply(Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc), bytes)
+            let reply = Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc);
+            Served::Reply(super::leases::lend_page(conn.leases.as_mut(), reply), bytes)
         }
         Err(e) => Served::Reply(shuffle_error(h, &e), 0),
     })
