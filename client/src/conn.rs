@@ -67,6 +67,8 @@ pub(crate) struct BlockConnection {
     /// Blocks leased on a same-host connection, by block and the grant that leased it (a read
     /// under another job's grant does not get to use this one's lease).
     leased: Mutex<HashMap<(u64, Grant), Leased>>,
+    /// Blocks the server would not lend (on NVMe), until when to read them without asking again.
+    unleasable: Mutex<HashMap<u64, tokio::time::Instant>>,
 }
 
 /// A block leased on a same-host connection (see `tern_transport::local`).
@@ -82,6 +84,8 @@ struct Leased {
 
 /// Most blocks one connection keeps leased, well below the server's bound per connection.
 const MAX_LEASED_BLOCKS: usize = 32;
+/// Most blocks a connection remembers the server would not lend.
+const MAX_UNLEASABLE_BLOCKS: usize = 4096;
 /// How much sooner than the server a client stops reading a lease.
 const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
@@ -122,6 +126,7 @@ impl BlockConnection {
             binding: tokio::sync::Mutex::new(()),
             arena,
             leased: Mutex::default(),
+            unleasable: Mutex::default(),
         })
     }
 
@@ -146,6 +151,9 @@ impl BlockConnection {
     async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Leased> {
         let key = (block, access.grant);
         let now = tokio::time::Instant::now();
+        if self.unleasable.lock().get(&block).is_some_and(|until| *until > now) {
+            return None;
+        }
         let mut ended = Vec::new();
         {
             let mut leased = self.leased.lock();
@@ -166,6 +174,17 @@ impl BlockConnection {
             }
             Err(e) => {
                 tracing::debug!("storage server {}: block {block} not leased ({e}); reading it", self.addr);
+                if e.kind() == crate::ErrorKind::Invalid {
+                    // Not in DRAM: do not ask again for a while (a bounded memory of it).
+                    let mut unleasable = self.unleasable.lock();
+                    if unleasable.len() >= MAX_UNLEASABLE_BLOCKS {
+                        unleasable.retain(|_, until| *until > now);
+                        if unleasable.len() >= MAX_UNLEASABLE_BLOCKS {
+                            unleasable.clear();
+                        }
+                    }
+                    unleasable.insert(block, now + LEASE_TTL);
+                }
                 None
             }
         };

@@ -172,3 +172,19 @@ async fn a_shuffle_written_and_read_on_the_servers_host_reads_back_exactly_over_
         assert!(got == want, "{partitions:?} x {maps:?}: bytes differ");
     }
 }
+
+#[tokio::test]
+async fn blocks_on_nvme_are_read_through_the_same_host_socket() {
+    let cluster = Cluster::start_with_nvme(1, "4MiB", common::Nvme { size: "16MiB", engine: "psync" }).await;
+    let writer = cluster.client().await;
+    let data = Bytes::from(random_bytes(2 * BLOCK + 3));
+    writer.put_with_class("/nvme", data.clone(), tern_proto::StorageClass::Nvme).await.unwrap();
+    let reader = cluster.client_over(TransportKind::Local).await;
+    let file = reader.open("/nvme").await.unwrap();
+    // NVMe blocks are not lent: read through the socket, the refusal remembered, so a second
+    // pass reads the same.
+    for _ in 0..2 {
+        assert!(file.read_at(0, data.len()).await.unwrap() == data);
+        assert_eq!(file.read_at(BLOCK as u64 - 1, 5).await.unwrap()[..], data[BLOCK - 1..BLOCK + 4]);
+    }
+}
