@@ -89,6 +89,8 @@ pub struct Copies {
     /// Something changed that may need copies (a death, a drain, a copy done or failed): the next
     /// reap looks over the files.
     dirty: bool,
+    /// Blocks the last look found no room for, so a repeat is not logged again.
+    pub unplaceable: u64,
 }
 
 impl Copies {
@@ -105,6 +107,7 @@ impl Copies {
             failed_blocks: 0,
             recent: VecDeque::new(),
             dirty: false,
+            unplaceable: 0,
         }
     }
 

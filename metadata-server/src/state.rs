@@ -170,6 +170,9 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
         let replicas = parse_replicas(req.replicas).context(&context)?;
+        if replicas > 1 && !req.sealed {
+            planner::enough_live_for_copies(self.servers.rooms().len() as u64, replicas).context(&context)?;
+        }
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
         let file_id = self.namespace.next_file_id();
         let job = Place::of(&path).job().unwrap_or_default().to_string();

@@ -106,8 +106,11 @@ impl State {
                 }
             }
         }
-        if unplaceable > 0 {
+        if unplaceable > 0 && unplaceable != self.copies.unplaceable {
             warn!("{unplaceable} blocks need a copy and no server taking placements has room for one; waiting");
+        }
+        self.copies.unplaceable = unplaceable;
+        if unplaceable > 0 {
             // Look again later: room may come (frees, a new server).
             self.copies.wake();
         }
