@@ -640,8 +640,6 @@ impl State {
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
     pub fn reap(&mut self, now: Instant) {
         self.reap_writers(now);
-        self.plan_copies(now);
-        self.check_drains(now);
         for job in self.jobs.lapsed(now) {
             if let Err(refusal) = self.end(&job, "lease lapsed", now) {
                 error!("ending job {job}, whose lease lapsed: {} ({:?})", refusal.reason, refusal.kind);
@@ -651,6 +649,10 @@ impl State {
             warn!("{dead}; its blocks are lost");
             self.lose_server(server_id, now);
         }
+        // After the deaths: their blocks' second copies are chosen in this same pass, and drains
+        // are checked with the copies off them counted.
+        self.plan_copies(now);
+        self.check_drains(now);
     }
 
     /// Deletes unsealed files whose writer's lease lapsed: the writer died (a killed process
@@ -856,6 +858,8 @@ mod copying;
 mod durable;
 mod quota;
 
+#[cfg(test)]
+mod copy_tests;
 #[cfg(test)]
 mod shuffle_tests;
 #[cfg(test)]

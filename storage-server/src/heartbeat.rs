@@ -529,7 +529,7 @@ mod tests {
     fn frees_are_acknowledged_after_they_are_done() {
         let store = store_with(&[1, 2, 3, 4]);
         let mut session = Session::new(7);
-        let first = session.request(&store);
+        let first = session.request(&store, Vec::new());
         assert_eq!((first.server_id, first.freed_through_seq), (7, 0));
         assert_eq!(first.tiers[0].tier, "dram");
         assert_eq!(first.tiers[0].used_blocks, 4);
@@ -537,7 +537,7 @@ mod tests {
 
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
         assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
-        assert_eq!(session.request(&store).freed_through_seq, 12);
+        assert_eq!(session.request(&store, Vec::new()).freed_through_seq, 12);
         assert_eq!(store.dram().usage().used_blocks, 2);
         assert!(read(&store, 1).is_err() && read(&store, 3).is_ok());
 
@@ -547,7 +547,7 @@ mod tests {
         assert_eq!(session.apply(&reply(&[], 0), &store), freed(0, 0));
         assert_eq!(session.freed_through_seq, 12);
         assert_eq!(session.apply(&reply(&[3], 13), &store), freed(1, 0));
-        assert_eq!(session.request(&store).freed_through_seq, 13);
+        assert_eq!(session.request(&store, Vec::new()).freed_through_seq, 13);
     }
 
     #[test]
@@ -557,12 +557,12 @@ mod tests {
             push(&store, shuffle, partition);
         }
         let mut session = Session::new(7);
-        assert_eq!(session.request(&store).tiers[0].used_blocks, 4);
+        assert_eq!(session.request(&store, Vec::new()).tiers[0].used_blocks, 4);
         // Each batch is stored behind its 16-byte header.
-        assert_eq!(session.request(&store).tiers[0].used_bytes, 1 + 3 * (5 + 16));
+        assert_eq!(session.request(&store, Vec::new()).tiers[0].used_bytes, 1 + 3 * (5 + 16));
         let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
         assert_eq!(session.apply(&both, &store), freed(1, 2));
-        let request = session.request(&store);
+        let request = session.request(&store, Vec::new());
         assert_eq!(
             (request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes),
             (20, 1, 5 + 16)
