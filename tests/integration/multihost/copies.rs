@@ -114,3 +114,50 @@ async fn re_replication_restores_1_gib_of_second_copies_at_300_mb_per_s() {
     assert!(rate >= 300.0, "re-replication at {rate:.0} MB/s, under the 300 MB/s target");
     check_restored(&cluster, &data);
 }
+
+/// The drain target: a server holding a 1 GiB file (its only copy) is drained during a
+/// 1 GiB terasort. The file is copied off and re-pointed, the job's shuffle segments there are
+/// waited out, the server exits 0 within 60 s of the drain, the job validates, and the file reads
+/// back exactly from the other server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_validates() {
+    const HELD: &str = "/drain/held";
+    let mut cluster = MultiHost::start(Layout { storage_servers: 2, dram: "4GiB", metadata_sets: &[] }).await;
+    let (drained, other) = (cluster.storage_addrs[0].clone(), cluster.storage_addrs[1].clone());
+    let data = pattern(1 << 30);
+    let bytes = Bytes::from(data.clone());
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        client.set_server_mode(&other, tern_client::ServerMode::Cordoned, None).await.unwrap();
+        client.put(HELD, bytes).await.unwrap();
+        client.set_server_mode(&other, tern_client::ServerMode::Active, None).await.unwrap();
+    });
+    let mut sort = cluster.spawn_terasort("1GiB", tern_client::TransportKind::Auto, &[]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the drain:\n{}", cluster.logs());
+    let target = drained.clone();
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        let timeout = Some(Duration::from_secs(120));
+        client.set_server_mode(&target, tern_client::ServerMode::Draining, timeout).await.unwrap()
+    });
+    let started = Instant::now();
+    let limit = Duration::from_secs(60);
+    let exited = loop {
+        if let Some(status) = cluster.storage_exit(0) {
+            break status;
+        }
+        assert!(started.elapsed() < limit, "the drained server still runs after {limit:?}\n{}", cluster.logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let took = started.elapsed();
+    eprintln!("the drain ended {:.1} s after it began", took.as_secs_f64());
+    assert!(exited.success(), "a drained server exits 0, not {exited}");
+    let (report, _) = cluster.validated(&mut sort, Duration::from_secs(240)).await;
+    eprintln!("terasort through the drain: {report}");
+    let holders = cluster.with_client_on(CLIENT_HOST, async |client| {
+        let (_, blocks) = client.stat_with_blocks(HELD, true).await.unwrap();
+        let read = client.open(HELD).await.unwrap().read_to_end().await.unwrap();
+        assert!(read == data, "{HELD} reads back different bytes after the drain");
+        blocks.into_iter().map(|(b, _)| b.address).collect::<std::collections::BTreeSet<_>>()
+    });
+    assert_eq!(holders.into_iter().collect::<Vec<_>>(), [other], "every block moved to the other server");
+}
