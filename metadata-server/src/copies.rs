@@ -65,7 +65,15 @@ pub struct Task {
 }
 
 impl Task {
-    pub fn new(file_id: u64, copy: u32, old: BlockRef, source: BlockRef, target: BlockRef, length: u32, why: Why) -> Task {
+    pub fn new(
+        file_id: u64,
+        copy: u32,
+        old: BlockRef,
+        source: BlockRef,
+        target: BlockRef,
+        length: u32,
+        why: Why,
+    ) -> Task {
         Task { file_id, copy, old, source, target, length, why, wire: CopyBlock::default(), sent: None }
     }
 }

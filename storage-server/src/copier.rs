@@ -79,7 +79,9 @@ impl Conn {
         let slot = self.slots.len() as u16 + 1;
         debug_assert!(slot <= MAX_SLOT);
         let id = self.take_id();
-        self.call(Frame::auth(id, slot, Bytes::copy_from_slice(token)), max_payload).await.context("binding the job token")?;
+        self.call(Frame::auth(id, slot, Bytes::copy_from_slice(token)), max_payload)
+            .await
+            .context("binding the job token")?;
         self.slots.insert(token.to_vec(), slot);
         Ok(slot)
     }

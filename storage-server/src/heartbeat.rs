@@ -315,6 +315,8 @@ pub(crate) fn take_key(store: &BlockStore, registered: &RegisterServerResponse) 
 }
 
 impl Heartbeater {
+    // Each is a distinct part the loop needs, all given once at start-up.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         client: RegistryClient<Channel>,
         metadata: String,

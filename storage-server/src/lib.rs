@@ -27,8 +27,8 @@
 mod arena;
 pub mod auth;
 mod block_table;
-pub mod copier;
 pub mod config;
+pub mod copier;
 pub mod dram;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -187,7 +187,8 @@ impl State {
                         log.old_block_id
                     )));
                 }
-                let new = BlockRef { block_id: BlockId::from(log.new_block_id), server_id: ServerId(log.new_server_id) };
+                let new =
+                    BlockRef { block_id: BlockId::from(log.new_block_id), server_id: ServerId(log.new_server_id) };
                 let old = std::mem::replace(slot, new);
                 self.servers.count_placed(&[new]);
                 // On a live (draining) server it is freed there; a dead server's is gone already.

@@ -106,7 +106,11 @@ fn a_drain_copies_sole_copies_off_and_a_report_of_a_deleted_file_frees_the_copy(
     allocate(&mut state, file_id, 2, now);
     state.seal(SealRequest { file_id, length: BLOCK + 1 }, now).unwrap();
     let b = add_server(&mut state, "10.0.0.2:7000", 100, now);
-    let request = SetServerModeRequest { server: "10.0.0.1:7000".into(), mode: ServerMode::Draining as i32, drain_timeout_ms: 60_000 };
+    let request = SetServerModeRequest {
+        server: "10.0.0.1:7000".into(),
+        mode: ServerMode::Draining as i32,
+        drain_timeout_ms: 60_000,
+    };
     state.set_server_mode(request, now).unwrap();
     state.reap(now);
     let copies = beat(&mut state, a, vec![], now).copy_blocks;

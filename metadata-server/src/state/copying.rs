@@ -163,7 +163,11 @@ impl State {
                 self.servers.free(&[task.target]);
                 continue;
             }
-            let current = self.namespace.file_mut(task.file_id).ok().and_then(|file| file.blocks.get(task.copy as usize).copied());
+            let current = self
+                .namespace
+                .file_mut(task.file_id)
+                .ok()
+                .and_then(|file| file.blocks.get(task.copy as usize).copied());
             if current != Some(task.old) {
                 // Deleted, or its copy replaced meanwhile: the new copy is not needed.
                 self.servers.free(&[task.target]);
@@ -185,7 +189,8 @@ impl State {
     pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Instant) -> Vec<CopyBlock> {
         let (servers, namespace, jobs, key) = (&self.servers, &self.namespace, &self.jobs, &self.key);
         self.copies.hand_out(server_id, now, |copy_id, task| {
-            let job = namespace.file_path(task.file_id).ok().and_then(|path| Place::of(&path).job().map(str::to_string));
+            let job =
+                namespace.file_path(task.file_id).ok().and_then(|path| Place::of(&path).job().map(str::to_string));
             let (serial, token) = match job.as_deref().and_then(|job| Some((job, jobs.lease_of(job, now)?))) {
                 Some((job, (serial, lease, left))) => {
                     let expires = tern_common::unix_ms().saturating_add(left.as_millis() as u64);

@@ -54,7 +54,12 @@ async fn cut_a_second_copy_holder(size: usize, metadata_sets: &[&str], dram: &st
 }
 
 /// Waits until every copy is back, returning the last status and when it was seen.
-fn wait_copied(cluster: &MultiHost, blocks: u64, timeout: Duration, mut seen: impl FnMut(&StatusResponse) + Send) -> (StatusResponse, Instant) {
+fn wait_copied(
+    cluster: &MultiHost,
+    blocks: u64,
+    timeout: Duration,
+    mut seen: impl FnMut(&StatusResponse) + Send,
+) -> (StatusResponse, Instant) {
     cluster.wait_status("every second copy restored", timeout, |status| {
         seen(status);
         let copies = copies_of(status);
@@ -71,7 +76,8 @@ fn check_restored(cluster: &MultiHost, data: &[u8]) {
     for pair in after.chunks(2) {
         assert_ne!(pair[0].0, pair[1].0, "both copies of a block on one server: {after:?}");
     }
-    let read = cluster.with_client_on(CLIENT_HOST, async |client| client.open(PATH).await.unwrap().read_to_end().await.unwrap());
+    let read = cluster
+        .with_client_on(CLIENT_HOST, async |client| client.open(PATH).await.unwrap().read_to_end().await.unwrap());
     assert!(read == data, "the file read back differs ({} bytes read, {} written)", read.len(), data.len());
 }
 
