@@ -35,6 +35,9 @@ pub const MAX_PENDING: usize = 4096;
 /// A task handed out and not reported within this long is handed out again (its source may have
 /// restarted and forgotten it; a storage server ignores a copy id it is already running).
 const RESEND_AFTER: Duration = Duration::from_secs(30);
+/// While blocks need a copy and no server has room for it, the files are looked over again this
+/// often (besides when a server registers), not at every reap.
+pub const RETRY_UNPLACEABLE: Duration = Duration::from_secs(10);
 /// The window of the recent copy rate shown in status.
 const RATE_WINDOW: Duration = Duration::from_secs(10);
 
@@ -99,6 +102,8 @@ pub struct Copies {
     dirty: bool,
     /// Blocks the last look found no room for, so a repeat is not logged again.
     pub unplaceable: u64,
+    /// When to look again for those blocks.
+    retry_at: Option<Instant>,
 }
 
 impl Copies {
@@ -116,6 +121,7 @@ impl Copies {
             recent: VecDeque::new(),
             dirty: false,
             unplaceable: 0,
+            retry_at: None,
         }
     }
 
@@ -124,9 +130,18 @@ impl Copies {
         self.dirty = true;
     }
 
-    /// Whether a look is due, clearing the request.
-    pub fn take_wake(&mut self) -> bool {
-        std::mem::take(&mut self.dirty)
+    /// Whether a look is due (asked for, or the retry for blocks without room came), clearing it.
+    pub fn take_wake(&mut self, now: Instant) -> bool {
+        let retry = self.retry_at.is_some_and(|at| now >= at);
+        if retry {
+            self.retry_at = None;
+        }
+        std::mem::take(&mut self.dirty) || retry
+    }
+
+    /// Blocks need a copy and no server has room: look again in [`RETRY_UNPLACEABLE`].
+    pub fn retry_later(&mut self, now: Instant) {
+        self.retry_at = Some(now + RETRY_UNPLACEABLE);
     }
 
     pub fn is_busy(&self, file_id: u64, copy: u32) -> bool {
@@ -304,6 +319,8 @@ mod tests {
         assert_eq!(dropped.len(), 1);
         assert!(!copies.is_busy(1, 1) && copies.is_busy(2, 1));
         assert_eq!(copies.status(now).failed_blocks, 1);
-        assert!(copies.take_wake() && !copies.take_wake());
+        assert!(copies.take_wake(now) && !copies.take_wake(now));
+        copies.retry_later(now);
+        assert!(!copies.take_wake(now) && copies.take_wake(now + RETRY_UNPLACEABLE));
     }
 }

@@ -608,6 +608,8 @@ impl State {
         let restarted = self.servers.restarted_since_log(server_id);
         let shuffles = &self.shuffles;
         let (done, held) = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        // A server taking placements again may be the room blocks waiting for a copy need.
+        self.copies.wake();
         if restarted {
             // A new process: the segments it did not take back from NVMe are gone with its DRAM.
             for lost in self.shuffles.lost_on(server_id, &held) {

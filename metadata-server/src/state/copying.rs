@@ -22,10 +22,11 @@ impl State {
     /// from a readable copy; a block on a draining server that no copy elsewhere backs is copied
     /// off it. A target is a server taking placements that holds no copy of the block, with room
     /// in the source's tier (the most room first). Runs at each reap after something changed,
-    /// and at every reap while a drain is under way: one pass over the files.
+    /// every 10 s while blocks wait for room, and at every reap while a drain is under way: one
+    /// pass over the files.
     pub(super) fn plan_copies(&mut self, now: Instant) {
         let draining: Vec<ServerId> = self.servers.drains().iter().map(|d| d.server_id).collect();
-        if !self.copies.take_wake() && draining.is_empty() {
+        if !self.copies.take_wake(now) && draining.is_empty() {
             return;
         }
         let servers = &self.servers;
@@ -111,8 +112,8 @@ impl State {
         }
         self.copies.unplaceable = unplaceable;
         if unplaceable > 0 {
-            // Look again later: room may come (frees, a new server).
-            self.copies.wake();
+            // Look again later (or when a server registers): room may come.
+            self.copies.retry_later(now);
         }
         if chosen.is_empty() {
             return;

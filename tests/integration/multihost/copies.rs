@@ -122,8 +122,8 @@ async fn re_replication_restores_1_gib_of_second_copies_at_300_mb_per_s() {
 }
 
 /// The drain target: a server holding a 1 GiB file (its only copy) is drained during a
-/// 1 GiB terasort. The file is copied off and re-pointed, the job's shuffle segments there are
-/// waited out, the server exits 0 within 60 s of the drain, the job validates, and the file reads
+/// 1 GiB terasort, once the job's shuffle has segments there. The file is copied off and
+/// re-pointed, the job's shuffle segments there are waited out, the server exits 0 within 60 s of the drain, the job validates, and the file reads
 /// back exactly from the other server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_validates() {
@@ -138,14 +138,18 @@ async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_
         client.set_server_mode(&other, tern_client::ServerMode::Active, None).await.unwrap();
     });
     let mut sort = cluster.spawn_terasort("1GiB", tern_client::TransportKind::Auto, &[]);
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the drain:\n{}", cluster.logs());
+    // Drained once the job's shuffle has segments there, which it must wait out.
     let target = drained.clone();
-    cluster.with_client_on(CLIENT_HOST, async |client| {
+    cluster.wait_status("the terasort's shuffle segments on server 0", Duration::from_secs(60), |status| {
+        status.servers.iter().any(|s| s.address == target && s.segments > 0).then_some(())
+    });
+    assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the drain:\n{}", cluster.logs());
+    let draining = cluster.with_client_on(CLIENT_HOST, async |client| {
         let timeout = Some(Duration::from_secs(120));
         client.set_server_mode(&target, tern_client::ServerMode::Draining, timeout).await.unwrap()
     });
     let started = Instant::now();
+    assert!(draining.drain_waiting_for.contains("segments of registered shuffles"), "{draining:?}");
     let limit = Duration::from_secs(60);
     let exited = loop {
         if let Some(status) = cluster.storage_exit(0) {
