@@ -265,3 +265,30 @@ async fn terasort_without_copies_recomputes_the_lost_maps_when_a_server_is_kille
     assert_eq!(report["replicas"], 1);
     assert!(report["maps_recomputed"].as_u64().unwrap() > 0, "{report}");
 }
+
+/// Second copies on NVMe come back on NVMe: the surviving server reads the block from its disk
+/// and the new copy takes an NVMe slot on the third server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_copies_on_nvme_are_restored_on_nvme_after_a_server_is_killed() {
+    let nvme = common::Nvme { size: "64MiB", engine: "auto" };
+    let mut cluster = Cluster::start_with_nvme(3, "16MiB", nvme).await;
+    let client = cluster.client().await;
+    let third = cluster.storage_addrs[2].clone();
+    client.set_server_mode(&third, tern_client::ServerMode::Cordoned, None).await.unwrap();
+    let data = random_bytes((5 << 20) + 17);
+    let options = CreateOptions { class: StorageClass::Nvme, replicas: 2 };
+    client.put_with_options("/nvme/two", Bytes::from(data.clone()), options).await.unwrap();
+    client.set_server_mode(&third, tern_client::ServerMode::Active, None).await.unwrap();
+    cluster.kill_storage(0);
+    let victim = cluster.storage_addrs[0].clone();
+    cluster
+        .wait_for("the copies on the killed server restored", Duration::from_secs(15), || async {
+            let (_, blocks) = client.stat_with_blocks("/nvme/two", true).await.ok()?;
+            blocks.iter().all(|(b, alive)| *alive && b.address != victim).then_some(blocks)
+        })
+        .await;
+    let (_, blocks) = client.stat_with_blocks("/nvme/two", true).await.unwrap();
+    assert_eq!(blocks.iter().filter(|(b, _)| b.address == third).count(), 6, "one copy of each block on the third");
+    assert!(blocks.iter().all(|(b, _)| tern_client::BlockId::from(b.block_id).tier() == tern_client::Tier::Nvme));
+    assert!(client.open("/nvme/two").await.unwrap().read_to_end().await.unwrap() == data);
+}
