@@ -42,6 +42,7 @@ pub fn server_json(s: &ServerStatus) -> Value {
         "drain_deadline_ms": s.drain_deadline_ms,
         "drained": s.drained,
         "sole_copy_blocks": s.sole_copy_blocks,
+        "copies_pending": s.copies_pending,
         "tiers": s.tiers.iter().map(|t| json!({
             "tier": t.tier,
             "capacity_bytes": t.capacity_bytes,
@@ -100,6 +101,7 @@ pub fn status_json(status: &StatusResponse) -> Value {
         "directories": status.directories,
         "servers": status.servers.iter().map(server_json).collect::<Vec<_>>(),
         "jobs": status.jobs.iter().map(job_json).collect::<Vec<_>>(),
+        "copies": copies_json(&status.copies.unwrap_or_default()),
         // Limits of 0 are unlimited; bytes are files' blocks and shuffles together.
         "tenants": status.tenants.iter().map(|t| json!({
             "tenant": t.tenant,
@@ -112,6 +114,20 @@ pub fn status_json(status: &StatusResponse) -> Value {
             "nvme_shuffle_bytes": t.nvme_shuffle_bytes,
             "nvme_limit_bytes": t.nvme_limit_bytes,
         })).collect::<Vec<_>>(),
+    })
+}
+
+/// Re-replication and drain copies (counts since the metadata server started; rates in bytes per
+/// second, the limit 0 when there is none).
+pub fn copies_json(c: &tern_proto::v1::CopyStatus) -> Value {
+    json!({
+        "pending_blocks": c.pending_blocks,
+        "pending_bytes": c.pending_bytes,
+        "copied_blocks": c.copied_blocks,
+        "copied_bytes": c.copied_bytes,
+        "failed_blocks": c.failed_blocks,
+        "recent_bytes_per_sec": c.recent_bytes_per_sec,
+        "limit_bytes_per_sec": c.limit_bytes_per_sec,
     })
 }
 

@@ -70,6 +70,37 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let copies = status.copies.unwrap_or_default();
+    if copies.pending_blocks + copies.copied_blocks + copies.failed_blocks > 0 {
+        let limit = match copies.limit_bytes_per_sec {
+            0 => "no limit".to_string(),
+            limit => format!("limit {}/s", show::size(limit)),
+        };
+        outln!();
+        outln!(
+            "copies (re-replication, drains): {} blocks ({}) pending, {} blocks ({}) copied, {} failed; {}/s over \
+             the last 10 s ({limit})",
+            copies.pending_blocks,
+            show::size(copies.pending_bytes),
+            copies.copied_blocks,
+            show::size(copies.copied_bytes),
+            copies.failed_blocks,
+            show::size(copies.recent_bytes_per_sec),
+        );
+    }
+    for server in status.servers.iter().filter(|s| show::server_state(s) == "draining") {
+        let waiting = match server.drain_waiting_for.as_str() {
+            "" => "nothing: told to exit".to_string(),
+            waiting => waiting.to_string(),
+        };
+        outln!(
+            "draining {} ({}): waiting for {waiting}; {} copies pending; deadline in {:.0}s",
+            server.server_id,
+            server.address,
+            server.copies_pending,
+            server.drain_deadline_ms as f64 / 1000.0
+        );
+    }
     if !status.jobs.is_empty() {
         outln!();
         outln!("{:<40} {:<16} {:>8} {:>10} {:>12}", "JOB", "TENANT", "FILES", "BYTES", "EXPIRES IN");

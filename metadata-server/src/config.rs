@@ -38,6 +38,10 @@ pub struct Config {
     /// Deadline of a drain that names none (`tern admin drain` without --timeout): the server is
     /// told to exit then even if data it holds is still needed.
     pub drain_timeout_ms: u64,
+    /// Bytes per second that re-replication (second copies of blocks whose other copy's server
+    /// died) and drains (blocks copied off a draining server) may copy, all servers together;
+    /// 0 = no limit. A limit keeps copying from crowding out jobs' reads and writes.
+    pub copy_rate: ByteSize,
     /// Most entries one List call returns.
     pub max_list_entries: u32,
     /// Most jobs registered at once.
@@ -91,6 +95,7 @@ impl Default for Config {
             max_lease_ms: 3_600_000,
             writer_lease_ms: 60_000,
             drain_timeout_ms: 600_000,
+            copy_rate: ByteSize(1 << 30),
             max_list_entries: 10_000,
             max_jobs: 10_000,
             max_entries: 10_000_000,

@@ -18,6 +18,7 @@
 
 mod config;
 mod conn_limit;
+mod copies;
 mod dirlock;
 mod error;
 #[doc(hidden)]

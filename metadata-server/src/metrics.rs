@@ -36,6 +36,8 @@ pub struct Gauges {
     pub dead_servers: u64,
     pub allocated_blocks: u64,
     pub shuffles: u64,
+    /// Re-replication and drain copies: see `Copies::totals`.
+    pub copies: [u64; 5],
 }
 
 impl Metrics {
@@ -88,6 +90,23 @@ impl Collector for StateGauges {
                 gauges.allocated_blocks,
             ),
             ("tern_metadata_shuffles", "Registered shuffles", gauges.shuffles),
+            (
+                "tern_metadata_copies_pending_blocks",
+                "Block copies (re-replication, drain) chosen, not yet stored",
+                gauges.copies[0],
+            ),
+            ("tern_metadata_copies_pending_bytes", "Bytes of block copies chosen, not yet stored", gauges.copies[1]),
+            (
+                "tern_metadata_copied_blocks",
+                "Block copies stored since start (re-replication, drain)",
+                gauges.copies[2],
+            ),
+            ("tern_metadata_copied_bytes", "Bytes of block copies stored since start", gauges.copies[3]),
+            (
+                "tern_metadata_copy_failed_blocks",
+                "Block copies that failed or were given up since start",
+                gauges.copies[4],
+            ),
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;

@@ -76,6 +76,22 @@ struct Candidate {
 /// `i * replicas ..`). A batch may span tiers when the first fills up. Refused (`Unavailable`)
 /// with fewer servers than copies or when the room missing is only being freed, and
 /// `OutOfSpace` when the room left is not enough or not on enough different servers.
+/// Refuses `replicas` copies of each block with fewer servers taking placements, naming how many
+/// there are: at create as at allocation, so a write asking for more copies than there are live
+/// servers fails at once instead of after the writer's allocation retries.
+pub fn enough_live_for_copies(live: u64, replicas: u32) -> Result<(), Refusal> {
+    if live < u64::from(replicas) {
+        return Err(Refusal::new(
+            ErrorKind::Unavailable,
+            format!(
+                "{replicas} copies of each block need {replicas} live storage servers, and only {live} is live and \
+                 registered"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub fn place_blocks(
     rooms: &[Room],
     count: u32,
@@ -89,15 +105,7 @@ pub fn place_blocks(
     if live == 0 {
         return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
     }
-    if live < u64::from(replicas) {
-        return Err(Refusal::new(
-            ErrorKind::Unavailable,
-            format!(
-                "{replicas} copies of each block need {replicas} live storage servers, and only {live} is live and \
-                 registered"
-            ),
-        ));
-    }
+    enough_live_for_copies(live, replicas)?;
     let tiers = class.tiers();
     let mut free = Vec::with_capacity(tiers.len());
     let mut being_freed: u64 = 0;

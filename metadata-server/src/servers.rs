@@ -388,6 +388,19 @@ impl Servers {
             .collect()
     }
 
+    /// Takes the next block id for a copy (re-replication, drain) without counting it anywhere:
+    /// the copy is counted on its server when it is stored and logged (`count_placed`).
+    pub fn take_block_id(&mut self, tier: Tier) -> BlockId {
+        let id = BlockId::new(tier, self.next_block_id);
+        self.next_block_id += 1;
+        id
+    }
+
+    /// Whether the server heartbeats and is reconciled (copies may be made from it, or to it).
+    pub fn is_placeable(&self, server_id: ServerId) -> bool {
+        self.servers.get(&server_id).is_some_and(|s| s.placeable())
+    }
+
     /// Counts placed blocks on their servers, and moves the block ids past them.
     pub fn count_placed(&mut self, blocks: &[BlockRef]) {
         for block in blocks {
@@ -827,6 +840,8 @@ impl Servers {
             drain_deadline_ms: s.drain_deadline.map_or(0, |d| d.saturating_duration_since(now).as_millis() as u64),
             sole_copy_blocks: s.sole_copy_blocks,
             drained: s.drained,
+            // Filled in by the state, which holds the copies.
+            copies_pending: 0,
         })
     }
 

@@ -23,6 +23,7 @@ use tonic::Status;
 use tracing::{error, info, warn};
 
 use crate::config::Config;
+use crate::copies::Copies;
 use crate::error::{invalid, not_found, Context, Refusal};
 use crate::jobs::{Jobs, DEFAULT_TENANT};
 use crate::metrics::Gauges;
@@ -55,6 +56,8 @@ pub struct State {
     /// Each storage server's last report of its shuffles' bytes, by job (not logged: the next
     /// heartbeats report them again): see `quota`.
     shuffle_usage: HashMap<ServerId, quota::UsageByJob>,
+    /// Re-replication and drain copies under way (not logged: see `copies`).
+    copies: Copies,
 }
 
 impl State {
@@ -83,6 +86,7 @@ impl State {
             shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
             journal: Vec::new(),
             shuffle_usage: HashMap::new(),
+            copies: Copies::new(config.copy_rate.0, Instant::now()),
         }
     }
 
@@ -166,6 +170,9 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
         let replicas = parse_replicas(req.replicas).context(&context)?;
+        if replicas > 1 && !req.sealed {
+            planner::enough_live_for_copies(self.servers.rooms().len() as u64, replicas).context(&context)?;
+        }
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
         let file_id = self.namespace.next_file_id();
         let job = Place::of(&path).job().unwrap_or_default().to_string();
@@ -427,6 +434,13 @@ impl State {
             files: self.namespace.files(),
             directories: self.namespace.directories(),
             tenants: self.jobs.tenants(),
+            copies: Some(self.copies.status(now)),
+        })
+        .map(|mut status| {
+            for server in &mut status.servers {
+                server.copies_pending = self.copies.pending_from(ServerId(server.server_id));
+            }
+            status
         })
     }
 
@@ -594,6 +608,8 @@ impl State {
         let restarted = self.servers.restarted_since_log(server_id);
         let shuffles = &self.shuffles;
         let (done, held) = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        // A server taking placements again may be the room blocks waiting for a copy need.
+        self.copies.wake();
         if restarted {
             // A new process: the segments it did not take back from NVMe are gone with its DRAM.
             for lost in self.shuffles.lost_on(server_id, &held) {
@@ -617,6 +633,8 @@ impl State {
             let context = format!("heartbeat of storage server {server_id}");
             self.take_shuffle_usage(server_id, &req.shuffles).context(context)?;
             self.add_quota_stops(&mut response);
+            self.take_copies_done(server_id, &req.copies_done, now);
+            response.copy_blocks = self.hand_out_copies(server_id, now);
         }
         Ok(response)
     }
@@ -624,7 +642,6 @@ impl State {
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
     pub fn reap(&mut self, now: Instant) {
         self.reap_writers(now);
-        self.check_drains(now);
         for job in self.jobs.lapsed(now) {
             if let Err(refusal) = self.end(&job, "lease lapsed", now) {
                 error!("ending job {job}, whose lease lapsed: {} ({:?})", refusal.reason, refusal.kind);
@@ -634,6 +651,10 @@ impl State {
             warn!("{dead}; its blocks are lost");
             self.lose_server(server_id, now);
         }
+        // After the deaths: their blocks' second copies are chosen in this same pass, and drains
+        // are checked with the copies off them counted.
+        self.plan_copies(now);
+        self.check_drains(now);
     }
 
     /// Deletes unsealed files whose writer's lease lapsed: the writer died (a killed process
@@ -699,7 +720,11 @@ impl State {
             let segments = self.servers.segments_on(drain.server_id);
             let mut waiting = Vec::new();
             if blocks > 0 {
-                waiting.push(format!("{blocks} blocks no other copy backs ({unsealed} of files still being written)"));
+                let moving = self.copies.draining_from(drain.server_id);
+                waiting.push(format!(
+                    "{blocks} blocks no other copy backs ({unsealed} of files still being written, {moving} being copied \
+                     off)"
+                ));
             }
             if segments > 0 {
                 waiting.push(format!("{segments} segments of registered shuffles"));
@@ -734,6 +759,7 @@ impl State {
             dead_servers: self.servers.dead_count(),
             allocated_blocks: self.servers.allocated_blocks(),
             shuffles: self.shuffles.len() as u64,
+            copies: self.copies.totals(),
         }
     }
 
@@ -743,6 +769,8 @@ impl State {
     /// of its segments came back, and the rest are marked lost then.)
     fn lose_server(&mut self, server_id: ServerId, now: Instant) {
         self.forget_shuffle_usage(server_id);
+        // Its blocks' other copies are copied again (and copies from or to it are given up).
+        self.copies.wake();
         let mut placed = 0;
         for shuffle_id in self.shuffles.ids() {
             // Placed shuffle by shuffle, each seeing the load the ones before it added.
@@ -828,9 +856,12 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
 }
 
 mod commit;
+mod copying;
 mod durable;
 mod quota;
 
+#[cfg(test)]
+mod copy_tests;
 #[cfg(test)]
 mod shuffle_tests;
 #[cfg(test)]

@@ -31,6 +31,7 @@ use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
 
+use crate::copier::Copier;
 use crate::metrics::Metrics;
 use crate::store::{BlockStore, Inventory};
 use crate::Usage;
@@ -223,12 +224,13 @@ impl Session {
         Session { server_id, freed_through_seq: 0 }
     }
 
-    fn request(&self, store: &BlockStore) -> HeartbeatRequest {
+    fn request(&self, store: &BlockStore, copies_done: Vec<tern_proto::v1::CopyDone>) -> HeartbeatRequest {
         HeartbeatRequest {
             server_id: self.server_id,
             tiers: tiers(store),
             freed_through_seq: self.freed_through_seq,
             shuffles: store.shuffle_usage(),
+            copies_done,
         }
     }
 
@@ -300,6 +302,8 @@ pub(crate) struct Heartbeater {
     drained: tokio::sync::watch::Sender<bool>,
     /// Ready while registered with the metadata server.
     readiness: Readiness,
+    /// Makes the block copies heartbeat replies ask for.
+    copier: Arc<Copier>,
 }
 
 /// Installs the token key the registration reply carries.
@@ -311,6 +315,8 @@ pub(crate) fn take_key(store: &BlockStore, registered: &RegisterServerResponse) 
 }
 
 impl Heartbeater {
+    // Each is a distinct part the loop needs, all given once at start-up.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         client: RegistryClient<Channel>,
         metadata: String,
@@ -319,6 +325,7 @@ impl Heartbeater {
         metrics: Arc<Metrics>,
         registered: &RegisterServerResponse,
         readiness: Readiness,
+        copier: Arc<Copier>,
     ) -> Heartbeater {
         store.set_server_id(ServerId(registered.server_id));
         Heartbeater {
@@ -333,6 +340,7 @@ impl Heartbeater {
             unreachable: Throttle::new(UNREACHABLE_LOG_EVERY),
             drained: tokio::sync::watch::Sender::new(false),
             readiness,
+            copier,
         }
     }
 
@@ -355,7 +363,11 @@ impl Heartbeater {
             ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
             // A re-registration may bring a new interval: start a new ticker then.
             while self.interval == period {
-                ticker.tick().await;
+                // Copies done report at once: the metadata server then hands out the next ones.
+                tokio::select! {
+                    _ = ticker.tick() => {}
+                    () = self.copier.settled() => {}
+                }
                 if let Err(e) = self.beat().await {
                     tracing::error!("storage server stops heartbeating: {e:#}");
                     self.readiness.not_ready(format!("stopped heartbeating: {e:#}"));
@@ -370,9 +382,12 @@ impl Heartbeater {
     /// and retried at the next beat.
     pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
         self.metrics.observe_store(&self.store);
-        let reply = match self.client.heartbeat(self.session.request(&self.store)).await {
+        let copies_done = self.copier.take_done();
+        let request = self.session.request(&self.store, copies_done.clone());
+        let reply = match self.client.heartbeat(request).await {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
+                self.copier.give_back(copies_done);
                 if let Some(held_back) = self.unreachable.allow(Instant::now()) {
                     tracing::warn!(
                         "heartbeat to the metadata server at {} failed: {} ({held_back} more failures since the last \
@@ -388,11 +403,14 @@ impl Heartbeater {
             tracing::info!("metadata server at {} reachable again", self.metadata);
         }
         match self.session.apply(&reply, &self.store) {
-            Outcome::Freed { blocks: 0, segments: 0 } => {}
-            Outcome::Freed { blocks, segments } => tracing::debug!(
-                "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
-                reply.free_seq
-            ),
+            Outcome::Freed { blocks: 0, segments: 0 } => self.copier.start(&reply.copy_blocks),
+            Outcome::Freed { blocks, segments } => {
+                tracing::debug!(
+                    "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
+                    reply.free_seq
+                );
+                self.copier.start(&reply.copy_blocks);
+            }
             Outcome::Drained => {
                 self.readiness.not_ready("drained");
                 if !self.drained.send_replace(true) {
@@ -513,7 +531,7 @@ mod tests {
     fn frees_are_acknowledged_after_they_are_done() {
         let store = store_with(&[1, 2, 3, 4]);
         let mut session = Session::new(7);
-        let first = session.request(&store);
+        let first = session.request(&store, Vec::new());
         assert_eq!((first.server_id, first.freed_through_seq), (7, 0));
         assert_eq!(first.tiers[0].tier, "dram");
         assert_eq!(first.tiers[0].used_blocks, 4);
@@ -521,7 +539,7 @@ mod tests {
 
         // Ids this server does not hold (already freed, or lost) are skipped but still acknowledged.
         assert_eq!(session.apply(&reply(&[1, 2, 99], 12), &store), freed(2, 0));
-        assert_eq!(session.request(&store).freed_through_seq, 12);
+        assert_eq!(session.request(&store, Vec::new()).freed_through_seq, 12);
         assert_eq!(store.dram().usage().used_blocks, 2);
         assert!(read(&store, 1).is_err() && read(&store, 3).is_ok());
 
@@ -531,7 +549,7 @@ mod tests {
         assert_eq!(session.apply(&reply(&[], 0), &store), freed(0, 0));
         assert_eq!(session.freed_through_seq, 12);
         assert_eq!(session.apply(&reply(&[3], 13), &store), freed(1, 0));
-        assert_eq!(session.request(&store).freed_through_seq, 13);
+        assert_eq!(session.request(&store, Vec::new()).freed_through_seq, 13);
     }
 
     #[test]
@@ -541,12 +559,12 @@ mod tests {
             push(&store, shuffle, partition);
         }
         let mut session = Session::new(7);
-        assert_eq!(session.request(&store).tiers[0].used_blocks, 4);
+        assert_eq!(session.request(&store, Vec::new()).tiers[0].used_blocks, 4);
         // Each batch is stored behind its 16-byte header.
-        assert_eq!(session.request(&store).tiers[0].used_bytes, 1 + 3 * (5 + 16));
+        assert_eq!(session.request(&store, Vec::new()).tiers[0].used_bytes, 1 + 3 * (5 + 16));
         let both = HeartbeatResponse { free_shuffle_ids: vec![10, 12], ..reply(&[1], 20) };
         assert_eq!(session.apply(&both, &store), freed(1, 2));
-        let request = session.request(&store);
+        let request = session.request(&store, Vec::new());
         assert_eq!(
             (request.freed_through_seq, request.tiers[0].used_blocks, request.tiers[0].used_bytes),
             (20, 1, 5 + 16)

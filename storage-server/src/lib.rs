@@ -28,6 +28,7 @@ mod arena;
 pub mod auth;
 mod block_table;
 pub mod config;
+pub mod copier;
 pub mod dram;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -249,6 +250,8 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         .map_err(|status| anyhow::anyhow!("reporting the inventory to {}: {}", config.metadata, status.message()))?;
     metrics.observe_store(&store);
     let service = tokio::spawn(serve_block_listeners(listeners, store.clone(), Limits::from(&config), metrics.clone()));
+    let connector = tern_transport::tls_tcp::AutoConnector::new(tls.as_ref()).context("the copier's connector")?;
+    let copier = copier::Copier::new(store.clone(), Box::new(connector));
     let mut heartbeater = heartbeat::Heartbeater::new(
         client,
         config.metadata.clone(),
@@ -257,6 +260,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
         metrics,
         &registered,
         readiness.clone(),
+        copier,
     )
     .with_quic_address(quic_address);
     let drained = heartbeater.drained();

@@ -1,6 +1,6 @@
 //! `tern admin` against a real cluster: cordon keeps new placements off a server (and survives a
-//! metadata restart), a drain waits for a running job and then the server exits, SIGTERM drains
-//! a storage server, a drain ends at its deadline, end-job frees the job's blocks, and
+//! metadata restart), a drain copies sealed files off, waits for a running job's shuffle and then
+//! the server exits, SIGTERM drains a storage server the same way, a drain ends at its deadline, end-job frees the job's blocks, and
 //! unregister-shuffle frees a shuffle.
 
 use std::process::{Command, Stdio};
@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::Value;
-use tern_client::{Client, ErrorKind, ShuffleOptions};
+use tern_client::{ErrorKind, ShuffleOptions};
 
 use crate::common::{random_bytes, Cluster, TERN};
 
@@ -47,18 +47,6 @@ async fn wait_exit(cluster: &mut Cluster, i: usize, within: Duration) -> std::pr
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// Writes a job file of `blocks` blocks with every block on storage server `on` (the other one
-/// cordoned meanwhile).
-async fn job_file_on(cluster: &Cluster, client: &Client, job_root: &str, on: usize, blocks: usize) -> String {
-    let other = cluster.storage_addrs[1 - on].clone();
-    cluster.tern_ok(&["admin", "cordon", &other]);
-    let path = format!("{job_root}/held");
-    client.put(&path, Bytes::from(random_bytes(blocks * BLOCK))).await.unwrap();
-    cluster.tern_ok(&["admin", "uncordon", &other]);
-    assert!(block_servers(cluster, &path).iter().all(|s| *s == server_id(cluster, on)));
-    path
 }
 
 #[tokio::test]
@@ -112,12 +100,18 @@ async fn cordon_keeps_new_placements_off_a_server_until_uncordoned() {
 }
 
 #[tokio::test]
-async fn drain_waits_for_a_running_job_then_the_server_exits() {
+async fn a_drain_copies_files_off_waits_for_a_running_jobs_shuffle_then_the_server_exits() {
     let mut cluster = Cluster::start(2, "64MiB").await;
     let client = cluster.client().await;
     let job = client.start_job(None, Duration::from_secs(30)).await.unwrap();
-    job_file_on(&cluster, &client, job.root(), 0, 3).await;
-    // A sealed file with a second copy elsewhere does not hold the drain up.
+    // Only server 0 takes placements: a sealed file and the job's shuffle segment go there.
+    let other = cluster.storage_addrs[1].clone();
+    cluster.tern_ok(&["admin", "cordon", &other]);
+    let moved = random_bytes(3 * BLOCK + 5);
+    client.put("/moved", Bytes::from(moved.clone())).await.unwrap();
+    let _shuffle = client.register_shuffle(job.id(), 1, ShuffleOptions::default()).await.unwrap();
+    cluster.tern_ok(&["admin", "uncordon", &other]);
+    // A sealed file with a second copy elsewhere is neither copied nor waited for.
     client
         .put_with_options(
             "/two",
@@ -135,17 +129,25 @@ async fn drain_waits_for_a_running_job_then_the_server_exits() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // The file's blocks are copied to server 1 and re-pointed; the shuffle's segment keeps the
+    // server (a job still pushes and fetches there).
+    let on_other = server_id(&cluster, 1);
     let draining = cluster
-        .wait_for("the drain to start", Duration::from_secs(10), || async {
+        .wait_for("the file copied off the draining server", Duration::from_secs(10), || async {
             let server = json(&cluster.tern_ok(&["admin", "server", &address, "--json"]));
-            (server["state"] == "draining").then_some(server)
+            let copied = block_servers(&cluster, "/moved").iter().all(|s| *s == on_other);
+            (server["state"] == "draining" && copied && server["sole_copy_blocks"] == 0).then_some(server)
         })
         .await;
-    assert!(draining["drain_waiting_for"].as_str().unwrap().contains("3 blocks"), "{draining}");
-    assert!(cluster.tern_ok(&["status"]).contains("draining"));
+    assert_eq!(draining["drain_waiting_for"], "1 segments of registered shuffles", "{draining}");
+    let status = cluster.tern_ok(&["status"]);
+    assert!(status.contains(&format!("draining {}", draining["server_id"].as_str().unwrap())), "{status}");
+    assert!(status.contains("0 blocks (0B) pending") && status.contains("copied, 0 failed"), "{status}");
+    let copies = json(&cluster.tern_ok(&["status", "--json"]))["copies"].clone();
+    assert_eq!((copies["copied_blocks"].as_u64(), copies["pending_blocks"].as_u64()), (Some(4), Some(0)), "{copies}");
     // New data goes elsewhere while the job still holds the server.
     client.put("/after", Bytes::from(random_bytes(2 * BLOCK))).await.unwrap();
-    assert!(block_servers(&cluster, "/after").iter().all(|s| *s == server_id(&cluster, 1)));
+    assert!(block_servers(&cluster, "/after").iter().all(|s| *s == on_other));
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(cluster.storage_exit(0).is_none(), "the server left while a live job needed it");
     assert!(wait.try_wait().unwrap().is_none(), "drain --wait returned while the job ran");
@@ -157,31 +159,29 @@ async fn drain_waits_for_a_running_job_then_the_server_exits() {
     assert!(waited.status.success(), "drain --wait: {}", String::from_utf8_lossy(&waited.stderr));
     let told = json(&String::from_utf8_lossy(&waited.stdout));
     assert_eq!((told["drained"].as_bool(), told["drain_waiting_for"].as_str()), (Some(true), Some("")), "{told}");
-    // Every file outside the job still reads: nothing needed was on the drained server.
+    // Every file still reads, the moved one exactly, with the drained server gone.
+    assert!(client.open("/moved").await.unwrap().read_to_end().await.unwrap() == moved);
     for path in ["/two", "/after"] {
         client.open(path).await.unwrap().read_to_end().await.unwrap();
     }
+    let metrics = crate::monitoring::http_get(cluster.metadata_admin_addr().parse().unwrap(), "/metrics").unwrap();
+    assert!(metrics.contains("tern_metadata_copied_blocks 4"), "{metrics}");
 }
 
 #[tokio::test]
-async fn sigterm_drains_a_storage_server_before_it_exits() {
+async fn sigterm_drains_a_storage_server_copying_its_files_off_before_it_exits() {
     let mut cluster = Cluster::start(2, "64MiB").await;
     let client = cluster.client().await;
-    let job = client.start_job(None, Duration::from_secs(30)).await.unwrap();
-    job_file_on(&cluster, &client, job.root(), 0, 2).await;
+    let other = cluster.storage_addrs[1].clone();
+    cluster.tern_ok(&["admin", "cordon", &other]);
+    let data = random_bytes(2 * BLOCK);
+    client.put("/held", Bytes::from(data.clone())).await.unwrap();
+    cluster.tern_ok(&["admin", "uncordon", &other]);
     cluster.terminate_storage(0);
-    let address = cluster.storage_addrs[0].clone();
-    cluster
-        .wait_for("the SIGTERMed server to drain", Duration::from_secs(10), || async {
-            let server = json(&cluster.tern_ok(&["admin", "server", &address, "--json"]));
-            (server["state"] == "draining").then_some(())
-        })
-        .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(cluster.storage_exit(0).is_none(), "the server left while a live job needed it");
-    job.end().await.unwrap();
     let status = wait_exit(&mut cluster, 0, Duration::from_secs(15)).await;
     assert!(status.success(), "a drained server exits 0 on SIGTERM, not {status}");
+    assert!(block_servers(&cluster, "/held").iter().all(|s| *s == server_id(&cluster, 1)));
+    assert!(client.open("/held").await.unwrap().read_to_end().await.unwrap() == data);
 }
 
 #[tokio::test]

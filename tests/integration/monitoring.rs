@@ -261,7 +261,7 @@ impl Daemons {
 }
 
 /// A plain HTTP/1.0 GET with deadlines: the body of a 200 answer.
-fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
+pub(crate) fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<String> {
     let timeout = Duration::from_secs(10);
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_read_timeout(Some(timeout))?;

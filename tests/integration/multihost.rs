@@ -218,3 +218,5 @@ async fn a_storage_server_killed_mid_terasort_across_hosts_costs_its_maps_and_th
     let redone = report["task_retries"].as_u64().unwrap() + report["maps_recomputed"].as_u64().unwrap();
     assert!(redone >= 1, "nothing was redone after the kill? {report}");
 }
+
+mod copies;

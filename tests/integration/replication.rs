@@ -1,5 +1,6 @@
 //! Replication through a real cluster: files with 2 copies of each block survive a storage
-//! server's SIGKILL; single-copy files on it report DataLost.
+//! server's SIGKILL and get their second copies back on another server (re-replication);
+//! single-copy files on it report DataLost; 2 copies with one live server are refused at once.
 
 use crate::common;
 
@@ -77,9 +78,22 @@ async fn two_copies_read_back_after_a_server_is_killed_and_one_copy_is_lost() {
         let middle = reader.read_at((1 << 20) - 10, 20).await.unwrap();
         assert_eq!(&middle[..], &data[(1 << 20) - 10..(1 << 20) + 10], "{path}: a range across blocks");
     }
-    let stat: serde_json::Value = serde_json::from_str(&cluster.tern_ok(&["fs", "stat", "--json", "/two/f0"])).unwrap();
-    let lost = stat["blocks"].as_array().unwrap().iter().filter(|b| b["alive"] == false).count();
-    assert!(lost > 0, "some copy of /two/f0 was on the victim: {stat}");
+    // Re-replication: every copy the victim held comes back on another live server.
+    for (path, data) in &replicated {
+        cluster
+            .wait_for("the second copies restored", Duration::from_secs(15), || async {
+                let (_, blocks) = fresh.stat_with_blocks(path, true).await.ok()?;
+                blocks.iter().all(|(b, alive)| *alive && b.address != victim).then_some(())
+            })
+            .await;
+        let (_, blocks) = fresh.stat_with_blocks(path, true).await.unwrap();
+        for copies in blocks.chunks(2) {
+            assert_ne!(copies[0].0.server_id, copies[1].0.server_id, "{path}: copies share a server");
+        }
+        assert!(fresh.open(path).await.unwrap().read_to_end().await.unwrap() == *data, "{path} after re-replication");
+    }
+    let copied = client.status().await.unwrap().copies.unwrap_or_default();
+    assert!(copied.copied_blocks > 0 && copied.pending_blocks == 0, "{copied:?}");
     for (path, data, on_victim) in &single {
         let result = match fresh.open(path).await {
             Ok(reader) => reader.read_to_end().await,
@@ -108,7 +122,16 @@ async fn two_copies_read_back_after_a_server_is_killed_and_one_copy_is_lost() {
         .await;
     let err = client.put_with_options("/two/refused", Bytes::from_static(b"x"), TWO).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(err.message().contains("need 2 live storage servers"), "{err}");
+    assert!(err.message().contains("need 2 live storage servers, and only 1 is live"), "{err}");
+    // At once, and the same for a shuffle's segments.
+    let asked = std::time::Instant::now();
+    let err = client.put_with_options("/two/refused", Bytes::from_static(b"x"), TWO).await.unwrap_err();
+    let job = client.start_job(None, Duration::from_secs(30)).await.unwrap();
+    let two = ShuffleOptions { replicas: 2, ..ShuffleOptions::default() };
+    let shuffle_err = client.register_shuffle(job.id(), 4, two).await.map(drop).unwrap_err();
+    assert!(asked.elapsed() < Duration::from_secs(2), "refusals took {:?}", asked.elapsed());
+    assert_eq!((err.kind(), shuffle_err.kind()), (ErrorKind::Unavailable, ErrorKind::Unavailable), "{shuffle_err}");
+    assert!(shuffle_err.message().contains("need 2 live storage servers, and only 1 is live"), "{shuffle_err}");
 }
 
 /// Every batch of partitions `0..partitions`, as (partition, map, bytes) in read order.
@@ -241,4 +264,31 @@ async fn terasort_without_copies_recomputes_the_lost_maps_when_a_server_is_kille
     let report = tokio::task::block_in_place(|| terasort_with_a_kill(&mut cluster, "1"));
     assert_eq!(report["replicas"], 1);
     assert!(report["maps_recomputed"].as_u64().unwrap() > 0, "{report}");
+}
+
+/// Second copies on NVMe come back on NVMe: the surviving server reads the block from its disk
+/// and the new copy takes an NVMe slot on the third server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_copies_on_nvme_are_restored_on_nvme_after_a_server_is_killed() {
+    let nvme = common::Nvme { size: "64MiB", engine: "auto" };
+    let mut cluster = Cluster::start_with_nvme(3, "16MiB", nvme).await;
+    let client = cluster.client().await;
+    let third = cluster.storage_addrs[2].clone();
+    client.set_server_mode(&third, tern_client::ServerMode::Cordoned, None).await.unwrap();
+    let data = random_bytes((5 << 20) + 17);
+    let options = CreateOptions { class: StorageClass::Nvme, replicas: 2 };
+    client.put_with_options("/nvme/two", Bytes::from(data.clone()), options).await.unwrap();
+    client.set_server_mode(&third, tern_client::ServerMode::Active, None).await.unwrap();
+    cluster.kill_storage(0);
+    let victim = cluster.storage_addrs[0].clone();
+    cluster
+        .wait_for("the copies on the killed server restored", Duration::from_secs(15), || async {
+            let (_, blocks) = client.stat_with_blocks("/nvme/two", true).await.ok()?;
+            blocks.iter().all(|(b, alive)| *alive && b.address != victim).then_some(blocks)
+        })
+        .await;
+    let (_, blocks) = client.stat_with_blocks("/nvme/two", true).await.unwrap();
+    assert_eq!(blocks.iter().filter(|(b, _)| b.address == third).count(), 6, "one copy of each block on the third");
+    assert!(blocks.iter().all(|(b, _)| tern_client::BlockId::from(b.block_id).tier() == tern_client::Tier::Nvme));
+    assert!(client.open("/nvme/two").await.unwrap().read_to_end().await.unwrap() == data);
 }

@@ -173,6 +173,27 @@ impl State {
                 let deadline = now.checked_add(std::time::Duration::from_millis(left)).unwrap_or(now);
                 self.servers.set_mode(ServerId(log.server_id), mode, Some(deadline));
             }
+            Change::MoveBlock(log) => {
+                let file = self.namespace.file_mut(log.file_id)?;
+                let slot = file
+                    .blocks
+                    .get_mut(log.copy as usize)
+                    .ok_or_else(|| invalid(format!("a moved block's copy {} is beyond the file's blocks", log.copy)))?;
+                if slot.block_id.get() != log.old_block_id {
+                    return Err(invalid(format!(
+                        "a moved block's copy {} is block {}, not {}",
+                        log.copy,
+                        slot.block_id.get(),
+                        log.old_block_id
+                    )));
+                }
+                let new =
+                    BlockRef { block_id: BlockId::from(log.new_block_id), server_id: ServerId(log.new_server_id) };
+                let old = std::mem::replace(slot, new);
+                self.servers.count_placed(&[new]);
+                // On a live (draining) server it is freed there; a dead server's is gone already.
+                self.servers.free(&[old]);
+            }
             Change::Counters(log) => {
                 self.namespace.raise_next_file_id(log.next_file_id);
                 self.servers.raise_counters(log.next_server_id, log.next_block_id);

@@ -227,6 +227,11 @@ impl MultiHost {
         daemon.wait().unwrap();
     }
 
+    /// Storage server `i`'s exit status once it has exited.
+    pub fn storage_exit(&mut self, i: usize) -> Option<std::process::ExitStatus> {
+        self.daemons[1 + i].try_wait().unwrap()
+    }
+
     /// Every daemon's and client's log, to print when a test fails.
     pub fn logs(&self) -> String {
         super::logs_in(self.dir.path())
