@@ -71,6 +71,9 @@ pub enum System {
     TernQuic,
     /// Tern's NVMe tier over plain TCP.
     TernNvme,
+    /// Tern's DRAM tier over RDMA; measured only where this host has an RDMA device (else left
+    /// out of the run, said in its notes).
+    TernRdma,
     /// The raw peers: the same transports with nothing but a request and its bytes ([`crate::raw`]).
     TcpRaw,
     TlsRaw,
@@ -81,11 +84,12 @@ pub enum System {
 }
 
 impl System {
-    pub const ALL: [System; 10] = [
+    pub const ALL: [System; 11] = [
         System::TernTcp,
         System::TernTls,
         System::TernQuic,
         System::TernNvme,
+        System::TernRdma,
         System::TcpRaw,
         System::TlsRaw,
         System::QuicRaw,
@@ -100,6 +104,7 @@ impl System {
             System::TernTls => "tern-tls",
             System::TernQuic => "tern-quic",
             System::TernNvme => "tern-nvme",
+            System::TernRdma => "tern-rdma",
             System::TcpRaw => "tcp-raw",
             System::TlsRaw => "tls-raw",
             System::QuicRaw => "quic-raw",
@@ -110,13 +115,13 @@ impl System {
     }
 
     pub fn is_tern(self) -> bool {
-        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme)
+        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernRdma)
     }
 
     /// The raw peer over the same transport: the limit this Tern system is measured against.
     pub fn raw_peer(self) -> Option<System> {
         match self {
-            System::TernTcp | System::TernNvme => Some(System::TcpRaw),
+            System::TernTcp | System::TernNvme | System::TernRdma => Some(System::TcpRaw),
             System::TernTls => Some(System::TlsRaw),
             System::TernQuic => Some(System::QuicRaw),
             _ => None,
@@ -249,6 +254,14 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
     let mut notes = Vec::new();
     let mut targets = Vec::new();
     for &system in &options.systems {
+        if system == System::TernRdma {
+            if let Err(why) = tern_transport::rdma_devices() {
+                let note = format!("{system}: {why}; left out of this run");
+                eprintln!("{note}");
+                notes.push(note);
+                continue;
+            }
+        }
         let target = Target::start(system, options).await?;
         if let Some(note) = target.describe() {
             notes.push(note);
@@ -344,7 +357,7 @@ enum TargetKind {
 impl Target {
     async fn start(system: System, options: &IoOptions) -> anyhow::Result<Target> {
         let kind = match system {
-            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme => {
+            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernRdma => {
                 TargetKind::Tern(Box::new(TernTarget::start(system, options).await?))
             }
             System::TcpRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tcp).await?),
@@ -711,6 +724,15 @@ impl TernTarget {
                 options.tls_dir = Some(cluster.tls_dir());
             }
             System::TernNvme => class = tern_client::StorageClass::Nvme,
+            System::TernRdma => {
+                // The embedded servers serve RDMA on loopback (rdma = auto) where a device is;
+                // a figure labelled tern-rdma must not be TCP's, so RDMA is checked first.
+                let addr = cluster.storage_addr(0);
+                if let Err(e) = tern_transport::rdma_or::rdma_connect(&addr).await {
+                    anyhow::bail!("tern-rdma: the embedded storage server {addr} does not answer over RDMA: {e}");
+                }
+                options.transport = tern_client::TransportKind::Rdma;
+            }
             _ => options.transport = tern_client::TransportKind::Tcp,
         }
         // The embedded cluster's control plane is plain on loopback, QUIC or not.
@@ -1565,11 +1587,12 @@ mod tests {
             assert_eq!(system.name().parse::<System>().unwrap(), system);
         }
         assert!("memcached".parse::<System>().unwrap_err().to_string().contains(
-            "tern-tcp, tern-tls, tern-quic, tern-nvme, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
+            "tern-tcp, tern-tls, tern-quic, tern-nvme, tern-rdma, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
         ));
         assert!(System::TernTcp.is_tern() && !System::Redis.is_tern() && !System::TcpRaw.is_tern());
         assert_eq!(System::TernNvme.raw_peer(), Some(System::TcpRaw));
         assert_eq!(System::TernQuic.raw_peer(), Some(System::QuicRaw));
+        assert_eq!(System::TernRdma.raw_peer(), Some(System::TcpRaw));
         assert_eq!(System::Redis.raw_peer(), None);
     }
 

@@ -57,6 +57,20 @@ pub struct Config {
     /// then exits 0. 0: exit at once. A second signal cuts the wait short. Below Kubernetes'
     /// default 30 s termination grace, so the pod exits before it is killed.
     pub drain_grace_ms: u64,
+    /// The block service over RDMA (rdma_cm on `listen`'s address and port): `auto` serves it when
+    /// this host has an RDMA device and plain frames are allowed (`listen` on loopback, or
+    /// `trusted_network`: RDMA frames are not encrypted), else logs why not; `on` fails start-up
+    /// when it cannot; `off` never.
+    pub rdma: RdmaMode,
+}
+
+/// See [`Config::rdma`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RdmaMode {
+    Off,
+    Auto,
+    On,
 }
 
 impl Default for Config {
@@ -75,6 +89,7 @@ impl Default for Config {
             io_engine: IoEngineChoice::Auto,
             quic_listen: None,
             drain_grace_ms: 25_000,
+            rdma: RdmaMode::Auto,
         }
     }
 }

@@ -14,6 +14,9 @@
 //! `tern_common::config::check_listen`.)
 
 pub mod quic;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+pub mod rdma_or;
 pub mod tcp;
 pub mod tls;
 pub mod tls_tcp;
@@ -88,6 +91,36 @@ pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<S
     }
 }
 
+/// The RDMA devices this process can use (`rxe0`, `mlx5_0`), or why there are none: "no RDMA
+/// device", or a build without the `rdma` cargo feature. Cheap (reads sysfs): called at start-up.
+pub fn rdma_devices() -> Result<Vec<String>, String> {
+    #[cfg(feature = "rdma")]
+    {
+        match rdma::devices() {
+            Ok(devices) if !devices.is_empty() => Ok(devices),
+            Ok(_) => Err("no RDMA device".to_string()),
+            Err(e) => Err(format!("no RDMA device ({e})")),
+        }
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        Err("built without RDMA support (cargo feature `rdma`)".to_string())
+    }
+}
+
+/// An RDMA listener on `addr` (the block service's bound address), or why not (a build without
+/// the `rdma` feature, no device on that address).
+pub fn bind_rdma(addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
+    #[cfg(feature = "rdma")]
+    {
+        Ok(Box::new(rdma::RdmaListener::bind(addr)?))
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        Err(io::Error::new(io::ErrorKind::Unsupported, format!("RDMA on {addr}: built without RDMA support")))
+    }
+}
+
 /// Which transport a client uses for block traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {
@@ -102,6 +135,10 @@ pub enum TransportKind {
     Tls,
     /// QUIC with mutual TLS, the storage servers' `quic_listen` address; needs TLS material.
     Quic,
+    /// RDMA (rdma_cm on the storage servers' block address) to each server that serves it, plain
+    /// TCP to any other, with one log line per server ([`rdma_or::RdmaOr`]). Frames go
+    /// unencrypted, as over plain TCP: for a trusted network.
+    Rdma,
 }
 
 impl fmt::Display for TransportKind {
@@ -111,6 +148,7 @@ impl fmt::Display for TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Tls => "tls",
             TransportKind::Quic => "quic",
+            TransportKind::Rdma => "rdma",
         })
     }
 }
@@ -124,7 +162,8 @@ impl FromStr for TransportKind {
             "tcp" => Ok(TransportKind::Tcp),
             "tls" => Ok(TransportKind::Tls),
             "quic" => Ok(TransportKind::Quic),
-            other => Err(format!("unknown transport {other:?} (expected auto, tcp, tls or quic)")),
+            "rdma" => Ok(TransportKind::Rdma),
+            other => Err(format!("unknown transport {other:?} (expected auto, tcp, tls, quic or rdma)")),
         }
     }
 }
@@ -139,6 +178,7 @@ mod tests {
         assert_eq!(TransportKind::Tcp.to_string(), "tcp");
         assert_eq!("tls".parse::<TransportKind>().unwrap(), TransportKind::Tls);
         assert_eq!(TransportKind::default().to_string(), "auto");
+        assert_eq!("rdma".parse::<TransportKind>().unwrap(), TransportKind::Rdma);
         assert!("udp".parse::<TransportKind>().is_err());
     }
 }
