@@ -11,8 +11,11 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use bytes::Bytes;
 use tern_client::{Client, ClientOptions, ErrorKind, ShuffleOptions, TransportKind};
+use tern_proto::frame::{self, Frame};
+use tern_proto::token::JobToken;
 
 /// Job keep's token, from the first phase to the second.
 const TOKEN_FILE: &str = "/tmp/rdma_check.token";
@@ -97,7 +100,24 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         Err(e) => Some(e),
     };
     let refused_right = refused.as_ref().is_some_and(|e| e.kind() == ErrorKind::PermissionDenied);
-    check(refused_right, &format!("cross-job read refused (got {refused:?})"))?;
+    check(refused_right, &format!("cross-job read refused by the client (got {refused:?})"))?;
+    // The storage server refuses it too, over RDMA: the stranger's own token bound, then a Read
+    // of keep's block with keep's grant (which stat hands anyone).
+    let (_, blocks) = stranger.stat_with_blocks(&format!("/jobs/keep/f{block}"), true).await?;
+    let target = &blocks.first().context("keep's file has no block")?.0;
+    let grant: [u8; 16] = target.grant.as_slice().try_into().context("a 16-byte grant")?;
+    let token = JobToken::from_text(&stranger.job_token("other").context("the stranger's token")?)?;
+    let mut raw = tern_transport::rdma_or::rdma_connect(&target.address).await?;
+    frame::write_frame(&mut raw.writer, &Frame::auth(1, 1, Bytes::from(token.encode()))).await?;
+    let bound = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Auth reply")?;
+    check(bound.into_result().is_ok(), "the stranger's own token binds over RDMA")?;
+    frame::write_frame(&mut raw.writer, &Frame::read(2, target.block_id, 0, 16).authorized(1, grant)).await?;
+    let reply = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Read reply")?;
+    let denied = reply.into_result().err();
+    check(
+        denied.as_ref().is_some_and(|(kind, _)| *kind == ErrorKind::PermissionDenied),
+        &format!("cross-job read refused by the storage server over RDMA (got {denied:?})"),
+    )?;
     // The job is left to its lease; its token lets the next phase read its files again.
     std::fs::write(TOKEN_FILE, _job.token())?;
     _job.abandon();
@@ -111,6 +131,7 @@ async fn after(metadata: &str, block: usize) -> anyhow::Result<()> {
     let (mut lost, mut intact) = (0, 0);
     for (i, len) in [1, block - 1, block, block + 1, 3 * block + 7].into_iter().enumerate() {
         let want = pattern(len, i as u64 + 2);
+        println!("rdma_check: reading the {len}-byte file after the kill");
         let started = Instant::now();
         let read = match owner.open(&format!("/jobs/keep/f{len}")).await {
             Ok(reader) => reader.read_to_end().await,

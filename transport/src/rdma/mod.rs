@@ -62,11 +62,19 @@ impl Connector for RdmaConnector {
                 .await?
                 .next()
                 .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{addr} resolves to no address")))?;
-            // rdma_connect blocks until the peer accepts or rdma_cm gives up (its own timeouts, a
-            // few seconds); the caller's deadline stops waiting for it sooner.
-            let endpoint = tokio::task::spawn_blocking(move || verbs::connect(peer))
-                .await
-                .map_err(|e| io::Error::other(format!("RDMA connect to {addr}: {e}")))??;
+            // rdma_connect blocks until the peer accepts or rdma_cm gives up (its own timeouts);
+            // the caller's deadline stops waiting for it sooner. A thread of its own, not
+            // spawn_blocking: a runtime shutting down waits for its blocking tasks, and must not
+            // wait on rdma_cm's retries to a dead peer.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            std::thread::Builder::new()
+                .name("tern-rdma-connect".into())
+                .spawn(move || {
+                    let _ = tx.send(verbs::connect(peer));
+                })
+                .map_err(|e| io::Error::other(format!("RDMA connect to {addr}: no thread: {e}")))?;
+            let endpoint =
+                rx.await.map_err(|_| io::Error::other(format!("RDMA connect to {addr}: its thread ended")))??;
             Ok(into_stream(endpoint, peer, None))
         }
         .boxed()
