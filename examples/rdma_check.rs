@@ -64,7 +64,9 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
 
     // A shuffle: 3 maps into 4 partitions, read back whole and by ranges of maps.
     let shuffle = owner.register_shuffle("keep", 4, ShuffleOptions::default()).await?;
-    let piece = |map: u32, partition: u32| pattern(1000 + 4099 * partition as usize + 777 * map as usize, 100 + u64::from(map * 10 + partition));
+    let piece = |map: u32, partition: u32| {
+        pattern(1000 + 4099 * partition as usize + 777 * map as usize, 100 + u64::from(map * 10 + partition))
+    };
     for map in 0..3 {
         let mut writer = shuffle.writer(map, 0);
         for partition in 0..4 {
@@ -167,6 +169,7 @@ async fn main() -> anyhow::Result<()> {
         anyhow::bail!("usage: rdma_check METADATA BLOCK_SIZE_BYTES before|after");
     };
     let block: usize = block.parse()?;
+    tern_rdma::install();
     match tern_transport::rdma_devices() {
         Ok(devices) => println!("rdma_check: RDMA devices {devices:?}"),
         Err(why) => anyhow::bail!("{why}: this check needs an RDMA device (soft-RoCE in the guest)"),

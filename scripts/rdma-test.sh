@@ -126,7 +126,7 @@ for m in $(cat /mod/order); do insmod /mod/$m || verdict "FAIL insmod $m"; done
 /bin/rdma-tool link add rxe0 type rxe netdev va || verdict "FAIL rdma link add"
 [ -e /dev/infiniband/rdma_cm ] || verdict "FAIL no /dev/infiniband/rdma_cm"
 [ -x /bin/ibv_devinfo ] && ibv_devinfo -v | grep -iE "max_mw|max_qp_wr|max_mr:" | sed 's/^[[:space:]]*/guest: rxe0 /'
-export RUST_LOG=info,tern_transport=debug
+export RUST_LOG=info,tern_rdma=debug
 BS=262144
 tern metadata-server --listen 127.0.0.1:9060 --admin 127.0.0.1:9061 --dir /data/meta \
     --block-size 256KiB >/tmp/meta.log 2>&1 &
@@ -164,7 +164,9 @@ say "rdma_check after: exit $rc"
 if grep -h "falling back to TCP\|RDMA transport asked for" /tmp/c1.log /tmp/c2.log /tmp/cli.log | grep -v "10.77.0.1:9070" | grep -q .; then
     verdict "FAIL a client fell back to TCP with the server alive"
 fi
-grep -c "RDMA connection" /tmp/s2.log | sed 's/^/guest: RDMA connections accepted by server 2: /'
+n1=$(grep -c "RDMA connection from" /tmp/s1.log); n2=$(grep -c "RDMA connection from" /tmp/s2.log)
+say "RDMA connections accepted: server 1 $n1, server 2 $n2"
+[ "$n1" -gt 0 ] && [ "$n2" -gt 0 ] || verdict "FAIL the storage servers accepted no RDMA connection"
 verdict PASS
 EOF
 chmod +x "$root/init"

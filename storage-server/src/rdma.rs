@@ -10,7 +10,11 @@ use crate::config::RdmaMode;
 
 /// The RDMA listener on the block service's bound `addr`, or `None` (logged why) when `mode` and
 /// this host do not call for one. `Err` only for `RdmaMode::On` that cannot be honoured.
-pub(crate) fn listener(mode: RdmaMode, trusted_network: bool, addr: SocketAddr) -> anyhow::Result<Option<Box<dyn Listener>>> {
+pub(crate) fn listener(
+    mode: RdmaMode,
+    trusted_network: bool,
+    addr: SocketAddr,
+) -> anyhow::Result<Option<Box<dyn Listener>>> {
     if mode == RdmaMode::Off {
         return Ok(None);
     }

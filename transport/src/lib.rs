@@ -14,9 +14,8 @@
 //! `tern_common::config::check_listen`.)
 
 pub mod quic;
-#[cfg(feature = "rdma")]
-pub mod rdma;
 pub mod rdma_or;
+pub mod rdma_provider;
 pub mod tcp;
 pub mod tls;
 pub mod tls_tcp;
@@ -81,7 +80,7 @@ impl Listener for Box<dyn Listener> {
 /// The next stream of a listener whose accepting (and handshakes) run in tasks of their own and
 /// hand streams over through `streams`. Once every sender is gone it waits forever instead of
 /// spinning the caller's accept loop.
-pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<Stream>) -> io::Result<Stream> {
+pub async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<Stream>) -> io::Result<Stream> {
     match streams.recv().await {
         Some(stream) => Ok(stream),
         None => {
@@ -94,30 +93,22 @@ pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<S
 /// The RDMA devices this process can use (`rxe0`, `mlx5_0`), or why there are none: "no RDMA
 /// device", or a build without the `rdma` cargo feature. Cheap (reads sysfs): called at start-up.
 pub fn rdma_devices() -> Result<Vec<String>, String> {
-    #[cfg(feature = "rdma")]
-    {
-        match rdma::devices() {
-            Ok(devices) if !devices.is_empty() => Ok(devices),
-            Ok(_) => Err("no RDMA device".to_string()),
-            Err(e) => Err(format!("no RDMA device ({e})")),
-        }
-    }
-    #[cfg(not(feature = "rdma"))]
-    {
-        Err("built without RDMA support (cargo feature `rdma`)".to_string())
+    match rdma_provider::provider().map(|rdma| rdma.devices()) {
+        None => Err(rdma_provider::NOT_BUILT.to_string()),
+        Some(Ok(devices)) if !devices.is_empty() => Ok(devices),
+        Some(Ok(_)) => Err("no RDMA device".to_string()),
+        Some(Err(e)) => Err(format!("no RDMA device ({e})")),
     }
 }
 
 /// An RDMA listener on `addr` (the block service's bound address), or why not (a build without
 /// the `rdma` feature, no device on that address).
 pub fn bind_rdma(addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
-    #[cfg(feature = "rdma")]
-    {
-        Ok(Box::new(rdma::RdmaListener::bind(addr)?))
-    }
-    #[cfg(not(feature = "rdma"))]
-    {
-        Err(io::Error::new(io::ErrorKind::Unsupported, format!("RDMA on {addr}: built without RDMA support")))
+    match rdma_provider::provider() {
+        Some(rdma) => rdma.bind(addr),
+        None => {
+            Err(io::Error::new(io::ErrorKind::Unsupported, format!("RDMA on {addr}: {}", rdma_provider::NOT_BUILT)))
+        }
     }
 }
 

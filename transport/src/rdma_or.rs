@@ -30,6 +30,8 @@ pub struct RdmaOr {
     fallback: Arc<dyn Connector>,
     /// Servers that refused RDMA, and when.
     refused: Mutex<HashMap<String, Instant>>,
+    /// RDMA was asked for by name: a fallback is a warning, not news.
+    required: bool,
 }
 
 impl RdmaOr {
@@ -40,7 +42,7 @@ impl RdmaOr {
         match crate::rdma_devices() {
             Ok(devices) => {
                 tracing::debug!("RDMA transport on {devices:?}, {fallback_name} where a server has none");
-                Arc::new(RdmaOr { fallback, refused: Mutex::default() })
+                Arc::new(RdmaOr { fallback, refused: Mutex::default(), required })
             }
             Err(why) if required => {
                 tracing::warn!("RDMA transport asked for, but {why}: using {fallback_name}");
@@ -80,14 +82,15 @@ impl Connector for RdmaOr {
     fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>> {
         async move {
             if !self.refused_lately(addr) {
-                match tokio::time::timeout(RDMA_CONNECT_TIMEOUT, rdma_connect(addr)).await {
+                let why = match tokio::time::timeout(RDMA_CONNECT_TIMEOUT, rdma_connect(addr)).await {
                     Ok(Ok(stream)) => return Ok(stream),
-                    Ok(Err(e)) => {
-                        tracing::info!("storage server {addr}: no RDMA ({e}); falling back to TCP");
-                    }
-                    Err(_) => tracing::info!(
-                        "storage server {addr}: RDMA connect timed out after {RDMA_CONNECT_TIMEOUT:?}; falling back to TCP"
-                    ),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("connect timed out after {RDMA_CONNECT_TIMEOUT:?}"),
+                };
+                if self.required {
+                    tracing::warn!("storage server {addr}: no RDMA ({why}); falling back to TCP");
+                } else {
+                    tracing::info!("storage server {addr}: no RDMA ({why}); falling back to TCP");
                 }
                 self.remember_refusal(addr);
             }
@@ -97,14 +100,11 @@ impl Connector for RdmaOr {
     }
 }
 
-/// A connection over RDMA alone, no fallback (for checks that must know RDMA answers).
-#[cfg(feature = "rdma")]
+/// A connection over RDMA alone, no fallback (for checks that must know RDMA answers); an error
+/// saying so in a build without RDMA.
 pub async fn rdma_connect(addr: &str) -> io::Result<Stream> {
-    crate::rdma::RdmaConnector.connect(addr).await
-}
-
-/// A connection over RDMA alone: without the `rdma` feature, always an error saying so.
-#[cfg(not(feature = "rdma"))]
-pub async fn rdma_connect(_addr: &str) -> io::Result<Stream> {
-    Err(io::Error::new(io::ErrorKind::Unsupported, "built without RDMA support"))
+    match crate::rdma_provider::provider() {
+        Some(rdma) => rdma.connect(addr).await,
+        None => Err(io::Error::new(io::ErrorKind::Unsupported, crate::rdma_provider::NOT_BUILT)),
+    }
 }

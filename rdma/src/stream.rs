@@ -1,4 +1,4 @@
-//! RDMA (InfiniBand, RoCE, soft-RoCE): the block protocol over a reliable-connected queue pair.
+//! The block protocol's byte stream over a reliable-connected queue pair.
 //!
 //! Connections are set up with rdma_cm on the block service's own host and port number (rdma_cm's
 //! TCP port space is apart from the kernel's TCP ports), so a storage server needs no second
@@ -17,9 +17,6 @@
 //! Each connection is driven by one thread of its own ([`pump`]) that polls its completion
 //! queues, backing off to short sleeps when idle; the async side talks to it through channels.
 
-#[allow(unsafe_code)]
-mod verbs;
-
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
@@ -35,7 +32,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 use tokio_util::sync::PollSender;
 
-use crate::{Connector, Listener, Stream};
+use tern_transport::{Connector, Listener, Stream};
+
+use crate::verbs;
 
 /// Most connections one listener serves at once (each holds 2 MiB of registered memory and a
 /// thread); requests past it are rejected.
@@ -46,9 +45,21 @@ const BACKLOG: i32 = 64;
 /// before it is torn down anyway (a peer that stopped reading).
 const CLOSE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The RDMA devices of this host (`rxe0`, `mlx5_0`); empty when there is none.
-pub fn devices() -> io::Result<Vec<String>> {
-    verbs::device_names()
+/// The verbs-backed RDMA of this build, installed into `tern_transport` by [`crate::install`].
+pub(crate) struct Verbs;
+
+impl tern_transport::rdma_provider::RdmaProvider for Verbs {
+    fn devices(&self) -> io::Result<Vec<String>> {
+        verbs::device_names()
+    }
+
+    fn bind(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
+        Ok(Box::new(RdmaListener::bind(addr)?))
+    }
+
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>> {
+        RdmaConnector.connect(addr)
+    }
 }
 
 /// Dials storage servers over RDMA (rdma_cm on the server's block address).
@@ -106,7 +117,7 @@ impl RdmaListener {
 
 impl Listener for RdmaListener {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
-        crate::next_handed_over(&mut self.streams).boxed()
+        tern_transport::next_handed_over(&mut self.streams).boxed()
     }
 
     fn local_addr(&self) -> SocketAddr {
@@ -266,7 +277,30 @@ fn pump(mut ep: verbs::Endpoint, mut outbound: mpsc::Receiver<Vec<u8>>, inbound:
             }
         }
         if ep.disconnected() {
-            if fin_received && held.is_empty() && sends_done {
+            // What the peer sent before it left (its last reply, its end of stream) completed
+            // before its disconnect arrived: hand that over before the stream ends.
+            while !fin_received {
+                completions.clear();
+                if ep.poll(false, &mut completions).is_err() || completions.is_empty() {
+                    break;
+                }
+                for c in completions.drain(..) {
+                    if c.bytes == 0 {
+                        fin_received = true;
+                    } else if !fin_received {
+                        held.push_back(ep.received(c.slot, c.bytes).to_vec());
+                    }
+                }
+            }
+            if let Some(tx) = &inbound {
+                for chunk in held.drain(..) {
+                    // The reader is there (the channel is open) and reads until the end.
+                    if tx.blocking_send(Ok(chunk)).is_err() {
+                        break;
+                    }
+                }
+            }
+            if fin_received {
                 break None;
             }
             break Some(io::Error::new(io::ErrorKind::ConnectionReset, "the RDMA peer disconnected"));

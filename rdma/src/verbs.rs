@@ -243,14 +243,12 @@ impl Endpoint {
         };
         // SAFETY: the buffers are heap slices owned by the endpoint, which deregisters them in
         // Drop before they are freed; their addresses do not move.
-        endpoint.send_mr =
-            unsafe { rdma_reg_msgs(id, endpoint.send_buf.as_mut_ptr().cast(), endpoint.send_buf.len()) };
+        endpoint.send_mr = unsafe { rdma_reg_msgs(id, endpoint.send_buf.as_mut_ptr().cast(), endpoint.send_buf.len()) };
         if endpoint.send_mr.is_null() {
             return Err(failed("registering RDMA send buffers"));
         }
         // SAFETY: as above.
-        endpoint.recv_mr =
-            unsafe { rdma_reg_msgs(id, endpoint.recv_buf.as_mut_ptr().cast(), endpoint.recv_buf.len()) };
+        endpoint.recv_mr = unsafe { rdma_reg_msgs(id, endpoint.recv_buf.as_mut_ptr().cast(), endpoint.recv_buf.len()) };
         if endpoint.recv_mr.is_null() {
             return Err(failed("registering RDMA receive buffers"));
         }
@@ -332,7 +330,13 @@ impl Endpoint {
     /// waiting. A failed completion is an error: the queue pair is in the error state.
     pub(crate) fn poll(&mut self, send: bool, out: &mut Vec<Completion>) -> io::Result<()> {
         // SAFETY: the id is valid; its CQs were made by rdma_create_ep.
-        let cq = unsafe { if send { (*self.id).send_cq } else { (*self.id).recv_cq } };
+        let cq = unsafe {
+            if send {
+                (*self.id).send_cq
+            } else {
+                (*self.id).recv_cq
+            }
+        };
         // SAFETY: all zeroes is a valid ibv_wc to be overwritten.
         let mut wcs: [ibv_wc; SLOTS] = unsafe { std::mem::zeroed() };
         // SAFETY: `wcs` has room for SLOTS entries.
