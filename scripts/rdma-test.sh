@@ -28,7 +28,7 @@ done
 [ -e /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
 [ -e /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
 [ -e /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ] || need+=(ibverbs-providers)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need+=(libclang-dev)
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
 { ldd /bin/busybox 2>&1 || true; } | grep -qE "not a dynamic|statically linked" || need+=(busybox-static)
 if [ ${#need[@]} -gt 0 ]; then
     echo "rdma-test: installing ${need[*]}" >&2
