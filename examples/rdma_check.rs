@@ -17,6 +17,8 @@ use tern_client::{Client, ClientOptions, ErrorKind, ShuffleOptions, TransportKin
 use tern_proto::frame::{self, Frame};
 use tern_proto::token::JobToken;
 
+/// The storage server the script starts with `rdma=off`.
+const NO_RDMA_SERVER: &str = "10.77.0.1:9074";
 /// Job keep's token, from the first phase to the second.
 const TOKEN_FILE: &str = "/tmp/rdma_check.token";
 
@@ -105,11 +107,20 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
     check(refused_right, &format!("cross-job read refused by the client (got {refused:?})"))?;
     // The storage server refuses it too, over RDMA: the stranger's own token bound, then a Read
     // of keep's block with keep's grant (which stat hands anyone).
-    let (_, blocks) = stranger.stat_with_blocks(&format!("/jobs/keep/f{block}"), true).await?;
-    let target = &blocks.first().context("keep's file has no block")?.0;
+    // A block of keep's on a server that serves RDMA (not the one started with rdma=off).
+    let mut target = None;
+    for len in [1, block - 1, block, block + 1, 3 * block + 7] {
+        let (_, blocks) = stranger.stat_with_blocks(&format!("/jobs/keep/f{len}"), true).await?;
+        target = blocks.into_iter().map(|(b, _)| b).find(|b| b.address != NO_RDMA_SERVER);
+        if target.is_some() {
+            break;
+        }
+    }
+    let target = target.context("none of keep's blocks is on a server serving RDMA")?;
     let grant: [u8; 16] = target.grant.as_slice().try_into().context("a 16-byte grant")?;
     let token = JobToken::from_text(&stranger.job_token("other").context("the stranger's token")?)?;
-    let mut raw = tern_transport::rdma_or::rdma_connect(&target.address).await?;
+    let connect = tern_transport::rdma_or::rdma_connect(&target.address);
+    let mut raw = tokio::time::timeout(Duration::from_secs(20), connect).await.context("RDMA connect timed out")??;
     frame::write_frame(&mut raw.writer, &Frame::auth(1, 1, Bytes::from(token.encode()))).await?;
     let bound = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Auth reply")?;
     check(bound.into_result().is_ok(), "the stranger's own token binds over RDMA")?;

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # RDMA tests over soft-RoCE: builds `tern` and examples/rdma_check.rs with `--features rdma`,
 # boots a QEMU guest (TCG, Debian's 6.1 kernel, rdma_rxe on a veth) whose initramfs holds them,
-# and inside it starts a metadata server and two storage servers serving RDMA, then checks over
+# and inside it starts a metadata server, two storage servers serving RDMA and one not, then checks over
 # `--transport rdma`: file round trips (0 B, 1 B, block-1, block, block+1, 3 blocks+7, 50 MiB
 # through the `tern fs` CLI), a shuffle written by 3 maps and read by map ranges, a refused
-# cross-job read, and a killed storage server. Prints one line `rdma-test: PASS` or
+# cross-job read, a killed storage server, and one log line for the fallback to TCP of the server
+# without RDMA. Prints one line `rdma-test: PASS` or
 # `rdma-test: FAIL (why)` and exits 0 or 1. The guest has no network device (`-nic none`): all
 # RDMA traffic stays inside it.
 #
@@ -138,8 +139,12 @@ S1=$!
 tern storage-server --listen 10.77.0.1:9072 --admin 127.0.0.1:9073 --trusted-network \
     --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=on --set prefault=false --set huge_pages=false \
     --set drain_grace_ms=0 >/tmp/s2.log 2>&1 &
+# A third server without RDMA: clients must fall back to TCP for it, saying so once.
+tern storage-server --listen 10.77.0.1:9074 --admin 127.0.0.1:9075 --trusted-network \
+    --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=off --set prefault=false --set huge_pages=false \
+    --set drain_grace_ms=0 >/tmp/s3.log 2>&1 &
 for i in $(seq 1 60); do
-    grep -q "listening on" /tmp/s1.log && grep -q "listening on" /tmp/s2.log && break
+    grep -q "listening on" /tmp/s1.log && grep -q "listening on" /tmp/s2.log && grep -q "listening on" /tmp/s3.log && break
     sleep 1
 done
 grep -q "RDMA on" /tmp/s1.log && grep -q "RDMA on" /tmp/s2.log || { cat /tmp/meta.log /tmp/s1.log /tmp/s2.log; verdict "FAIL storage servers not serving RDMA"; }
@@ -150,18 +155,24 @@ say "rdma_check before: exit $rc"
 [ $rc -eq 0 ] || { tail -n 30 /tmp/s1.log /tmp/s2.log; verdict "FAIL rdma_check before (exit $rc)"; }
 head -c 52428800 /dev/urandom >/tmp/big
 T="tern fs --metadata 127.0.0.1:9060 --transport rdma"
-$T put /tmp/big /big50 >/tmp/cli.log 2>&1 || { cat /tmp/cli.log; verdict "FAIL tern fs put 50MiB"; }
-$T get /big50 /tmp/big.back >>/tmp/cli.log 2>&1 || { cat /tmp/cli.log; verdict "FAIL tern fs get 50MiB"; }
+$T put /tmp/big /big50 >/tmp/put.log 2>&1 || { cat /tmp/put.log; verdict "FAIL tern fs put 50MiB"; }
+$T get /big50 /tmp/big.back >/tmp/get.log 2>&1 || { cat /tmp/get.log; verdict "FAIL tern fs get 50MiB"; }
 cmp /tmp/big /tmp/big.back || verdict "FAIL 50MiB differs"
 say "ok: 50 MiB round trip through tern fs"
-cat /tmp/cli.log
+cat /tmp/put.log /tmp/get.log
+for log in /tmp/put.log /tmp/get.log; do
+    fallbacks=$(grep -c "storage server 10.77.0.1:9074: no RDMA" $log)
+    [ "$fallbacks" -eq 1 ] || verdict "FAIL $log said $fallbacks times (not once) that it fell back to TCP for the server without RDMA"
+done
+say "ok: tern fs put and get each said once that they fell back to TCP for the server without RDMA"
+
 kill -9 $S1
 say "killed storage server 1"
 timeout 150 rdma_check 127.0.0.1:9060 $BS after >/tmp/c2.log 2>&1; rc=$?
 cat /tmp/c2.log
 say "rdma_check after: exit $rc"
 [ $rc -eq 0 ] || { tail -n 30 /tmp/s2.log /tmp/meta.log; verdict "FAIL rdma_check after (exit $rc)"; }
-if grep -h "falling back to TCP\|RDMA transport asked for" /tmp/c1.log /tmp/c2.log /tmp/cli.log | grep -v "10.77.0.1:9070" | grep -q .; then
+if grep -h "falling back to TCP\|RDMA transport asked for" /tmp/c1.log /tmp/c2.log /tmp/put.log /tmp/get.log | grep -v "10.77.0.1:9070\|10.77.0.1:9074" | grep -q .; then
     verdict "FAIL a client fell back to TCP with the server alive"
 fi
 n1=$(grep -c "RDMA connection from" /tmp/s1.log); n2=$(grep -c "RDMA connection from" /tmp/s2.log)

@@ -39,6 +39,9 @@ use crate::verbs;
 /// Most connections one listener serves at once (each holds 2 MiB of registered memory and a
 /// thread); requests past it are rejected.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Most RDMA connects of this process waiting on rdma_cm at once (each a thread).
+const MAX_CONNECTING: usize = 64;
+static CONNECTING: AtomicUsize = AtomicUsize::new(0);
 /// Connection requests rdma_cm queues for the listener.
 const BACKLOG: i32 = 64;
 /// How long a closed connection waits for its last sends (the end-of-stream marker) to complete
@@ -77,13 +80,22 @@ impl Connector for RdmaConnector {
             // the caller's deadline stops waiting for it sooner. A thread of its own, not
             // spawn_blocking: a runtime shutting down waits for its blocking tasks, and must not
             // wait on rdma_cm's retries to a dead peer.
+            // rdma_cm gives up on a peer that never answers only after its own retries (about a
+            // minute): the threads still waiting are bounded.
+            if CONNECTING.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTING {
+                CONNECTING.fetch_sub(1, Ordering::AcqRel);
+                let why = format!("RDMA connect to {addr}: {MAX_CONNECTING} RDMA connects already waiting");
+                return Err(io::Error::new(io::ErrorKind::WouldBlock, why));
+            }
             let (tx, rx) = tokio::sync::oneshot::channel();
-            std::thread::Builder::new()
-                .name("tern-rdma-connect".into())
-                .spawn(move || {
-                    let _ = tx.send(verbs::connect(peer));
-                })
-                .map_err(|e| io::Error::other(format!("RDMA connect to {addr}: no thread: {e}")))?;
+            let spawned = std::thread::Builder::new().name("tern-rdma-connect".into()).spawn(move || {
+                let _ = tx.send(verbs::connect(peer));
+                CONNECTING.fetch_sub(1, Ordering::AcqRel);
+            });
+            if let Err(e) = spawned {
+                CONNECTING.fetch_sub(1, Ordering::AcqRel);
+                return Err(io::Error::other(format!("RDMA connect to {addr}: no thread: {e}")));
+            }
             let endpoint =
                 rx.await.map_err(|_| io::Error::other(format!("RDMA connect to {addr}: its thread ended")))??;
             Ok(into_stream(endpoint, peer, None))
