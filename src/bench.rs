@@ -66,12 +66,13 @@ enum BenchCommand {
     /// and 16; each worker has its own connection and one request in flight. Every cell runs
     /// --runs times in rotating order; the table shows medians, ranges and ratios.
     Io {
-        /// Systems to measure, comma-separated: tern-tcp, tern-tls, tern-quic, tern-nvme, tern-local, tcp-raw,
-        /// tls-raw, quic-raw, redis, file, file-direct.
+        /// Systems to measure, comma-separated: tern-tcp, tern-tls, tern-quic, tern-nvme,
+        /// tern-local, tern-rdma (only where this host has an RDMA device; else left out, said in the notes),
+        /// tcp-raw, tls-raw, quic-raw, redis, file, file-direct.
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "tern-tcp,tern-tls,tern-quic,tern-nvme,tern-local,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
+            default_value = "tern-tcp,tern-tls,tern-quic,tern-nvme,tern-local,tern-rdma,tcp-raw,tls-raw,quic-raw,redis,file,file-direct"
         )]
         systems: Vec<tern_bench::io::System>,
         /// Only 1MiB at concurrency 4 and 4KiB at concurrency 1 (under a minute).

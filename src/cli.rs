@@ -81,8 +81,9 @@ pub struct MetadataAddr {
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]
     pub tls_dir: Option<PathBuf>,
     /// Transport of block data to storage servers: auto (plain TCP to servers on loopback, TLS
-    /// over TCP to others when --tls-dir is given, else plain TCP), tcp, tls or quic (both need
-    /// --tls-dir).
+    /// over TCP to others when --tls-dir is given, else plain TCP, and RDMA where this host and
+    /// the server have it and no --tls-dir is given), tcp, tls or quic (both need --tls-dir), or
+    /// rdma (RDMA to each server serving it, plain TCP to others, said once per server).
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto", global = true)]
     pub transport: TransportKind,
     #[command(flatten)]

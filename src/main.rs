@@ -23,6 +23,8 @@ use clap::Parser;
 fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
     tern_common::init_logging(if cli.command.is_daemon() { "info" } else { "warn" }, cli.log_format);
+    // RDMA for every transport user in this process (a no-op in builds without the `rdma` feature).
+    tern_rdma::install();
     // The daemons and executors this process starts (`tern up`) inherit the format. Set before
     // any other thread exists.
     std::env::set_var("TERN_LOG_FORMAT", cli.log_format.to_string());

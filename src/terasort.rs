@@ -84,7 +84,7 @@ pub struct TerasortArgs {
     /// needed for --transport tls and quic. An embedded cluster (no --metadata) ignores it.
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR")]
     tls_dir: Option<PathBuf>,
-    /// With --metadata: transport of block data (auto, tcp, tls or quic), as for `tern fs`.
+    /// With --metadata: transport of block data (auto, tcp, tls, quic or rdma), as for `tern fs`.
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto")]
     transport: TransportKind,
     #[command(flatten)]

@@ -74,6 +74,9 @@ pub enum System {
     /// Tern's DRAM tier from a client on the server's host: the same-host socket, and reads of
     /// leased blocks straight from the shared arena (`tern_transport::local`).
     TernLocal,
+    /// Tern's DRAM tier over RDMA; measured only where this host has an RDMA device (else left
+    /// out of the run, said in its notes).
+    TernRdma,
     /// The raw peers: the same transports with nothing but a request and its bytes ([`crate::raw`]).
     TcpRaw,
     TlsRaw,
@@ -84,12 +87,13 @@ pub enum System {
 }
 
 impl System {
-    pub const ALL: [System; 11] = [
+    pub const ALL: [System; 12] = [
         System::TernTcp,
         System::TernTls,
         System::TernQuic,
         System::TernNvme,
         System::TernLocal,
+        System::TernRdma,
         System::TcpRaw,
         System::TlsRaw,
         System::QuicRaw,
@@ -105,6 +109,7 @@ impl System {
             System::TernQuic => "tern-quic",
             System::TernNvme => "tern-nvme",
             System::TernLocal => "tern-local",
+            System::TernRdma => "tern-rdma",
             System::TcpRaw => "tcp-raw",
             System::TlsRaw => "tls-raw",
             System::QuicRaw => "quic-raw",
@@ -115,7 +120,15 @@ impl System {
     }
 
     pub fn is_tern(self) -> bool {
-        matches!(self, System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernLocal)
+        matches!(
+            self,
+            System::TernTcp
+                | System::TernTls
+                | System::TernQuic
+                | System::TernNvme
+                | System::TernLocal
+                | System::TernRdma
+        )
     }
 
     /// The raw peer over the same transport: the limit this Tern system is measured against.
@@ -123,7 +136,7 @@ impl System {
         match self {
             // A same-host reader's bar is the fastest way to move bytes between two processes
             // here that this bench has: TCP on loopback.
-            System::TernTcp | System::TernNvme | System::TernLocal => Some(System::TcpRaw),
+            System::TernTcp | System::TernNvme | System::TernLocal | System::TernRdma => Some(System::TcpRaw),
             System::TernTls => Some(System::TlsRaw),
             System::TernQuic => Some(System::QuicRaw),
             _ => None,
@@ -256,6 +269,14 @@ pub async fn run(options: &IoOptions) -> anyhow::Result<IoReport> {
     let mut notes = Vec::new();
     let mut targets = Vec::new();
     for &system in &options.systems {
+        if system == System::TernRdma {
+            if let Err(why) = tern_transport::rdma_devices() {
+                let note = format!("{system}: {why}; left out of this run");
+                eprintln!("{note}");
+                notes.push(note);
+                continue;
+            }
+        }
         let target = Target::start(system, options).await?;
         if let Some(note) = target.describe() {
             notes.push(note);
@@ -351,9 +372,12 @@ enum TargetKind {
 impl Target {
     async fn start(system: System, options: &IoOptions) -> anyhow::Result<Target> {
         let kind = match system {
-            System::TernTcp | System::TernTls | System::TernQuic | System::TernNvme | System::TernLocal => {
-                TargetKind::Tern(Box::new(TernTarget::start(system, options).await?))
-            }
+            System::TernTcp
+            | System::TernTls
+            | System::TernQuic
+            | System::TernNvme
+            | System::TernLocal
+            | System::TernRdma => TargetKind::Tern(Box::new(TernTarget::start(system, options).await?)),
             System::TcpRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tcp).await?),
             System::TlsRaw => TargetKind::Raw(RawTarget::start(RawTransport::Tls).await?),
             System::QuicRaw => TargetKind::Raw(RawTarget::start(RawTransport::Quic).await?),
@@ -722,6 +746,15 @@ impl TernTarget {
                 options.transport = tern_client::TransportKind::Tcp;
             }
             System::TernLocal => options.transport = tern_client::TransportKind::Local,
+            System::TernRdma => {
+                // The embedded servers serve RDMA on loopback (rdma = auto) where a device is;
+                // a figure labelled tern-rdma must not be TCP's, so RDMA is checked first.
+                let addr = cluster.storage_addr(0);
+                if let Err(e) = tern_transport::rdma_or::rdma_connect(&addr).await {
+                    anyhow::bail!("tern-rdma: the embedded storage server {addr} does not answer over RDMA: {e}");
+                }
+                options.transport = tern_client::TransportKind::Rdma;
+            }
             _ => options.transport = tern_client::TransportKind::Tcp,
         }
         // The embedded cluster's control plane is plain on loopback, QUIC or not.
@@ -1576,11 +1609,12 @@ mod tests {
             assert_eq!(system.name().parse::<System>().unwrap(), system);
         }
         assert!("memcached".parse::<System>().unwrap_err().to_string().contains(
-            "tern-tcp, tern-tls, tern-quic, tern-nvme, tern-local, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
+            "tern-tcp, tern-tls, tern-quic, tern-nvme, tern-local, tern-rdma, tcp-raw, tls-raw, quic-raw, redis, file, file-direct"
         ));
         assert!(System::TernTcp.is_tern() && !System::Redis.is_tern() && !System::TcpRaw.is_tern());
         assert_eq!(System::TernNvme.raw_peer(), Some(System::TcpRaw));
         assert_eq!(System::TernQuic.raw_peer(), Some(System::QuicRaw));
+        assert_eq!(System::TernRdma.raw_peer(), Some(System::TcpRaw));
         assert_eq!(System::Redis.raw_peer(), None);
     }
 

@@ -170,11 +170,21 @@ fn connector(
             "the {kind} transport needs TLS material: pass --tls-dir DIR (made by `tern cert init --dir DIR`)"
         ))
     };
-    Ok(match kind {
-        TransportKind::Auto => Arc::new(tern_transport::local::LocalFirst::new(
+    let auto = || -> Result<Arc<dyn tern_transport::Connector>> {
+        Ok(Arc::new(
             tern_transport::tls_tcp::AutoConnector::new(tls).map_err(|e| Error::invalid(format!("{kind}: {e:#}")))?,
+        ))
+    };
+    Ok(match kind {
+        // Without TLS material the network is a trusted one (plain frames): RDMA where both ends
+        // have it. With TLS material, never: RDMA frames are not encrypted.
+        // The same-host path first, for a server on this host.
+        TransportKind::Auto if tls.is_none() => Arc::new(tern_transport::local::LocalFirst::new(
+            tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", false),
         )),
+        TransportKind::Auto => Arc::new(tern_transport::local::LocalFirst::new(auto()?)),
         TransportKind::Local => Arc::new(tern_transport::local::LocalConnector),
+        TransportKind::Rdma => tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", true),
         TransportKind::Tcp => Arc::new(tern_transport::tcp::TcpConnector),
         TransportKind::Tls => Arc::new(
             tern_transport::tls_tcp::TlsTcpConnector::new(tls.ok_or_else(needs_tls)?)
@@ -256,7 +266,12 @@ impl Client {
     /// A pooled block connection to a storage server over the client's transport.
     pub(crate) async fn block_connection(&self, holder: &location::Holder) -> Result<Arc<conn::BlockConnection>> {
         let addr = match self.inner.options.transport {
-            TransportKind::Auto | TransportKind::Local | TransportKind::Tcp | TransportKind::Tls => &holder.address,
+            // RDMA listens on the block service's own address (rdma_cm's port space).
+            TransportKind::Auto
+            | TransportKind::Local
+            | TransportKind::Tcp
+            | TransportKind::Tls
+            | TransportKind::Rdma => &holder.address,
             TransportKind::Quic if holder.quic_address.is_empty() => {
                 return Err(Error::invalid(format!(
                     "storage server {} ({}) has no QUIC endpoint: start it with --tls-dir",

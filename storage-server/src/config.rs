@@ -63,6 +63,20 @@ pub struct Config {
     /// where `/sys/kernel/mm/transparent_hugepage/shmem_enabled` allows them (`advise`); false
     /// keeps it anonymous memory.
     pub local_clients: bool,
+    /// The block service over RDMA (rdma_cm on `listen`'s address and port): `auto` serves it when
+    /// this host has an RDMA device and plain frames are allowed (`listen` on loopback, or
+    /// `trusted_network`: RDMA frames are not encrypted), else logs why not; `on` fails start-up
+    /// when it cannot; `off` never.
+    pub rdma: RdmaMode,
+}
+
+/// See [`Config::rdma`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RdmaMode {
+    Off,
+    Auto,
+    On,
 }
 
 impl Default for Config {
@@ -82,6 +96,7 @@ impl Default for Config {
             quic_listen: None,
             drain_grace_ms: 25_000,
             local_clients: true,
+            rdma: RdmaMode::Auto,
         }
     }
 }

@@ -35,6 +35,7 @@ pub mod fuzzing;
 mod heartbeat;
 pub mod metrics;
 pub mod nvme;
+mod rdma;
 pub mod service;
 pub mod shuffle;
 pub mod store;
@@ -64,6 +65,8 @@ pub use store::BlockStore;
 pub struct StorageServer {
     addr: SocketAddr,
     quic_addr: Option<SocketAddr>,
+    /// Whether the block service is served over RDMA too (on `addr`).
+    rdma: bool,
     admin_addr: SocketAddr,
     store: Arc<BlockStore>,
     tasks: Vec<JoinHandle<()>>,
@@ -197,6 +200,9 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let addr = listener.local_addr();
     let address = config.advertised_address(addr)?;
     let mut listeners = vec![listener];
+    let rdma = rdma::listener(config.rdma, config.serve.trusted_network, addr)?;
+    let serves_rdma = rdma.is_some();
+    listeners.extend(rdma);
     let (mut quic_addr, mut quic_address) = (None, String::new());
     if let Some(tls) = &tls {
         let quic_listen = config.quic_listen_for(addr);
@@ -276,7 +282,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     }
     // Registered, its inventory and tiers reported, serving blocks: placements may come.
     readiness.ready();
-    Ok(StorageServer { addr, quic_addr, admin_addr, store, tasks, admin, drained, readiness })
+    Ok(StorageServer { addr, quic_addr, rdma: serves_rdma, admin_addr, store, tasks, admin, drained, readiness })
 }
 
 /// The `tern storage-server` daemon: starts, logs what it runs with, and serves until SIGINT or
@@ -294,6 +300,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Some(quic) => format!(" and TLS; QUIC on {quic} (UDP)"),
         None => String::new(),
     };
+    let encrypted = if server.rdma { format!("{encrypted}; RDMA on the same address") } else { encrypted };
     tracing::info!(
         "storage server {} listening on {} (TCP{encrypted}; admin {}, dram {}{nvme})",
         server.server_id(),

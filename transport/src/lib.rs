@@ -17,6 +17,8 @@
 
 pub mod local;
 pub mod quic;
+pub mod rdma_or;
+pub mod rdma_provider;
 pub mod tcp;
 pub mod tls;
 pub mod tls_tcp;
@@ -67,6 +69,12 @@ pub trait Listener: Send + 'static {
     fn name(&self) -> &'static str;
 }
 
+impl Connector for std::sync::Arc<dyn Connector> {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>> {
+        (**self).connect(addr)
+    }
+}
+
 impl Listener for Box<dyn Listener> {
     fn accept(&mut self) -> BoxFuture<'_, io::Result<Stream>> {
         (**self).accept()
@@ -84,7 +92,7 @@ impl Listener for Box<dyn Listener> {
 /// The next stream of a listener whose accepting (and handshakes) run in tasks of their own and
 /// hand streams over through `streams`. Once every sender is gone it waits forever instead of
 /// spinning the caller's accept loop.
-pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<Stream>) -> io::Result<Stream> {
+pub async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<Stream>) -> io::Result<Stream> {
     match streams.recv().await {
         Some(stream) => Ok(stream),
         None => {
@@ -94,12 +102,35 @@ pub(crate) async fn next_handed_over(streams: &mut tokio::sync::mpsc::Receiver<S
     }
 }
 
+/// The RDMA devices this process can use (`rxe0`, `mlx5_0`), or why there are none: "no RDMA
+/// device", or a build without the `rdma` cargo feature. Cheap (reads sysfs): called at start-up.
+pub fn rdma_devices() -> Result<Vec<String>, String> {
+    match rdma_provider::provider().map(|rdma| rdma.devices()) {
+        None => Err(rdma_provider::NOT_BUILT.to_string()),
+        Some(Ok(devices)) if !devices.is_empty() => Ok(devices),
+        Some(Ok(_)) => Err("no RDMA device".to_string()),
+        Some(Err(e)) => Err(format!("no RDMA device ({e})")),
+    }
+}
+
+/// An RDMA listener on `addr` (the block service's bound address), or why not (a build without
+/// the `rdma` feature, no device on that address).
+pub fn bind_rdma(addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
+    match rdma_provider::provider() {
+        Some(rdma) => rdma.bind(addr),
+        None => {
+            Err(io::Error::new(io::ErrorKind::Unsupported, format!("RDMA on {addr}: {}", rdma_provider::NOT_BUILT)))
+        }
+    }
+}
+
 /// Which transport a client uses for block traffic.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TransportKind {
-    /// Per server: its same-host socket when it runs on this host (see [`local`]), plain TCP to
-    /// one on loopback, TLS over TCP to any other when the client has TLS material, plain TCP
-    /// otherwise (a trusted network). See [`local::LocalFirst`] and [`tls_tcp::AutoConnector`].
+    /// Per server: its same-host socket when it runs on this host (see [`local`]); else, with no
+    /// TLS material, RDMA where both ends have it; plain TCP to one on loopback, TLS over TCP to
+    /// any other when the client has TLS material, plain TCP otherwise (a trusted network). See
+    /// [`local::LocalFirst`], [`rdma_or::RdmaOr`] and [`tls_tcp::AutoConnector`].
     #[default]
     Auto,
     /// Only the same-host socket: a server on another host is an error.
@@ -110,6 +141,10 @@ pub enum TransportKind {
     Tls,
     /// QUIC with mutual TLS, the storage servers' `quic_listen` address; needs TLS material.
     Quic,
+    /// RDMA (rdma_cm on the storage servers' block address) to each server that serves it, plain
+    /// TCP to any other, with one log line per server ([`rdma_or::RdmaOr`]). Frames go
+    /// unencrypted, as over plain TCP: for a trusted network.
+    Rdma,
 }
 
 impl fmt::Display for TransportKind {
@@ -120,6 +155,7 @@ impl fmt::Display for TransportKind {
             TransportKind::Tcp => "tcp",
             TransportKind::Tls => "tls",
             TransportKind::Quic => "quic",
+            TransportKind::Rdma => "rdma",
         })
     }
 }
@@ -134,7 +170,8 @@ impl FromStr for TransportKind {
             "tcp" => Ok(TransportKind::Tcp),
             "tls" => Ok(TransportKind::Tls),
             "quic" => Ok(TransportKind::Quic),
-            other => Err(format!("unknown transport {other:?} (expected auto, local, tcp, tls or quic)")),
+            "rdma" => Ok(TransportKind::Rdma),
+            other => Err(format!("unknown transport {other:?} (expected auto, local, tcp, tls, quic or rdma)")),
         }
     }
 }
@@ -149,6 +186,7 @@ mod tests {
         assert_eq!(TransportKind::Tcp.to_string(), "tcp");
         assert_eq!("tls".parse::<TransportKind>().unwrap(), TransportKind::Tls);
         assert_eq!(TransportKind::default().to_string(), "auto");
+        assert_eq!("rdma".parse::<TransportKind>().unwrap(), TransportKind::Rdma);
         assert!("udp".parse::<TransportKind>().is_err());
     }
 }
