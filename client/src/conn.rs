@@ -64,17 +64,16 @@ pub(crate) struct BlockConnection {
     binding: tokio::sync::Mutex<()>,
     /// On a same-host connection, the server's DRAM arena, mapped read-only.
     arena: Option<Arc<SharedArena>>,
-    /// Blocks leased on a same-host connection, by block and the grant that leased it (a read
+    /// Blocks asked for on a same-host connection, by block and the grant that asked (a read
     /// under another job's grant does not get to use this one's lease).
     leased: Mutex<HashMap<(u64, Grant), Leased>>,
-    /// Blocks the server would not lend (on NVMe), until when to read them without asking again.
-    unleasable: Mutex<HashMap<u64, tokio::time::Instant>>,
 }
 
-/// A block leased on a same-host connection (see `tern_transport::local`).
+/// A block asked for on a same-host connection (see `tern_transport::local`): leased, or refused
+/// (not in DRAM) and so read through the socket, without asking again, until `until`.
 #[derive(Debug, Clone, Copy)]
 struct Leased {
-    lease: Lease,
+    lease: Option<Lease>,
     /// Bytes lent: the block's length when it was leased.
     len: u32,
     /// Until when the client reads it: [`LEASE_TTL`] after the Lease was sent, less a margin, so
@@ -82,10 +81,9 @@ struct Leased {
     until: tokio::time::Instant,
 }
 
-/// Most blocks one connection keeps leased, well below the server's bound per connection.
+/// Most blocks one connection keeps leased (or remembers refused), well below the server's
+/// bound per connection.
 const MAX_LEASED_BLOCKS: usize = 32;
-/// Most blocks a connection remembers the server would not lend.
-const MAX_UNLEASABLE_BLOCKS: usize = 4096;
 /// How much sooner than the server a client stops reading a lease.
 const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
@@ -126,7 +124,6 @@ impl BlockConnection {
             binding: tokio::sync::Mutex::new(()),
             arena,
             leased: Mutex::default(),
-            unleasable: Mutex::default(),
         })
     }
 
@@ -136,9 +133,9 @@ impl BlockConnection {
     /// (on NVMe, say), they come in a Read's reply.
     pub(crate) async fn read(&self, access: &Access, block: u64, offset: u32, len: u32) -> Result<Bytes> {
         if let Some(arena) = &self.arena {
-            if let Some(leased) = self.leased(access, block, offset.saturating_add(len)).await {
+            if let Some(lease) = self.leased(access, block, offset.saturating_add(len)).await {
                 return arena
-                    .copy_out(leased.lease.offset + u64::from(offset), len as usize)
+                    .copy_out(lease.offset + u64::from(offset), len as usize)
                     .map_err(|e| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {e}", self.addr)));
             }
         }
@@ -148,44 +145,31 @@ impl BlockConnection {
     /// A live lease of `block` covering its first `end` bytes: the one held, or a new one.
     /// `None` when the server will not lend it: the caller reads it instead, and that read's
     /// reply says why, as for any client.
-    async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Leased> {
+    async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Lease> {
         let key = (block, access.grant);
         let now = tokio::time::Instant::now();
-        if self.unleasable.lock().get(&block).is_some_and(|until| *until > now) {
-            return None;
-        }
         let mut ended = Vec::new();
         {
             let mut leased = self.leased.lock();
             match leased.get(&key) {
-                Some(held) if held.until > now && end <= held.len => return Some(*held),
-                // Expired, or the block grew since: lease it anew.
-                Some(_) => ended.extend(leased.remove(&key).map(|held| held.lease.id)),
+                Some(held) if held.until > now && (held.lease.is_none() || end <= held.len) => return held.lease,
+                // Expired, or the block grew since: ask anew.
+                Some(_) => ended.extend(leased.remove(&key).and_then(|held| held.lease).map(|lease| lease.id)),
                 None => {}
             }
         }
         let until = now + LEASE_TTL - LEASE_MARGIN;
         let reply = self.call_as(access, |id| Frame::lease(id, block)).await;
         let fresh = match reply.map(|reply| (Lease::decode(&reply.payload), reply.header.length)) {
-            Ok((Ok(lease), len)) => Some(Leased { lease, len, until }),
+            Ok((Ok(lease), len)) => Some(Leased { lease: Some(lease), len, until }),
             Ok((Err(e), _)) => {
                 tracing::warn!("storage server {}: a bad Lease reply ({e}); reading through the socket", self.addr);
                 None
             }
             Err(e) => {
                 tracing::debug!("storage server {}: block {block} not leased ({e}); reading it", self.addr);
-                if e.kind() == crate::ErrorKind::Invalid {
-                    // Not in DRAM: do not ask again for a while (a bounded memory of it).
-                    let mut unleasable = self.unleasable.lock();
-                    if unleasable.len() >= MAX_UNLEASABLE_BLOCKS {
-                        unleasable.retain(|_, until| *until > now);
-                        if unleasable.len() >= MAX_UNLEASABLE_BLOCKS {
-                            unleasable.clear();
-                        }
-                    }
-                    unleasable.insert(block, now + LEASE_TTL);
-                }
-                None
+                // Not in DRAM: remembered, so its reads do not each ask again.
+                (e.kind() == crate::ErrorKind::Invalid).then_some(Leased { lease: None, len: 0, until })
             }
         };
         {
@@ -194,24 +178,24 @@ impl BlockConnection {
             leased.retain(|_, held| {
                 let live = held.until > now;
                 if !live {
-                    ended.push(held.lease.id);
+                    ended.extend(held.lease.map(|lease| lease.id));
                 }
                 live
             });
             if let Some(fresh) = fresh {
                 if leased.len() >= MAX_LEASED_BLOCKS {
                     let oldest = leased.iter().min_by_key(|(_, held)| held.until).map(|(key, _)| *key);
-                    ended.extend(oldest.and_then(|key| leased.remove(&key)).map(|held| held.lease.id));
+                    ended.extend(oldest.and_then(|key| leased.remove(&key)).and_then(|held| held.lease).map(|l| l.id));
                 }
                 if let Some(replaced) = leased.insert(key, fresh) {
-                    ended.push(replaced.lease.id);
+                    ended.extend(replaced.lease.map(|lease| lease.id));
                 }
             }
         }
         if !ended.is_empty() {
             self.post(|id| Frame::release(id, &ended)).await;
         }
-        fresh.filter(|fresh| end <= fresh.len)
+        fresh.and_then(|fresh| fresh.lease.filter(|_| end <= fresh.len))
     }
 
     /// Sends a frame whose reply nobody waits for (a Release): the reply is matched and dropped.
