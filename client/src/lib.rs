@@ -35,7 +35,6 @@ use std::time::Duration;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
-use tern_transport::tls::TlsMaterial;
 use tonic::transport::{Channel, Endpoint};
 
 pub use auth::{TENANT_ENV, TOKEN_ENV};
@@ -48,6 +47,7 @@ pub use shuffle::{
 };
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, JobStatus, ServerMode, ServerStatus, StatusResponse};
 pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
+pub use tern_transport::tls::{PemOrigin, TlsMaterial};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
@@ -210,6 +210,12 @@ impl Client {
 
     pub async fn connect_with(addr: &str, options: ClientOptions) -> Result<Client> {
         let tls = load_tls(options.tls_dir.as_deref())?;
+        Client::connect_with_tls(addr, options, tls).await
+    }
+
+    /// As [`Client::connect_with`], with TLS material already loaded (for example from PEM given
+    /// in a Spark configuration) instead of `options.tls_dir`, which is ignored.
+    pub async fn connect_with_tls(addr: &str, options: ClientOptions, tls: Option<TlsMaterial>) -> Result<Client> {
         // The scheme (if any) decides TLS; the bare host:port is what the client reports.
         let given = addr;
         let addr =

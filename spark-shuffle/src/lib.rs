@@ -33,8 +33,8 @@ use jni::objects::{GlobalRef, JByteBuffer, JClass, JIntArray, JObject, JString, 
 use jni::sys::{jint, jintArray, jlong, jlongArray, jobject, jstring};
 use jni::{JNIEnv, JavaVM};
 use tern_client::{
-    Client, ErrorKind, JobSession, MapWriter, MapWriterOptions, Shuffle, ShuffleId, ShuffleOptions, ShuffleReader,
-    SpaceWait,
+    Client, ClientOptions, ErrorKind, JobSession, MapWriter, MapWriterOptions, PemOrigin, Shuffle, ShuffleId,
+    ShuffleOptions, ShuffleReader, SpaceWait, TlsMaterial,
 };
 
 const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
@@ -220,17 +220,66 @@ struct Writer {
 
 // ---- clients and jobs -------------------------------------------------------------------------
 
+/// Connects to the metadata server. Every string may be empty (unset): `transport` is `auto`
+/// then; TLS material comes from `tls_dir`, or from the three PEM texts (all three or none), or
+/// is absent (a trusted network); `tenant` is the tenant the application's job counts against.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
     mut env: JNIEnv<'l>,
     _: JClass<'l>,
     addr: JString<'l>,
+    transport: JString<'l>,
+    tls_dir: JString<'l>,
+    ca_pem: JString<'l>,
+    cert_pem: JString<'l>,
+    key_pem: JString<'l>,
+    tenant: JString<'l>,
 ) -> jlong {
     entry(&mut env, |env| {
         let addr = string(env, &addr)?;
-        let client = runtime().block_on(Client::connect(&addr))?;
+        let transport = string(env, &transport)?;
+        let mut options = ClientOptions::default();
+        let tenant = string(env, &tenant)?;
+        if !tenant.is_empty() {
+            options.tenant = tenant;
+        }
+        if !transport.is_empty() {
+            options.transport = transport.parse().map_err(|e| invalid(format!("spark.tern.transport: {e}")))?;
+        }
+        let pem = [string(env, &ca_pem)?, string(env, &cert_pem)?, string(env, &key_pem)?];
+        let tls = tls_material(&string(env, &tls_dir)?, pem)?;
+        let client = runtime().block_on(Client::connect_with_tls(&addr, options, tls))?;
         Ok(into_handle(client))
     })
+}
+
+/// The TLS material named by the plugin's settings (their names are in `TernConf.java`).
+fn tls_material(dir: &str, [ca, cert, key]: [String; 3]) -> Outcome<Option<TlsMaterial>> {
+    let given = [&ca, &cert, &key].iter().filter(|pem| !pem.is_empty()).count();
+    if !dir.is_empty() && given > 0 {
+        return Err(invalid("give either spark.tern.tlsDir or the spark.tern.tls.* PEM settings, not both"));
+    }
+    let material = if !dir.is_empty() {
+        TlsMaterial::load(std::path::Path::new(dir)).map_err(|e| invalid(format!("spark.tern.tlsDir: {e:#}")))?
+    } else if given == 0 {
+        return Ok(None);
+    } else if given < 3 {
+        return Err(invalid(
+            "spark.tern.tls.ca, spark.tern.tls.cert and spark.tern.tls.secretKey go together: give all three \
+             (the PEM texts of ca.pem, node.pem and node.key from `tern cert init`) or none",
+        ));
+    } else {
+        let origin = PemOrigin {
+            ca: "spark.tern.tls.ca".into(),
+            node: "spark.tern.tls.cert".into(),
+            key: "spark.tern.tls.secretKey".into(),
+            renew: "make new material with `tern cert init` and give its files' text again".into(),
+        };
+        TlsMaterial::from_pem(ca.into_bytes(), cert.into_bytes(), key.into_bytes(), &origin)
+            .map_err(|e| invalid(format!("{e:#}")))?
+    };
+    Ok(Some(material))
 }
 
 #[no_mangle]
@@ -344,21 +393,22 @@ pub extern "system" fn Java_io_tern_spark_TernNative_registerShuffle<'l>(
     maps: jint,
     storage_class: JString<'l>,
     split_size_bytes: jlong,
+    copies: jint,
 ) -> jlong {
     entry(&mut env, |env| {
         // SAFETY: a live client handle.
         let client = unsafe { shared::<Client>(client)? }.clone();
         let job_id = string(env, &job_id)?;
-        if partitions <= 0 || maps < 0 || split_size_bytes < 0 {
+        if partitions <= 0 || maps < 0 || split_size_bytes < 0 || !(1..=2).contains(&copies) {
             return Err(invalid(format!(
-                "registerShuffle: {partitions} partitions, {maps} maps, split {split_size_bytes}"
+                "registerShuffle: {partitions} partitions, {maps} maps, split {split_size_bytes}, {copies} copies"
             )));
         }
         let options = ShuffleOptions {
             maps: maps as u32,
             storage_class: string(env, &storage_class)?,
             split_size_bytes: split_size_bytes as u64,
-            ..ShuffleOptions::default()
+            replicas: copies as u32,
         };
         let shuffle = runtime().block_on(client.register_shuffle(&job_id, partitions as u32, options))?;
         Ok(into_handle(shuffle))
@@ -660,4 +710,39 @@ pub extern "system" fn Java_io_tern_spark_TernNative_closeReader<'l>(_: JNIEnv<'
         // SAFETY: a reader handle, closed once.
         unsafe { close::<Reader>(reader) }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pem_of(dir: &std::path::Path) -> [String; 3] {
+        ["ca.pem", "node.pem", "node.key"].map(|name| std::fs::read_to_string(dir.join(name)).unwrap())
+    }
+
+    #[test]
+    fn tls_material_comes_from_the_directory_or_all_three_pem_settings() {
+        let dir = tempfile::tempdir().unwrap();
+        tern_transport::tls::init(dir.path(), &tern_transport::tls::InitOptions::default()).unwrap();
+        let path = dir.path().to_str().unwrap();
+        let none = || [String::new(), String::new(), String::new()];
+        assert!(tls_material("", none()).ok().unwrap().is_none());
+        assert!(tls_material(path, none()).ok().unwrap().is_some());
+        assert!(tls_material("", pem_of(dir.path())).ok().unwrap().is_some());
+
+        let refused = |dir: &str, pem: [String; 3]| tls_material(dir, pem).expect_err("refused").message;
+        assert!(refused(path, pem_of(dir.path())).contains("not both"));
+        let [ca, cert, _] = pem_of(dir.path());
+        assert!(refused("", [ca.clone(), cert, String::new()]).contains("give all three"));
+        let [_, cert, key] = pem_of(dir.path());
+        let message = refused("", ["not pem".into(), cert, key]);
+        assert!(message.contains("spark.tern.tls.ca: not a PEM certificate"), "{message}");
+        let [_, cert, _] = pem_of(dir.path());
+        let other = tempfile::tempdir().unwrap();
+        tern_transport::tls::init(other.path(), &tern_transport::tls::InitOptions::default()).unwrap();
+        let [_, _, other_key] = pem_of(other.path());
+        let message = refused("", [ca, cert, other_key]);
+        assert!(message.contains("spark.tern.tls.secretKey does not go with spark.tern.tls.cert"), "{message}");
+        assert!(refused("/nonexistent", none()).contains("spark.tern.tlsDir: no TLS material"));
+    }
 }

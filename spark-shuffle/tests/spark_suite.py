@@ -11,7 +11,9 @@ freed when its job lease lapses.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
 binary), TERN_KILL_PID (a storage server of that cluster this suite may SIGKILL), TERN_WORK (a
-scratch directory).
+scratch directory), and TERN_TLS_DIR where the cluster speaks TLS: then the main application gives
+the material as PEM text (spark.tern.tls.*) and moves blocks over QUIC, and the second driver names
+the directory (spark.tern.tlsDir) and takes the default transport.
 """
 
 import json
@@ -33,6 +35,18 @@ TERN = os.environ["TERN_BIN"]
 KILL_PID = int(os.environ["TERN_KILL_PID"])
 WORK = os.environ["TERN_WORK"]
 TERASORT_BYTES = int(os.environ.get("TERN_TERASORT_BYTES", str(24 << 20)))
+TLS_DIR = os.environ.get("TERN_TLS_DIR", "")
+
+
+def tls_conf(as_text):
+    """How an application reaches a TLS cluster: PEM text in its conf, or the directory."""
+    if not TLS_DIR:
+        return []
+    if not as_text:
+        return [("spark.tern.tlsDir", TLS_DIR)]
+    pem = lambda name: open(os.path.join(TLS_DIR, name)).read()
+    return [("spark.tern.tls.ca", pem("ca.pem")), ("spark.tern.tls.cert", pem("node.pem")),
+            ("spark.tern.tls.secretKey", pem("node.key")), ("spark.tern.transport", "quic")]
 
 
 def spark(tern, extra=()):
@@ -223,6 +237,9 @@ def survive_lost_server(sc):
 
 
 CHILD_LEASE_S = 4
+CHILD_TENANT = "spark-child"
+# The child's one shuffle: its partitions, each a segment on two servers (spark.tern.copies=2).
+CHILD_PARTITIONS = 4
 
 
 def child():
@@ -238,10 +255,12 @@ def child():
         ("spark.dynamicAllocation.initialExecutors", "2"),
         ("spark.dynamicAllocation.maxExecutors", "2"),
         ("spark.tern.jobLease", f"{CHILD_LEASE_S}s"),
-    ])
+        ("spark.tern.tenant", CHILD_TENANT),
+        ("spark.tern.copies", "2"),
+    ] + tls_conf(as_text=False))
     jsc = sc._jsc.sc()
     executors = lambda: len(jsc.statusTracker().getExecutorInfos()) - 1  # less the driver
-    rdd = sc.parallelize(range(40000), 4).map(lambda x: (x % 53, x)).reduceByKey(add, 4)
+    rdd = sc.parallelize(range(40000), 4).map(lambda x: (x % 53, x)).reduceByKey(add, CHILD_PARTITIONS)
     expected = sorted((k, sum(range(k, 40000, 53))) for k in range(53))
     log = stage_log(sc)
     assert sorted(rdd.collect()) == expected, "dynamic allocation: first job is wrong"
@@ -272,8 +291,13 @@ def dynamic_allocation_and_crashed_driver():
             with open(log_path) as log:
                 raise AssertionError("the child driver failed or hung:\n" + log.read()[-6000:])
         ready = json.loads(line)
-        jobs = {j["job_id"]: j for j in tern_status()["jobs"]}
+        status = tern_status()
+        jobs = {j["job_id"]: j for j in status["jobs"]}
         assert ready["job"] in jobs and held_bytes() > 0, f"the child's job {ready['job']} holds no data: {jobs}"
+        tenant = jobs[ready["job"]]["tenant"]
+        assert tenant == CHILD_TENANT, f"the child's job counts against tenant {tenant!r}, not spark.tern.tenant"
+        segments = sum(s["segments"] for s in status["servers"] if s["alive"])
+        assert segments == 2 * CHILD_PARTITIONS, f"{segments} segments for {CHILD_PARTITIONS} partitions x 2 copies"
         os.kill(ready["pid"], signal.SIGKILL)
         killed = time.time()
         jobs = {j["job_id"] for j in tern_status()["jobs"]}
@@ -288,7 +312,7 @@ def dynamic_allocation_and_crashed_driver():
 
 
 def run(tern):
-    sc, session = spark(tern)
+    sc, session = spark(tern, tls_conf(as_text=True) if tern else [])
     try:
         results = {}
         for name, cases in [("rdd", lambda: rdd_cases(sc)), ("jvm", lambda: jvm_cases(sc)),
@@ -343,7 +367,7 @@ def main():
     t = time.time()
     ready, lapsed = dynamic_allocation_and_crashed_driver()
     print(f"  ok  dynamic allocation: executors {ready['first_executors']} released, the shuffle read on "
-          f"{ready['second_executors']} without recomputation", flush=True)
+          f"{ready['second_executors']} without recomputation (tenant {CHILD_TENANT}, 2 copies)", flush=True)
     print(f"  ok  a SIGKILLed driver's job {ready['job']} freed {lapsed:.1f}s after the kill "
           f"(lease {CHILD_LEASE_S}s); child run {time.time() - t:.1f}s", flush=True)
 

@@ -32,6 +32,11 @@ struct TierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransportLabels {
+    transport: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EngineLabels {
     engine: &'static str,
 }
@@ -58,6 +63,7 @@ pub struct Metrics {
     dram_shuffle_bytes: Gauge,
     nvme_shuffle_bytes: Gauge,
     connections: Gauge,
+    connections_accepted: Family<TransportLabels, Counter>,
 }
 
 const OPS: [Op; 10] =
@@ -97,6 +103,7 @@ impl Metrics {
         let shuffle_segments = Gauge::default();
         let shuffle_bytes = Family::<TierLabels, Gauge>::default();
         let connections = Gauge::default();
+        let connections_accepted = Family::<TransportLabels, Counter>::default();
         let io_engine = Family::<EngineLabels, Gauge>::default();
         registry.register(
             "tern_storage_io_engine_info",
@@ -133,6 +140,11 @@ impl Metrics {
             shuffle_bytes.clone(),
         );
         registry.register("tern_storage_connections", "Open block-service connections", connections.clone());
+        registry.register(
+            "tern_storage_connections_accepted",
+            "Block-service connections accepted, by listener (tcp+tls serves plain TCP and TLS)",
+            connections_accepted.clone(),
+        );
         let ops = OPS.map(|op| {
             let labels = OpLabels { op: op_name(op) };
             OpMetrics {
@@ -157,6 +169,7 @@ impl Metrics {
             dram_shuffle_bytes: shuffle_bytes.get_or_create_owned(&dram),
             nvme_shuffle_bytes: shuffle_bytes.get_or_create_owned(&nvme),
             connections,
+            connections_accepted,
         })
     }
 
@@ -198,8 +211,10 @@ impl Metrics {
         self.nvme_shuffle_bytes.set(gauge_value(shuffles.nvme));
     }
 
-    pub(crate) fn connection_opened(&self) {
+    /// A connection accepted on the listener of `transport` (`Listener::name`).
+    pub(crate) fn connection_opened(&self, transport: &'static str) {
         self.connections.inc();
+        self.connections_accepted.get_or_create(&TransportLabels { transport }).inc();
     }
 
     pub(crate) fn connection_closed(&self) {
@@ -223,7 +238,7 @@ mod tests {
         metrics.record(Op::Write, Duration::from_micros(30), 0, Some(ErrorKind::OutOfSpace));
         metrics.record(Op::Read, Duration::from_millis(2), 100, None);
         metrics.observe_usage(&Usage { capacity_bytes: 1 << 20, used_bytes: 4096, capacity_blocks: 1, used_blocks: 1 });
-        metrics.connection_opened();
+        metrics.connection_opened("quic");
         metrics.observe_nvme(
             &Usage { capacity_bytes: 8 << 20, used_bytes: 10, capacity_blocks: 8, used_blocks: 1 },
             "uring",
@@ -240,6 +255,7 @@ mod tests {
             "tern_storage_tier_used_bytes{tier=\"dram\"} 4096",
             "tern_storage_blocks{tier=\"dram\"} 1",
             "tern_storage_connections 1",
+            "tern_storage_connections_accepted_total{transport=\"quic\"} 1",
             "tern_storage_tier_capacity_bytes{tier=\"nvme\"} 8388608",
             "tern_storage_blocks{tier=\"nvme\"} 1",
             "tern_storage_io_engine_info{engine=\"uring\"} 1",

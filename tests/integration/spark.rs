@@ -1,10 +1,12 @@
-//! Tern's Spark shuffle plugin on real Spark: spark-shuffle/tests/spark_suite.py runs RDD, JVM
+//! Tern's Spark shuffle plugin on real Spark, across hosts with TLS (Spark on a client host, the
+//! daemons on others; see [`MultiHost`]): spark-shuffle/tests/spark_suite.py runs RDD, JVM
 //! and SQL shuffles (AQE coalescing and skew splitting forced) on Spark's built-in shuffle and on
 //! Tern and fails on any difference; then a TeraSort validated as `tern teravalidate` does; Spark's
 //! shuffle cleanup and the application's end leaving no bytes in Tern; a storage server killed
 //! between a shuffle's map and reduce stages, recovered by one map-stage retry that reruns exactly
 //! the lost maps; and a second driver with dynamic allocation (executors released between two
-//! reads of one shuffle) that is SIGKILLed, its data freed when its job lease lapses.
+//! reads of one shuffle), its job in the tenant and with the copies its conf names, that is
+//! SIGKILLed, its data freed when its job lease lapses.
 //! spark-shuffle/tests/spark_space.py runs long applications on a cluster whose DRAM holds about
 //! two of their shuffles: without the plugin's cleanup a later query fails out-of-space; with it
 //! (past a threshold, or when pushes wait for space) every query is right, and a shuffle larger
@@ -17,6 +19,7 @@ use crate::common;
 use std::path::Path;
 use std::process::Command;
 
+use common::multihost::{Layout, MultiHost, CLIENT_HOST};
 use common::{Cluster, TERN};
 
 fn ensure_pyspark() {
@@ -44,16 +47,38 @@ fn build_plugin(root: &Path) -> (String, String) {
     (String::from_utf8(out.stdout).unwrap().trim().lines().last().unwrap().to_string(), stderr)
 }
 
+/// The suite with Spark (driver and local-cluster executors) on a client host of its own and the
+/// metadata and storage servers on three others, everything TLS: the suite's main application
+/// gives the TLS material as PEM text in its Spark conf and moves blocks over QUIC; its second
+/// driver names the TLS directory and takes the default transport (TLS over TCP).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn spark_jobs_on_tern_match_the_builtin_shuffle() {
+async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     ensure_pyspark();
     let (jar, _) = build_plugin(root);
-    let cluster = Cluster::start(3, "512MiB").await;
+    let layout = Layout { storage_servers: 3, dram: "512MiB", metadata_sets: &[] };
+    let cluster = MultiHost::start(layout).await;
     let work = tempfile::tempdir().unwrap();
-    let envs =
-        [("TERN_KILL_PID", cluster.storage_pid(0).to_string()), ("TERN_WORK", work.path().display().to_string())];
-    run_script(&cluster, &jar, &root.join("spark-shuffle/tests/spark_suite.py"), &envs, "all Spark cases agree").await;
+    let client = cluster.network().host(CLIENT_HOST);
+    let mut python = tokio::process::Command::from(client.command(Path::new("python3")));
+    python
+        .env("TERN_METADATA", &cluster.metadata_url)
+        .env("TERN_TLS_DIR", &cluster.tls_dir)
+        .env("TERN_KILL_PID", cluster.storage_pid(0).to_string())
+        .env("TERN_WORK", work.path())
+        // Spark's driver and its local-cluster master and workers bind this address: the client
+        // host's own, which the namespace has (the machine's hostname resolves to one it lacks).
+        .env("SPARK_LOCAL_IP", client.ip().to_string());
+    let script = root.join("spark-shuffle/tests/spark_suite.py");
+    run_script(python, &jar, &script, "all Spark cases agree", &|| cluster.logs()).await;
+    // Server 0 was killed by the suite; the others served the QUIC application and the TLS one.
+    for i in 1..3 {
+        let metrics = cluster.storage_metrics(i);
+        for transport in ["quic", "tcp+tls"] {
+            let accepted = format!("tern_storage_connections_accepted_total{{transport=\"{transport}\"}}");
+            assert!(metrics.contains(&accepted), "storage server {i} accepted no {transport} connection:\n{metrics}");
+        }
+    }
 }
 
 /// Long applications under storage pressure (see spark-shuffle/tests/spark_space.py): 2 storage
@@ -65,19 +90,26 @@ async fn long_applications_free_finished_queries_shuffles_under_storage_pressure
     ensure_pyspark();
     let (jar, _) = build_plugin(root);
     let cluster = Cluster::start(2, "56MiB").await;
-    run_script(&cluster, &jar, &root.join("spark-shuffle/tests/spark_space.py"), &[], "storage pressure handled").await;
+    let mut python = tokio::process::Command::new("python3");
+    python.env("TERN_METADATA", &cluster.metadata_addr);
+    let script = root.join("spark-shuffle/tests/spark_space.py");
+    run_script(python, &jar, &script, "storage pressure handled", &|| cluster.logs()).await;
 }
 
-/// Runs one of the plugin's Python test scripts against `cluster` (TERN_METADATA, TERN_SPARK_JAR and
-/// TERN_BIN set, and `envs`), printing its output; fails unless it exits 0 having printed `done`,
-/// showing the tails of its stderr and of the cluster's logs.
-async fn run_script(cluster: &Cluster, jar: &str, script: &Path, envs: &[(&str, String)], done: &str) {
-    let out = tokio::process::Command::new("python3")
+/// Runs one of the plugin's Python test scripts with `python` (its cluster's environment set),
+/// TERN_SPARK_JAR and TERN_BIN, printing its output; fails unless it exits 0 having printed
+/// `done`, showing the tails of its stderr and of the cluster's `logs`.
+async fn run_script(
+    mut python: tokio::process::Command,
+    jar: &str,
+    script: &Path,
+    done: &str,
+    logs: &(dyn Fn() -> String + Sync),
+) {
+    let out = python
         .arg(script)
-        .env("TERN_METADATA", &cluster.metadata_addr)
         .env("TERN_SPARK_JAR", jar)
         .env("TERN_BIN", TERN)
-        .envs(envs.iter().map(|(k, v)| (k, v)))
         .output()
         .await
         .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
@@ -88,7 +120,7 @@ async fn run_script(cluster: &Cluster, jar: &str, script: &Path, envs: &[(&str, 
         out.status.success(),
         "{name} failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
         tail(&String::from_utf8_lossy(&out.stderr), 200),
-        tail(&cluster.logs(), 60)
+        tail(&logs(), 60)
     );
     assert!(stdout.contains(done), "{stdout}");
 }

@@ -13,7 +13,7 @@
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -174,10 +174,9 @@ fn write_file(path: &Path, bytes: &[u8], mode: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A TLS directory, loaded and checked.
+/// A TLS directory (or the same three PEM pieces given in memory), loaded and checked.
 #[derive(Debug, Clone)]
 pub struct TlsMaterial {
-    dir: PathBuf,
     ca_pem: Vec<u8>,
     node_pem: Vec<u8>,
     key_pem: Vec<u8>,
@@ -186,9 +185,23 @@ pub struct TlsMaterial {
     pub(crate) key: Arc<PrivateKeyDer<'static>>,
 }
 
+/// Where TLS material came from, so that an error names the file (or setting) at fault and says
+/// how to make new material.
+#[derive(Debug, Clone)]
+pub struct PemOrigin {
+    /// The CA certificate's name in errors: a path, or a setting's name.
+    pub ca: String,
+    /// The node certificate's.
+    pub node: String,
+    /// The node key's.
+    pub key: String,
+    /// How to make new material, said when it is missing or expired.
+    pub renew: String,
+}
+
 impl TlsMaterial {
-    /// Reads `ca.pem`, `node.pem` and `node.key` from `dir` and checks them: each parses, the CA
-    /// and node certificates are valid now, and the CA signed the node certificate.
+    /// Reads `ca.pem`, `node.pem` and `node.key` from `dir` and checks them as
+    /// [`TlsMaterial::from_pem`] does.
     pub fn load(dir: &Path) -> anyhow::Result<TlsMaterial> {
         let how = format!("create it with `tern cert init --dir {}`", dir.display());
         if !dir.is_dir() {
@@ -204,30 +217,45 @@ impl TlsMaterial {
                 Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
             }
         };
-        let (ca_pem, node_pem, key_pem) = (read(CA_CERT)?, read(NODE_CERT)?, read(NODE_KEY)?);
-        let ca = parse_certs(&dir.join(CA_CERT), &ca_pem)?.swap_remove(0);
-        let chain = parse_certs(&dir.join(NODE_CERT), &node_pem)?;
-        let key_path = dir.join(NODE_KEY);
+        let name = |file: &str| dir.join(file).display().to_string();
+        let origin = PemOrigin {
+            ca: name(CA_CERT),
+            node: name(NODE_CERT),
+            key: name(NODE_KEY),
+            renew: format!("make new material with `tern cert init --dir {} --force`", dir.display()),
+        };
+        TlsMaterial::from_pem(read(CA_CERT)?, read(NODE_CERT)?, read(NODE_KEY)?, &origin)
+    }
+
+    /// Checks TLS material given as PEM: each piece parses, the CA and node certificates are
+    /// valid now, the CA signed the node certificate and the key is the certificate's. Errors
+    /// name the piece by `origin`.
+    pub fn from_pem(
+        ca_pem: Vec<u8>,
+        node_pem: Vec<u8>,
+        key_pem: Vec<u8>,
+        origin: &PemOrigin,
+    ) -> anyhow::Result<TlsMaterial> {
+        let ca = parse_certs(&origin.ca, &ca_pem)?.swap_remove(0);
+        let chain = parse_certs(&origin.node, &node_pem)?;
         let key = PrivateKeyDer::from_pem_slice(&key_pem)
-            .map_err(|e| anyhow::anyhow!("{}: not a PEM private key: {e}", key_path.display()))?;
+            .map_err(|e| anyhow::anyhow!("{}: not a PEM private key: {e}", origin.key))?;
 
         let now = OffsetDateTime::now_utc();
-        check_validity(&dir.join(CA_CERT), "CA certificate", &ca, now, dir)?;
-        check_validity(&dir.join(NODE_CERT), "node certificate", &chain[0], now, dir)?;
+        check_validity(&origin.ca, "CA certificate", &ca, now, &origin.renew)?;
+        check_validity(&origin.node, "node certificate", &chain[0], now, &origin.renew)?;
 
         let mut roots = RootCertStore::empty();
-        roots
-            .add(ca.clone())
-            .map_err(|e| anyhow::anyhow!("{}: not a usable CA certificate: {e}", dir.join(CA_CERT).display()))?;
+        roots.add(ca.clone()).map_err(|e| anyhow::anyhow!("{}: not a usable CA certificate: {e}", origin.ca))?;
         let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
             .build()
             .context("building the certificate verifier")?;
         verifier.verify_client_cert(&chain[0], &chain[1..], UnixTime::now()).map_err(|e| {
             anyhow::anyhow!(
                 "{} is not signed by the CA in {} ({e}); the node certificate must come from the same \
-                 `tern cert init` as {CA_CERT}",
-                dir.join(NODE_CERT).display(),
-                dir.join(CA_CERT).display()
+                 `tern cert init` as the CA certificate",
+                origin.node,
+                origin.ca
             )
         })?;
         // The key must be the certificate's: building a config checks that.
@@ -236,15 +264,8 @@ impl TlsMaterial {
             .context("TLS 1.3 with aws-lc-rs")?
             .with_no_client_auth()
             .with_single_cert(chain.clone(), key.clone_key())
-            .map_err(|e| {
-                anyhow::anyhow!("{} does not go with {}: {e}", key_path.display(), dir.join(NODE_CERT).display())
-            })?;
-        Ok(TlsMaterial { dir: dir.to_path_buf(), ca_pem, node_pem, key_pem, ca, chain, key: Arc::new(key) })
-    }
-
-    /// The directory it was loaded from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+            .map_err(|e| anyhow::anyhow!("{} does not go with {}: {e}", origin.key, origin.node))?;
+        Ok(TlsMaterial { ca_pem, node_pem, key_pem, ca, chain, key: Arc::new(key) })
     }
 
     pub(crate) fn roots(&self) -> RootCertStore {
@@ -341,36 +362,34 @@ pub fn server_name_of(addr: &str) -> String {
     }
 }
 
-fn parse_certs(path: &Path, pem: &[u8]) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+fn parse_certs(name: &str, pem: &[u8]) -> anyhow::Result<Vec<CertificateDer<'static>>> {
     let certs = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| anyhow::anyhow!("{}: not a PEM certificate: {e}", path.display()))?;
+        .map_err(|e| anyhow::anyhow!("{name}: not a PEM certificate: {e}"))?;
     if certs.is_empty() {
-        bail!("{}: not a PEM certificate: no CERTIFICATE block in it", path.display());
+        bail!("{name}: not a PEM certificate: no CERTIFICATE block in it");
     }
     Ok(certs)
 }
 
 /// Fails unless `cert` is valid at `now`, naming the file and its dates.
 fn check_validity(
-    path: &Path,
+    name: &str,
     what: &str,
     cert: &CertificateDer<'_>,
     now: OffsetDateTime,
-    dir: &Path,
+    renew: &str,
 ) -> anyhow::Result<()> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
-        .map_err(|e| anyhow::anyhow!("{}: not an X.509 certificate: {e}", path.display()))?;
+        .map_err(|e| anyhow::anyhow!("{name}: not an X.509 certificate: {e}"))?;
     let validity = parsed.validity();
     let (from, to) = (validity.not_before.to_datetime(), validity.not_after.to_datetime());
-    let renew = format!("make new material with `tern cert init --dir {} --force`", dir.display());
     if now > to {
-        bail!("{}: the {what} expired on {} (valid from {}); {renew}", path.display(), day(to), day(from));
+        bail!("{name}: the {what} expired on {} (valid from {}); {renew}", day(to), day(from));
     }
     if now < from {
         bail!(
-            "{}: the {what} is not valid yet: valid from {} to {} (is this machine's clock right?)",
-            path.display(),
+            "{name}: the {what} is not valid yet: valid from {} to {} (is this machine's clock right?)",
             day(from),
             day(to)
         );

@@ -134,7 +134,7 @@ pub async fn serve_block_listeners(
                     }
                     continue;
                 };
-                metrics.connection_opened();
+                metrics.connection_opened(transport);
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
                 let Stream { reader, writer, peer, arena } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);

@@ -264,11 +264,6 @@ impl Cluster {
         *daemon = spec.spawn().unwrap_or_else(|e| panic!("{e:#}"));
     }
 
-    /// The process id of storage server `i` (for a test that kills it from another process).
-    pub fn storage_pid(&self, i: usize) -> u32 {
-        self.daemons[1 + i].id()
-    }
-
     /// SIGKILLs storage server `i`.
     pub fn kill_storage(&mut self, i: usize) {
         let daemon = &mut self.daemons[1 + i];

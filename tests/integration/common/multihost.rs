@@ -18,6 +18,8 @@ use super::TERN;
 /// Ports are per namespace, so every host uses the usual ones.
 const METADATA_PORT: u16 = 9060;
 const STORAGE_PORT: u16 = 9070;
+/// Storage servers' admin endpoint (/metrics), on each one's own loopback.
+const STORAGE_ADMIN_PORT: u16 = 9071;
 /// How long the cluster may take to come up.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often [`MultiHost::wait_status`] asks.
@@ -96,7 +98,14 @@ impl MultiHost {
                 .on(host)
                 .serving(addr)
                 .args(["storage-server", "--metadata", &metadata_url, "--listen", &addr.to_string()])
-                .args(["--admin", "127.0.0.1:0", "--dram", layout.dram, "--tls-dir", &tls]);
+                .args([
+                    "--admin",
+                    &format!("127.0.0.1:{STORAGE_ADMIN_PORT}"),
+                    "--dram",
+                    layout.dram,
+                    "--tls-dir",
+                    &tls,
+                ]);
             daemons.push(spec.spawn().unwrap_or_else(|e| panic!("{e:#}")));
             storage.push((daemons.len() - 1, addr));
         }
@@ -218,6 +227,17 @@ impl MultiHost {
         assert_eq!(report["sorted"], true, "{report}");
         assert_eq!(report["input_checksum"], report["output_checksum"], "{report}");
         (report, finished)
+    }
+
+    pub fn storage_pid(&self, i: usize) -> u32 {
+        self.daemons[1 + i].id()
+    }
+
+    /// Storage server `i`'s Prometheus metrics, read on its own host.
+    pub fn storage_metrics(&self, i: usize) -> String {
+        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], STORAGE_ADMIN_PORT));
+        let read = self.network.on_host(&storage_host(i), || crate::monitoring::http_get(admin, "/metrics"));
+        read.and_then(|metrics| metrics).unwrap_or_else(|e| panic!("metrics of storage server {i}: {e:#}"))
     }
 
     /// SIGKILLs storage server `i`.

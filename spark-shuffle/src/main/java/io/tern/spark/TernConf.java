@@ -6,6 +6,19 @@ import org.apache.spark.SparkConf;
 final class TernConf {
     /** Metadata server, host:port. Required. */
     static final String METADATA = "spark.tern.metadata";
+    /** Block transport: "auto", "tcp", "tls", "quic", "local" or "rdma". */
+    static final String TRANSPORT = "spark.tern.transport";
+    /** A TLS directory made by `tern cert init` (ca.pem, node.pem, node.key), on every host. */
+    static final String TLS_DIR = "spark.tern.tlsDir";
+    /** The same material as PEM text in the configuration, for hosts without the files. */
+    static final String TLS_CA = "spark.tern.tls.ca";
+    static final String TLS_CERT = "spark.tern.tls.cert";
+    /** Named "secret" so that Spark's default spark.redaction.regex hides it in the UI and logs. */
+    static final String TLS_SECRET_KEY = "spark.tern.tls.secretKey";
+    /** The tenant the application's Tern job counts against (quotas, fair share). */
+    static final String TENANT = "spark.tern.tenant";
+    /** Copies of each shuffle segment, on different storage servers: 1 or 2. */
+    static final String COPIES = "spark.tern.copies";
     /** "dram", "nvme" or "any". */
     static final String STORAGE_CLASS = "spark.tern.storageClass";
     /** Bytes after which a partition continues on another server (0: the cluster's default). */
@@ -32,6 +45,13 @@ final class TernConf {
     static final String NATIVE_DIR = "spark.tern.nativeDir";
 
     final String metadata;
+    final String transport;
+    final String tlsDir;
+    final String tlsCa;
+    final String tlsCert;
+    final String tlsSecretKey;
+    final String tenant;
+    final int copies;
     final String storageClass;
     final long splitSizeBytes;
     final long jobLeaseMs;
@@ -46,6 +66,16 @@ final class TernConf {
 
     TernConf(SparkConf conf) {
         metadata = conf.get(METADATA, "");
+        transport = conf.get(TRANSPORT, "auto");
+        tlsDir = conf.get(TLS_DIR, "");
+        tlsCa = conf.get(TLS_CA, "");
+        tlsCert = conf.get(TLS_CERT, "");
+        tlsSecretKey = conf.get(TLS_SECRET_KEY, "");
+        tenant = conf.get(TENANT, "");
+        copies = conf.getInt(COPIES, 1);
+        if (copies < 1 || copies > 2) {
+            throw new IllegalArgumentException(COPIES + " is " + copies + ": Tern keeps 1 or 2 copies of a shuffle segment");
+        }
         storageClass = conf.get(STORAGE_CLASS, "");
         splitSizeBytes = conf.getSizeAsBytes(SPLIT_SIZE, "0");
         jobLeaseMs = conf.getTimeAsMs(JOB_LEASE, "30s");

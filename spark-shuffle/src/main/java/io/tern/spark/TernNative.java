@@ -19,7 +19,18 @@ public final class TernNative {
         NativeLibrary.load(null);
     }
 
-    public static native long connect(String metadataAddr);
+    /**
+     * Connects to the metadata server; empty strings mean unset: transport "auto", no TLS
+     * material (tlsDir, or all three PEM texts), the default tenant.
+     */
+    public static native long connect(
+            String metadataAddr,
+            String transport,
+            String tlsDir,
+            String caPem,
+            String certPem,
+            String secretKeyPem,
+            String tenant);
 
     public static native void closeClient(long client);
 
@@ -40,7 +51,13 @@ public final class TernNative {
     public static native void abandonJob(long job);
 
     public static native long registerShuffle(
-            long client, String jobId, int partitions, int maps, String storageClass, long splitSizeBytes);
+            long client,
+            String jobId,
+            int partitions,
+            int maps,
+            String storageClass,
+            long splitSizeBytes,
+            int copies);
 
     public static native long openShuffle(long client, long ternShuffleId);
 

@@ -97,7 +97,14 @@ public class TernShuffleManager implements ShuffleManager {
             throw new IllegalStateException("TernShuffleManager is stopped");
         }
         if (client == 0) {
-            client = TernNative.connect(conf.requireMetadata());
+            client = TernNative.connect(
+                    conf.requireMetadata(),
+                    conf.transport,
+                    conf.tlsDir,
+                    conf.tlsCa,
+                    conf.tlsCert,
+                    conf.tlsSecretKey,
+                    conf.tenant);
         }
         return client;
     }
@@ -139,7 +146,7 @@ public class TernShuffleManager implements ShuffleManager {
         serveEndpoint();
         startCleaner(dependency.rdd().context());
         long handle = TernNative.registerShuffle(
-                client(), jobId(), partitions, maps, conf.storageClass, conf.splitSizeBytes);
+                client(), jobId(), partitions, maps, conf.storageClass, conf.splitSizeBytes, conf.copies);
         long ternId = TernNative.shuffleId(handle);
         shuffles.put(ternId, handle);
         ternIds.put(shuffleId, ternId);
