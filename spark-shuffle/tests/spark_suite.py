@@ -3,14 +3,15 @@
 Runs every case once on Spark's built-in shuffle and once on Tern (one SparkContext each) and
 fails if any result differs, if AQE did not split the skewed join, or if the TeraSort output does
 not validate with the input's checksum. Then, on Tern: unregistered shuffles and a stopped
-application leave no blocks in Tern; a killed storage server costs exactly one resubmission of
+application leave no blocks in Tern; a storage server lost (its link cut) costs exactly one resubmission of
 the map stage, which reruns exactly the maps Tern lost; and a second driver (this script with
 --child) runs with dynamic allocation and no external shuffle service (its executors are
 released between two jobs reading one shuffle) and is then killed with SIGKILL: its data must be
 freed when its job lease lapses.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
-binary), TERN_KILL_PID (a storage server of that cluster this suite may SIGKILL), TERN_WORK (a
+binary), TERN_STORAGE_FAULT (a shell command that takes one storage server of that cluster away:
+the multi-host test cuts its link, so its packets vanish), TERN_WORK (a
 scratch directory), and TERN_TLS_DIR where the cluster speaks TLS: then the main application gives
 the material as PEM text (spark.tern.tls.*) and moves blocks over QUIC, and the second driver names
 the directory (spark.tern.tlsDir) and takes the default transport.
@@ -32,7 +33,7 @@ from pyspark.sql import functions as F
 METADATA = os.environ["TERN_METADATA"]
 JAR = os.environ["TERN_SPARK_JAR"]
 TERN = os.environ["TERN_BIN"]
-KILL_PID = int(os.environ["TERN_KILL_PID"])
+STORAGE_FAULT = os.environ["TERN_STORAGE_FAULT"]
 WORK = os.environ["TERN_WORK"]
 TERASORT_BYTES = int(os.environ.get("TERN_TERASORT_BYTES", str(24 << 20)))
 TLS_DIR = os.environ.get("TERN_TLS_DIR", "")
@@ -202,8 +203,9 @@ def frees_unregistered_shuffles(sc):
 
 
 def survive_lost_server(sc):
-    """Kills a storage server between a shuffle's map and reduce stages: the job still returns the
-    right result, with one resubmission of the map stage that reruns exactly the lost maps."""
+    """Takes a storage server away (TERN_STORAGE_FAULT) between a shuffle's map and reduce stages:
+    the job still returns the right result, with one resubmission of the map stage that reruns
+    exactly the lost maps."""
     n, maps = 60000, 6
     # Map i's keys are all = i (mod 6), so all its records go to reduce partition i (PySpark hashes
     # an int to itself): a killed server loses only the maps whose partition it held.
@@ -219,7 +221,7 @@ def survive_lost_server(sc):
     assert len(shuffles) == 1, f"expected one shuffle, saw {shuffles}"
     shuffle = shuffles.pop()
     manager = sc._jsc.sc().env().shuffleManager()
-    os.kill(KILL_PID, signal.SIGKILL)
+    subprocess.run(STORAGE_FAULT, shell=True, check=True)
     # The metadata server declares the server dead after its server timeout.
     lost = sorted(wait_for("Tern to report lost maps", lambda: list(manager.lostMaps(shuffle)), 20))
     log.clear()
@@ -355,7 +357,7 @@ def main():
         freed = frees_unregistered_shuffles(sc)
         print(f"  ok  unregistering {freed} shuffles freed all their blocks in Tern", flush=True)
         lost = survive_lost_server(sc)
-        print(f"  ok  a killed storage server: lost maps {lost} rerun in one map-stage attempt, result right",
+        print(f"  ok  a storage server cut off: lost maps {lost} rerun in one map-stage attempt, result right",
               flush=True)
         job = sc._jsc.sc().env().shuffleManager().ternJobId()
     finally:

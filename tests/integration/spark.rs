@@ -2,7 +2,7 @@
 //! daemons on others; see [`MultiHost`]): spark-shuffle/tests/spark_suite.py runs RDD, JVM
 //! and SQL shuffles (AQE coalescing and skew splitting forced) on Spark's built-in shuffle and on
 //! Tern and fails on any difference; then a TeraSort validated as `tern teravalidate` does; Spark's
-//! shuffle cleanup and the application's end leaving no bytes in Tern; a storage server killed
+//! shuffle cleanup and the application's end leaving no bytes in Tern; a storage server cut off
 //! between a shuffle's map and reduce stages, recovered by one map-stage retry that reruns exactly
 //! the lost maps; and a second driver with dynamic allocation (executors released between two
 //! reads of one shuffle), its job in the tenant and with the copies its conf names, that is
@@ -19,7 +19,7 @@ use crate::common;
 use std::path::Path;
 use std::process::Command;
 
-use common::multihost::{Layout, MultiHost, CLIENT_HOST};
+use common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
 use common::{Cluster, TERN};
 
 fn ensure_pyspark() {
@@ -60,18 +60,20 @@ async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     let cluster = MultiHost::start(layout).await;
     let work = tempfile::tempdir().unwrap();
     let client = cluster.network().host(CLIENT_HOST);
+    let cut = cluster.network().host(&storage_host(0)).link().unwrap();
     let mut python = tokio::process::Command::from(client.command(Path::new("python3")));
     python
         .env("TERN_METADATA", &cluster.metadata_url)
         .env("TERN_TLS_DIR", &cluster.tls_dir)
-        .env("TERN_KILL_PID", cluster.storage_pid(0).to_string())
+        // Storage server 0's link cut: the veth's bridge end lives in this test's namespace.
+        .env("TERN_STORAGE_FAULT", format!("nsenter --net=/proc/{}/ns/net ip link set {cut} down", std::process::id()))
         .env("TERN_WORK", work.path())
         // Spark's driver and its local-cluster master and workers bind this address: the client
         // host's own, which the namespace has (the machine's hostname resolves to one it lacks).
         .env("SPARK_LOCAL_IP", client.ip().to_string());
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     run_script(python, &jar, &script, "all Spark cases agree", &|| cluster.logs()).await;
-    // Server 0 was killed by the suite; the others served the QUIC application and the TLS one.
+    // Server 0 was cut off by the suite; the others served the QUIC application and the TLS one.
     for i in 1..3 {
         let metrics = cluster.storage_metrics(i);
         for transport in ["quic", "tcp+tls"] {

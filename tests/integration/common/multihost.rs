@@ -229,10 +229,6 @@ impl MultiHost {
         (report, finished)
     }
 
-    pub fn storage_pid(&self, i: usize) -> u32 {
-        self.daemons[1 + i].id()
-    }
-
     /// Storage server `i`'s Prometheus metrics, read on its own host.
     pub fn storage_metrics(&self, i: usize) -> String {
         let admin = std::net::SocketAddr::from(([127, 0, 0, 1], STORAGE_ADMIN_PORT));
