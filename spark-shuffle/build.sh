@@ -62,9 +62,12 @@ else
         echo "WARNING: rustup cannot install the aarch64-unknown-linux-gnu target here:" \
             "the jar is built for linux-x86_64 ONLY and will not load on aarch64." >&2
     fi
+    # One cargo run for every arch: build scripts and proc macros (host code) are built once.
+    targets=()
+    for arch in "${archs[@]}"; do targets+=(--target "$arch-unknown-linux-gnu.$glibc"); done
+    PATH="$venv/bin:$PATH" cargo-zigbuild zigbuild -p tern-spark "${cargo_flags[@]}" "${targets[@]}" >&2
     for arch in "${archs[@]}"; do
         triple="$arch-unknown-linux-gnu"
-        PATH="$venv/bin:$PATH" cargo-zigbuild zigbuild -p tern-spark "${cargo_flags[@]}" --target "$triple.$glibc" >&2
         built="$target_dir/$triple/$profile/libtern_spark.so"
         # Every versioned glibc symbol the library binds must exist in glibc $glibc.
         newest=$(readelf -W --dyn-syms "$built" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -V | tail -n1)
