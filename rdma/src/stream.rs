@@ -5,8 +5,9 @@
 //! registered address and a client finds the RDMA service where it finds TCP. Each connection
 //! carries the same byte stream of block frames as TCP, as two-sided SENDs of at most
 //! [`verbs::SLOT_BYTES`] into receives the peer posted beforehand: auth, grants and checksums are
-//! exactly those of every other transport. ARCHITECTURE.md ("RDMA") says why this comes first and
-//! how one-sided READs of sealed blocks go on top of it.
+//! exactly those of every other transport. ARCHITECTURE.md ("RDMA") says why. One-sided work
+//! (memory windows a server lends, READs a client makes: [`crate::one_sided`]) goes through the
+//! same pump thread, which alone owns the queue pair.
 //!
 //! Bounds: [`verbs::SLOTS`] sends and receives in flight each way (the queue depths), 2 MiB of
 //! registered buffers per connection, [`MAX_CONNECTIONS`] connections per listener (more are
