@@ -4,7 +4,8 @@
 //!
 //! `rdma_check METADATA BLOCK_SIZE before`: round trips of files of 0, 1, block-1, block, block+1
 //! bytes (their reads one-sided RDMA READs through the servers' memory windows: counted), a
-//! shuffle written by 3 maps into 4 partitions and read back by map ranges, a read and a Lease of
+//! shuffle written by 3 maps into 4 partitions and read back by map ranges (pages of one batch
+//! READ one-sided too), a read and a Lease of
 //! another job's file refused, READs through a window after its Release and after its lease ran
 //! out failing; leaves /jobs/keep/* for the next phase.
 //! `rdma_check METADATA BLOCK_SIZE after`: run once a storage server was killed: every file
@@ -81,6 +82,7 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         }
         check(writer.commit().await?.committed, &format!("map {map} committed"))?;
     }
+    let reads_before = tern_rdma::one_sided::counters().reads;
     for (partitions, maps) in [(0..4, 0..3), (1..3, 1..3), (3..4, 0..1)] {
         let batches = shuffle.reader(partitions.clone(), maps.clone()).await?.read_to_end().await?;
         let mut got: Vec<(u32, u32, Vec<u8>)> = Vec::new();
@@ -100,6 +102,9 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         want.sort();
         check(got == want, &format!("shuffle read of partitions {partitions:?} x maps {maps:?}"))?;
     }
+    // A page that is one batch (one extent of the arena) is lent, not carried.
+    let shuffle_reads = tern_rdma::one_sided::counters().reads - reads_before;
+    check(shuffle_reads > 0, &format!("the shuffle's Fetch pages went one-sided ({shuffle_reads} READs)"))?;
 
     // Another job's client may not read keep's file.
     let stranger = client(metadata).await?;

@@ -171,22 +171,27 @@ impl BlockConnection {
     }
 
     /// READs a block lent through a memory window, whole (so its crc32c, which the server took
-    /// when it lent it, can be checked), and answers `len` bytes of it from `offset`. A READ
-    /// that fails ends the connection (its queue pair is in the error state): the caller's
-    /// retry goes through a new one.
+    /// when it lent it, can be checked), and answers `len` bytes of it from `offset`.
     async fn read_remote(&self, block: u64, lease: &RemoteLease, offset: u32, len: u32) -> Result<Bytes> {
+        let bytes = self.read_window(&format!("block {block}"), lease).await?;
+        Ok(bytes.slice(offset as usize..(offset + len) as usize))
+    }
+
+    /// READs what `lease` lends (`what`, for errors) one-sided and checks it against the crc the
+    /// server took. A READ that fails ends the connection (its queue pair is in the error
+    /// state): the caller's retry goes through a new one.
+    async fn read_window(&self, what: &str, lease: &RemoteLease) -> Result<Bytes> {
         let one_sided = self.one_sided.as_ref().expect("RDMA leases come over RDMA connections");
         let window = Window { addr: lease.addr, rkey: lease.rkey };
         let bytes = match tokio::time::timeout(self.request_timeout, one_sided.read(window, lease.len as usize)).await {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(e)) => {
-                let lost = self.lost(&format!("RDMA READ of block {block}: {e}"));
+                let lost = self.lost(&format!("RDMA READ of {what}: {e}"));
                 self.give_up(&lost);
                 return Err(lost);
             }
             Err(_) => {
-                let lost =
-                    self.lost(&format!("RDMA READ of block {block}: no completion within {:?}", self.request_timeout));
+                let lost = self.lost(&format!("RDMA READ of {what}: no completion within {:?}", self.request_timeout));
                 self.give_up(&lost);
                 return Err(lost);
             }
@@ -194,7 +199,7 @@ impl BlockConnection {
         let actual = crc32c::crc32c(&bytes);
         if bytes.len() != lease.len as usize || actual != lease.crc {
             let why = format!(
-                "storage server {}: block {block} READ as {} bytes with crc {actual:#010x}; the server lent {} bytes with crc {:#010x}",
+                "storage server {}: {what} READ as {} bytes with crc {actual:#010x}; the server lent {} bytes with crc {:#010x}",
                 self.addr,
                 bytes.len(),
                 lease.len,
@@ -202,7 +207,7 @@ impl BlockConnection {
             );
             return Err(Error::new(crate::ErrorKind::Corrupt, why));
         }
-        Ok(bytes.slice(offset as usize..(offset + len) as usize))
+        Ok(bytes)
     }
 
     /// A live lease of `block` covering its first `end` bytes: the one held, or a new one.
@@ -361,24 +366,37 @@ impl BlockConnection {
         }
     }
 
-    /// A reply whose bytes were lent in the shared arena (a same-host Fetch page): the bytes
-    /// copied out of the mapping and checked against the crc the server took, the lease released.
+    /// A reply whose bytes were lent (a Fetch page that is one extent of the server's arena): on
+    /// a same-host connection copied out of the mapping, on an RDMA connection READ through the
+    /// memory window; checked against the crc the server took, and the lease released.
     async fn take_lent(&self, mut reply: Frame) -> Result<Frame> {
         let corrupt =
             |why: String| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {why}", self.addr));
-        let page = LentPage::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
-        let arena =
-            self.arena.as_ref().ok_or_else(|| corrupt("a lent reply on a connection without a shared arena".into()))?;
-        let copied = arena.copy_out(page.lease.offset, page.len as usize);
-        self.post(|id| Frame::release(id, &[page.lease.id])).await;
-        let bytes = copied.map_err(|e| corrupt(e.to_string()))?;
-        let actual = crc32c::crc32c(&bytes);
-        if actual != page.crc {
-            return Err(corrupt(format!("lent bytes have crc {actual:#010x}, the server took {:#010x}", page.crc)));
-        }
+        let (bytes, crc) = if self.one_sided.is_some() {
+            let lease = RemoteLease::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
+            let read = self.read_window(&format!("a lent {:?} page", reply.header.op), &lease).await;
+            if read.is_ok() {
+                self.post(|id| Frame::release(id, &[lease.id])).await;
+            }
+            (read?, lease.crc)
+        } else {
+            let page = LentPage::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
+            let arena = self
+                .arena
+                .as_ref()
+                .ok_or_else(|| corrupt("a lent reply on a connection without a shared arena".into()))?;
+            let copied = arena.copy_out(page.lease.offset, page.len as usize);
+            self.post(|id| Frame::release(id, &[page.lease.id])).await;
+            let bytes = copied.map_err(|e| corrupt(e.to_string()))?;
+            let actual = crc32c::crc32c(&bytes);
+            if actual != page.crc {
+                return Err(corrupt(format!("lent bytes have crc {actual:#010x}, the server took {:#010x}", page.crc)));
+            }
+            (bytes, page.crc)
+        };
         reply.header.slot = 0;
-        reply.header.payload_len = page.len;
-        reply.header.payload_crc = page.crc;
+        reply.header.payload_len = bytes.len() as u32;
+        reply.header.payload_crc = crc;
         reply.payload = bytes;
         Ok(reply)
     }

@@ -442,8 +442,9 @@ impl RemoteLease {
     }
 }
 
-/// In a reply's `slot` field (requests-only otherwise): the payload is a [`LentPage`] saying
-/// where the reply's bytes lie in the server's shared arena, not the bytes. Only same-host
+/// In a reply's `slot` field (requests-only otherwise): the payload says where the reply's bytes
+/// lie instead of carrying them: a [`LentPage`] in the server's shared arena (same-host
+/// connections), a [`RemoteLease`] (RDMA connections: the memory window to READ). Only those
 /// connections carry such replies (Fetch pages that are one extent of the arena).
 pub const REPLY_LENT: u16 = 1;
 
@@ -482,7 +483,13 @@ impl LentPage {
 impl Frame {
     /// This reply with its payload lent as `page` instead of carried (see [`REPLY_LENT`]).
     pub fn lent(self, page: LentPage) -> Frame {
-        let mut lent = Frame::reply(&self.header, self.header.length, page.encode());
+        self.lent_with(page.encode())
+    }
+
+    /// This reply with its payload lent instead of carried, `lease` saying where: a
+    /// [`LentPage`] on a same-host connection, a [`RemoteLease`] on an RDMA one.
+    pub fn lent_with(self, lease: Bytes) -> Frame {
+        let mut lent = Frame::reply(&self.header, self.header.length, lease);
         lent.header.slot = REPLY_LENT;
         lent
     }

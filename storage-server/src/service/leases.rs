@@ -68,15 +68,27 @@ impl Leases {
     }
 }
 
-/// `reply` (a Fetch page) on a same-host connection: lent when its bytes are one extent of the
-/// arena (the usual page of large batches), so the client copies them from its mapping; as it
-/// is otherwise (a page gathered from several batches, or read from NVMe).
-pub(super) fn lend_page(leases: Option<&mut Leases>, reply: Frame) -> Frame {
-    let Some(leases) = leases else { return reply };
+/// `reply` (a Fetch page) on a same-host or RDMA connection: lent when its bytes are one extent
+/// of the arena (the usual page of large batches), so the client copies them from its mapping
+/// or READs them through a memory window; as it is otherwise (a page gathered from several
+/// batches, or read from NVMe, or any the connection cannot lend now).
+pub(super) async fn lend_page(conn: &mut Connection, reply: Frame) -> Frame {
     if reply.payload.is_empty() {
         return reply;
     }
     let (len, crc) = (reply.payload.len() as u32, reply.header.payload_crc);
+    if let Some(one_sided) = conn.one_sided.clone() {
+        // A page that is not one extent of the arena fails the bind's range check at once.
+        let lent = tokio::time::timeout(WINDOW_DEADLINE, one_sided.lend(reply.payload.clone(), LEASE_TTL)).await;
+        return match lent {
+            Ok(Ok((id, window))) => {
+                let lease = RemoteLease { id, addr: window.addr, rkey: window.rkey, len, crc };
+                reply.lent_with(lease.encode())
+            }
+            _ => reply,
+        };
+    }
+    let Some(leases) = conn.leases.as_mut() else { return reply };
     match leases.lend(reply.payload.clone()) {
         Ok(lease) => reply.lent(LentPage { lease, len, crc }),
         Err(_) => reply,
