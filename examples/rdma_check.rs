@@ -3,8 +3,11 @@
 //! and a fallback to TCP is a failure (the script greps this program's log for it).
 //!
 //! `rdma_check METADATA BLOCK_SIZE before`: round trips of files of 0, 1, block-1, block, block+1
-//! bytes, a shuffle written by 3 maps into 4 partitions and read back by map ranges, a read of
-//! another job's file refused; leaves /jobs/keep/* for the next phase.
+//! bytes (their reads one-sided RDMA READs through the servers' memory windows: counted), a
+//! shuffle written by 3 maps into 4 partitions and read back by map ranges (pages of one batch
+//! READ one-sided too), a read and a Lease of
+//! another job's file refused, READs through a window after its Release and after its lease ran
+//! out failing; leaves /jobs/keep/* for the next phase.
 //! `rdma_check METADATA BLOCK_SIZE after`: run once a storage server was killed: every file
 //! still reads back or fails as Unavailable/DataLost naming the server (never wrong bytes, never
 //! a hang past the deadline), and a new file round-trips on the survivor.
@@ -14,8 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use tern_client::{Client, ClientOptions, ErrorKind, ShuffleOptions, TransportKind};
-use tern_proto::frame::{self, Frame};
+use tern_proto::frame::{self, Frame, RemoteLease, LEASE_TTL};
 use tern_proto::token::JobToken;
+use tern_transport::rdma_provider::Window;
 
 /// The storage server the script starts with `rdma=off`.
 const NO_RDMA_SERVER: &str = "10.77.0.1:9074";
@@ -63,6 +67,8 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         let back = owner.open(&path).await?.read_to_end().await?;
         check(back == data, &format!("round trip of {len} bytes"))?;
     }
+    let counted = tern_rdma::one_sided::counters();
+    check(counted.reads > 0, &format!("the round trips' reads went one-sided (RDMA READs: {counted:?})"))?;
 
     // A shuffle: 3 maps into 4 partitions, read back whole and by ranges of maps.
     let shuffle = owner.register_shuffle("keep", 4, ShuffleOptions::default()).await?;
@@ -76,6 +82,7 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         }
         check(writer.commit().await?.committed, &format!("map {map} committed"))?;
     }
+    let reads_before = tern_rdma::one_sided::counters().reads;
     for (partitions, maps) in [(0..4, 0..3), (1..3, 1..3), (3..4, 0..1)] {
         let batches = shuffle.reader(partitions.clone(), maps.clone()).await?.read_to_end().await?;
         let mut got: Vec<(u32, u32, Vec<u8>)> = Vec::new();
@@ -95,6 +102,9 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         want.sort();
         check(got == want, &format!("shuffle read of partitions {partitions:?} x maps {maps:?}"))?;
     }
+    // A page that is one batch (one extent of the arena) is lent, not carried.
+    let shuffle_reads = tern_rdma::one_sided::counters().reads - reads_before;
+    check(shuffle_reads > 0, &format!("the shuffle's Fetch pages went one-sided ({shuffle_reads} READs)"))?;
 
     // Another job's client may not read keep's file.
     let stranger = client(metadata).await?;
@@ -131,10 +141,80 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         denied.as_ref().is_some_and(|(kind, _)| *kind == ErrorKind::PermissionDenied),
         &format!("cross-job read refused by the storage server over RDMA (got {denied:?})"),
     )?;
+    // Nor lend it: a Lease is authorized as a Read.
+    frame::write_frame(&mut raw.writer, &Frame::lease(3, target.block_id).authorized(1, grant)).await?;
+    let reply = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Lease reply")?;
+    let denied = reply.into_result().err();
+    check(
+        denied.as_ref().is_some_and(|(kind, _)| *kind == ErrorKind::PermissionDenied),
+        &format!("cross-job Lease refused by the storage server over RDMA (got {denied:?})"),
+    )?;
+    drop(raw);
+
+    // keep's own lease of the block: READ one-sided, the same bytes as a Read; then no READ
+    // through the window once it is released, or once its lease ran out.
+    let keep_token = Bytes::from(JobToken::from_text(&owner.job_token("keep").context("keep's token")?)?.encode());
+    let (address, block_id) = (target.address.as_str(), target.block_id);
+    let (mut raw, lease) = lease_raw(address, &keep_token, block_id, grant).await?;
+    let one_sided = raw.one_sided.clone().context("an RDMA stream without one-sided operations")?;
+    let window = Window { addr: lease.addr, rkey: lease.rkey };
+    let read = tokio::time::timeout(Duration::from_secs(20), one_sided.read(window, lease.len as usize)).await??;
+    frame::write_frame(&mut raw.writer, &Frame::read(3, block_id, 0, lease.len).authorized(1, grant)).await?;
+    let reply = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Read reply")?;
+    let two_sided = reply.into_result().map_err(|(kind, why)| anyhow::anyhow!("Read: {kind:?}: {why}"))?.payload;
+    check(
+        read == two_sided && crc32c::crc32c(&read) == lease.crc,
+        &format!("a {}-byte block READ one-sided equals its Read and its lease's crc", lease.len),
+    )?;
+    frame::write_frame(&mut raw.writer, &Frame::release(4, &[lease.id]).authorized(1, grant)).await?;
+    let reply = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Release reply")?;
+    let ended = reply.into_result().map_err(|(kind, why)| anyhow::anyhow!("Release: {kind:?}: {why}"))?.header.length;
+    check(ended == 1, &format!("Release invalidated the window (ended {ended})"))?;
+    let stale = tokio::time::timeout(Duration::from_secs(20), one_sided.read(window, lease.len as usize)).await?;
+    check(
+        key_refused(&stale),
+        &format!("a READ through the released window fails (got {:?})", stale.map(|b| b.len())),
+    )?;
+    drop(raw);
+    let (raw, lease) = lease_raw(address, &keep_token, block_id, grant).await?;
+    let one_sided = raw.one_sided.clone().context("an RDMA stream without one-sided operations")?;
+    let window = Window { addr: lease.addr, rkey: lease.rkey };
+    tokio::time::sleep(LEASE_TTL + Duration::from_secs(1)).await;
+    let stale = tokio::time::timeout(Duration::from_secs(20), one_sided.read(window, lease.len as usize)).await?;
+    check(
+        key_refused(&stale),
+        &format!("a READ through an expired lease's window fails (got {:?})", stale.map(|b| b.len())),
+    )?;
+    drop(raw);
     // The job is left to its lease; its token lets the next phase read its files again.
     std::fs::write(TOKEN_FILE, _job.token())?;
     _job.abandon();
     Ok(())
+}
+
+/// Whether a READ failed because the server refused its key (not for any other reason, such as
+/// the connection ending).
+fn key_refused(read: &std::io::Result<Bytes>) -> bool {
+    read.as_ref().err().is_some_and(|e| e.to_string().contains("remote access error"))
+}
+
+/// A new RDMA connection to `address` with `token` bound to slot 1, and a Lease of `block_id`
+/// under `grant` on it.
+async fn lease_raw(
+    address: &str,
+    token: &Bytes,
+    block_id: u64,
+    grant: [u8; 16],
+) -> anyhow::Result<(tern_transport::Stream, RemoteLease)> {
+    let connect = tern_transport::rdma_or::rdma_connect(address);
+    let mut raw = tokio::time::timeout(Duration::from_secs(20), connect).await.context("RDMA connect timed out")??;
+    frame::write_frame(&mut raw.writer, &Frame::auth(1, 1, token.clone())).await?;
+    let bound = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Auth reply")?;
+    bound.into_result().map_err(|(kind, why)| anyhow::anyhow!("Auth: {kind:?}: {why}"))?;
+    frame::write_frame(&mut raw.writer, &Frame::lease(2, block_id).authorized(1, grant)).await?;
+    let reply = frame::read_frame(&mut raw.reader, frame::MAX_PAYLOAD_BYTES).await?.context("no Lease reply")?;
+    let reply = reply.into_result().map_err(|(kind, why)| anyhow::anyhow!("Lease: {kind:?}: {why}"))?;
+    Ok((raw, RemoteLease::decode(&reply.payload)?))
 }
 
 async fn after(metadata: &str, block: usize) -> anyhow::Result<()> {

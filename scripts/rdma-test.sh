@@ -3,8 +3,10 @@
 # boots a QEMU guest (TCG, Debian's 6.1 kernel, rdma_rxe on a veth) whose initramfs holds them,
 # and inside it starts a metadata server, two storage servers serving RDMA and one not, then checks over
 # `--transport rdma`: file round trips (0 B, 1 B, block-1, block, block+1, 3 blocks+7, 50 MiB
-# through the `tern fs` CLI), a shuffle written by 3 maps and read by map ranges, a refused
-# cross-job read, a killed storage server, and one log line for the fallback to TCP of the server
+# through the `tern fs` CLI), a shuffle written by 3 maps and read by map ranges, reads of DRAM
+# blocks and single-batch pages as one-sided READs through memory windows (counted), READs through
+# a released and an expired window failing with a remote access error, a refused cross-job read
+# and Lease, a killed storage server, and one log line for the fallback to TCP of the server
 # without RDMA. Prints one line `rdma-test: PASS` or
 # `rdma-test: FAIL (why)` and exits 0 or 1. The guest has no network device (`-nic none`): all
 # RDMA traffic stays inside it.

@@ -20,9 +20,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tern_proto::frame::{self, Frame, Lease, LentPage, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
+use tern_proto::frame::{self, Frame, Lease, LentPage, RemoteLease, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
 use tern_proto::token::Grant;
 use tern_transport::local::SharedArena;
+use tern_transport::rdma_provider::{OneSided, Window};
 use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, oneshot, Semaphore};
@@ -64,16 +65,36 @@ pub(crate) struct BlockConnection {
     binding: tokio::sync::Mutex<()>,
     /// On a same-host connection, the server's DRAM arena, mapped read-only.
     arena: Option<Arc<SharedArena>>,
-    /// Blocks asked for on a same-host connection, by block and the grant that asked (a read
-    /// under another job's grant does not get to use this one's lease).
+    /// On an RDMA connection, its one-sided READs of blocks the server lends through memory
+    /// windows.
+    one_sided: Option<Arc<dyn OneSided>>,
+    /// Blocks asked for on a same-host or RDMA connection, by block and the grant that asked (a
+    /// read under another job's grant does not get to use this one's lease).
     leased: Mutex<HashMap<(u64, Grant), Leased>>,
 }
 
-/// A block asked for on a same-host connection (see `tern_transport::local`): leased, or refused
-/// (not in DRAM) and so read through the socket, without asking again, until `until`.
+/// A lease: where the block lies in the server's shared arena (same-host), or the memory
+/// window to READ it through (RDMA).
+#[derive(Debug, Clone, Copy)]
+enum Lent {
+    Local(Lease),
+    Remote(RemoteLease),
+}
+
+impl Lent {
+    fn id(&self) -> u64 {
+        match self {
+            Lent::Local(lease) => lease.id,
+            Lent::Remote(lease) => lease.id,
+        }
+    }
+}
+
+/// A block asked for on a same-host (see `tern_transport::local`) or RDMA connection: leased,
+/// or refused (not in DRAM) and so read through the stream, without asking again, until `until`.
 #[derive(Debug, Clone, Copy)]
 struct Leased {
-    lease: Option<Lease>,
+    lease: Option<Lent>,
     /// Bytes lent: the block's length when it was leased.
     len: u32,
     /// Until when the client reads it: [`LEASE_TTL`] after the Lease was sent, less a margin, so
@@ -100,7 +121,7 @@ impl BlockConnection {
             .await
             .map_err(|_| Error::unavailable(format!("storage server {addr}: connect timed out after {timeout:?}")))?
             .map_err(|e| Error::unavailable(format!("storage server {addr}: cannot connect: {e}")))?;
-        let (read_half, write_half, arena) = (stream.reader, stream.writer, stream.arena);
+        let (read_half, write_half, arena, one_sided) = (stream.reader, stream.writer, stream.arena, stream.one_sided);
         let (outbox, inbox) = mpsc::channel(max_in_flight);
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
@@ -123,29 +144,76 @@ impl BlockConnection {
             next_slot: AtomicU16::new(1),
             binding: tokio::sync::Mutex::new(()),
             arena,
+            one_sided,
             leased: Mutex::default(),
         })
     }
 
     /// Reads `len` bytes of block `block` from `offset` under `access`. On a same-host
     /// connection they are copied from the server's arena under a lease of the block (one Lease
-    /// round trip per block and [`LEASE_TTL`]); elsewhere, or when the block cannot be leased
-    /// (on NVMe, say), they come in a Read's reply.
+    /// round trip per block and [`LEASE_TTL`]); on an RDMA connection READ one-sided through the
+    /// lease's memory window; elsewhere, or when the block cannot be leased (on NVMe, say), they
+    /// come in a Read's reply.
     pub(crate) async fn read(&self, access: &Access, block: u64, offset: u32, len: u32) -> Result<Bytes> {
-        if let Some(arena) = &self.arena {
-            if let Some(lease) = self.leased(access, block, offset.saturating_add(len)).await {
-                return arena
-                    .copy_out(lease.offset + u64::from(offset), len as usize)
-                    .map_err(|e| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {e}", self.addr)));
+        if self.arena.is_some() || self.one_sided.is_some() {
+            match self.leased(access, block, offset.saturating_add(len)).await {
+                Some(Lent::Local(lease)) => {
+                    let arena = self.arena.as_ref().expect("same-host leases come over same-host connections");
+                    return arena.copy_out(lease.offset + u64::from(offset), len as usize).map_err(|e| {
+                        Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {e}", self.addr))
+                    });
+                }
+                Some(Lent::Remote(lease)) => return self.read_remote(block, &lease, offset, len).await,
+                None => {}
             }
         }
         Ok(self.call_as(access, |id| Frame::read(id, block, offset, len)).await?.payload)
     }
 
+    /// READs a block lent through a memory window, whole (so its crc32c, which the server took
+    /// when it lent it, can be checked), and answers `len` bytes of it from `offset`.
+    async fn read_remote(&self, block: u64, lease: &RemoteLease, offset: u32, len: u32) -> Result<Bytes> {
+        let bytes = self.read_window(&format!("block {block}"), lease).await?;
+        Ok(bytes.slice(offset as usize..(offset + len) as usize))
+    }
+
+    /// READs what `lease` lends (`what`, for errors) one-sided and checks it against the crc the
+    /// server took. A READ that fails ends the connection (its queue pair is in the error
+    /// state): the caller's retry goes through a new one.
+    async fn read_window(&self, what: &str, lease: &RemoteLease) -> Result<Bytes> {
+        let one_sided = self.one_sided.as_ref().expect("RDMA leases come over RDMA connections");
+        let window = Window { addr: lease.addr, rkey: lease.rkey };
+        let bytes = match tokio::time::timeout(self.request_timeout, one_sided.read(window, lease.len as usize)).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(e)) => {
+                let lost = self.lost(&format!("RDMA READ of {what}: {e}"));
+                self.give_up(&lost);
+                return Err(lost);
+            }
+            Err(_) => {
+                let lost = self.lost(&format!("RDMA READ of {what}: no completion within {:?}", self.request_timeout));
+                self.give_up(&lost);
+                return Err(lost);
+            }
+        };
+        let actual = crc32c::crc32c(&bytes);
+        if bytes.len() != lease.len as usize || actual != lease.crc {
+            let why = format!(
+                "storage server {}: {what} READ as {} bytes with crc {actual:#010x}; the server lent {} bytes with crc {:#010x}",
+                self.addr,
+                bytes.len(),
+                lease.len,
+                lease.crc
+            );
+            return Err(Error::new(crate::ErrorKind::Corrupt, why));
+        }
+        Ok(bytes)
+    }
+
     /// A live lease of `block` covering its first `end` bytes: the one held, or a new one.
     /// `None` when the server will not lend it: the caller reads it instead, and that read's
     /// reply says why, as for any client.
-    async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Lease> {
+    async fn leased(&self, access: &Access, block: u64, end: u32) -> Option<Lent> {
         let key = (block, access.grant);
         let now = tokio::time::Instant::now();
         let mut ended = Vec::new();
@@ -154,13 +222,17 @@ impl BlockConnection {
             match leased.get(&key) {
                 Some(held) if held.until > now && (held.lease.is_none() || end <= held.len) => return held.lease,
                 // Expired, or the block grew since: ask anew.
-                Some(_) => ended.extend(leased.remove(&key).and_then(|held| held.lease).map(|lease| lease.id)),
+                Some(_) => ended.extend(leased.remove(&key).and_then(|held| held.lease).map(|lease| lease.id())),
                 None => {}
             }
         }
         let until = now + LEASE_TTL - LEASE_MARGIN;
         let reply = self.call_as(access, |id| Frame::lease(id, block)).await;
-        let fresh = match reply.map(|reply| (Lease::decode(&reply.payload), reply.header.length)) {
+        let decode = |payload: &[u8]| match self.one_sided {
+            Some(_) => RemoteLease::decode(payload).map(Lent::Remote),
+            None => Lease::decode(payload).map(Lent::Local),
+        };
+        let fresh = match reply.map(|reply| (decode(&reply.payload), reply.header.length)) {
             Ok((Ok(lease), len)) => Some(Leased { lease: Some(lease), len, until }),
             Ok((Err(e), _)) => {
                 tracing::warn!("storage server {}: a bad Lease reply ({e}); reading through the socket", self.addr);
@@ -178,17 +250,18 @@ impl BlockConnection {
             leased.retain(|_, held| {
                 let live = held.until > now;
                 if !live {
-                    ended.extend(held.lease.map(|lease| lease.id));
+                    ended.extend(held.lease.map(|lease| lease.id()));
                 }
                 live
             });
             if let Some(fresh) = fresh {
                 if leased.len() >= MAX_LEASED_BLOCKS {
                     let oldest = leased.iter().min_by_key(|(_, held)| held.until).map(|(key, _)| *key);
-                    ended.extend(oldest.and_then(|key| leased.remove(&key)).and_then(|held| held.lease).map(|l| l.id));
+                    ended
+                        .extend(oldest.and_then(|key| leased.remove(&key)).and_then(|held| held.lease).map(|l| l.id()));
                 }
                 if let Some(replaced) = leased.insert(key, fresh) {
-                    ended.extend(replaced.lease.map(|lease| lease.id));
+                    ended.extend(replaced.lease.map(|lease| lease.id()));
                 }
             }
         }
@@ -293,24 +366,37 @@ impl BlockConnection {
         }
     }
 
-    /// A reply whose bytes were lent in the shared arena (a same-host Fetch page): the bytes
-    /// copied out of the mapping and checked against the crc the server took, the lease released.
+    /// A reply whose bytes were lent (a Fetch page that is one extent of the server's arena): on
+    /// a same-host connection copied out of the mapping, on an RDMA connection READ through the
+    /// memory window; checked against the crc the server took, and the lease released.
     async fn take_lent(&self, mut reply: Frame) -> Result<Frame> {
         let corrupt =
             |why: String| Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {why}", self.addr));
-        let page = LentPage::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
-        let arena =
-            self.arena.as_ref().ok_or_else(|| corrupt("a lent reply on a connection without a shared arena".into()))?;
-        let copied = arena.copy_out(page.lease.offset, page.len as usize);
-        self.post(|id| Frame::release(id, &[page.lease.id])).await;
-        let bytes = copied.map_err(|e| corrupt(e.to_string()))?;
-        let actual = crc32c::crc32c(&bytes);
-        if actual != page.crc {
-            return Err(corrupt(format!("lent bytes have crc {actual:#010x}, the server took {:#010x}", page.crc)));
-        }
+        let (bytes, crc) = if self.one_sided.is_some() {
+            let lease = RemoteLease::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
+            let read = self.read_window(&format!("a lent {:?} page", reply.header.op), &lease).await;
+            if read.is_ok() {
+                self.post(|id| Frame::release(id, &[lease.id])).await;
+            }
+            (read?, lease.crc)
+        } else {
+            let page = LentPage::decode(&reply.payload).map_err(|e| corrupt(e.to_string()))?;
+            let arena = self
+                .arena
+                .as_ref()
+                .ok_or_else(|| corrupt("a lent reply on a connection without a shared arena".into()))?;
+            let copied = arena.copy_out(page.lease.offset, page.len as usize);
+            self.post(|id| Frame::release(id, &[page.lease.id])).await;
+            let bytes = copied.map_err(|e| corrupt(e.to_string()))?;
+            let actual = crc32c::crc32c(&bytes);
+            if actual != page.crc {
+                return Err(corrupt(format!("lent bytes have crc {actual:#010x}, the server took {:#010x}", page.crc)));
+            }
+            (bytes, page.crc)
+        };
         reply.header.slot = 0;
-        reply.header.payload_len = page.len;
-        reply.header.payload_crc = page.crc;
+        reply.header.payload_len = bytes.len() as u32;
+        reply.header.payload_crc = crc;
         reply.payload = bytes;
         Ok(reply)
     }

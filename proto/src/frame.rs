@@ -84,13 +84,16 @@ pub enum Op {
     /// [`MAX_TOKEN_BYTES`]) to slot `offset` (1 to [`MAX_SLOT`]) of this connection; later frames
     /// naming the slot act as that job. Rebinding a slot replaces its token.
     Auth = 7,
-    /// Same-host connections only (`tern_transport::local`): lend the published bytes of a DRAM
-    /// block, authorized as a Read of it. The server keeps the block's memory from reuse until a
+    /// Same-host and RDMA connections only: lend the published bytes of a DRAM block,
+    /// authorized as a Read of it. The server keeps the block's memory from reuse until a
     /// Release or [`LEASE_TTL`] after the lease; the reply's `length` is the bytes lent (the
-    /// block's length) and its payload a [`Lease`] saying where they lie in the shared arena.
+    /// block's length) and its payload, on a same-host connection (`tern_transport::local`), a
+    /// [`Lease`] saying where they lie in the shared arena, on an RDMA connection a
+    /// [`RemoteLease`]: the memory window to READ them through, and their crc32c.
     Lease = 8,
-    /// Same-host connections only: end the leases the payload lists (a u64 id each, at most
-    /// [`MAX_RELEASE_IDS`]); unknown ids are skipped. The reply's `length` is the number ended.
+    /// Same-host and RDMA connections only: end the leases the payload lists (a u64 id each, at
+    /// most [`MAX_RELEASE_IDS`]); unknown ids are skipped. The reply's `length` is the number
+    /// ended (on RDMA: whose windows were invalidated before the reply).
     Release = 9,
     /// Only in error replies to frames whose op could not be read.
     Malformed = 0x7f,
@@ -396,8 +399,52 @@ impl Lease {
     }
 }
 
-/// In a reply's `slot` field (requests-only otherwise): the payload is a [`LentPage`] saying
-/// where the reply's bytes lie in the server's shared arena, not the bytes. Only same-host
+/// A block lent over an RDMA connection: the payload of a Lease reply there. The client READs
+/// `len` bytes at `addr` under `rkey` (a memory window over exactly those bytes, remote read
+/// only, valid until a Release of `id` or [`LEASE_TTL`] after the Lease) and checks them against
+/// `crc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteLease {
+    /// What a Release names it by.
+    pub id: u64,
+    /// The block's first byte in the server's address space (the window's start).
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u32,
+    /// crc32c of the lent bytes.
+    pub crc: u32,
+}
+
+impl RemoteLease {
+    pub const LEN: usize = 28;
+
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(RemoteLease::LEN);
+        out.put_u64_le(self.id);
+        out.put_u64_le(self.addr);
+        out.put_u32_le(self.rkey);
+        out.put_u32_le(self.len);
+        out.put_u32_le(self.crc);
+        out.freeze()
+    }
+
+    pub fn decode(mut payload: &[u8]) -> Result<RemoteLease, FrameError> {
+        if payload.len() != RemoteLease::LEN {
+            return Err(FrameError::BadLease { bytes: payload.len() });
+        }
+        Ok(RemoteLease {
+            id: payload.get_u64_le(),
+            addr: payload.get_u64_le(),
+            rkey: payload.get_u32_le(),
+            len: payload.get_u32_le(),
+            crc: payload.get_u32_le(),
+        })
+    }
+}
+
+/// In a reply's `slot` field (requests-only otherwise): the payload says where the reply's bytes
+/// lie instead of carrying them: a [`LentPage`] in the server's shared arena (same-host
+/// connections), a [`RemoteLease`] (RDMA connections: the memory window to READ). Only those
 /// connections carry such replies (Fetch pages that are one extent of the arena).
 pub const REPLY_LENT: u16 = 1;
 
@@ -436,7 +483,13 @@ impl LentPage {
 impl Frame {
     /// This reply with its payload lent as `page` instead of carried (see [`REPLY_LENT`]).
     pub fn lent(self, page: LentPage) -> Frame {
-        let mut lent = Frame::reply(&self.header, self.header.length, page.encode());
+        self.lent_with(page.encode())
+    }
+
+    /// This reply with its payload lent instead of carried, `lease` saying where: a
+    /// [`LentPage`] on a same-host connection, a [`RemoteLease`] on an RDMA one.
+    pub fn lent_with(self, lease: Bytes) -> Frame {
+        let mut lent = Frame::reply(&self.header, self.header.length, lease);
         lent.header.slot = REPLY_LENT;
         lent
     }
@@ -469,9 +522,10 @@ pub enum FrameError {
     #[error("Release frame payload of {bytes} bytes is not a list of at most {MAX_RELEASE_IDS} u64 lease ids")]
     BadReleaseList { bytes: usize },
     #[error(
-        "lease payload of {bytes} bytes (expected {} for a Lease reply, {} for a lent page)",
+        "lease payload of {bytes} bytes (expected {} for a Lease reply, {} for a lent page, {} for an RDMA Lease reply)",
         Lease::LEN,
-        LentPage::LEN
+        LentPage::LEN,
+        RemoteLease::LEN
     )]
     BadLease { bytes: usize },
     #[error("malformed shuffle payload: {0}")]
@@ -598,6 +652,18 @@ mod tests {
         write_frame(&mut wire, frame).await.unwrap();
         assert_eq!(wire.len(), HEADER_LEN + frame.payload.len());
         read_frame(&mut &wire[..], MAX_PAYLOAD_BYTES).await.unwrap().unwrap()
+    }
+
+    #[test]
+    fn remote_lease_round_trips_and_rejects_other_lengths() {
+        let lease = RemoteLease { id: 7, addr: 0x7f00_1234_5000, rkey: 0xabcd_ef01, len: 1 << 20, crc: 0x1234_5678 };
+        let wire = lease.encode();
+        assert_eq!(wire.len(), RemoteLease::LEN);
+        assert_eq!(RemoteLease::decode(&wire).unwrap(), lease);
+        // A same-host Lease's payload is not an RDMA one, nor the other way round.
+        let local = Lease { id: 7, offset: 4096 }.encode();
+        assert!(matches!(RemoteLease::decode(&local), Err(FrameError::BadLease { bytes: 16 })));
+        assert!(matches!(Lease::decode(&wire), Err(FrameError::BadLease { bytes: 28 })));
     }
 
     #[tokio::test]

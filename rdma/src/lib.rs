@@ -9,6 +9,8 @@
 //! crate and the binary. ARCHITECTURE.md ("RDMA") has the design.
 
 #[cfg(feature = "verbs")]
+pub mod one_sided;
+#[cfg(feature = "verbs")]
 mod stream;
 #[cfg(feature = "verbs")]
 #[allow(unsafe_code)]

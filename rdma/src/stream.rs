@@ -5,8 +5,9 @@
 //! registered address and a client finds the RDMA service where it finds TCP. Each connection
 //! carries the same byte stream of block frames as TCP, as two-sided SENDs of at most
 //! [`verbs::SLOT_BYTES`] into receives the peer posted beforehand: auth, grants and checksums are
-//! exactly those of every other transport. ARCHITECTURE.md ("RDMA") says why this comes first and
-//! how one-sided READs of sealed blocks go on top of it.
+//! exactly those of every other transport. ARCHITECTURE.md ("RDMA") says why. One-sided work
+//! (memory windows a server lends, READs a client makes: [`crate::one_sided`]) goes through the
+//! same pump thread, which alone owns the queue pair.
 //!
 //! Bounds: [`verbs::SLOTS`] sends and receives in flight each way (the queue depths), 2 MiB of
 //! registered buffers per connection, [`MAX_CONNECTIONS`] connections per listener (more are
@@ -34,6 +35,7 @@ use tokio_util::sync::PollSender;
 
 use tern_transport::{Connector, Listener, Stream};
 
+use crate::one_sided;
 use crate::verbs;
 
 /// Most connections one listener serves at once (each holds 2 MiB of registered memory and a
@@ -56,8 +58,12 @@ impl tern_transport::rdma_provider::RdmaProvider for Verbs {
         verbs::device_names()
     }
 
-    fn bind(&self, addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
-        Ok(Box::new(RdmaListener::bind(addr)?))
+    fn bind(
+        &self,
+        addr: SocketAddr,
+        lendable: Option<tern_transport::rdma_provider::Lendable>,
+    ) -> io::Result<Box<dyn Listener>> {
+        Ok(Box::new(RdmaListener::bind(addr, lendable)?))
     }
 
     fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>> {
@@ -112,16 +118,21 @@ pub struct RdmaListener {
 
 impl RdmaListener {
     /// Listens with rdma_cm on `addr` (an address of an RDMA-capable netdev; a port of 0 is not
-    /// taken: give the block service's bound port).
-    pub fn bind(addr: SocketAddr) -> io::Result<RdmaListener> {
+    /// taken: give the block service's bound port). With `lendable`, its connections lend views
+    /// of that memory for one-sided READs (see [`crate::one_sided`]).
+    pub fn bind(
+        addr: SocketAddr,
+        lendable: Option<tern_transport::rdma_provider::Lendable>,
+    ) -> io::Result<RdmaListener> {
         if addr.port() == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "an RDMA listener needs a port number"));
         }
         let listener = verbs::CmListener::bind(addr, BACKLOG)?;
+        let lendable = lendable.map(|l| Arc::new(verbs::Lendable::new(l.base, l.len)));
         let (tx, streams) = mpsc::channel(BACKLOG as usize);
         std::thread::Builder::new()
             .name("tern-rdma-accept".into())
-            .spawn(move || accept_loop(listener, tx, addr))
+            .spawn(move || accept_loop(listener, tx, addr, lendable))
             .map_err(|e| io::Error::other(format!("starting the RDMA accept thread: {e}")))?;
         Ok(RdmaListener { streams, addr })
     }
@@ -144,7 +155,12 @@ impl Listener for RdmaListener {
 /// Takes connection requests (blocking in rdma_get_request) and accepts each in a thread of its
 /// own, so a client that stalls its handshake holds up nobody else. Ends once the listener is
 /// dropped (at the next request).
-fn accept_loop(listener: verbs::CmListener, streams: mpsc::Sender<Stream>, addr: SocketAddr) {
+fn accept_loop(
+    listener: verbs::CmListener,
+    streams: mpsc::Sender<Stream>,
+    addr: SocketAddr,
+    lendable: Option<Arc<verbs::Lendable>>,
+) {
     let live = Arc::new(AtomicUsize::new(0));
     while !streams.is_closed() {
         let request = match listener.get_request() {
@@ -161,10 +177,10 @@ fn accept_loop(listener: verbs::CmListener, streams: mpsc::Sender<Stream>, addr:
             request.reject();
             continue;
         }
-        let (streams, live) = (streams.clone(), live.clone());
+        let (streams, live, lendable) = (streams.clone(), live.clone(), lendable.clone());
         let spawned = std::thread::Builder::new().name("tern-rdma-conn".into()).spawn(move || {
             let counted = Counted(live);
-            match request.accept() {
+            match request.accept(lendable.as_deref()) {
                 Ok(endpoint) => {
                     let peer = endpoint.peer().unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
                     tracing::debug!("RDMA connection from {peer} on {addr}");
@@ -192,9 +208,10 @@ impl Drop for Counted {
 fn into_stream(endpoint: verbs::Endpoint, peer: SocketAddr, counted: Option<Counted>) -> Stream {
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(verbs::SLOTS);
     let (in_tx, in_rx) = mpsc::channel::<io::Result<Vec<u8>>>(verbs::SLOTS * 2);
+    let (cmd_tx, cmd_rx) = mpsc::channel(one_sided::MAX_QUEUED);
     let started = std::thread::Builder::new().name("tern-rdma-pump".into()).spawn(move || {
         let _counted = counted;
-        pump(endpoint, out_rx, in_tx);
+        pump(endpoint, out_rx, in_tx, one_sided::State::new(cmd_rx));
     });
     if let Err(e) = started {
         // The channels' other ends are gone with the closure: the stream reads as reset.
@@ -202,13 +219,20 @@ fn into_stream(endpoint: verbs::Endpoint, peer: SocketAddr, counted: Option<Coun
     }
     let reader = RdmaRead { rx: in_rx, chunk: Vec::new(), pos: 0 };
     let writer = RdmaWrite { tx: PollSender::new(out_tx) };
-    Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None }
+    let one_sided: Arc<dyn tern_transport::rdma_provider::OneSided> = Arc::new(one_sided::Handle { cmds: cmd_tx });
+    Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: Some(one_sided) }
 }
 
 /// Drives one connection: posts what the writer queued as SENDs (an empty one is the end of the
-/// stream), hands what arrives to the reader, and ends when both directions are done or the
-/// queue pair fails (the peer gone: its error goes to the reader).
-fn pump(mut ep: verbs::Endpoint, mut outbound: mpsc::Receiver<Vec<u8>>, inbound: mpsc::Sender<io::Result<Vec<u8>>>) {
+/// stream), hands what arrives to the reader, does its one-sided work (`one`), and ends when
+/// both directions are done or the queue pair fails (the peer gone: its error goes to the reader
+/// and to whoever waits on one-sided work).
+fn pump(
+    mut ep: verbs::Endpoint,
+    mut outbound: mpsc::Receiver<Vec<u8>>,
+    inbound: mpsc::Sender<io::Result<Vec<u8>>>,
+    mut one: one_sided::State,
+) {
     let mut inbound = Some(inbound);
     let mut free: Vec<usize> = (0..verbs::SLOTS).collect();
     let mut held: VecDeque<Vec<u8>> = VecDeque::new();
@@ -235,7 +259,7 @@ fn pump(mut ep: verbs::Endpoint, mut outbound: mpsc::Receiver<Vec<u8>>, inbound:
         if held.is_empty() && !fin_received {
             completions.clear();
             if let Err(e) = ep.poll(false, &mut completions) {
-                break Some(e);
+                break Some(ep.cause(e));
             }
             for c in completions.drain(..) {
                 busy = true;
@@ -257,7 +281,18 @@ fn pump(mut ep: verbs::Endpoint, mut outbound: mpsc::Receiver<Vec<u8>>, inbound:
         if let Err(e) = ep.poll(true, &mut completions) {
             break Some(e);
         }
-        free.extend(completions.iter().map(|c| c.slot));
+        for c in completions.drain(..) {
+            if one_sided::is_one_sided(c.slot as u64) {
+                one.complete(&mut ep, c.slot as u64);
+            } else {
+                free.push(c.slot);
+            }
+            busy = true;
+        }
+        match one.step(&mut ep) {
+            Ok(stepped) => busy |= stepped,
+            Err(e) => break Some(e),
+        }
         while !fin_sent {
             let Some(slot) = free.pop() else { break };
             let chunk = match outbound.try_recv() {
@@ -320,9 +355,15 @@ fn pump(mut ep: verbs::Endpoint, mut outbound: mpsc::Receiver<Vec<u8>>, inbound:
         idle = if busy { 0 } else { idle.saturating_add(1) };
         backoff(idle);
     };
+    let why = failure.as_ref().map_or_else(|| "the RDMA connection closed".to_string(), |e| e.to_string());
+    one.fail_all(&why);
     if let (Some(e), Some(tx)) = (failure, &inbound) {
         let _ = tx.try_send(Err(e));
     }
+    // The queue pair and its windows go first (deallocating a window invalidates it); only
+    // then the pins of what they lent, so no freed slot is readable through a stale key.
+    drop(ep);
+    drop(one);
 }
 
 /// Waits a little between idle polls: a few yields first (a reply is usually microseconds

@@ -191,7 +191,13 @@ impl Listener for DuplexListener {
             match self.incoming.recv().await {
                 Some(stream) => {
                     let (reader, writer) = tokio::io::split(stream);
-                    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer: FAKE_PEER, arena: None })
+                    Ok(Stream {
+                        reader: Box::new(reader),
+                        writer: Box::new(writer),
+                        peer: FAKE_PEER,
+                        arena: None,
+                        one_sided: None,
+                    })
                 }
                 // Nobody connects any more: wait for the service to be dropped.
                 None => std::future::pending().await,

@@ -200,7 +200,10 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let addr = listener.local_addr();
     let address = config.advertised_address(addr)?;
     let mut listeners = vec![listener];
-    let rdma = rdma::listener(config.rdma, config.serve.trusted_network, addr)?;
+    // The arena lives as long as the process (the store holds it), so the listener's memory
+    // registration of it never outlives it.
+    let lendable = tern_transport::rdma_provider::Lendable { base: arena.base() as usize, len: arena.len() };
+    let rdma = rdma::listener(config.rdma, config.serve.trusted_network, addr, Some(lendable))?;
     let serves_rdma = rdma.is_some();
     listeners.extend(rdma);
     let (mut quic_addr, mut quic_address) = (None, String::new());

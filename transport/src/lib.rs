@@ -45,6 +45,9 @@ pub struct Stream {
     /// On a same-host connection ([`local`]), the storage server's DRAM arena, which the client
     /// reads leased blocks from directly.
     pub arena: Option<std::sync::Arc<local::SharedArena>>,
+    /// On an RDMA connection, its one-sided operations (memory windows a server lends, RDMA
+    /// READs a client makes): see [`rdma_provider::OneSided`].
+    pub one_sided: Option<std::sync::Arc<dyn rdma_provider::OneSided>>,
 }
 
 impl fmt::Debug for Stream {
@@ -114,10 +117,11 @@ pub fn rdma_devices() -> Result<Vec<String>, String> {
 }
 
 /// An RDMA listener on `addr` (the block service's bound address), or why not (a build without
-/// the `rdma` feature, no device on that address).
-pub fn bind_rdma(addr: SocketAddr) -> io::Result<Box<dyn Listener>> {
+/// the `rdma` feature, no device on that address). With `lendable` (the DRAM arena), its
+/// connections can lend parts of it for one-sided READs.
+pub fn bind_rdma(addr: SocketAddr, lendable: Option<rdma_provider::Lendable>) -> io::Result<Box<dyn Listener>> {
     match rdma_provider::provider() {
-        Some(rdma) => rdma.bind(addr),
+        Some(rdma) => rdma.bind(addr, lendable),
         None => {
             Err(io::Error::new(io::ErrorKind::Unsupported, format!("RDMA on {addr}: {}", rdma_provider::NOT_BUILT)))
         }

@@ -193,6 +193,7 @@ impl LocalListener {
             writer: Box::new(writer),
             peer: self.addr,
             arena: Some(self.arena.clone()),
+            one_sided: None,
         })
     }
 }
@@ -236,7 +237,13 @@ impl LocalConnector {
         let arena = SharedArena::map(&fd, len)?;
         let peer = addr.parse().unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
         let (reader, writer) = stream.into_split();
-        Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: Some(Arc::new(arena)) })
+        Ok(Stream {
+            reader: Box::new(reader),
+            writer: Box::new(writer),
+            peer,
+            arena: Some(Arc::new(arena)),
+            one_sided: None,
+        })
     }
 }
 

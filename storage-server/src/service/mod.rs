@@ -16,7 +16,7 @@
 //! reply gathers whole batches into one payload.
 //!
 //! The ops are served by family: [`blocks`] (Read, Write, Free), [`shuffles`] (Push, Fetch),
-//! [`leases`] (Lease, Release: same-host connections only) and [`control`] (Auth, Ping,
+//! [`leases`] (Lease, Release: same-host and RDMA connections only) and [`control`] (Auth, Ping,
 //! admission, frames that make no sense). Each hands back a reply (or
 //! the news that a task will send it); this module sends it and records it, in one place.
 //!
@@ -136,7 +136,7 @@ pub async fn serve_block_listeners(
                 };
                 metrics.connection_opened(transport);
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
-                let Stream { reader, writer, peer, arena } = stream;
+                let Stream { reader, writer, peer, arena, one_sided } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
                 let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer)));
                 tasks.spawn(write_replies(out.clone(), rx, guard.clone(), peer));
@@ -147,6 +147,7 @@ pub async fn serve_block_listeners(
                     nvme_ops: Arc::new(Semaphore::new(limits.max_in_flight_per_connection)),
                     slots: Slots::default(),
                     leases: arena.map(leases::Leases::new),
+                    one_sided,
                 };
                 tasks.spawn(read_requests(reader, conn, guard, peer));
             }
@@ -260,6 +261,8 @@ struct Connection {
     slots: Slots,
     /// On a same-host connection, the blocks it leased.
     leases: Option<leases::Leases>,
+    /// On an RDMA connection, the memory windows it lends blocks through (see `leases`).
+    one_sided: Option<Arc<dyn tern_transport::rdma_provider::OneSided>>,
 }
 
 /// What serving one request came to, short of a stream error.

@@ -57,7 +57,7 @@ pub(super) async fn fetch(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
         Ok(page) => {
             let bytes = page.payload.len() as u64;
             let reply = Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc);
-            Served::Reply(super::leases::lend_page(conn.leases.as_mut(), reply), bytes)
+            Served::Reply(super::leases::lend_page(conn, reply).await, bytes)
         }
         Err(e) => Served::Reply(shuffle_error(h, &e), 0),
     })
