@@ -73,6 +73,11 @@ impl SchedulerClient {
         Ok(pb::JobState::try_from(state).unwrap_or(pb::JobState::Unspecified))
     }
 
+    /// Scales an elastic stage (see `ScaleStage` in scheduler.proto).
+    pub async fn scale_stage(&self, request: pb::ScaleStageRequest) -> Result<pb::ScaleStageResponse> {
+        Ok(self.grpc.clone().scale_stage(Self::request(request, CALL_TIMEOUT)).await?.into_inner())
+    }
+
     pub async fn pool_status(&self) -> Result<pb::PoolStatusResponse> {
         let request = Self::request(pb::PoolStatusRequest {}, CALL_TIMEOUT);
         Ok(self.grpc.clone().pool_status(request).await?.into_inner())

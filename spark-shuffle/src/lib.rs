@@ -37,6 +37,8 @@ use tern_client::{
     SpaceWait,
 };
 
+mod scheduler;
+
 const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
 /// Thrown instead of [`EXCEPTION_CLASS`] for `out-of-space`, so Java can tell it apart by type.
 const OUT_OF_SPACE_CLASS: &str = "io/tern/spark/TernOutOfSpaceException";
