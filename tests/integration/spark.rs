@@ -127,6 +127,54 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     }
 }
 
+/// GPUs for Spark on Tern's scheduler (spark-shuffle/tests/spark_gpus.py): `tern up`'s pool, empty
+/// at first, starts one executor declaring GPUs 0 and 1 for the application's backlog of two
+/// one-GPU executors; each Spark task sees its executor's granted device in
+/// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
+/// `tern job list` shows the application and `tern job cancel` stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spark_gpu_executors_get_distinct_granted_devices() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let _up = TernUp::start(
+        dir.path(),
+        port,
+        &[
+            "--min-executors",
+            "0",
+            "--max-executors",
+            "1",
+            "--executor-cpus",
+            "2",
+            "--executor-memory",
+            "3GiB",
+            "--executor-gpus",
+            "2",
+        ],
+    );
+    let out = tokio::process::Command::new("python3")
+        .arg(root.join("spark-shuffle/tests/spark_gpus.py"))
+        .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
+        .env("TERN_SPARK_JAR", &jar)
+        .env("TERN_BIN", TERN)
+        .env("TERN_SPARK_MASTER", format!("local-tern://127.0.0.1:{}", ports.scheduler()))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success() && stdout.contains("GPU executors right"),
+        "spark_gpus.py failed:\n{stdout}\n--- stderr (tail) ---\n{}\n--- tern up logs ---\n{}",
+        tail(&String::from_utf8_lossy(&out.stderr), 120),
+        tail(&crate::common::logs_in(&dir.path().join("logs")), 60)
+    );
+}
+
 /// `tern up` under test, started with `extra` flags; interrupted (Ctrl-C) when dropped.
 struct TernUp(std::process::Child);
 

@@ -345,8 +345,19 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             }
         }
         if (!head[1].equals("RUNNING") && !head[1].equals("PENDING") && !stopping) {
-            taskScheduler.error("Tern job " + jobId + " is " + head[1] + " (cancelled with tern job cancel?)");
+            // Cancelled from outside (tern job cancel, a lapsed lease): the application ends, as a
+            // standalone application the master killed does.
             stopping = true;
+            String why = "Tern job " + jobId + " of this application is " + head[1].toLowerCase()
+                    + " (tern job cancel?); stopping the application";
+            LOG.error(why);
+            try {
+                taskScheduler.error(why);
+            } catch (Exception noActiveJobs) {
+                // error() throws (a SparkException, checked or not) when no job runs; the stop
+                // below still ends the application.
+            }
+            sc.stopInNewThread();
         }
     }
 
