@@ -1782,6 +1782,27 @@ mod tests {
     }
 
     #[test]
+    fn an_elastic_gang_starts_its_first_executors_together_or_not_at_all() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e0 = executor(&mut p, "h0", 1, 0);
+        let mut s = stage("executors", 2, MILLI, 0);
+        s.elastic = true;
+        s.gang = true;
+        s.min_available = 2;
+        add(&mut p, "app", "q", 0, vec![s]);
+        assert!(p.assign(e0, 10, 0).is_empty(), "one CPU cannot hold the gang of two");
+        let e1 = executor(&mut p, "h1", 1, 0);
+        let placed = p.assign(e1, 10, 1);
+        assert_eq!(placed.len(), 1, "one here, the other in e0's outbox");
+        assert_eq!(p.take_gang_wakes(), [e0]);
+        assert_eq!(p.assign(e0, 10, 1).len(), 1);
+        // Later executors of the application need no gang.
+        let e2 = executor(&mut p, "h2", 1, 0);
+        p.scale_stage("app", "executors", 1, &[], false, 0, 8, 2, 1).unwrap();
+        assert_eq!(p.assign(e2, 10, 2).len(), 1);
+    }
+
+    #[test]
     fn an_elastic_job_whose_owner_stops_renewing_is_cancelled() {
         let mut p = Policy::new(PolicyConfig::default());
         let e0 = executor(&mut p, "h0", 2, 0);

@@ -6,7 +6,8 @@ must name that same device, and the two executors must hold different devices. T
 Tern job must show its executors' GPU grants were honoured (both ran at once on one Tern executor
 with two GPUs).
 
-Then `tern job list` shows the application running and `tern job cancel` stops it.
+Then `tern job list` shows the application running in its queue (`spark.tern.queue`) at its
+priority (`spark.tern.priority`), and `tern job cancel` stops it.
 
 Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_BIN, TERN_SPARK_MASTER (local-tern://HOST:PORT).
 """
@@ -43,6 +44,8 @@ def main():
         .set("spark.executor.resource.gpu.amount", "1")
         .set("spark.task.resource.gpu.amount", "1")
         .set("spark.ui.enabled", "false")
+        .set("spark.tern.queue", "gpu-team")
+        .set("spark.tern.priority", "3")
     )
     sc = SparkContext(conf=conf)
     try:
@@ -66,14 +69,17 @@ def main():
         scheduler = os.environ["TERN_SPARK_MASTER"].split("://", 1)[1]
         listed = subprocess.run([os.environ["TERN_BIN"], "job", "list", "--json", "--scheduler", scheduler],
                                 check=True, capture_output=True, text=True).stdout
-        assert any(j["job_id"] == job and j["state"] == "running" for j in json.loads(listed)), listed
+        mine = [j for j in json.loads(listed) if j["job_id"] == job]
+        assert mine and mine[0]["state"] == "running" and (mine[0]["queue"], mine[0]["priority"]) == ("gpu-team", 3), \
+            f"the application's job as tern job list shows it: {mine} (wanted queue gpu-team, priority 3)"
         subprocess.run([os.environ["TERN_BIN"], "job", "cancel", job, "--scheduler", scheduler], check=True,
                        capture_output=True)
         deadline = time.time() + 30
         while not jsc.isStopped():
             assert time.time() < deadline, "the application did not stop after tern job cancel"
             time.sleep(0.2)
-        print(f"  ok  tern job list showed {job} running; tern job cancel stopped the application", flush=True)
+        print(f"  ok  tern job list showed {job} running in queue gpu-team at priority 3; tern job cancel stopped "
+              "the application", flush=True)
     finally:
         sc.stop()
     print(f"GPU executors right ({job})", flush=True)
