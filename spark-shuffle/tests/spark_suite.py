@@ -11,7 +11,7 @@ freed when its job lease lapses.
 
 With TERN_SPARK_MASTER (`local-tern://HOST:PORT`, Tern's scheduler of a `tern up` cluster) the
 Tern side runs on Tern's scheduler instead of local-cluster: its executors are Tern tasks, which
-the suite checks through `tern job status`; it also SIGKILLs one executor JVM mid-stage (the job
+the suite checks through `tern job status`, and the built-in side runs in local[2]; it also SIGKILLs one executor JVM mid-stage (the job
 must still be right, the executor replaced). The dynamic-allocation child then scales its
 executors (Tern tasks) up, down to none and up again. The storage-server kill needs
 TERN_KILL_PID; without it that case is not run, and the suite says so.
@@ -44,10 +44,18 @@ MASTER = os.environ.get("TERN_SPARK_MASTER", "")
 TERASORT_BYTES = int(os.environ.get("TERN_TERASORT_BYTES", str(24 << 20)))
 
 
+def master(tern):
+    """Tern's side on Tern's scheduler when TERN_SPARK_MASTER says so; the built-in side then runs
+    in local[2] (no executor JVMs to start: the reference results cost less CI time)."""
+    if not MASTER:
+        return "local-cluster[2,1,1024]"
+    return MASTER if tern else "local[2]"
+
+
 def spark(tern, extra=()):
     conf = (
         SparkConf()
-        .setMaster(MASTER if tern and MASTER else "local-cluster[2,1,1024]")
+        .setMaster(master(tern))
         .setAppName("tern-suite-" + ("tern" if tern else "builtin"))
         .set("spark.driver.extraClassPath", JAR)
         .set("spark.executor.extraClassPath", JAR)
