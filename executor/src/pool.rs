@@ -49,6 +49,9 @@ pub struct PoolConfig {
     pub executor_memory_bytes: u64,
     /// `--gpus N` for each executor; `None` lets each detect its own.
     pub executor_gpus: Option<u32>,
+    /// `--gpu-discovery-script PATH` for each executor (when `executor_gpus` is not given): its
+    /// GPUs as Spark's discovery scripts name them.
+    pub executor_gpu_discovery_script: Option<PathBuf>,
     /// The `tern` binary.
     pub tern: PathBuf,
     /// Directory of the executors' logs (`executor-<slot>.log`, appended to).
@@ -246,6 +249,8 @@ impl Pool {
         }
         if let Some(gpus) = config.executor_gpus {
             spec = spec.args(["--gpus", &gpus.to_string()]);
+        } else if let Some(script) = &config.executor_gpu_discovery_script {
+            spec = spec.args([std::ffi::OsStr::new("--gpu-discovery-script"), script.as_os_str()]);
         }
         if !pinned {
             spec = spec.args(["--idle-exit-after", &format!("{}ms", config.idle_timeout.as_millis())]);
@@ -287,6 +292,7 @@ mod tests {
             executor_cpu_milli: 2000,
             executor_memory_bytes: 4 << 30,
             executor_gpus: None,
+            executor_gpu_discovery_script: None,
             tern: "tern".into(),
             logs: std::env::temp_dir(),
             log_max_bytes: None,

@@ -1,5 +1,5 @@
-"""GPUs for Spark executors on Tern's scheduler, on a machine without GPUs: the Tern executor
-declares GPUs 0 and 1 (`tern up --executor-gpus 2`); the application asks for two executors of one
+"""GPUs for Spark executors on Tern's scheduler, on a machine without GPUs: the Tern executor's
+discovery script names GPUs 0 and 1 (`tern up --executor-gpu-discovery-script`); the application asks for two executors of one
 GPU each (`spark.executor.resource.gpu.amount=1`) and one GPU per task. Every task must see in
 `TaskContext.resources()` exactly the device its executor was granted, `CUDA_VISIBLE_DEVICES`
 must name that same device, and the two executors must hold different devices. The application's

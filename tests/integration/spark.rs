@@ -128,8 +128,8 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
 }
 
 /// GPUs for Spark on Tern's scheduler (spark-shuffle/tests/spark_gpus.py): `tern up`'s pool, empty
-/// at first, starts one executor declaring GPUs 0 and 1 for the application's backlog of two
-/// one-GPU executors; each Spark task sees its executor's granted device in
+/// at first, starts one executor whose GPU discovery script names GPUs 0 and 1 (this machine has
+/// none) for the application's backlog of two one-GPU executors; each Spark task sees its executor's granted device in
 /// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
 /// `tern job list` shows the application and `tern job cancel` stops it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -140,10 +140,15 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     let dir = tempfile::tempdir().unwrap();
     let port = tern_local::free_port_range(14).unwrap();
     let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let script = dir.path().join("gpus.sh");
+    std::fs::write(&script, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let _up = TernUp::start(
         dir.path(),
         port,
         &[
+            "--executor-gpu-discovery-script",
+            script.to_str().unwrap(),
             "--min-executors",
             "0",
             "--max-executors",
@@ -152,8 +157,6 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
             "2",
             "--executor-memory",
             "3GiB",
-            "--executor-gpus",
-            "2",
         ],
     );
     let out = tokio::process::Command::new("python3")
