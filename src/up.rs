@@ -145,6 +145,10 @@ struct PoolArgs {
     /// GPUs each executor declares (`tern executor --gpus`) [default: each detects its own].
     #[arg(long)]
     executor_gpus: Option<u32>,
+    /// A GPU discovery script each executor runs to name its GPUs (`tern executor
+    /// --gpu-discovery-script`), e.g. to declare GPUs on a machine without any.
+    #[arg(long, conflicts_with = "executor_gpus")]
+    executor_gpu_discovery_script: Option<PathBuf>,
 }
 
 impl PoolArgs {
@@ -183,6 +187,7 @@ impl PoolArgs {
             executor_cpu_milli: (cpus * 1000.0).round() as u64,
             executor_memory_bytes: memory,
             executor_gpus: self.executor_gpus,
+            executor_gpu_discovery_script: self.executor_gpu_discovery_script.clone(),
             tern: std::env::current_exe().context("locating the tern binary")?,
             logs: logs.to_path_buf(),
             log_max_bytes: Some(log_max_bytes),

@@ -49,6 +49,9 @@ pub struct PoolConfig {
     pub executor_memory_bytes: u64,
     /// `--gpus N` for each executor; `None` lets each detect its own.
     pub executor_gpus: Option<u32>,
+    /// `--gpu-discovery-script PATH` for each executor (when `executor_gpus` is not given): its
+    /// GPUs as Spark's discovery scripts name them.
+    pub executor_gpu_discovery_script: Option<PathBuf>,
     /// The `tern` binary.
     pub tern: PathBuf,
     /// Directory of the executors' logs (`executor-<slot>.log`, appended to).
@@ -173,8 +176,10 @@ impl Pool {
         Ok(Tick { executors: self.executors(), started, exited, backlog_tasks: status.backlog_tasks })
     }
 
-    /// More executors the backlog asks for: its summed CPU and memory over one executor's, at
-    /// least one, less the executors idle now (they are about to take tasks).
+    /// More executors the backlog asks for: its summed CPU, memory and (where executors declare
+    /// a GPU count) GPUs over one executor's, at least one, less the executors idle now (they are
+    /// about to take tasks). Executors that detect their own GPUs are of unknown GPU count, so a
+    /// GPU backlog counts only through its CPU and memory then.
     fn wanted(&self, status: &tern_proto::sched::PoolStatusResponse) -> u32 {
         let needs = status.backlog_needs.unwrap_or_default();
         let by_cpu = needs.cpu_milli.div_ceil(self.config.executor_cpu_milli);
@@ -182,7 +187,11 @@ impl Pool {
             0 => 0,
             per => needs.memory_bytes.div_ceil(per),
         };
-        let wanted = by_cpu.max(by_memory).max(1).min(u64::from(MAX_POOL_EXECUTORS)) as u32;
+        let by_gpu = match self.config.executor_gpus {
+            Some(gpus) if gpus > 0 => needs.gpu_milli.div_ceil(u64::from(gpus) * 1000),
+            _ => 0,
+        };
+        let wanted = by_cpu.max(by_memory).max(by_gpu).max(1).min(u64::from(MAX_POOL_EXECUTORS)) as u32;
         wanted.saturating_sub(status.idle_executors)
     }
 
@@ -240,6 +249,8 @@ impl Pool {
         }
         if let Some(gpus) = config.executor_gpus {
             spec = spec.args(["--gpus", &gpus.to_string()]);
+        } else if let Some(script) = &config.executor_gpu_discovery_script {
+            spec = spec.args([std::ffi::OsStr::new("--gpu-discovery-script"), script.as_os_str()]);
         }
         if !pinned {
             spec = spec.args(["--idle-exit-after", &format!("{}ms", config.idle_timeout.as_millis())]);
@@ -281,6 +292,7 @@ mod tests {
             executor_cpu_milli: 2000,
             executor_memory_bytes: 4 << 30,
             executor_gpus: None,
+            executor_gpu_discovery_script: None,
             tern: "tern".into(),
             logs: std::env::temp_dir(),
             log_max_bytes: None,
@@ -308,5 +320,19 @@ mod tests {
         assert_eq!(pool.wanted(&status(5000, 0, 2)), 1);
         // Tasks that need nothing measurable still need one executor.
         assert_eq!(pool.wanted(&status(0, 0, 0)), 1);
+    }
+
+    #[test]
+    fn a_gpu_backlog_asks_for_executors_by_gpus_where_executors_declare_them() {
+        let mut pool = Pool { config: config(0, 8), members: Vec::new(), client: None, started_total: 0 };
+        let status = |gpu_milli| PoolStatusResponse {
+            backlog_tasks: 6,
+            backlog_needs: Some(Resources { cpu_milli: 1000, memory_bytes: 0, gpu_milli }),
+            ..Default::default()
+        };
+        assert_eq!(pool.wanted(&status(6000)), 1, "GPU count unknown: by CPU only");
+        pool.config.executor_gpus = Some(2);
+        assert_eq!(pool.wanted(&status(6000)), 3, "6 GPUs wanted, 2 per executor");
+        assert_eq!(pool.wanted(&status(500)), 1);
     }
 }

@@ -142,7 +142,7 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
     };
     let mut executor = Executor {
         client,
-        services: Arc::new(Services::new(metadata, options)),
+        services: Arc::new(Services::new(metadata, options).with_host(&config.host)),
         executor_id: registration.executor_id.clone(),
         max_batch: registration.max_batch.max(1),
         max_poll_wait: Duration::from_millis(registration.max_poll_wait_ms.max(1)),

@@ -23,8 +23,12 @@ pub struct SchedulerClient {
 impl SchedulerClient {
     /// Connects to `addr` (`host:port`, `http://` or `https://`); with `tls_dir`, mutual TLS.
     pub async fn connect(addr: &str, tls_dir: Option<&Path>) -> Result<SchedulerClient> {
-        let tls = tern_client::load_tls(tls_dir)?;
-        let channel = tern_client::grpc_channel(addr, tls.as_ref(), "the scheduler", |endpoint| {
+        SchedulerClient::connect_with_tls(addr, tern_client::load_tls(tls_dir)?.as_ref()).await
+    }
+
+    /// As [`SchedulerClient::connect`], with TLS material already loaded (the Spark plugin's).
+    pub async fn connect_with_tls(addr: &str, tls: Option<&tern_client::TlsMaterial>) -> Result<SchedulerClient> {
+        let channel = tern_client::grpc_channel(addr, tls, "the scheduler", |endpoint| {
             endpoint.connect_timeout(Duration::from_secs(5))
         })
         .await?;
@@ -71,6 +75,11 @@ impl SchedulerClient {
         let request = Self::request(pb::CancelJobRequest { job_id: job_id.into() }, CALL_TIMEOUT);
         let state = self.grpc.clone().cancel_job(request).await?.into_inner().state;
         Ok(pb::JobState::try_from(state).unwrap_or(pb::JobState::Unspecified))
+    }
+
+    /// Scales an elastic stage (see `ScaleStage` in scheduler.proto).
+    pub async fn scale_stage(&self, request: pb::ScaleStageRequest) -> Result<pb::ScaleStageResponse> {
+        Ok(self.grpc.clone().scale_stage(Self::request(request, CALL_TIMEOUT)).await?.into_inner())
     }
 
     pub async fn pool_status(&self) -> Result<pb::PoolStatusResponse> {

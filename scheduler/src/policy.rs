@@ -29,6 +29,8 @@ use crate::spec::{Dag, MILLI};
 const MAX_CANDIDATES: usize = 16;
 /// Task errors kept per stage.
 const MAX_STAGE_ERRORS: usize = 8;
+/// Ended tasks of an elastic stage reported by one ScaleStage call.
+const MAX_ENDED_REPORTED: usize = 1024;
 /// Bytes of one task error kept.
 const MAX_ERROR_BYTES: usize = 4096;
 
@@ -176,6 +178,8 @@ struct Stage {
     finished_ms: u64,
     /// Gang stages: whether its gang was placed (then it behaves like any stage).
     gang_placed: bool,
+    /// Elastic stages: tasks that ended, in order (bounded by the stage's task limit).
+    ended: Vec<pb::ElasticTaskEnd>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -255,6 +259,24 @@ struct Running {
     queue: usize,
 }
 
+/// What [`Policy::scale_stage`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScaleOutcome {
+    pub added: Vec<u32>,
+    pub ended: Vec<pb::ElasticTaskEnd>,
+    pub ended_next: u32,
+    pub state: pb::JobState,
+    pub queued: u32,
+    pub running: u32,
+}
+
+/// Why [`Policy::scale_stage`] refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScaleError {
+    NotFound(String),
+    Invalid(String),
+}
+
 /// What happened that the server must act on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -312,6 +334,8 @@ pub struct Policy {
     events: Vec<Event>,
     /// Executors a gang placed tasks on since the last [`Policy::take_gang_wakes`].
     gang_wakes: Vec<usize>,
+    /// Unfinished jobs whose elastic stage has a lease: job key -> (lease ms, deadline ms).
+    leases: BTreeMap<u64, (u64, u64)>,
 }
 
 impl Policy {
@@ -336,6 +360,7 @@ impl Policy {
             backoff_count: 0,
             events: Vec::new(),
             gang_wakes: Vec::new(),
+            leases: BTreeMap::new(),
         }
     }
 
@@ -482,6 +507,7 @@ impl Policy {
                     started_ms: 0,
                     finished_ms: 0,
                     gang_placed: false,
+                    ended: Vec::new(),
                     info,
                 }
             })
@@ -509,6 +535,9 @@ impl Policy {
             },
         );
         self.job_keys.insert(job_id, key);
+        if let Some(lease) = self.jobs[&key].stages.iter().map(|s| s.info.spec.lease_ms).find(|&l| l > 0) {
+            self.leases.insert(key, (lease, now_ms + lease));
+        }
         for &s in &dag.order {
             if self.jobs[&key].stages[s].pending_deps == 0 {
                 self.start_stage(key, s, now_ms);
@@ -535,7 +564,122 @@ impl Policy {
         stage.counts.waiting -= n;
         stage.counts.queued += n;
         self.backlog += u64::from(n);
-        self.mark_ready(key, s);
+        // An elastic stage may start with no tasks: nothing to offer yet.
+        if n > 0 {
+            self.mark_ready(key, s);
+        }
+    }
+
+    /// Takes the stage out of its job's ready list (and the job out of its queue's) once it has
+    /// no queued task left.
+    fn unready_if_empty(&mut self, key: u64, s: usize) {
+        let job = self.jobs.get_mut(&key).expect("job exists");
+        if job.stages[s].counts.queued > 0 {
+            return;
+        }
+        job.ready_stages.retain(|&x| x != s);
+        if job.ready_stages.is_empty() {
+            let sort = (Reverse(job.info.priority), job.seq);
+            self.queues[job.queue].ready_jobs.remove(&sort);
+        }
+    }
+
+    /// An elastic stage's owner: adds `add` tasks (new indexes), cancels the tasks in `cancel`
+    /// (queued ones dropped, running ones told to stop), ends the stage when `finish` (the job
+    /// succeeds), and reports ended tasks from `ended_from` on. A finished job changes nothing
+    /// and says its state. `max_tasks` bounds the stage's tasks over its whole life.
+    #[allow(clippy::too_many_arguments)]
+    pub fn scale_stage(
+        &mut self,
+        job_id: &str,
+        stage_name: &str,
+        add: u32,
+        cancel: &[u32],
+        finish: bool,
+        ended_from: u32,
+        max_tasks: u32,
+        now_ms: u64,
+        now_unix_ms: u64,
+    ) -> Result<ScaleOutcome, ScaleError> {
+        let key = *self.job_keys.get(job_id).ok_or_else(|| ScaleError::NotFound(format!("no job {job_id}")))?;
+        let job = &self.jobs[&key];
+        let s = job
+            .stages
+            .iter()
+            .position(|st| st.info.spec.name == stage_name)
+            .ok_or_else(|| ScaleError::NotFound(format!("job {job_id} has no stage {stage_name:?}")))?;
+        let stage = &job.stages[s];
+        if !stage.info.spec.elastic {
+            return Err(ScaleError::Invalid(format!("stage {stage_name:?} of job {job_id} is not elastic")));
+        }
+        let total = stage.tasks.len() as u64 + u64::from(add);
+        if total > u64::from(max_tasks) {
+            return Err(ScaleError::Invalid(format!(
+                "stage {stage_name:?} of job {job_id} would have {total} tasks in its life; at most {max_tasks}"
+            )));
+        }
+        if let Some(&bad) = cancel.iter().find(|&&t| t as usize >= stage.tasks.len()) {
+            return Err(ScaleError::Invalid(format!("stage {stage_name:?} of job {job_id} has no task {bad}")));
+        }
+        let mut added = Vec::new();
+        if let Some((lease, deadline)) = self.leases.get_mut(&key) {
+            *deadline = now_ms + *lease;
+        }
+        if stage.state == pb::StageState::Running {
+            let stage = &mut self.jobs.get_mut(&key).expect("job").stages[s];
+            for _ in 0..add {
+                let t = stage.tasks.len() as u32;
+                stage.tasks.push(Task {
+                    state: TaskState::Queued,
+                    runs: 0,
+                    failures: 0,
+                    memory_bytes: stage.needs.memory_bytes,
+                    queued_at_ms: now_ms,
+                    assignment: 0,
+                });
+                stage.ready.push_back(t);
+                stage.counts.queued += 1;
+                added.push(t);
+            }
+            self.backlog += u64::from(add);
+            let mut stop = Vec::new();
+            for &t in cancel {
+                let task = &mut stage.tasks[t as usize];
+                match task.state {
+                    TaskState::Queued => self.backlog -= 1,
+                    TaskState::Running => stop.push(task.assignment),
+                    _ => continue,
+                }
+                *stage.counts.get(task.state) -= 1;
+                task.state = TaskState::Cancelled;
+                stage.counts.cancelled += 1;
+                stage.ended.push(pb::ElasticTaskEnd {
+                    task_index: t,
+                    outcome: pb::TaskOutcome::Lost as i32,
+                    message: "cancelled".into(),
+                });
+            }
+            self.cancel_assignments(stop);
+            if add > 0 {
+                self.mark_ready(key, s);
+            }
+            self.unready_if_empty(key, s);
+            if finish {
+                self.finish_stage(key, s, true, String::new(), now_ms, now_unix_ms);
+            }
+        }
+        let job = &self.jobs[&key];
+        let stage = &job.stages[s];
+        let from = (ended_from as usize).min(stage.ended.len());
+        let ended: Vec<pb::ElasticTaskEnd> = stage.ended[from..].iter().take(MAX_ENDED_REPORTED).cloned().collect();
+        Ok(ScaleOutcome {
+            ended_next: (from + ended.len()) as u32,
+            added,
+            ended,
+            state: job.state,
+            queued: stage.counts.queued,
+            running: stage.counts.running,
+        })
     }
 
     /// Puts the stage in its job's ready list and the job in its queue's.
@@ -570,6 +714,7 @@ impl Policy {
     }
 
     fn finish_job(&mut self, key: u64, state: pb::JobState, error: String, now_ms: u64, now_unix_ms: u64) {
+        self.leases.remove(&key);
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = state;
         job.error = error;
@@ -648,6 +793,18 @@ impl Policy {
             self.mark_ready(key, s);
         }
         moved
+    }
+
+    /// Cancels jobs whose elastic stage's owner stopped calling ScaleStage for its lease.
+    /// Returns how many. Cost: one look per leased job (few: one per running Spark application).
+    pub fn expire_leases(&mut self, now_ms: u64, now_unix_ms: u64) -> u32 {
+        let expired: Vec<(u64, u64)> =
+            self.leases.iter().filter(|(_, &(_, deadline))| deadline <= now_ms).map(|(&k, &(l, _))| (k, l)).collect();
+        for &(key, lease) in &expired {
+            let error = format!("its owner did not renew its lease for {lease} ms (the Spark driver is gone?)");
+            self.finish_job(key, pb::JobState::Cancelled, error, now_ms, now_unix_ms);
+        }
+        expired.len() as u32
     }
 
     /// When the next backoff ends, if any.
@@ -892,7 +1049,7 @@ impl Policy {
             job_id: job.info.job_id.clone(),
             stage: spec.name.clone(),
             task_index: t,
-            task_count: spec.tasks,
+            task_count: stage.tasks.len() as u32,
             attempt,
             operator: spec.operator.clone(),
             granted: Some(Res { gpu_milli: gpu_total, ..res }.into()),
@@ -967,6 +1124,30 @@ impl Policy {
             *stage.paths.entry(cut_message(path, 64).to_string()).or_default() += 1;
         }
         let t = run.task;
+        if stage.info.spec.elastic {
+            // Never run again: the owner replaces it if it still wants one.
+            let (state, code) = match outcome {
+                Outcome::Succeeded => (TaskState::Succeeded, pb::TaskOutcome::Succeeded),
+                Outcome::Failed => (TaskState::Failed, pb::TaskOutcome::Failed),
+                Outcome::Oom => (TaskState::Failed, pb::TaskOutcome::Oom),
+                Outcome::Lost => (TaskState::Cancelled, pb::TaskOutcome::Lost),
+            };
+            if outcome == Outcome::Lost {
+                stage.lost += 1;
+            }
+            task.state = state;
+            *stage.counts.get(state) += 1;
+            let message =
+                if message.is_empty() && outcome == Outcome::Lost { "its executor was lost" } else { message };
+            stage.ended.push(pb::ElasticTaskEnd { task_index: t, outcome: code as i32, message: message.to_string() });
+            if matches!(outcome, Outcome::Failed | Outcome::Oom) {
+                if stage.errors.len() == MAX_STAGE_ERRORS {
+                    stage.errors.pop_front();
+                }
+                stage.errors.push_back(format!("task {t}: {message}"));
+            }
+            return;
+        }
         match outcome {
             Outcome::Succeeded => {
                 task.state = TaskState::Succeeded;
@@ -1547,6 +1728,100 @@ mod tests {
         let status = p.job_status("j", true).unwrap();
         assert_eq!(status.state(), pb::JobState::Failed);
         assert!(status.error.contains("exit status 3") && status.error.contains("attempt limit 3"), "{}", status.error);
+    }
+
+    #[test]
+    fn elastic_stages_grow_shrink_report_ended_tasks_and_end_when_told() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e0 = executor(&mut p, "h0", 2, 0);
+        let mut s = stage("executors", 0, MILLI, 0);
+        s.elastic = true;
+        add(&mut p, "app", "q", 0, vec![s]);
+        assert_eq!(p.job_state("app"), Some(pb::JobState::Running));
+        assert!(p.assign(e0, 10, 0).is_empty(), "no tasks yet");
+        let scale = |p: &mut Policy, add: u32, cancel: &[u32], finish: bool, from: u32| {
+            p.scale_stage("app", "executors", add, cancel, finish, from, 8, 1, 1).unwrap()
+        };
+        let out = scale(&mut p, 3, &[], false, 0);
+        assert_eq!(out.added, [0, 1, 2]);
+        let placed = p.assign(e0, 10, 1);
+        assert_eq!(placed.iter().map(|a| a.task_index).collect::<Vec<_>>(), [0, 1], "two fit on 2 CPUs");
+        assert_eq!(placed[0].task_count, 3);
+        // Task 2 is still queued: cancelling it drops it; cancelling 0 stops its run.
+        let out = scale(&mut p, 0, &[2, 0], false, 0);
+        assert_eq!((out.queued, out.running, out.ended.len()), (0, 1, 2));
+        assert_eq!(p.pool_counts().backlog_tasks, 0);
+        assert!(p.take_events().contains(&Event::Cancel { executor: e0, assignments: vec![placed[0].assignment_id] }));
+        // A task that fails or whose executor is lost is never run again; the owner hears why.
+        p.report(e0, &pb::TaskResult { message: "exit 137".into(), ..result(&placed[1], pb::TaskOutcome::Oom) }, 2, 1);
+        let out = scale(&mut p, 1, &[], false, 2);
+        assert_eq!(out.ended.len(), 1);
+        assert_eq!(
+            (out.ended[0].task_index, out.ended[0].outcome(), out.ended[0].message.as_str()),
+            (1, pb::TaskOutcome::Oom, "exit 137")
+        );
+        assert_eq!((out.added.as_slice(), out.ended_next), (&[3][..], 3));
+        let again = p.assign(e0, 10, 3);
+        assert_eq!(again.iter().map(|a| (a.task_index, a.attempt)).collect::<Vec<_>>(), [(3, 0)]);
+        p.remove_executor(e0, 4);
+        let out = scale(&mut p, 0, &[], false, 3);
+        assert_eq!((out.ended[0].task_index, out.ended[0].outcome()), (3, pb::TaskOutcome::Lost));
+        assert_eq!(p.pool_counts().backlog_tasks, 0, "a lost elastic task is not queued again");
+        // Bounded over the stage's life, and only elastic stages scale.
+        assert!(matches!(
+            p.scale_stage("app", "executors", 5, &[], false, 0, 8, 1, 1),
+            Err(ScaleError::Invalid(m)) if m.contains("at most 8")
+        ));
+        assert!(matches!(p.scale_stage("app", "executors", 0, &[9], false, 0, 8, 1, 1), Err(ScaleError::Invalid(_))));
+        assert!(matches!(p.scale_stage("nope", "executors", 1, &[], false, 0, 8, 1, 1), Err(ScaleError::NotFound(_))));
+        let out = scale(&mut p, 0, &[], true, 4);
+        assert_eq!(out.state, pb::JobState::Succeeded);
+        assert_eq!(p.expire_leases(u64::MAX, 1), 0, "no lease was asked for");
+        let out = scale(&mut p, 2, &[], false, 4);
+        assert!(out.added.is_empty(), "a finished job takes no tasks");
+    }
+
+    #[test]
+    fn an_elastic_gang_starts_its_first_executors_together_or_not_at_all() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e0 = executor(&mut p, "h0", 1, 0);
+        let mut s = stage("executors", 2, MILLI, 0);
+        s.elastic = true;
+        s.gang = true;
+        s.min_available = 2;
+        add(&mut p, "app", "q", 0, vec![s]);
+        assert!(p.assign(e0, 10, 0).is_empty(), "one CPU cannot hold the gang of two");
+        let e1 = executor(&mut p, "h1", 1, 0);
+        let placed = p.assign(e1, 10, 1);
+        assert_eq!(placed.len(), 1, "one here, the other in e0's outbox");
+        assert_eq!(p.take_gang_wakes(), [e0]);
+        assert_eq!(p.assign(e0, 10, 1).len(), 1);
+        // Later executors of the application need no gang.
+        let e2 = executor(&mut p, "h2", 1, 0);
+        p.scale_stage("app", "executors", 1, &[], false, 0, 8, 2, 1).unwrap();
+        assert_eq!(p.assign(e2, 10, 2).len(), 1);
+    }
+
+    #[test]
+    fn an_elastic_job_whose_owner_stops_renewing_is_cancelled() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e0 = executor(&mut p, "h0", 2, 0);
+        let mut s = stage("executors", 1, MILLI, 0);
+        s.elastic = true;
+        s.lease_ms = 1000;
+        add(&mut p, "app", "q", 0, vec![s]);
+        let placed = p.assign(e0, 10, 0);
+        assert_eq!(placed.len(), 1);
+        // Each ScaleStage call renews it.
+        p.scale_stage("app", "executors", 0, &[], false, 0, 8, 900, 1).unwrap();
+        assert_eq!(p.expire_leases(1800, 1), 0);
+        p.take_events();
+        assert_eq!(p.expire_leases(1900, 1), 1);
+        let status = p.job_status("app", false).unwrap();
+        assert_eq!(status.state(), pb::JobState::Cancelled);
+        assert!(status.error.contains("did not renew its lease"), "{}", status.error);
+        assert!(p.take_events().contains(&Event::Cancel { executor: e0, assignments: vec![placed[0].assignment_id] }));
+        assert_eq!(p.expire_leases(u64::MAX, 1), 0, "expired once");
     }
 
     #[test]

@@ -302,6 +302,9 @@ async fn tick(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
         let now = Instant::now();
         let mut state = shared.state.lock();
         let moved = state.policy.tick(shared.now_ms());
+        if state.policy.expire_leases(shared.now_ms(), unix_ms()) > 0 {
+            shared.handle_events(&mut state);
+        }
         let silent: Vec<String> = state
             .executors
             .iter()
@@ -537,6 +540,63 @@ impl Scheduler for Service {
             .ok_or_else(|| ErrorKind::NotFound.status(format!("no job {job_id:?}")))?;
         self.shared.handle_events(&mut state);
         Ok(Response::new(pb::CancelJobResponse { state: job_state as i32 }))
+    }
+
+    async fn scale_stage(
+        &self,
+        request: Request<pb::ScaleStageRequest>,
+    ) -> Result<Response<pb::ScaleStageResponse>, Status> {
+        let r = request.into_inner();
+        let config = &self.shared.config;
+        let limits = config.spec_limits();
+        if r.cancel.len() > limits.max_tasks_per_stage as usize {
+            return Err(invalid(format!("ScaleStage: more than {} tasks to cancel", limits.max_tasks_per_stage)));
+        }
+        let mut state = self.shared.state.lock();
+        if state.active_tasks + u64::from(r.add) > config.max_queued_tasks {
+            return Err(ErrorKind::Unavailable.status(format!(
+                "{} tasks of unfinished jobs plus {} more exceed max_queued_tasks = {}; retry later",
+                state.active_tasks, r.add, config.max_queued_tasks
+            )));
+        }
+        let now_ms = self.shared.now_ms();
+        let out = state
+            .policy
+            .scale_stage(
+                &r.job_id,
+                &r.stage,
+                r.add,
+                &r.cancel,
+                r.finish,
+                r.ended_from,
+                limits.max_tasks_per_stage,
+                now_ms,
+                unix_ms(),
+            )
+            .map_err(|e| match e {
+                crate::policy::ScaleError::NotFound(m) => ErrorKind::NotFound.status(m),
+                crate::policy::ScaleError::Invalid(m) => invalid(m),
+            })?;
+        let added = out.added.len() as u64;
+        if added > 0 {
+            state.active_tasks += added;
+            if let Some(tasks) = state.job_tasks.get_mut(&r.job_id) {
+                *tasks += added;
+            }
+        }
+        self.shared.handle_events(&mut state);
+        drop(state);
+        if added > 0 {
+            self.shared.work.notify_waiters();
+        }
+        Ok(Response::new(pb::ScaleStageResponse {
+            added: out.added,
+            ended: out.ended,
+            ended_next: out.ended_next,
+            state: out.state as i32,
+            queued: out.queued,
+            running: out.running,
+        }))
     }
 
     async fn pool_status(&self, _: Request<pb::PoolStatusRequest>) -> Result<Response<pb::PoolStatusResponse>, Status> {

@@ -41,8 +41,8 @@ use tern_proto::sched as pb;
 /// Milli-units per whole CPU or GPU.
 pub const MILLI: u64 = 1000;
 /// The built-in operators, and "command".
-pub const OPERATORS: [&str; 6] =
-    ["noop", "teragen", "terasort-map", "terasort-reduce", "terasort-reduce-gpu", "command"];
+pub const OPERATORS: [&str; 7] =
+    ["noop", "teragen", "terasort-map", "terasort-reduce", "terasort-reduce-gpu", "command", "spark-executor"];
 /// The queue of jobs that name none.
 pub const DEFAULT_QUEUE: &str = "default";
 
@@ -260,6 +260,8 @@ impl JobFile {
                 output,
                 gpu_optional: stage.gpu_optional,
                 locality: stage.locality.clone(),
+                elastic: false,
+                lease_ms: 0,
             });
         }
         Ok(pb::JobSpec {
@@ -340,7 +342,19 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
     let mut after = vec![Vec::new(); spec.stages.len()];
     for (i, stage) in spec.stages.iter().enumerate() {
         let at = format!("stage {:?}", stage.name);
-        if stage.tasks == 0 {
+        if stage.elastic {
+            if spec.stages.len() != 1 || !spec.shuffles.is_empty() {
+                bail!("{at}: an elastic stage must be its job's only stage, with no shuffles");
+            }
+            if stage.lease_ms > 86_400_000 {
+                bail!("{at}: lease_ms = {} is more than a day", stage.lease_ms);
+            }
+            if stage.input.is_some() || stage.output.is_some() || stage.min_success != 0 {
+                bail!("{at}: an elastic stage has no input, output or min_success (its owner ends it)");
+            }
+        } else if stage.lease_ms != 0 {
+            bail!("{at}: lease_ms is for elastic stages");
+        } else if stage.tasks == 0 {
             bail!("{at}: tasks = 0; a stage runs at least one task");
         }
         if stage.tasks > limits.max_tasks_per_stage {
@@ -354,7 +368,9 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
         if op.name == "command" && op.argv.is_empty() {
             bail!("{at}: operator \"command\" needs command = [program, args...]");
         }
-        if op.name != "command" && (!op.argv.is_empty() || !op.env.is_empty()) {
+        // spark-executor takes env too (SPARK_HOME, PYTHONPATH for the executor's Python workers).
+        let takes_env = matches!(op.name.as_str(), "command" | "spark-executor");
+        if op.name != "command" && (!op.argv.is_empty() || (!takes_env && !op.env.is_empty())) {
             bail!("{at}: command and env belong to operator \"command\", not {:?}", op.name);
         }
         let needs = stage.needs.unwrap_or_default();

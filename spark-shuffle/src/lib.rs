@@ -37,6 +37,8 @@ use tern_client::{
     ShuffleOptions, ShuffleReader, SpaceWait, TlsMaterial,
 };
 
+mod scheduler;
+
 const EXCEPTION_CLASS: &str = "io/tern/spark/TernException";
 /// Thrown instead of [`EXCEPTION_CLASS`] for `out-of-space`, so Java can tell it apart by type.
 const OUT_OF_SPACE_CLASS: &str = "io/tern/spark/TernOutOfSpaceException";
@@ -255,7 +257,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
 }
 
 /// The TLS material named by the plugin's settings (their names are in `TernConf.java`).
-fn tls_material(dir: &str, [ca, cert, key]: [String; 3]) -> Outcome<Option<TlsMaterial>> {
+pub(crate) fn tls_material(dir: &str, [ca, cert, key]: [String; 3]) -> Outcome<Option<TlsMaterial>> {
     let given = [&ca, &cert, &key].iter().filter(|pem| !pem.is_empty()).count();
     if !dir.is_empty() && given > 0 {
         return Err(invalid("give either spark.tern.tlsDir or the spark.tern.tls.* PEM settings, not both"));

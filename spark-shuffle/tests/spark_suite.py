@@ -9,12 +9,19 @@ the map stage, which reruns exactly the maps Tern lost; and a second driver (thi
 released between two jobs reading one shuffle) and is then killed with SIGKILL: its data must be
 freed when its job lease lapses.
 
+With TERN_SPARK_MASTER (`local-tern://HOST:PORT`, Tern's scheduler of a `tern up` cluster) the
+Tern side runs on Tern's scheduler instead of local-cluster: its executors are Tern tasks, which
+the suite checks through `tern job status`, and the built-in side runs in local[2]; it also SIGKILLs one executor JVM mid-stage (the job
+must still be right, the executor replaced). The dynamic-allocation child then scales its
+executors (Tern tasks) up, down to none and up again. The storage-server fault needs
+TERN_STORAGE_FAULT; without it that case is not run, and the suite says so.
+
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
-binary), TERN_STORAGE_FAULT (a shell command that takes one storage server of that cluster away:
-the multi-host test cuts its link, so its packets vanish), TERN_WORK (a
-scratch directory), and TERN_TLS_DIR where the cluster speaks TLS: then the main application gives
-the material as PEM text (spark.tern.tls.*) and moves blocks over QUIC, and the second driver names
-the directory (spark.tern.tlsDir) and takes the default transport.
+binary), TERN_WORK (a scratch directory); optionally TERN_STORAGE_FAULT (a shell command that
+takes one storage server of that cluster away: the multi-host test cuts its link, so its packets
+vanish), TERN_SPARK_MASTER, and TERN_TLS_DIR where the cluster speaks TLS: then the main
+application gives the material as PEM text (spark.tern.tls.*) and moves blocks over QUIC, and the
+second driver names the directory (spark.tern.tlsDir) and takes the default transport.
 """
 
 import json
@@ -23,6 +30,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from operator import add
 
@@ -33,8 +41,9 @@ from pyspark.sql import functions as F
 METADATA = os.environ["TERN_METADATA"]
 JAR = os.environ["TERN_SPARK_JAR"]
 TERN = os.environ["TERN_BIN"]
-STORAGE_FAULT = os.environ["TERN_STORAGE_FAULT"]
+STORAGE_FAULT = os.environ.get("TERN_STORAGE_FAULT", "")
 WORK = os.environ["TERN_WORK"]
+MASTER = os.environ.get("TERN_SPARK_MASTER", "")
 TERASORT_BYTES = int(os.environ.get("TERN_TERASORT_BYTES", str(24 << 20)))
 TLS_DIR = os.environ.get("TERN_TLS_DIR", "")
 
@@ -50,10 +59,18 @@ def tls_conf(as_text):
             ("spark.tern.tls.secretKey", pem("node.key")), ("spark.tern.transport", "quic")]
 
 
+def master(tern):
+    """Tern's side on Tern's scheduler when TERN_SPARK_MASTER says so; the built-in side then runs
+    in local[2] (no executor JVMs to start: the reference results cost less CI time)."""
+    if not MASTER:
+        return "local-cluster[2,1,1024]"
+    return MASTER if tern else "local[2]"
+
+
 def spark(tern, extra=()):
     conf = (
         SparkConf()
-        .setMaster("local-cluster[2,1,1024]")
+        .setMaster(master(tern))
         .setAppName("tern-suite-" + ("tern" if tern else "builtin"))
         .set("spark.driver.extraClassPath", JAR)
         .set("spark.executor.extraClassPath", JAR)
@@ -202,6 +219,55 @@ def frees_unregistered_shuffles(sc):
     return len(shuffles)
 
 
+def scheduler_job(job_id):
+    """`tern job status --json` of the application's job on Tern's scheduler."""
+    scheduler = MASTER.split("://", 1)[1]
+    out = subprocess.run([TERN, "job", "status", job_id, "--json", "--scheduler", scheduler],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def executor_pids(app_id):
+    """Executor JVMs of the application, from /proc."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"org.apache.spark.executor.CoarseGrainedExecutorBackend" in args and app_id.encode() in args:
+            pids.append((int(pid), args[args.index(b"--executor-id") + 1].decode()))
+    return pids
+
+
+def survive_killed_executor(sc):
+    """SIGKILLs one executor JVM while a stage runs on it: the result is still right, Tern's
+    scheduler saw the task die, and the backend asks for a replacement."""
+    jsc = sc._jsc.sc()
+    app = jsc.applicationId()
+    executors = lambda: len(jsc.statusTracker().getExecutorInfos()) - 1
+    wait_for("two executors", lambda: executors() == 2, 60)
+    pids = executor_pids(app)
+    assert len(pids) == 2, f"expected 2 executor JVMs of {app}, found {pids}"
+    rdd = (sc.parallelize(range(40000), 8)
+           .mapPartitions(lambda it: (time.sleep(1.0), list(it))[1])
+           .map(lambda x: (x % 31, x)).reduceByKey(add, 4))
+    expected = sorted((k, sum(range(k, 40000, 31))) for k in range(31))
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(rows=sorted(rdd.collect())))
+    worker.start()
+    time.sleep(2.5)
+    pid, executor = pids[0]
+    os.kill(pid, signal.SIGKILL)
+    worker.join(120)
+    assert not worker.is_alive(), "the job did not finish after an executor was killed"
+    assert result.get("rows") == expected, "the job's result is wrong after an executor was killed"
+    wait_for("the killed executor to be replaced", lambda: executors() == 2 and
+             executor not in {e for _, e in executor_pids(app)}, 60)
+    return executor
+
+
 def survive_lost_server(sc):
     """Takes a storage server away (TERN_STORAGE_FAULT) between a shuffle's map and reduce stages:
     the job still returns the right result, with one resubmission of the map stage that reruns
@@ -276,7 +342,9 @@ def child():
     assert all(s[2] < 0 for s in seen["stages"]), f"map outputs were recomputed after executors left: {seen}"
     pid = sc._jvm.java.lang.ProcessHandle.current().pid()
     job = jsc.env().shuffleManager().ternJobId()
-    print(json.dumps({"pid": pid, "job": job, "first_executors": first, "second_executors": second}), flush=True)
+    app_job = jsc.schedulerBackend().ternJobId() if MASTER else None
+    print(json.dumps({"pid": pid, "job": job, "app_job": app_job, "first_executors": first,
+                      "second_executors": second}), flush=True)
     time.sleep(600)
 
 
@@ -307,7 +375,11 @@ def dynamic_allocation_and_crashed_driver():
         wait_for("the crashed driver's job to lapse",
                  lambda: ready["job"] not in {j["job_id"] for j in tern_status()["jobs"]}, CHILD_LEASE_S + 15)
         wait_for("the crashed driver's bytes to be freed", lambda: held_bytes() == 0, 15)
-        return ready, time.time() - killed
+        lapsed = time.time() - killed
+        if ready["app_job"]:
+            wait_for("the crashed driver's application job to be cancelled",
+                     lambda: scheduler_job(ready["app_job"])["state"] == "cancelled", CHILD_LEASE_S + 15)
+        return ready, lapsed
     finally:
         proc.kill()
         proc.wait()
@@ -356,12 +428,29 @@ def main():
             print("  ok  terasort output validates (checksum %s)" % input_checksum, flush=True)
         freed = frees_unregistered_shuffles(sc)
         print(f"  ok  unregistering {freed} shuffles freed all their blocks in Tern", flush=True)
-        lost = survive_lost_server(sc)
-        print(f"  ok  a storage server cut off: lost maps {lost} rerun in one map-stage attempt, result right",
-              flush=True)
+        if STORAGE_FAULT:
+            lost = survive_lost_server(sc)
+            print(f"  ok  a storage server cut off: lost maps {lost} rerun in one map-stage attempt, result right",
+                  flush=True)
+        else:
+            print("  not run: the storage-server fault (no TERN_STORAGE_FAULT: `tern up` stops when a daemon dies)",
+                  flush=True)
+        app_job = None
+        if MASTER:
+            app_job = sc._jsc.sc().schedulerBackend().ternJobId()
+            killed = survive_killed_executor(sc)
+            print(f"  ok  executor {killed} SIGKILLed mid-stage: Tern reported it, Spark reran its tasks, result "
+                  "right, executor replaced", flush=True)
         job = sc._jsc.sc().env().shuffleManager().ternJobId()
     finally:
         sc.stop()
+    if app_job:
+        status = scheduler_job(app_job)
+        stage = status["stages"][0]
+        assert status["state"] == "succeeded" and stage["attempts"] >= 3 and stage["failed"] >= 1, \
+            f"the application's Tern job: {status}"
+        print(f"  ok  the application ran as Tern job {app_job} ({status['name']}): {stage['attempts']} executor "
+              f"tasks, {stage['failed']} killed, succeeded at sc.stop()", flush=True)
     wait_for("the stopped application's bytes to be freed", lambda: held_bytes() == 0, 15)
     assert job not in {j["job_id"] for j in tern_status()["jobs"]}, f"Tern job {job} outlived sc.stop()"
     print(f"  ok  application end ended Tern job {job} and freed its blocks", flush=True)
@@ -372,6 +461,9 @@ def main():
           f"{ready['second_executors']} without recomputation (tenant {CHILD_TENANT}, 2 copies)", flush=True)
     print(f"  ok  a SIGKILLed driver's job {ready['job']} freed {lapsed:.1f}s after the kill "
           f"(lease {CHILD_LEASE_S}s); child run {time.time() - t:.1f}s", flush=True)
+    if ready["app_job"]:
+        print(f"  ok  its application job {ready['app_job']} on Tern's scheduler cancelled when its lease lapsed",
+              flush=True)
 
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures), flush=True)

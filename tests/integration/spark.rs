@@ -83,6 +83,147 @@ async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     }
 }
 
+/// Spark on Tern's scheduler: spark_suite.py with master `local-tern://` against `tern up` whose
+/// pool starts at 0 executors (at most 2, 1 CPU each, 1.5 GiB). Every Tern case agrees with the
+/// built-in shuffle while the executors are Tern tasks (the suite checks the application's Tern
+/// job); an executor JVM SIGKILLed mid-stage costs nothing but a rerun; the dynamic-allocation
+/// child releases all its executors and gets new ones. Here: the pool went up to 2 executors for
+/// Spark and back to 0 once the applications ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spark_applications_run_on_terns_scheduler_and_pool() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let _up = TernUp::start(
+        dir.path(),
+        port,
+        &["--min-executors", "0", "--max-executors", "2", "--executor-cpus", "1", "--executor-memory", "1536MiB"],
+    );
+    let metadata = format!("127.0.0.1:{}", ports.metadata());
+    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    // Samples the pool while Spark runs: its most executors.
+    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let sampler = {
+        let (client, peak) = (client.clone(), peak.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Ok(pool) = client.pool_status().await {
+                    peak.fetch_max(pool.executors, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        })
+    };
+    assert_eq!(client.pool_status().await.unwrap().executors, 0, "the pool starts empty");
+    let work = tempfile::tempdir().unwrap();
+    let mut python = tokio::process::Command::new("python3");
+    python
+        .env("TERN_METADATA", &metadata)
+        .env("TERN_WORK", work.path())
+        .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"));
+    let script = root.join("spark-shuffle/tests/spark_suite.py");
+    let logs = || crate::common::logs_in(&dir.path().join("logs"));
+    run_script(python, &jar, &script, "all Spark cases agree", &logs).await;
+    sampler.abort();
+    assert_eq!(peak.load(std::sync::atomic::Ordering::Relaxed), 2, "the pool never ran 2 executors for Spark");
+    // Executors above the pool's min leave after --executor-idle-timeout (30 s by default).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let pool = client.pool_status().await.unwrap();
+        if pool.executors == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the pool did not go back to 0 executors: {pool:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// GPUs for Spark on Tern's scheduler (spark-shuffle/tests/spark_gpus.py): `tern up`'s pool, empty
+/// at first, starts one executor whose GPU discovery script names GPUs 0 and 1 (this machine has
+/// none) for the application's backlog of two one-GPU executors; each Spark task sees its executor's granted device in
+/// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
+/// `tern job list` shows the application and `tern job cancel` stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spark_gpu_executors_get_distinct_granted_devices() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let script = dir.path().join("gpus.sh");
+    std::fs::write(&script, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let _up = TernUp::start(
+        dir.path(),
+        port,
+        &[
+            "--executor-gpu-discovery-script",
+            script.to_str().unwrap(),
+            "--min-executors",
+            "0",
+            "--max-executors",
+            "1",
+            "--executor-cpus",
+            "2",
+            "--executor-memory",
+            "3GiB",
+        ],
+    );
+    let mut python = tokio::process::Command::new("python3");
+    python
+        .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
+        .env("TERN_SPARK_MASTER", format!("local-tern://127.0.0.1:{}", ports.scheduler()));
+    let script = root.join("spark-shuffle/tests/spark_gpus.py");
+    let logs = || crate::common::logs_in(&dir.path().join("logs"));
+    run_script(python, &jar, &script, "GPU executors right", &logs).await;
+}
+
+/// `tern up` under test, started with `extra` flags; interrupted (Ctrl-C) when dropped.
+struct TernUp(std::process::Child);
+
+impl TernUp {
+    fn start(dir: &Path, port: u16, extra: &[&str]) -> TernUp {
+        use std::io::BufRead;
+        let mut up = Command::new(TERN)
+            .args(["up", "--dir", dir.to_str().unwrap(), "--port", &port.to_string(), "--dram", "512MiB"])
+            .args(["--nvme-size", "0"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = std::io::BufReader::new(up.stdout.take().unwrap());
+        let mut lines = stdout.lines();
+        // Ready once its banner says how to stop it (the pool and scheduler are up by then).
+        loop {
+            match lines.next() {
+                Some(Ok(line)) if line.contains("Ctrl-C stops the cluster") => break,
+                Some(Ok(_)) => {}
+                _ => panic!("tern up exited before printing its banner"),
+            }
+        }
+        // Keep draining its stdout so it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        TernUp(up)
+    }
+}
+
+impl Drop for TernUp {
+    #[allow(unsafe_code)] // kill(2): Ctrl-C to our own child
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child process.
+        unsafe {
+            libc::kill(self.0.id() as libc::pid_t, libc::SIGINT);
+        }
+        let _ = self.0.wait();
+    }
+}
+
 /// Long applications under storage pressure (see spark-shuffle/tests/spark_space.py): 2 storage
 /// servers of 56 MiB DRAM each and no NVMe tier; each query shuffles ~30 MiB (~40 of the 112 blocks:
 /// batches of three 256 KiB chunks fill three quarters of a 1 MiB block).

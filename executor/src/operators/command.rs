@@ -37,10 +37,23 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
     let Some((program, args)) = operator.argv.split_first() else {
         return Report::failed("command: the stage's operator has no argv (the program to run)");
     };
+    let env: Vec<(String, String)> = operator.env.into_iter().collect();
+    run_program(task, services, program, args, &env).await
+}
+
+/// Runs `program` with `args` as task `task` (its environment, `env` added), watching its memory
+/// as the module says; the report is the program's.
+pub(super) async fn run_program(
+    task: &pb::Assignment,
+    services: &Services,
+    program: &str,
+    args: &[String],
+    env: &[(String, String)],
+) -> Report {
     let mut command = Command::new(program);
     command
         .args(args)
-        .envs(operator.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .envs(task_env(task, services.metadata()))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -15,6 +15,7 @@
 
 mod command;
 mod noop;
+mod spark;
 mod terasort;
 
 use std::collections::HashMap;
@@ -69,6 +70,8 @@ impl Report {
 /// kernels are compiled once, not per task).
 pub struct Services {
     metadata: String,
+    /// This executor's host, as it registered (Spark executors announce it to their driver).
+    host: String,
     options: ClientOptions,
     client: tokio::sync::OnceCell<Client>,
     sorters: parking_lot::Mutex<HashMap<String, Arc<parking_lot::Mutex<GpuSorter>>>>,
@@ -76,7 +79,23 @@ pub struct Services {
 
 impl Services {
     pub fn new(metadata: String, options: ClientOptions) -> Services {
-        Services { metadata, options, client: tokio::sync::OnceCell::new(), sorters: Default::default() }
+        Services {
+            metadata,
+            host: "localhost".into(),
+            options,
+            client: tokio::sync::OnceCell::new(),
+            sorters: Default::default(),
+        }
+    }
+
+    /// The host this executor registered with (default "localhost").
+    pub fn with_host(mut self, host: &str) -> Services {
+        self.host = host.to_string();
+        self
+    }
+
+    pub fn host(&self) -> &str {
+        &self.host
     }
 
     /// The metadata server's address, as tasks see it (`TERN_METADATA`).
@@ -128,6 +147,7 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
         "terasort-reduce" => terasort::reduce(task, services, false).await,
         "terasort-reduce-gpu" => terasort::reduce(task, services, true).await,
         "command" => return command::run(task, services).await,
+        "spark-executor" => return spark::run(task, services).await,
         other => Err(anyhow::anyhow!("unknown operator {other:?}; this executor runs {}", OPERATORS.join(", "))),
     };
     result.unwrap_or_else(Report::from_error)
@@ -142,7 +162,8 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
 /// (comma-separated, "" when none), TERN_GPU_MILLI (the fraction of each, comma-separated),
 /// TERN_JOB_ROOT and TERN_TERN_JOB (the Tern job owning the job's data), TERN_JOB_TOKEN (its
 /// token: a Tern client connecting in the task picks it up), TERN_MEMORY_BYTES and
-/// TERN_CPU_MILLI (what the task was granted).
+/// TERN_CPU_MILLI (what the task was granted); with GPUs granted, CUDA_VISIBLE_DEVICES (the
+/// granted addresses: a CUDA program in the task sees only its devices).
 pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, String)> {
     let granted = task.granted.unwrap_or_default();
     let mut env = vec![
@@ -154,7 +175,7 @@ pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, Str
         ("TERN_METADATA", metadata.to_string()),
         ("TERN_INPUT", data_ref(task.input_shuffle_id, &task.input_path)),
         ("TERN_OUTPUT", data_ref(task.output_shuffle_id, &task.output_path)),
-        ("TERN_GPU_ADDRESSES", task.gpus.iter().map(|g| g.address.as_str()).collect::<Vec<_>>().join(",")),
+        ("TERN_GPU_ADDRESSES", gpu_addresses(task)),
         ("TERN_GPU_MILLI", task.gpus.iter().map(|g| g.gpu_milli.to_string()).collect::<Vec<_>>().join(",")),
         ("TERN_JOB_ROOT", task.tern_job_root.clone()),
         ("TERN_TERN_JOB", task.tern_job_id.clone()),
@@ -162,6 +183,9 @@ pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, Str
         ("TERN_MEMORY_BYTES", granted.memory_bytes.to_string()),
         ("TERN_CPU_MILLI", granted.cpu_milli.to_string()),
     ];
+    if !task.gpus.is_empty() {
+        env.push(("CUDA_VISIBLE_DEVICES", gpu_addresses(task)));
+    }
     if task.input_shuffle_id != 0 {
         env.push(("TERN_INPUT_SHUFFLE", task.input_shuffle_id.to_string()));
         env.push(("TERN_INPUT_PARTITIONS", task.input_partitions.to_string()));
@@ -172,6 +196,11 @@ pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, Str
         env.push(("TERN_OUTPUT_PARTITIONS", task.output_partitions.to_string()));
     }
     env
+}
+
+/// The granted GPUs' addresses, comma-separated.
+fn gpu_addresses(task: &pb::Assignment) -> String {
+    task.gpus.iter().map(|g| g.address.as_str()).collect::<Vec<_>>().join(",")
 }
 
 fn data_ref(shuffle: u64, path: &str) -> String {
@@ -236,6 +265,7 @@ mod tests {
         assert!(!env.contains_key("TERN_OUTPUT_SHUFFLE"));
         assert_eq!(env["TERN_GPU_ADDRESSES"], "1");
         assert_eq!(env["TERN_GPU_MILLI"], "250");
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "1");
     }
 
     #[tokio::test]

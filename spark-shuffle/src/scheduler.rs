@@ -1,0 +1,205 @@
+//! Tern's scheduler over JNI, for the Java class `io.tern.spark.TernSchedulerNative`: what a Spark
+//! driver running Tern's cluster manager calls to submit its application as a Tern job (an
+//! elastic stage of `spark-executor` tasks) and to scale it. The same rules as the rest of the
+//! crate: opaque handles freed by `closeScheduler`, every call under `entry` (errors thrown as
+//! `TernException`), calls blocking their Java thread on the crate's runtime.
+//!
+//! Replies cross as text, one fact a line, so Java needs no generated protobuf classes:
+//! `state <JobState> next <ended_next> queued <n> running <n>`, then `added <i> <i> ...`, then
+//! one `ended <task index> <outcome> <message>` line per ended task (message on one line).
+
+use jni::objects::{JClass, JIntArray, JObjectArray, JString};
+use jni::sys::{jboolean, jint, jlong, jstring};
+use jni::JNIEnv;
+use tern_proto::sched as pb;
+use tern_scheduler::SchedulerClient;
+
+use super::{close, entry, into_handle, invalid, runtime, shared, string, Outcome};
+
+/// Most operator parameters or environment variables a submission carries.
+const MAX_PAIRS: usize = 256;
+
+/// A `String[]` of keys and one of values, as pairs.
+fn pairs(env: &mut JNIEnv, keys: &JObjectArray, values: &JObjectArray) -> Outcome<Vec<(String, String)>> {
+    let n = env.get_array_length(keys)? as usize;
+    if n != env.get_array_length(values)? as usize || n > MAX_PAIRS {
+        return Err(invalid(format!("keys and values must be as many, at most {MAX_PAIRS}")));
+    }
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n as i32 {
+        let key = JString::from(env.get_object_array_element(keys, i)?);
+        let value = JString::from(env.get_object_array_element(values, i)?);
+        out.push((string(env, &key)?, string(env, &value)?));
+    }
+    Ok(out)
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_connect<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    addr: JString<'l>,
+    tls_dir: JString<'l>,
+    ca_pem: JString<'l>,
+    cert_pem: JString<'l>,
+    key_pem: JString<'l>,
+) -> jlong {
+    entry(&mut env, |env| {
+        let addr = string(env, &addr)?;
+        let pem = [string(env, &ca_pem)?, string(env, &cert_pem)?, string(env, &key_pem)?];
+        let tls = crate::tls_material(&string(env, &tls_dir)?, pem)?;
+        let client = runtime().block_on(SchedulerClient::connect_with_tls(&addr, tls.as_ref()))?;
+        Ok(into_handle(client))
+    })
+}
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_closeScheduler<'l>(
+    _: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+) {
+    // SAFETY: the handle came from `connect` and Java closes it once, after its last call.
+    let _ = std::panic::catch_unwind(|| unsafe { close::<SchedulerClient>(client) });
+}
+
+/// Submits the application: one job, one elastic stage "executors" of `initial` tasks, each
+/// needing `cpu_milli`, `memory_bytes` and `gpu_milli`; a gang of `min_available` when above 0;
+/// cancelled by the scheduler when no `scale` call comes for `lease_ms`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    name: JString<'l>,
+    queue: JString<'l>,
+    priority: jint,
+    cpu_milli: jlong,
+    memory_bytes: jlong,
+    gpu_milli: jlong,
+    initial: jint,
+    min_available: jint,
+    lease_ms: jlong,
+    param_keys: JObjectArray<'l>,
+    param_values: JObjectArray<'l>,
+    env_keys: JObjectArray<'l>,
+    env_values: JObjectArray<'l>,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live scheduler handle; SchedulerClient is Sync (see `shared`).
+        let client = unsafe { shared::<SchedulerClient>(client)? }.clone();
+        if cpu_milli <= 0 || memory_bytes <= 0 || gpu_milli < 0 || initial < 0 || min_available < 0 || lease_ms < 0 {
+            return Err(invalid("an executor needs CPUs and memory above 0; counts must be >= 0"));
+        }
+        let stage = pb::StageSpec {
+            name: "executors".into(),
+            operator: Some(pb::Operator {
+                name: "spark-executor".into(),
+                params: pairs(env, &param_keys, &param_values)?.into_iter().collect(),
+                argv: Vec::new(),
+                env: pairs(env, &env_keys, &env_values)?.into_iter().collect(),
+            }),
+            tasks: initial as u32,
+            needs: Some(pb::Resources {
+                cpu_milli: cpu_milli as u64,
+                memory_bytes: memory_bytes as u64,
+                gpu_milli: gpu_milli as u64,
+            }),
+            gang: min_available > 0,
+            min_available: min_available as u32,
+            elastic: true,
+            lease_ms: lease_ms as u64,
+            ..Default::default()
+        };
+        let spec = pb::JobSpec {
+            name: string(env, &name)?,
+            queue: string(env, &queue)?,
+            priority,
+            shuffles: Vec::new(),
+            stages: vec![stage],
+        };
+        let job_id = runtime().block_on(client.submit(spec))?;
+        Ok(env.new_string(job_id)?.into_raw())
+    })
+}
+
+/// Scales the application's stage; the reply as the module says.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_scale<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    job_id: JString<'l>,
+    add: jint,
+    cancel: JIntArray<'l>,
+    finish: jboolean,
+    ended_from: jint,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live scheduler handle (see `shared`).
+        let client = unsafe { shared::<SchedulerClient>(client)? }.clone();
+        if add < 0 || ended_from < 0 {
+            return Err(invalid("add and ended_from must be >= 0"));
+        }
+        let mut indexes = vec![0; env.get_array_length(&cancel)? as usize];
+        env.get_int_array_region(&cancel, 0, &mut indexes)?;
+        if indexes.iter().any(|&i| i < 0) {
+            return Err(invalid("a negative task index to cancel"));
+        }
+        let request = pb::ScaleStageRequest {
+            job_id: string(env, &job_id)?,
+            stage: "executors".into(),
+            add: add as u32,
+            cancel: indexes.into_iter().map(|i| i as u32).collect(),
+            finish: finish != 0,
+            ended_from: ended_from as u32,
+        };
+        let reply = runtime().block_on(client.scale_stage(request))?;
+        Ok(env.new_string(reply_text(&reply))?.into_raw())
+    })
+}
+
+fn reply_text(reply: &pb::ScaleStageResponse) -> String {
+    let mut text = format!(
+        "state {} next {} queued {} running {}\nadded",
+        reply.state().as_str_name().trim_start_matches("JOB_STATE_"),
+        reply.ended_next,
+        reply.queued,
+        reply.running
+    );
+    for i in &reply.added {
+        text.push_str(&format!(" {i}"));
+    }
+    for end in &reply.ended {
+        let message = end.message.replace(['\n', '\r'], " ");
+        let outcome = end.outcome().as_str_name().trim_start_matches("TASK_OUTCOME_");
+        text.push_str(&format!("\nended {} {outcome} {message}", end.task_index));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_are_one_fact_a_line() {
+        let reply = pb::ScaleStageResponse {
+            added: vec![4, 5],
+            ended: vec![pb::ElasticTaskEnd {
+                task_index: 2,
+                outcome: pb::TaskOutcome::Oom as i32,
+                message: "killed\nby SIGKILL".into(),
+            }],
+            ended_next: 3,
+            state: pb::JobState::Running as i32,
+            queued: 2,
+            running: 1,
+        };
+        assert_eq!(
+            reply_text(&reply),
+            "state RUNNING next 3 queued 2 running 1\nadded 4 5\nended 2 OOM killed by SIGKILL"
+        );
+    }
+}
