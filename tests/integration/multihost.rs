@@ -68,61 +68,6 @@ async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_v
     assert!(redone >= 1, "nothing was redone after the cut? {report}");
 }
 
-/// The same cut with the terasort run as a scheduler job: the scheduler and two executors on the
-/// client host (mutual TLS to one another and to the cluster), a storage server's link cut
-/// mid-job. Tasks that lost their data or their server run again, and the job (its own
-/// validate stage included) succeeds with output that has the input's checksum.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_storage_server_cut_off_mid_terasort_job_on_the_scheduler_reruns_what_it_lost_and_validates() {
-    const BYTES: u64 = 512 << 20;
-    let cluster = MultiHost::start(two_storage_servers()).await;
-    let host = cluster.network().host(CLIENT_HOST).ip().to_string();
-    let listen = format!("{host}:9062");
-    let scheduler = format!("https://{listen}");
-    let tern = |name: &str, args: &[&str]| cluster.spawn_tern(name, TransportKind::Auto, args);
-    let _scheduler = tern("scheduler", &["scheduler", "--listen", &listen, "--admin", "127.0.0.1:0"]);
-    let executor = |i: usize| {
-        let args = ["executor", "--scheduler", &scheduler, "--cpus", "1", "--memory", "2GiB", "--host", &host];
-        tern(&format!("executor-{i}"), &args)
-    };
-    let _executors = [executor(0), executor(1)];
-    let mut job = tern(
-        "job",
-        &["job", "--scheduler", &scheduler, "terasort", "--size", "512MiB", "--out", "/ts", "--wait", "--json"],
-    );
-    // Cut once half the input is written: the rest of teragen, the maps and the reduces meet it.
-    let half = BYTES / 2 / (1 << 20);
-    cluster.wait_status("the job's teragen to write half its input", Duration::from_secs(60), |status| {
-        let blocks: u64 = status.servers.iter().flat_map(|s| &s.tiers).map(|t| t.used_blocks).sum();
-        (blocks >= half).then_some(())
-    });
-    assert!(job.try_wait().unwrap().is_none(), "the job ended before the cut:\n{}", cluster.logs());
-    cluster.network().cut(&storage_host(1)).unwrap();
-    let status = cluster.json_result(&mut job, SORT_TIMEOUT).await;
-    assert_eq!(status["state"], "succeeded", "{status}");
-    let redone: u64 = status["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["attempts"].as_u64().unwrap() - s["tasks"].as_u64().unwrap())
-        .sum();
-    assert!(redone >= 1, "no task ran again after the cut? {status}");
-    let mut valid = tern("teravalidate", &["teravalidate", "--json", "/ts/output"]);
-    let valid = cluster.json_result(&mut valid, Duration::from_secs(60)).await;
-    // The input's checksum: teragen is deterministic, so the same records made locally (unsorted:
-    // teravalidate prints their checksum and fails).
-    let expected = cluster.dir.path().join("expected");
-    let local = |args: &[&str]| std::process::Command::new(crate::common::TERN).args(args).arg(&expected).output();
-    let made = local(&["teragen", "--local", "--size", &BYTES.to_string(), "--parts", "1", "--out"]).unwrap();
-    assert!(made.status.success(), "teragen --local: {}", String::from_utf8_lossy(&made.stderr));
-    let checked = local(&["teravalidate", "--local", "--json"]).unwrap();
-    let expected: serde_json::Value = serde_json::from_slice(&checked.stdout)
-        .unwrap_or_else(|e| panic!("teravalidate --local: {e}: {}", String::from_utf8_lossy(&checked.stderr)));
-    assert_eq!(valid["sorted"], true, "{valid}");
-    assert_eq!(valid["checksum"], expected["checksum"], "output {valid}, input {expected}");
-    eprintln!("job {status}");
-}
-
 /// A storage server the metadata server hears from but the client cannot reach (a partition
 /// only the client sees): the client reports it, placement avoids it, and the job validates
 /// on the other server. Without the report every retry would be placed half on it again.
