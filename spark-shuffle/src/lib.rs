@@ -249,15 +249,24 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
         if !transport.is_empty() {
             options.transport = transport.parse().map_err(|e| invalid(format!("spark.tern.transport: {e}")))?;
         }
-        let pem = [string(env, &ca_pem)?, string(env, &cert_pem)?, string(env, &key_pem)?];
-        let tls = tls_material(&string(env, &tls_dir)?, pem)?;
+        let tls = tls_settings(env, &tls_dir, [&ca_pem, &cert_pem, &key_pem])?;
         let client = runtime().block_on(Client::connect_with_tls(&addr, options, tls))?;
         Ok(into_handle(client))
     })
 }
 
+/// [`tls_material`] of the settings as Java passes them (directory, then CA, cert and key PEM).
+pub(crate) fn tls_settings(
+    env: &mut JNIEnv,
+    dir: &JString,
+    [ca, cert, key]: [&JString; 3],
+) -> Outcome<Option<TlsMaterial>> {
+    let pem = [string(env, ca)?, string(env, cert)?, string(env, key)?];
+    tls_material(&string(env, dir)?, pem)
+}
+
 /// The TLS material named by the plugin's settings (their names are in `TernConf.java`).
-pub(crate) fn tls_material(dir: &str, [ca, cert, key]: [String; 3]) -> Outcome<Option<TlsMaterial>> {
+fn tls_material(dir: &str, [ca, cert, key]: [String; 3]) -> Outcome<Option<TlsMaterial>> {
     let given = [&ca, &cert, &key].iter().filter(|pem| !pem.is_empty()).count();
     if !dir.is_empty() && given > 0 {
         return Err(invalid("give either spark.tern.tlsDir or the spark.tern.tls.* PEM settings, not both"));

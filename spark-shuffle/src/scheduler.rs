@@ -46,8 +46,7 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_connect<'l>(
 ) -> jlong {
     entry(&mut env, |env| {
         let addr = string(env, &addr)?;
-        let pem = [string(env, &ca_pem)?, string(env, &cert_pem)?, string(env, &key_pem)?];
-        let tls = crate::tls_material(&string(env, &tls_dir)?, pem)?;
+        let tls = crate::tls_settings(env, &tls_dir, [&ca_pem, &cert_pem, &key_pem])?;
         let client = runtime().block_on(SchedulerClient::connect_with_tls(&addr, tls.as_ref()))?;
         Ok(into_handle(client))
     })
