@@ -9,6 +9,9 @@
 //!   an OOM retry doubles its memory up to the stage's `max_memory`. A task whose executor is
 //!   lost runs again without counting a failure.
 //! - A stage succeeds once `min_success` tasks succeeded; the rest are cancelled.
+//! - Lineage: a task that finds its input lost names the tasks of the stage that wrote it; those
+//!   run again (the stage reopens if it had finished), and the task waits for them, no attempt
+//!   counted. A stage's output may be lost `MAX_RECOMPUTE_ROUNDS` times before the job fails.
 //! - GPUs are accounted exactly in milli-units per device: a fraction goes to the device with
 //!   the least room that still fits it (best fit), whole GPUs take free devices.
 //! - A task may name a host (where its input lives): executors on that host take it first; other
@@ -33,6 +36,9 @@ const MAX_STAGE_ERRORS: usize = 8;
 const MAX_ENDED_REPORTED: usize = 1024;
 /// Bytes of one task error kept.
 const MAX_ERROR_BYTES: usize = 4096;
+/// Times a finished stage is reopened to recompute lost output before its job fails (a storage
+/// cluster losing the same data over and over will not converge).
+const MAX_RECOMPUTE_ROUNDS: u32 = 4;
 
 /// The policy's knobs (from the scheduler's config).
 #[derive(Debug, Clone)]
@@ -180,6 +186,14 @@ struct Stage {
     gang_placed: bool,
     /// Elastic stages: tasks that ended, in order (bounded by the stage's task limit).
     ended: Vec<pb::ElasticTaskEnd>,
+    /// The stage that writes this one's input (see [`Dag::producer`]).
+    producer: Option<usize>,
+    /// Succeeded tasks queued again because a later stage found their output lost.
+    recomputed: u32,
+    /// Times this stage was reopened after finishing, to recompute lost output.
+    recompute_rounds: u32,
+    /// Reopened and not finished again: its consumers' waiting tasks resume when it does.
+    recomputing: bool,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -508,10 +522,17 @@ impl Policy {
                     finished_ms: 0,
                     gang_placed: false,
                     ended: Vec::new(),
+                    producer: None,
+                    recomputed: 0,
+                    recompute_rounds: 0,
+                    recomputing: false,
                     info,
                 }
             })
             .collect();
+        for (stage, &producer) in built.iter_mut().zip(&dag.producer) {
+            stage.producer = producer;
+        }
         for (i, deps) in dag.after.iter().enumerate() {
             built[i].pending_deps = deps.len();
             for &d in deps {
@@ -553,13 +574,7 @@ impl Policy {
         stage.started_ms = now_ms.max(1);
         let n = stage.tasks.len() as u32;
         for t in 0..n {
-            stage.tasks[t as usize].state = TaskState::Queued;
-            stage.tasks[t as usize].queued_at_ms = now_ms;
-            stage.ready.push_back(t);
-            let host = stage.info.hosts.get(t as usize).filter(|h| !h.is_empty());
-            if let Some(host) = host {
-                stage.local.entry(host.clone()).or_default().push_back(t);
-            }
+            enqueue(stage, t, now_ms);
         }
         stage.counts.waiting -= n;
         stage.counts.queued += n;
@@ -1095,6 +1110,7 @@ impl Policy {
             pb::TaskOutcome::Succeeded => Outcome::Succeeded,
             pb::TaskOutcome::Oom => Outcome::Oom,
             pb::TaskOutcome::Lost => Outcome::Lost,
+            pb::TaskOutcome::InputLost => Outcome::InputLost(result.lost_inputs.clone()),
             pb::TaskOutcome::Failed | pb::TaskOutcome::Unspecified => Outcome::Failed,
         };
         let message = cut_message(&result.message, MAX_ERROR_BYTES).to_string();
@@ -1113,6 +1129,17 @@ impl Policy {
     ) {
         let Some(run) = self.running.remove(&id) else { return };
         self.release(&run);
+        let refused;
+        let (outcome, message) = match outcome {
+            Outcome::InputLost(lost) => match self.recompute_lost_input(&run, &lost, now_ms) {
+                Ok(()) => return,
+                Err(why) => {
+                    refused = format!("{message} (its input cannot be recomputed: {why})");
+                    (Outcome::Failed, refused.as_str())
+                }
+            },
+            other => (other, message),
+        };
         let config_max_backoff = self.config.max_backoff_ms;
         let key = run.job;
         let job = self.jobs.get_mut(&key).expect("job of a running task");
@@ -1131,6 +1158,7 @@ impl Policy {
                 Outcome::Failed => (TaskState::Failed, pb::TaskOutcome::Failed),
                 Outcome::Oom => (TaskState::Failed, pb::TaskOutcome::Oom),
                 Outcome::Lost => (TaskState::Cancelled, pb::TaskOutcome::Lost),
+                Outcome::InputLost(_) => unreachable!("turned into a failure above"),
             };
             if outcome == Outcome::Lost {
                 stage.lost += 1;
@@ -1152,7 +1180,14 @@ impl Policy {
             Outcome::Succeeded => {
                 task.state = TaskState::Succeeded;
                 stage.counts.succeeded += 1;
-                if stage.counts.succeeded >= stage.min_success {
+                let c = stage.counts;
+                // A recompute round ends when every task it queued again is done.
+                let done = if stage.recomputing {
+                    c.queued + c.backoff + c.running == 0
+                } else {
+                    c.succeeded >= stage.min_success
+                };
+                if done {
                     self.finish_stage(key, run.stage, true, String::new(), now_ms, now_unix_ms);
                 }
             }
@@ -1165,6 +1200,7 @@ impl Policy {
                 self.backlog += 1;
                 self.mark_ready(key, run.stage);
             }
+            Outcome::InputLost(_) => unreachable!("handled above"),
             Outcome::Failed | Outcome::Oom => {
                 task.failures += 1;
                 let what = if outcome == Outcome::Oom { "out of memory" } else { "failed" };
@@ -1209,6 +1245,83 @@ impl Policy {
         }
     }
 
+    /// Lineage recovery for `run`, whose task found the output of tasks `lost` of its stage's
+    /// producer lost: those tasks are queued again (the producer reopens if it had finished) and
+    /// the task waits for them. `Err` says why that cannot be, and the task then fails.
+    fn recompute_lost_input(&mut self, run: &Running, lost: &[u32], now_ms: u64) -> Result<(), String> {
+        let key = run.job;
+        let job = self.jobs.get_mut(&key).expect("job of a running task");
+        let Some(p) = job.stages[run.stage].producer else {
+            return Err("no single earlier stage of the job wrote it".into());
+        };
+        let producer = &mut job.stages[p];
+        let name = &producer.info.spec.name;
+        if lost.is_empty() || lost.iter().any(|&t| t as usize >= producer.tasks.len()) {
+            return Err(format!("{lost:?} are not task indexes of stage {name:?}, which has {}", producer.tasks.len()));
+        }
+        let reopen = match producer.state {
+            pb::StageState::Succeeded if producer.recompute_rounds >= MAX_RECOMPUTE_ROUNDS => {
+                return Err(format!("stage {name:?}'s output was already recomputed {MAX_RECOMPUTE_ROUNDS} times"));
+            }
+            pb::StageState::Succeeded => true,
+            pb::StageState::Running => false,
+            other => return Err(format!("stage {name:?} is {}", other.as_str_name())),
+        };
+        if reopen {
+            producer.state = pb::StageState::Running;
+            producer.finished_ms = 0;
+            producer.recompute_rounds += 1;
+            producer.recomputing = true;
+            job.unfinished_stages += 1;
+        }
+        let producer = &mut job.stages[p];
+        let mut queued = 0;
+        for &t in lost {
+            // Tasks already queued or running again (another reader found them lost) are left be.
+            if producer.tasks[t as usize].state == TaskState::Succeeded {
+                enqueue(producer, t, now_ms);
+                producer.counts.succeeded -= 1;
+                queued += 1;
+            }
+        }
+        producer.counts.queued += queued;
+        producer.recomputed += queued;
+        self.backlog += u64::from(queued);
+        let stage = &mut job.stages[run.stage];
+        stage.tasks[run.task as usize].state = TaskState::Waiting;
+        stage.counts.running -= 1;
+        stage.counts.waiting += 1;
+        if queued > 0 {
+            self.mark_ready(key, p);
+        }
+        Ok(())
+    }
+
+    /// Queues again the waiting tasks of the stages that read stage `p`'s output, now that it has
+    /// recomputed what they found lost.
+    fn resume_consumers(&mut self, key: u64, p: usize, now_ms: u64) {
+        let job = self.jobs.get_mut(&key).expect("job");
+        let mut resumed = Vec::new();
+        for (s, stage) in job.stages.iter_mut().enumerate() {
+            if stage.producer != Some(p) || stage.state != pb::StageState::Running || stage.counts.waiting == 0 {
+                continue;
+            }
+            let waiting: Vec<u32> = (0..stage.tasks.len() as u32)
+                .filter(|&t| stage.tasks[t as usize].state == TaskState::Waiting)
+                .collect();
+            for &t in &waiting {
+                enqueue(stage, t, now_ms);
+            }
+            stage.counts.waiting -= waiting.len() as u32;
+            stage.counts.queued += waiting.len() as u32;
+            self.backlog += waiting.len() as u64;
+            resumed.push(s);
+        }
+        for s in resumed {
+            self.mark_ready(key, s);
+        }
+    }
+
     fn finish_stage(&mut self, key: u64, s: usize, succeeded: bool, error: String, now_ms: u64, now_unix_ms: u64) {
         let job = self.jobs.get_mut(&key).expect("job");
         let stage = &mut job.stages[s];
@@ -1233,12 +1346,17 @@ impl Policy {
             self.finish_job(key, pb::JobState::Failed, error, now_ms, now_unix_ms);
             return;
         }
-        let next = self.jobs[&key].stages[s].next.clone();
-        for n in next {
-            let stage = &mut self.jobs.get_mut(&key).expect("job").stages[n];
-            stage.pending_deps -= 1;
-            if stage.pending_deps == 0 && stage.state == pb::StageState::Waiting {
-                self.start_stage(key, n, now_ms);
+        if std::mem::take(&mut self.jobs.get_mut(&key).expect("job").stages[s].recomputing) {
+            // A recompute round: the stages after it started long ago.
+            self.resume_consumers(key, s, now_ms);
+        } else {
+            let next = self.jobs[&key].stages[s].next.clone();
+            for n in next {
+                let stage = &mut self.jobs.get_mut(&key).expect("job").stages[n];
+                stage.pending_deps -= 1;
+                if stage.pending_deps == 0 && stage.state == pb::StageState::Waiting {
+                    self.start_stage(key, n, now_ms);
+                }
             }
         }
         if self.jobs[&key].unfinished_stages == 0 {
@@ -1381,12 +1499,25 @@ impl Policy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Outcome {
     Succeeded,
     Failed,
     Oom,
     Lost,
+    /// The task's input is lost: these tasks of its producer stage must run again.
+    InputLost(Vec<u32>),
+}
+
+/// Puts task `t` in its stage's ready lists (state and time; the caller keeps the counts).
+fn enqueue(stage: &mut Stage, t: u32, now_ms: u64) {
+    let task = &mut stage.tasks[t as usize];
+    task.state = TaskState::Queued;
+    task.queued_at_ms = now_ms;
+    stage.ready.push_back(t);
+    if let Some(host) = stage.info.hosts.get(t as usize).filter(|h| !h.is_empty()) {
+        stage.local.entry(host.clone()).or_default().push_back(t);
+    }
 }
 
 /// Queued and backoff tasks become cancelled; running ones are collected to be told to stop.
@@ -1464,6 +1595,7 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         attempts: stage.attempts,
         oom_retries: stage.oom_retries,
         lost: stage.lost,
+        recomputed: stage.recomputed,
         paths: stage.paths.iter().map(|(k, v)| (k.clone(), *v)).collect(),
         errors: stage.errors.iter().cloned().collect(),
         input_shuffle_id: stage.info.input_shuffle_id,
@@ -1843,6 +1975,122 @@ mod tests {
         let status = p.job_status("j", true).unwrap();
         assert_eq!(status.state(), pb::JobState::Succeeded, "max_attempts = 1 was not used up by the loss");
         assert_eq!(status.stages[0].lost, 2);
+    }
+
+    /// gen writes /in, map reads /in and writes /mid, reduce reads /mid: a lineage chain.
+    fn chain(p: &mut Policy, max_attempts: u32) {
+        let path = |p: &str| Some(pb::DataRef { kind: Some(pb::data_ref::Kind::Path(p.into())) });
+        let mut gen = stage("gen", 2, MILLI, 0);
+        gen.output = path("/in");
+        let mut map = stage("map", 2, MILLI, 0);
+        (map.after, map.input, map.output) = (vec!["gen".into()], path("/in"), path("/mid"));
+        let mut reduce = stage("reduce", 2, MILLI, 0);
+        (reduce.after, reduce.input) = (vec!["map".into()], path("/mid"));
+        for s in [&mut gen, &mut map, &mut reduce] {
+            s.max_attempts = max_attempts;
+        }
+        add(p, "j", "q", 0, vec![gen, map, reduce]);
+    }
+
+    /// Runs every assignable task to success until only `stage`'s are offered; returns those.
+    fn run_until(p: &mut Policy, e: usize, stage: &str, now: u64) -> Vec<pb::Assignment> {
+        loop {
+            let offered = p.assign(e, 10, now);
+            assert!(!offered.is_empty(), "nothing to run before stage {stage}");
+            if offered.iter().all(|a| a.stage == stage) {
+                return offered;
+            }
+            for a in offered {
+                p.report(e, &result(&a, pb::TaskOutcome::Succeeded), now, 1);
+            }
+        }
+    }
+
+    fn input_lost(a: &pb::Assignment, lost: &[u32]) -> pb::TaskResult {
+        pb::TaskResult { lost_inputs: lost.to_vec(), ..result(a, pb::TaskOutcome::InputLost) }
+    }
+
+    #[test]
+    fn lost_input_reruns_exactly_the_producers_lost_tasks_through_the_chain() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e = executor(&mut p, "h", 8, 0);
+        // One attempt each: lineage recovery must not count any.
+        chain(&mut p, 1);
+        let reduces = run_until(&mut p, e, "reduce", 0);
+        assert_eq!(reduces.len(), 2);
+        // Reduce 0 finds map 1's output lost: map 1 runs again, reduce 0 waits for it.
+        p.report(e, &input_lost(&reduces[0], &[1]), 1, 1);
+        let again = p.assign(e, 10, 1);
+        assert_eq!(
+            again.iter().map(|a| (a.stage.as_str(), a.task_index, a.attempt)).collect::<Vec<_>>(),
+            [("map", 1, 1)]
+        );
+        let status = p.job_status("j", true).unwrap();
+        assert_eq!(status.stages[1].state(), pb::StageState::Running, "map reopened");
+        assert_eq!((status.stages[1].recomputed, status.stages[2].waiting), (1, 1));
+        // The map's rerun finds gen 0's output lost too: gen 0 runs again, then map 1, then reduce 0.
+        p.report(e, &input_lost(&again[0], &[0]), 2, 1);
+        let gen = p.assign(e, 10, 2);
+        assert_eq!(gen.iter().map(|a| (a.stage.as_str(), a.task_index)).collect::<Vec<_>>(), [("gen", 0)]);
+        p.report(e, &result(&gen[0], pb::TaskOutcome::Succeeded), 3, 1);
+        let map = p.assign(e, 10, 3);
+        assert_eq!(
+            map.iter().map(|a| (a.stage.as_str(), a.task_index, a.attempt)).collect::<Vec<_>>(),
+            [("map", 1, 2)]
+        );
+        p.report(e, &result(&map[0], pb::TaskOutcome::Succeeded), 4, 1);
+        let reduce = p.assign(e, 10, 4);
+        assert_eq!(reduce.iter().map(|a| (a.stage.as_str(), a.task_index)).collect::<Vec<_>>(), [("reduce", 0)]);
+        p.report(e, &result(&reduce[0], pb::TaskOutcome::Succeeded), 5, 1);
+        p.report(e, &result(&reduces[1], pb::TaskOutcome::Succeeded), 5, 1);
+        let status = p.job_status("j", true).unwrap();
+        assert_eq!(status.state(), pb::JobState::Succeeded, "{status:?}");
+        let recomputed: Vec<u32> = status.stages.iter().map(|s| s.recomputed).collect();
+        assert_eq!(recomputed, [1, 1, 0]);
+        assert!(status.stages.iter().all(|s| s.failed == 0 && s.errors.is_empty()));
+    }
+
+    #[test]
+    fn lost_input_that_cannot_be_recomputed_fails_the_task_and_says_why() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e = executor(&mut p, "h", 8, 0);
+        chain(&mut p, 1);
+        let maps = run_until(&mut p, e, "map", 0);
+        p.report(e, &input_lost(&maps[0], &[7]), 1, 1);
+        let status = p.job_status("j", false).unwrap();
+        assert_eq!(status.state(), pb::JobState::Failed);
+        assert!(status.error.contains("[7] are not task indexes of stage \"gen\", which has 2"), "{}", status.error);
+
+        // gen has no producer: its own lost input is a plain failure.
+        let mut p = Policy::new(PolicyConfig::default());
+        let e = executor(&mut p, "h", 8, 0);
+        chain(&mut p, 1);
+        let gen = p.assign(e, 10, 0);
+        p.report(e, &input_lost(&gen[0], &[0]), 1, 1);
+        let status = p.job_status("j", false).unwrap();
+        assert!(status.error.contains("no single earlier stage of the job wrote it"), "{}", status.error);
+    }
+
+    #[test]
+    fn output_lost_again_and_again_fails_the_job_after_the_round_limit() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e = executor(&mut p, "h", 8, 0);
+        chain(&mut p, 1);
+        let mut reduces = run_until(&mut p, e, "reduce", 0);
+        for round in 0..=MAX_RECOMPUTE_ROUNDS {
+            p.report(e, &input_lost(&reduces[0], &[0]), 1, 1);
+            if round == MAX_RECOMPUTE_ROUNDS {
+                break;
+            }
+            let map = p.assign(e, 10, 1);
+            p.report(e, &result(&map[0], pb::TaskOutcome::Succeeded), 1, 1);
+            reduces = p.assign(e, 10, 1);
+            assert_eq!(reduces.len(), 1);
+        }
+        let status = p.job_status("j", true).unwrap();
+        assert_eq!(status.state(), pb::JobState::Failed);
+        assert!(status.error.contains("already recomputed 4 times"), "{}", status.error);
+        assert_eq!(status.stages[1].recomputed, MAX_RECOMPUTE_ROUNDS);
     }
 
     #[test]

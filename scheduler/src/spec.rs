@@ -299,6 +299,11 @@ pub struct Dag {
     pub after: Vec<Vec<usize>>,
     /// Stage indexes in an order where every stage follows those it comes after.
     pub order: Vec<usize>,
+    /// `producer[s]`: the stage that writes stage `s`'s input, which `s` comes after: its input
+    /// shuffle's writer, or the one earlier stage whose output path is `s`'s input path. The
+    /// scheduler runs that stage's tasks again when `s` finds their output lost; `None` where no
+    /// single stage wrote it.
+    pub producer: Vec<Option<usize>>,
 }
 
 /// Every check of a job, each error naming the stage and field. Returns the stage DAG.
@@ -474,7 +479,8 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
             bail!("shuffle {name:?} is declared but no stage writes it");
         }
     }
-    Ok(Dag { after, order })
+    let producer = (0..spec.stages.len()).map(|i| producer_of(spec, i, &reach[i])).collect();
+    Ok(Dag { after, order, producer })
 }
 
 /// Kahn's algorithm; a cycle is reported with the stages on it.
@@ -506,6 +512,18 @@ fn topological_order(spec: &pb::JobSpec, after: &[Vec<usize>]) -> anyhow::Result
 }
 
 /// `reach[i]`: every stage `i` comes after, directly or not.
+/// The one stage that writes stage `i`'s input and that `i` comes after (`earlier`), if any.
+fn producer_of(spec: &pb::JobSpec, i: usize, earlier: &HashSet<usize>) -> Option<usize> {
+    let input = spec.stages[i].input.as_ref()?.kind.as_ref()?;
+    let mut writers = earlier
+        .iter()
+        .copied()
+        .filter(|&w| spec.stages[w].output.as_ref().and_then(|d| d.kind.as_ref()) == Some(input));
+    let first = writers.next()?;
+    // Two earlier stages writing the same path: which one's output is lost is unknown.
+    writers.next().is_none().then_some(first)
+}
+
 fn reachability(after: &[Vec<usize>], order: &[usize]) -> Vec<HashSet<usize>> {
     let mut reach = vec![HashSet::new(); after.len()];
     for &i in order {
@@ -724,6 +742,8 @@ after = ["a"]
         assert_eq!(spec.shuffles[0].partitions, 4);
         let dag = validate(&spec, &SpecLimits::default()).unwrap();
         assert_eq!(dag.order, vec![0, 1, 2, 3]);
+        // Lineage: the map reads teragen's path, the reduce the map's shuffle.
+        assert_eq!(dag.producer[..3], [None, Some(0), Some(1)]);
         assert!(terasort_job(&TerasortJob { out: "rel".into(), ..job.clone() }).is_err());
     }
 
