@@ -248,6 +248,7 @@ fn job_json(job: &pb::JobStatus) -> Value {
             "attempts": s.attempts,
             "oom_retries": s.oom_retries,
             "lost": s.lost,
+            "recomputed": s.recomputed,
             "paths": s.paths,
             "errors": s.errors,
             "blocked": s.blocked,
@@ -301,6 +302,9 @@ fn print_status(job: &pb::JobStatus) {
         );
         if !s.blocked.is_empty() {
             outln!("    waiting: {}", s.blocked);
+        }
+        if s.recomputed > 0 {
+            outln!("    recomputed: {} tasks whose output a later stage found lost", s.recomputed);
         }
         for error in &s.errors {
             outln!("    {error}");

@@ -276,12 +276,23 @@ impl Shuffle {
 
     /// Streams the committed batches of `partitions` x `maps` (half-open; ends past the
     /// shuffle's size mean "to the end"). Fails at once with `DataLost`, naming the maps, if any
-    /// of them has data on a lost server.
+    /// of them has data on a lost server, or, when the shuffle knows its map count, has no
+    /// committed output (forgotten after a loss and not written again yet): a read without them
+    /// would silently miss their records.
     pub async fn reader(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<ShuffleReader> {
-        let located = self.client.locate(self.id, partitions, maps).await?;
+        let located = self.client.locate(self.id, partitions, maps.clone()).await?;
         let lost = lost_maps(&located);
         if !lost.is_empty() {
             return Err(Error::new(ErrorKind::DataLost, describe_lost(self.id, &lost)));
+        }
+        let missing = uncommitted_maps(&located, maps);
+        if !missing.is_empty() {
+            let message = format!(
+                "shuffle {}: maps {missing:?} of {} have no committed output (their data was lost and they have not \
+                 run again yet)",
+                self.id, located.maps
+            );
+            return Err(Error::new(ErrorKind::DataLost, message));
         }
         Ok(ShuffleReader::new(self.client.clone(), self.id, located))
     }
@@ -293,10 +304,12 @@ impl Shuffle {
         Ok(located.outputs.into_iter().map(|o| (o.map_index, o.partition_bytes)).collect())
     }
 
-    /// Maps in range whose committed output has bytes on a lost server: the ones to recompute.
+    /// Maps in range whose committed output has bytes on a lost server, or (the shuffle knowing
+    /// its map count) with no committed output: the ones a reader of the range lacks.
     pub async fn lost_maps(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<Vec<u32>> {
-        let located = self.client.locate(self.id, partitions, maps).await?;
-        let all: BTreeSet<u32> = lost_maps(&located).into_values().flatten().collect();
+        let located = self.client.locate(self.id, partitions, maps.clone()).await?;
+        let mut all: BTreeSet<u32> = lost_maps(&located).into_values().flatten().collect();
+        all.extend(uncommitted_maps(&located, maps));
         Ok(all.into_iter().collect())
     }
 
@@ -612,6 +625,12 @@ fn lost_maps(located: &LocateShuffleResponse) -> BTreeMap<u32, Vec<u32>> {
         }
     }
     lost
+}
+
+/// Maps of `maps` with no commit, where the shuffle knows its map count (0: unknown, none).
+fn uncommitted_maps(located: &LocateShuffleResponse, maps: Range<u32>) -> Vec<u32> {
+    let committed: BTreeSet<u32> = located.outputs.iter().map(|o| o.map_index).collect();
+    (maps.start.min(located.maps)..maps.end.min(located.maps)).filter(|m| !committed.contains(m)).collect()
 }
 
 /// Whether `output` has bytes of partition (range offset) `offset` in segment `index`.

@@ -447,6 +447,7 @@ impl Executor {
             message: truncate(report.message),
             path: report.path,
             duration_us: finished.duration.as_micros() as u64,
+            lost_inputs: report.lost_inputs,
         });
         self.start_waiting();
     }
@@ -532,8 +533,7 @@ fn lost(assignment_id: u64, why: &str) -> pb::TaskResult {
         assignment_id,
         outcome: pb::TaskOutcome::Lost as i32,
         message: why.to_string(),
-        path: String::new(),
-        duration_us: 0,
+        ..Default::default()
     }
 }
 

@@ -599,6 +599,7 @@ pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
     map.after = vec!["teragen".into()];
     map.input = Some(format!("{out}/input"));
     map.output = Some("data".into());
+    map.params.insert("parts".into(), ParamValue::Int(i64::from(job.tasks)));
     let mut reduce = stage("reduce", if job.gpu { "terasort-reduce-gpu" } else { "terasort-reduce" }, 3);
     reduce.after = vec!["map".into()];
     reduce.input = Some("data".into());

@@ -68,6 +68,72 @@ async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_v
     assert!(redone >= 1, "nothing was redone after the cut? {report}");
 }
 
+/// The same cut with the terasort run as a scheduler job: the scheduler and two executors on the
+/// client host (mutual TLS to one another and to the cluster), a storage server's link cut once
+/// teragen has finished and a map has committed, one copy of everything. Reducers name the
+/// maps whose output is lost, those maps name the teragen tasks whose parts are lost, and the
+/// scheduler runs them again (lineage recovery): the job (its own validate stage included)
+/// succeeds with output that has the input's checksum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recompute_the_lost_lineage() {
+    const BYTES: u64 = 256 << 20;
+    let cluster = MultiHost::start(two_storage_servers()).await;
+    let host = cluster.network().host(CLIENT_HOST).ip().to_string();
+    let listen = format!("{host}:9062");
+    let scheduler = format!("https://{listen}");
+    let tern = |name: &str, args: &[&str]| cluster.spawn_tern(name, TransportKind::Auto, args);
+    let _scheduler = tern("scheduler", &["scheduler", "--listen", &listen, "--admin", "127.0.0.1:0"]);
+    let executor = |i: usize| {
+        let args = ["executor", "--scheduler", &scheduler, "--cpus", "1", "--memory", "2GiB", "--host", &host];
+        tern(&format!("executor-{i}"), &args)
+    };
+    let _executors = [executor(0), executor(1)];
+    let size = BYTES.to_string();
+    // 4 tasks a stage on 2 executors: maps run two by two, so one has committed while others run.
+    let args = ["job", "--scheduler", &scheduler, "terasort", "--size", &size, "--tasks", "4", "--out", "/ts"];
+    let mut job = tern("job", &[&args[..], &["--wait", "--json"]].concat());
+    // A map committed: teragen has finished, so its parts on the cut server come back only by
+    // running its tasks again, and so does the map's output there.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut poll = tern("poll", &["job", "--scheduler", &scheduler, "status", "terasort-1", "--json"]);
+        let polled = poll.wait_until(&tern_local::Deadline::after(Duration::from_secs(10))).await;
+        let log = std::fs::read_to_string(poll.log()).unwrap_or_default();
+        let status: Option<serde_json::Value> = polled
+            .filter(|s| s.success())
+            .and_then(|_| log.lines().rev().find(|l| l.starts_with('{')).and_then(|l| serde_json::from_str(l).ok()));
+        if status.is_some_and(|s| s["stages"][1]["succeeded"].as_u64() >= Some(1)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no map committed within 120 s:\n{}", cluster.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(job.try_wait().unwrap().is_none(), "the job ended before the cut:\n{}", cluster.logs());
+    cluster.network().cut(&storage_host(1)).unwrap();
+    let status = cluster.json_result(&mut job, SORT_TIMEOUT).await;
+    assert_eq!(status["state"], "succeeded", "{status}");
+    let stages = status["stages"].as_array().unwrap();
+    let recomputed = |i: usize| stages[i]["recomputed"].as_u64().unwrap();
+    let tasks = stages[0]["tasks"].as_u64().unwrap();
+    assert!((1..=tasks).contains(&recomputed(0)), "teragen's lost parts were not recomputed: {status}");
+    assert!((1..=tasks).contains(&recomputed(1)), "the lost maps were not recomputed: {status}");
+    assert_eq!(recomputed(2), 0, "{status}");
+    let mut valid = tern("teravalidate", &["teravalidate", "--json", "/ts/output"]);
+    let valid = cluster.json_result(&mut valid, Duration::from_secs(60)).await;
+    // The input's checksum: teragen is deterministic, so the same records made locally (unsorted:
+    // teravalidate prints their checksum and fails).
+    let expected = cluster.dir.path().join("expected");
+    let local = |args: &[&str]| std::process::Command::new(crate::common::TERN).args(args).arg(&expected).output();
+    let made = local(&["teragen", "--local", "--size", &size, "--parts", "1", "--out"]).unwrap();
+    assert!(made.status.success(), "teragen --local: {}", String::from_utf8_lossy(&made.stderr));
+    let checked = local(&["teravalidate", "--local", "--json"]).unwrap();
+    let expected: serde_json::Value = serde_json::from_slice(&checked.stdout)
+        .unwrap_or_else(|e| panic!("teravalidate --local: {e}: {}", String::from_utf8_lossy(&checked.stderr)));
+    assert_eq!(valid["sorted"], true, "{valid}");
+    assert_eq!(valid["checksum"], expected["checksum"], "output {valid}, input {expected}");
+    eprintln!("teragen recomputed {} tasks, maps {}: {status}", recomputed(0), recomputed(1));
+}
+
 /// A storage server the metadata server hears from but the client cannot reach (a partition
 /// only the client sees): the client reports it, placement avoids it, and the job validates
 /// on the other server. Without the report every retry would be placed half on it again.

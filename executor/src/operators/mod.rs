@@ -9,6 +9,8 @@
 //! Out of memory is the executor's contract with every operator: an error with
 //! [`tern_common::OutOfMemory`] in its chain is reported OOM (the scheduler retries the task with
 //! more memory), any other error failed. Operators turn their own kinds of it (a GPU's) into it.
+//! An [`InputLost`] in the chain names the producing tasks whose output the task found lost; the
+//! scheduler runs those again, then the task (lineage recovery).
 //!
 //! Operators keep no state a later stage needs: they read their input from Tern (a shuffle or
 //! files) and write their output there.
@@ -39,26 +41,44 @@ pub struct Report {
     pub message: String,
     /// Which path ran: "cpu", or "gpu:<address>".
     pub path: String,
+    /// With [`pb::TaskOutcome::InputLost`]: the producing tasks whose output is lost.
+    pub lost_inputs: Vec<u32>,
+}
+
+/// An operator's error when its input is lost (every copy of it was on storage that died): the
+/// tasks of the stage that wrote the input whose output is gone, by task index.
+#[derive(Debug, thiserror::Error)]
+#[error("{why}: the input of tasks {tasks:?} of the stage that wrote it is lost")]
+pub struct InputLost {
+    pub tasks: Vec<u32>,
+    pub why: String,
 }
 
 impl Report {
+    fn new(outcome: pb::TaskOutcome, message: impl Into<String>) -> Report {
+        Report { outcome, message: message.into(), path: "cpu".into(), lost_inputs: Vec::new() }
+    }
+
     fn succeeded(message: impl Into<String>) -> Report {
-        Report { outcome: pb::TaskOutcome::Succeeded, message: message.into(), path: "cpu".into() }
+        Report::new(pb::TaskOutcome::Succeeded, message)
     }
 
     fn failed(message: impl Into<String>) -> Report {
-        Report { outcome: pb::TaskOutcome::Failed, message: message.into(), path: "cpu".into() }
+        Report::new(pb::TaskOutcome::Failed, message)
     }
 
     fn oom(message: impl Into<String>) -> Report {
-        Report { outcome: pb::TaskOutcome::Oom, message: message.into(), path: "cpu".into() }
+        Report::new(pb::TaskOutcome::Oom, message)
     }
 
     /// An operator's error: [`OutOfMemory`] anywhere in its chain becomes OOM, so the scheduler
-    /// retries with more memory; anything else is a failure.
+    /// retries with more memory; [`InputLost`] has the lost producers run again; anything else
+    /// is a failure.
     fn from_error(e: anyhow::Error) -> Report {
         if OutOfMemory::is_in(&e) {
             Report::oom(format!("{e:#}"))
+        } else if let Some(lost) = e.chain().find_map(|c| c.downcast_ref::<InputLost>()) {
+            Report { lost_inputs: lost.tasks.clone(), ..Report::new(pb::TaskOutcome::InputLost, format!("{e:#}")) }
         } else {
             Report::failed(format!("{e:#}"))
         }

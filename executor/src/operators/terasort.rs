@@ -7,12 +7,18 @@
 //! i, i+N, ... (so any number of parts works with any number of maps); reduce task i of N
 //! sorts partitions i, i+N, ... each into output part p (so the parts in name order are the
 //! sorted data).
+//!
+//! Lineage: a map that finds an input part lost names the teragen task that wrote it, and a
+//! reduce that finds map output lost names those maps ([`InputLost`]); the scheduler runs them
+//! again. Such a rerun first clears what the lost run left (the lost part, the lost commit), which
+//! would otherwise refuse its output.
 
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use indicatif::ProgressBar;
+use tern_client::{Client, ErrorKind};
 use tern_common::{ByteSize, OutOfMemory};
 use tern_gpu::GpuError;
 use tern_proto::sched as pb;
@@ -20,7 +26,7 @@ use tern_terasort::external::sort_partition_to_store;
 use tern_terasort::tasks::{self, Location};
 use tern_terasort::RECORD_LEN;
 
-use super::{param, Report, Services};
+use super::{param, InputLost, Report, Services};
 
 /// `teragen`: task i of N generates its share of `records` (or of `size` bytes, e.g. `1GiB`)
 /// gensort records into `<output>/part-<i>`.
@@ -36,7 +42,12 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         .copied()
         .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
     let client = services.client_for(task).await?;
-    let target = Location::Store(tasks::store_part(&dir, task.task_index as usize));
+    let part = tasks::store_part(&dir, task.task_index as usize);
+    if task.attempt > 0 && data_lost(client.open(&part).await.map(drop)) {
+        // Run again because the part was lost: the lost file would refuse the new one's rename.
+        client.delete(&part, false).await.with_context(|| format!("removing the lost {part}"))?;
+    }
+    let target = Location::Store(part);
     let summary =
         tasks::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
     Ok(Report::succeeded(format!("{} records, checksum {:x}", summary.records, summary.checksum)))
@@ -51,23 +62,64 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
         bail!("terasort-map writes a shuffle, but the stage's output is {:?}", task.output_path);
     }
     let client = services.client_for(task).await?;
-    let parts = tasks::list_parts(Some(&client), &Location::Store(input.clone())).await?;
+    let mine = my_parts(task, &client, &input).await?;
+    match map_parts(task, &client, &mine).await {
+        Err(e) if is_data_lost(&e) || is_not_found(&e) => Err(lost_parts(&client, &mine, e).await),
+        done => done,
+    }
+}
+
+/// The input parts map task i of N reads, i, i+N, ..., each with the index of the teragen task
+/// that wrote it: of `parts` (the map's parameter: teragen's task count) by name, so a part being
+/// written again is missing rather than skipped; without it, of the parts listed.
+async fn my_parts(task: &pb::Assignment, client: &Client, input: &str) -> anyhow::Result<Vec<(u32, String)>> {
+    let (i, n) = (task.task_index as usize, task.task_count.max(1) as usize);
+    if let Some(parts) = param::<usize>(task, "parts")? {
+        return Ok((i..parts).step_by(n).map(|j| (j as u32, tasks::store_part(input, j))).collect());
+    }
+    let parts = tasks::list_parts(Some(client), &Location::Store(input.to_string())).await?;
     if parts.is_empty() {
         bail!("terasort-map: no part-* files in {input}");
     }
-    let count = task.task_count.max(1) as usize;
-    let mine: Vec<String> = parts
-        .into_iter()
-        .enumerate()
-        .filter(|(i, _)| i % count == task.task_index as usize)
-        .filter_map(|(_, (part, _))| match part {
-            Location::Store(path) => Some(path),
+    let listed = parts.into_iter().enumerate().skip(i).step_by(n);
+    Ok(listed
+        .filter_map(|(j, (part, _))| match part {
+            Location::Store(path) => Some((j as u32, path)),
             Location::Local(_) => None,
         })
-        .collect();
+        .collect())
+}
+
+/// The teragen tasks whose part among this map's inputs is lost or missing, as [`InputLost`] (or
+/// `e` when none is: the loss was passing, and a plain retry will do).
+async fn lost_parts(client: &Client, mine: &[(u32, String)], e: anyhow::Error) -> anyhow::Error {
+    let mut lost = Vec::new();
+    for (j, path) in mine {
+        if let Err(e) = client.open(path).await {
+            if matches!(e.kind(), ErrorKind::DataLost | ErrorKind::NotFound) {
+                lost.push(*j);
+            }
+        }
+    }
+    if lost.is_empty() {
+        return e;
+    }
+    InputLost { tasks: lost, why: format!("{e:#}") }.into()
+}
+
+async fn map_parts(task: &pb::Assignment, client: &Client, mine: &[(u32, String)]) -> anyhow::Result<Report> {
     let shuffle = client.open_shuffle(task.output_shuffle_id.into()).await?;
+    if task.attempt > 0 {
+        // Run again because this map's committed output was lost: that commit would win over
+        // this attempt's (an earlier attempt's commit stands), so it is forgotten first.
+        let map = task.task_index;
+        if !shuffle.lost_maps(0..shuffle.partitions(), map..map + 1).await?.is_empty() {
+            shuffle.invalidate_maps(&[map]).await?;
+        }
+    }
+    let paths: Vec<String> = mine.iter().map(|(_, path)| path.clone()).collect();
     let outcome =
-        tasks::map_part(&client, &shuffle, task.task_index, task.attempt, &mine, &ProgressBar::hidden()).await?;
+        tasks::map_part(client, &shuffle, task.task_index, task.attempt, &paths, &ProgressBar::hidden()).await?;
     Ok(Report::succeeded(if outcome.committed {
         format!("{} parts mapped", mine.len())
     } else {
@@ -83,6 +135,48 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
     if task.input_shuffle_id == 0 {
         bail!("a terasort reduce reads a shuffle, but the stage's input is {:?}", task.input_path);
     }
+    match sort_partitions(task, services, gpu).await {
+        Err(e) if is_data_lost(&e) => Err(lost_maps(task, services, e).await),
+        done => done,
+    }
+}
+
+/// The maps whose output in this reduce's partitions is lost, as [`InputLost`] (or `e` when none
+/// is: the loss was passing, and a plain retry will do).
+async fn lost_maps(task: &pb::Assignment, services: &Services, e: anyhow::Error) -> anyhow::Error {
+    let Ok(client) = services.client_for(task).await else { return e };
+    let Ok(shuffle) = client.open_shuffle(task.input_shuffle_id.into()).await else { return e };
+    let mut lost = std::collections::BTreeSet::new();
+    for partition in (task.task_index..shuffle.partitions()).step_by(task.task_count.max(1) as usize) {
+        match shuffle.lost_maps(partition..partition + 1, 0..u32::MAX).await {
+            Ok(maps) => lost.extend(maps),
+            Err(_) => return e,
+        }
+    }
+    if lost.is_empty() {
+        return e;
+    }
+    InputLost { tasks: lost.into_iter().collect(), why: format!("{e:#}") }.into()
+}
+
+/// Whether `e` says data is lost (every copy of it), somewhere in its chain.
+fn is_data_lost(e: &anyhow::Error) -> bool {
+    has_kind(e, ErrorKind::DataLost)
+}
+
+fn is_not_found(e: &anyhow::Error) -> bool {
+    has_kind(e, ErrorKind::NotFound)
+}
+
+fn has_kind(e: &anyhow::Error, kind: ErrorKind) -> bool {
+    e.chain().any(|c| c.downcast_ref::<tern_client::Error>().is_some_and(|e| e.kind() == kind))
+}
+
+fn data_lost<T>(result: Result<T, tern_client::Error>) -> bool {
+    matches!(result, Err(e) if e.kind() == ErrorKind::DataLost)
+}
+
+async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) -> anyhow::Result<Report> {
     let dir = output_dir(task)?;
     let (mut sorter, mut note) = (None, String::new());
     if gpu {
