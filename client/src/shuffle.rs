@@ -276,23 +276,12 @@ impl Shuffle {
 
     /// Streams the committed batches of `partitions` x `maps` (half-open; ends past the
     /// shuffle's size mean "to the end"). Fails at once with `DataLost`, naming the maps, if any
-    /// of them has data on a lost server, or, when the shuffle knows its map count, has no
-    /// committed output (forgotten after a loss and not written again yet): a read without them
-    /// would silently miss their records.
+    /// of them has data on a lost server.
     pub async fn reader(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<ShuffleReader> {
-        let located = self.client.locate(self.id, partitions, maps.clone()).await?;
+        let located = self.client.locate(self.id, partitions, maps).await?;
         let lost = lost_maps(&located);
         if !lost.is_empty() {
             return Err(Error::new(ErrorKind::DataLost, describe_lost(self.id, &lost)));
-        }
-        let missing = uncommitted_maps(&located, maps);
-        if !missing.is_empty() {
-            let message = format!(
-                "shuffle {}: maps {missing:?} of {} have no committed output (their data was lost and they have not \
-                 run again yet)",
-                self.id, located.maps
-            );
-            return Err(Error::new(ErrorKind::DataLost, message));
         }
         Ok(ShuffleReader::new(self.client.clone(), self.id, located))
     }
@@ -304,12 +293,10 @@ impl Shuffle {
         Ok(located.outputs.into_iter().map(|o| (o.map_index, o.partition_bytes)).collect())
     }
 
-    /// Maps in range whose committed output has bytes on a lost server, or (the shuffle knowing
-    /// its map count) with no committed output: the ones a reader of the range lacks.
+    /// Maps in range whose committed output has bytes on a lost server: the ones to recompute.
     pub async fn lost_maps(&self, partitions: Range<u32>, maps: Range<u32>) -> Result<Vec<u32>> {
-        let located = self.client.locate(self.id, partitions, maps.clone()).await?;
-        let mut all: BTreeSet<u32> = lost_maps(&located).into_values().flatten().collect();
-        all.extend(uncommitted_maps(&located, maps));
+        let located = self.client.locate(self.id, partitions, maps).await?;
+        let all: BTreeSet<u32> = lost_maps(&located).into_values().flatten().collect();
         Ok(all.into_iter().collect())
     }
 
@@ -627,12 +614,6 @@ fn lost_maps(located: &LocateShuffleResponse) -> BTreeMap<u32, Vec<u32>> {
     lost
 }
 
-/// Maps of `maps` with no commit, where the shuffle knows its map count (0: unknown, none).
-fn uncommitted_maps(located: &LocateShuffleResponse, maps: Range<u32>) -> Vec<u32> {
-    let committed: BTreeSet<u32> = located.outputs.iter().map(|o| o.map_index).collect();
-    (maps.start.min(located.maps)..maps.end.min(located.maps)).filter(|m| !committed.contains(m)).collect()
-}
-
 /// Whether `output` has bytes of partition (range offset) `offset` in segment `index`.
 fn holds(output: &MapOutput, offset: usize, index: u32) -> bool {
     let bytes = output.partition_bytes.get(offset).copied().unwrap_or(0);
@@ -722,6 +703,13 @@ impl ShuffleReader {
     /// The committed maps this reader covers and their bytes per partition of the range.
     pub fn outputs(&self) -> &[MapOutput] {
         &self.located.outputs
+    }
+
+    /// The shuffle's map count, as registered (0: not given). With it, a reader of every map can
+    /// tell a map that has not committed (yet, or again after its output was lost) from one that
+    /// wrote nothing to the range.
+    pub fn map_count(&self) -> u32 {
+        self.located.maps
     }
 
     /// The next batch, `None` when every partition in range has been read and checked.

@@ -10,6 +10,7 @@
 //! [`tern_common::OutOfMemory`], which the executor reports as OOM (the scheduler then retries
 //! with more memory).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -437,6 +438,14 @@ pub struct PartitionInput {
 impl PartitionInput {
     pub async fn open(shuffle: &Shuffle, partition: u32) -> anyhow::Result<PartitionInput> {
         let reader = shuffle.reader(partition..partition + 1, 0..u32::MAX).await?;
+        let committed: BTreeSet<u32> = reader.outputs().iter().map(|o| o.map_index).collect();
+        let missing: Vec<u32> = (0..reader.map_count()).filter(|m| !committed.contains(m)).collect();
+        if !missing.is_empty() {
+            // A map whose lost output is being recomputed: sorting without it would drop records.
+            let why =
+                format!("reduce {partition}: maps {missing:?} of {} have no committed output", reader.map_count());
+            return Err(tern_client::Error::new(tern_client::ErrorKind::DataLost, why).into());
+        }
         let bytes = reader.outputs().iter().map(|o| o.partition_bytes.first().copied().unwrap_or(0)).sum();
         if bytes % RECORD_LEN as u64 != 0 {
             bail!("reduce {partition}: {bytes} bytes is not a whole number of records");

@@ -110,7 +110,9 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
     }
     assert!(job.try_wait().unwrap().is_none(), "the job ended before the cut:\n{}", cluster.logs());
     cluster.network().cut(&storage_host(1)).unwrap();
+    let cut = Instant::now();
     let status = cluster.json_result(&mut job, SORT_TIMEOUT).await;
+    let finished = cut.elapsed();
     assert_eq!(status["state"], "succeeded", "{status}");
     let stages = status["stages"].as_array().unwrap();
     let recomputed = |i: usize| stages[i]["recomputed"].as_u64().unwrap();
@@ -131,7 +133,12 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
         .unwrap_or_else(|e| panic!("teravalidate --local: {e}: {}", String::from_utf8_lossy(&checked.stderr)));
     assert_eq!(valid["sorted"], true, "{valid}");
     assert_eq!(valid["checksum"], expected["checksum"], "output {valid}, input {expected}");
-    eprintln!("teragen recomputed {} tasks, maps {}: {status}", recomputed(0), recomputed(1));
+    eprintln!(
+        "job succeeded {:.1} s after the cut; teragen recomputed {} tasks, maps {}: {status}",
+        finished.as_secs_f64(),
+        recomputed(0),
+        recomputed(1)
+    );
 }
 
 /// A storage server the metadata server hears from but the client cannot reach (a partition

@@ -13,6 +13,7 @@
 //! again. Such a rerun first clears what the lost run left (the lost part, the lost commit), which
 //! would otherwise refuse its output.
 
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -146,12 +147,19 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
 async fn lost_maps(task: &pb::Assignment, services: &Services, e: anyhow::Error) -> anyhow::Error {
     let Ok(client) = services.client_for(task).await else { return e };
     let Ok(shuffle) = client.open_shuffle(task.input_shuffle_id.into()).await else { return e };
-    let mut lost = std::collections::BTreeSet::new();
+    let mut lost = BTreeSet::new();
     for partition in (task.task_index..shuffle.partitions()).step_by(task.task_count.max(1) as usize) {
-        match shuffle.lost_maps(partition..partition + 1, 0..u32::MAX).await {
-            Ok(maps) => lost.extend(maps),
-            Err(_) => return e,
-        }
+        let range = partition..partition + 1;
+        let (Ok(maps), Ok(committed)) =
+            (shuffle.lost_maps(range.clone(), 0..u32::MAX).await, shuffle.lengths(range, 0..u32::MAX).await)
+        else {
+            return e;
+        };
+        lost.extend(maps);
+        // Maps whose commit was forgotten and that have not committed again (another reader
+        // found their output lost first) are as lost to this reduce.
+        let committed: BTreeSet<u32> = committed.into_iter().map(|(map, _)| map).collect();
+        lost.extend((0..task.input_maps).filter(|m| !committed.contains(m)));
     }
     if lost.is_empty() {
         return e;
