@@ -71,20 +71,24 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
     }
     let copies = status.copies.unwrap_or_default();
-    if copies.pending_blocks + copies.copied_blocks + copies.failed_blocks > 0 {
+    let segments = copies.pending_segments + copies.copied_segments + copies.failed_segments;
+    if copies.pending_blocks + copies.copied_blocks + copies.failed_blocks + segments > 0 {
         let limit = match copies.limit_bytes_per_sec {
             0 => "no limit".to_string(),
             limit => format!("limit {}/s", show::size(limit)),
         };
         outln!();
         outln!(
-            "copies (re-replication, drains): {} blocks ({}) pending, {} blocks ({}) copied, {} failed; {}/s over \
-             the last 10 s ({limit})",
+            "copies (re-replication, drains): {} blocks and {} shuffle segments ({}) pending, {} blocks and {} \
+             segments ({}) copied, {} blocks and {} segments failed; {}/s over the last 10 s ({limit})",
             copies.pending_blocks,
+            copies.pending_segments,
             show::size(copies.pending_bytes),
             copies.copied_blocks,
+            copies.copied_segments,
             show::size(copies.copied_bytes),
             copies.failed_blocks,
+            copies.failed_segments,
             show::size(copies.recent_bytes_per_sec),
         );
     }
