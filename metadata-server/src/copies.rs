@@ -316,7 +316,13 @@ impl Copies {
         self.tasks.values().filter(|task| task.source() == source).count() as u64
     }
 
-    /// Draining tasks pending off `server`.
+    /// Draining segment tasks pending off `server`.
+    pub fn segments_draining_from(&self, server: ServerId) -> u64 {
+        let off = |task: &&Task| task.why == Why::Drain && task.old_server() == server && task.is_segment();
+        self.tasks.values().filter(off).count() as u64
+    }
+
+    /// Draining tasks pending off `server` (blocks and segments).
     pub fn draining_from(&self, server: ServerId) -> u64 {
         self.tasks.values().filter(|task| task.why == Why::Drain && task.old_server() == server).count() as u64
     }

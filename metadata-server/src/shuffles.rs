@@ -114,19 +114,22 @@ pub struct Tails {
     pub storage_class: StorageClass,
 }
 
-/// A closed segment of a 2-copy shuffle with one copy gone and one readable: re-replication copies
-/// it (see [`Shuffles::segments_to_copy`]).
+/// A closed segment with a copy to make (see [`Shuffles::segments_to_copy`]): one of a 2-copy
+/// shuffle with one copy gone and one readable (re-replication), or one on a draining server
+/// that no copy elsewhere backs (a drain).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegmentToCopy {
     pub segment: SegmentCopy,
-    /// The server of the copy that is gone (dead, or restarted without it).
+    /// The server of the copy replaced: gone (dead, or restarted without it), or draining.
     pub lost: ServerId,
-    /// The server of the readable copy, which copies it.
+    /// The server of the readable copy, which copies it (the draining server itself for a drain).
     pub live: ServerId,
     pub class: StorageClass,
     /// Committed bytes there as far as the commits tell (a map spanning several segments counts
     /// evenly in each): what the rate limit is charged until the source reports the bytes.
     pub bytes: u64,
+    /// Copied off a draining server (else re-replicated).
+    pub drain: bool,
 }
 
 /// A partition's segments, by index: the servers holding each. Most partitions never split, so
@@ -409,38 +412,46 @@ impl Shuffles {
         }
     }
 
-    /// Closed segments (not their partition's last: no writer pushes there any more) of 2-copy
-    /// shuffles with exactly one readable copy, by shuffle, partition and index, at most `limit`,
-    /// those `skip` says are taken left out. A copy is readable when `alive` says its server is and
-    /// it is not marked lost. The last segment of a partition is left alone: writers may still
-    /// push to it (with a copy lost they move on, and it is closed then).
+    /// Closed segments (not their partition's last: no writer pushes there any more) with a copy
+    /// to make, by shuffle, partition and index, at most `limit`, those `skip` says are taken left
+    /// out: a 2-copy shuffle's with exactly one readable copy, and any shuffle's with a copy on a
+    /// server `draining` names that no readable copy on a server not draining backs. A copy is
+    /// readable when `alive` says its server is and it is not marked lost. The last segment of a
+    /// partition is left alone: writers may still push to it (with a copy lost they move on, and
+    /// it is closed then; a draining server's are waited out).
     pub fn segments_to_copy(
         &self,
         alive: impl Fn(ServerId) -> bool,
+        draining: impl Fn(ServerId) -> bool,
         skip: impl Fn(SegmentCopy) -> bool,
         limit: usize,
     ) -> Vec<SegmentToCopy> {
         let mut out = Vec::new();
         for (&shuffle_id, shuffle) in &self.shuffles {
-            if shuffle.replicas < 2 {
-                continue;
-            }
             let first = out.len();
             for (p, partition) in (0..).zip(&shuffle.partitions) {
                 let last = partition.len() - 1;
                 for (index, copies) in (0..last).zip(partition.servers()) {
-                    let Some(second) = copies.second else { continue };
                     let readable = |server: ServerId| alive(server) && !shuffle.lost.contains(&(p, index, server));
-                    let (lost, live) = match (readable(copies.first), readable(second)) {
-                        (true, false) => (second, copies.first),
-                        (false, true) => (copies.first, second),
-                        _ => continue,
+                    let (lost, live, drain) = match copies.second {
+                        Some(second) if readable(copies.first) != readable(second) => match readable(second) {
+                            true => (copies.first, second, false),
+                            false => (second, copies.first, false),
+                        },
+                        _ => {
+                            let backed = copies.servers().any(|s| readable(s) && !draining(s));
+                            match copies.servers().find(|&s| readable(s) && draining(s)) {
+                                Some(off) if !backed => (off, off, true),
+                                _ => continue,
+                            }
+                        }
                     };
                     let segment = SegmentCopy { shuffle_id, partition: p, index };
                     if skip(segment) {
                         continue;
                     }
-                    out.push(SegmentToCopy { segment, lost, live, class: shuffle.storage_class, bytes: 0 });
+                    let class = shuffle.storage_class;
+                    out.push(SegmentToCopy { segment, lost, live, class, bytes: 0, drain });
                     if out.len() == limit {
                         break;
                     }

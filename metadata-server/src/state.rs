@@ -697,8 +697,9 @@ impl State {
     /// Checks every drain: a draining server is told to exit (in its heartbeat replies) once it
     /// holds nothing a live job or file still needs, or when its deadline passes. Needed: blocks
     /// of files that no other readable copy on a server taking placements backs, and segments of
-    /// registered shuffles. Nothing is moved: single-copy data keeps the server until its owner
-    /// frees it (jobs end; files are deleted) or the deadline. While a drain is under way this
+    /// registered shuffles. Nothing is moved here (`plan_copies` copies sealed files' blocks and
+    /// closed shuffle segments off); the rest keeps the server until its owner frees it (jobs
+    /// end; files are deleted; shuffles are unregistered) or the deadline. While a drain is under way this
     /// is one pass over every block each reap period; with none, nothing.
     fn check_drains(&mut self, now: Instant) {
         let drains = self.servers.drains();
@@ -728,14 +729,18 @@ impl State {
             let segments = self.servers.segments_on(drain.server_id);
             let mut waiting = Vec::new();
             if blocks > 0 {
-                let moving = self.copies.draining_from(drain.server_id);
+                let moving =
+                    self.copies.draining_from(drain.server_id) - self.copies.segments_draining_from(drain.server_id);
                 waiting.push(format!(
                     "{blocks} blocks no other copy backs ({unsealed} of files still being written, {moving} being copied \
                      off)"
                 ));
             }
             if segments > 0 {
-                waiting.push(format!("{segments} segments of registered shuffles"));
+                waiting.push(format!(
+                    "{segments} segments of registered shuffles ({} being copied off)",
+                    self.copies.segments_draining_from(drain.server_id)
+                ));
             }
             let waiting_for = waiting.join(", ");
             let expired = now >= drain.deadline;

@@ -263,3 +263,41 @@ fn a_restart_replays_moved_segments_and_a_returning_server_frees_its_old_copies(
     freed.sort_unstable_by_key(|s| s.partition);
     assert_eq!(freed, [held(0), held(1)]);
 }
+
+#[test]
+fn a_drain_copies_closed_segments_off_and_waits_out_the_last_ones() {
+    let (mut state, now) = state();
+    let a = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    super::tests::register_job(&mut state, "j", 100_000, now);
+    let request = RegisterShuffleRequest { job_id: "j".into(), partitions: 2, ..Default::default() };
+    let shuffle_id = state.register_shuffle(request, now).unwrap().shuffle_id;
+    let b = add_server(&mut state, "10.0.0.2:7000", 100, now);
+    // Partition 0 moves on to a segment on b: its first segment on a is closed.
+    let advance = AdvanceSegmentRequest { shuffle_id, partition: 0, full_segment: 0 };
+    assert_eq!(state.advance_segment(advance, now).unwrap().segment.unwrap().server_id, b);
+    let drain = SetServerModeRequest {
+        server: "10.0.0.1:7000".into(),
+        mode: ServerMode::Draining as i32,
+        drain_timeout_ms: 60_000,
+    };
+    state.set_server_mode(drain, now).unwrap();
+    state.reap(now);
+    let copies = beat(&mut state, a, vec![], now).copy_segments;
+    assert_eq!(
+        copies.iter().map(|c| (c.partition, c.index, c.target_address.as_str())).collect::<Vec<_>>(),
+        [(0, 0, "10.0.0.2:7000")]
+    );
+    let waiting = |state: &mut State| {
+        let status = state.status(StatusRequest {}, now).unwrap();
+        status.servers.into_iter().find(|s| s.server_id == a).unwrap().drain_waiting_for
+    };
+    assert_eq!(waiting(&mut state), "2 segments of registered shuffles (1 being copied off)");
+    beat(&mut state, a, vec![CopyDone { copy_id: copies[0].copy_id, error: String::new(), bytes: 5 }], now);
+    let moved = segment_copies(&mut state, shuffle_id, now);
+    assert_eq!(moved[0], ((0, 0), [0, b], false), "{moved:?}");
+    // Its old copy is freed on a; the open last segment of partition 1 is waited out.
+    assert_eq!(beat(&mut state, a, vec![], now).free_segments, [HeldSegment { shuffle_id, partition: 0, index: 0 }]);
+    state.reap(now);
+    assert_eq!(waiting(&mut state), "1 segments of registered shuffles (0 being copied off)");
+    assert!(beat(&mut state, a, vec![], now).copy_segments.is_empty());
+}

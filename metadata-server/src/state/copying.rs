@@ -110,7 +110,7 @@ impl State {
         let (segments, no_room) = self.plan_segment_copies(room);
         unplaceable += no_room;
         if segments > 0 {
-            info!("chose {segments} shuffle segment copies to restore second copies");
+            info!("chose {segments} shuffle segment copies to restore second copies or move off draining servers");
         }
         if unplaceable > 0 && unplaceable != self.copies.unplaceable {
             warn!(
@@ -153,9 +153,10 @@ impl State {
         info!("chose {rereplicate} block copies to restore second copies and {drain} to move off draining servers");
     }
 
-    /// Chooses copies for closed segments of 2-copy shuffles with one copy gone, up to `room`: the
-    /// target is a server taking segments of the shuffle's class that holds no copy of it and has
-    /// no free of it pending, the least loaded first. Returns how many were chosen and how many
+    /// Chooses copies for closed segments of 2-copy shuffles with one copy gone, and for closed
+    /// segments on draining servers that nothing else backs, up to `room`: the target is a server
+    /// taking segments of the shuffle's class that holds no copy of it and has no free of it
+    /// pending, the least loaded first. Returns how many were chosen and how many
     /// found no target. Segment copies take no ids: a segment keeps its id on every server.
     fn plan_segment_copies(&mut self, room: usize) -> (u64, u64) {
         if room == 0 {
@@ -163,8 +164,10 @@ impl State {
         }
         let servers = &self.servers;
         let copies = &self.copies;
+        let draining: Vec<ServerId> = servers.drains().iter().map(|d| d.server_id).collect();
         let needs = self.shuffles.segments_to_copy(
             |server| servers.is_alive(server),
+            |server| draining.contains(&server),
             |segment| copies.is_segment_busy(segment),
             room,
         );
@@ -200,7 +203,8 @@ impl State {
                 target: target.server_id,
                 class: need.class,
             };
-            self.copies.add(Task::new(what, need.bytes, Why::Rereplicate));
+            let why = if need.drain { Why::Drain } else { Why::Rereplicate };
+            self.copies.add(Task::new(what, need.bytes, why));
             chosen += 1;
         }
         (chosen, unplaceable)
