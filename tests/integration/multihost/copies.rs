@@ -183,13 +183,16 @@ fn map_output(map: u32, p: u32) -> Vec<u8> {
     out
 }
 
+/// A batch read: (partition, map, bytes).
+type Read = (u32, u32, Vec<u8>);
+
 /// Every segment of the shuffle test's partitions, and every batch read back from the client host
 /// (as (partition, map, bytes) in read order), with a fresh client holding the job's token.
 fn segments_and_read(
     cluster: &MultiHost,
     shuffle_id: tern_client::ShuffleId,
     token: &str,
-) -> (Vec<Segment>, Vec<(u32, u32, Vec<u8>)>) {
+) -> (Vec<Segment>, Vec<Read>) {
     cluster.with_client_on(CLIENT_HOST, async |client| {
         client.add_job_token(token).unwrap();
         let shuffle = client.open_shuffle(shuffle_id).await.unwrap();
@@ -200,7 +203,7 @@ fn segments_and_read(
 }
 
 /// The bytes of each (partition, map) in a read, in read order.
-fn joined(read: &[(u32, u32, Vec<u8>)]) -> std::collections::BTreeMap<(u32, u32), Vec<u8>> {
+fn joined(read: &[Read]) -> std::collections::BTreeMap<(u32, u32), Vec<u8>> {
     let mut out = std::collections::BTreeMap::<(u32, u32), Vec<u8>>::new();
     for (p, map, bytes) in read {
         out.entry((*p, *map)).or_default().extend_from_slice(bytes);
