@@ -737,10 +737,11 @@ impl State {
                 ));
             }
             if segments > 0 {
-                waiting.push(format!(
-                    "{segments} segments of registered shuffles ({} being copied off)",
-                    self.copies.segments_draining_from(drain.server_id)
-                ));
+                let moving = match self.copies.segments_draining_from(drain.server_id) {
+                    0 => String::new(),
+                    n => format!(" ({n} being copied off)"),
+                };
+                waiting.push(format!("{segments} segments of registered shuffles{moving}"));
             }
             let waiting_for = waiting.join(", ");
             let expired = now >= drain.deadline;

@@ -298,6 +298,6 @@ fn a_drain_copies_closed_segments_off_and_waits_out_the_last_ones() {
     // Its old copy is freed on a; the open last segment of partition 1 is waited out.
     assert_eq!(beat(&mut state, a, vec![], now).free_segments, [HeldSegment { shuffle_id, partition: 0, index: 0 }]);
     state.reap(now);
-    assert_eq!(waiting(&mut state), "1 segments of registered shuffles (0 being copied off)");
+    assert_eq!(waiting(&mut state), "1 segments of registered shuffles");
     assert!(beat(&mut state, a, vec![], now).copy_segments.is_empty());
 }

@@ -257,6 +257,19 @@ async fn a_cut_off_servers_shuffle_segments_get_their_second_copy_back_and_read_
     });
     assert_eq!((copies.copied_segments, copies.failed_segments), (held.len() as u64, 0), "{copies:?}");
     assert!(copies.copied_bytes > 0, "{copies:?}");
+    // `tern status` shows them, as JSON and as text.
+    let mut run = cluster.spawn_tern("status-json", tern_client::TransportKind::Auto, &["status", "--json"]);
+    let json = cluster.json_result(&mut run, Duration::from_secs(10)).await;
+    let shown = &json["copies"];
+    assert_eq!(
+        (shown["copied_segments"].as_u64(), shown["pending_segments"].as_u64()),
+        (Some(held.len() as u64), Some(0))
+    );
+    let mut run = cluster.spawn_tern("status", tern_client::TransportKind::Auto, &["status"]);
+    assert!(run.wait_until(&tern_local::Deadline::after(Duration::from_secs(10))).await.is_some_and(|s| s.success()));
+    let text = std::fs::read_to_string(run.log()).unwrap();
+    let line = format!("{} blocks and {} shuffle segments", 0, held.len());
+    assert!(text.contains(&format!("{line} (")) && text.contains("copied"), "{text}");
     let (after, read) = segments_and_read(&cluster, shuffle_id, &token);
     assert_eq!(joined(&read), expected, "read after re-replication");
     for segment in &after {
