@@ -5,7 +5,8 @@
 //! A block copy reads the block here and writes it whole to its target in one Write frame, under
 //! the grant and job token the metadata server gave, so the target checks it as it checks a
 //! client's write (crc, write-once, grant). A segment copy first closes the segment here to
-//! pushes (its partition has moved on; a writer that has not heard is refused and moves on too),
+//! pushes (its partition has moved on; a writer that has not seen that yet is refused as by a
+//! full segment and moves on too),
 //! so the copy holds everything the segment ever will; then it reads the segment a page
 //! ([`SEGMENT_PAGE_BYTES`]) at a time, every batch of every map and attempt in the order a Fetch
 //! serves them, each checked against its stored crc, and pushes each batch to the target as a
@@ -229,7 +230,7 @@ impl Copier {
         let class: StorageClass = task.storage_class.parse().map_err(|e| anyhow!("{e}"))?;
         let grant: Grant =
             task.grant.as_slice().try_into().map_err(|_| anyhow!("a grant of {} bytes", task.grant.len()))?;
-        self.store.close_segment_for_copy(id)?;
+        self.store.close_segment_for_copy(id).await?;
         let max_payload = self.store.block_size();
         let mut conn = self.checkout(&task.target_address).await?;
         let slot = conn.slot_for(&task.token, max_payload).await?;

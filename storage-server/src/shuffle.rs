@@ -163,12 +163,13 @@ pub enum ShuffleError {
 impl ShuffleError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ShuffleError::NotHeld { .. } | ShuffleError::Freed { .. } | ShuffleError::Closed { .. } => {
-                ErrorKind::NotFound
-            }
-            ShuffleError::Full { .. } | ShuffleError::TiersFull { .. } | ShuffleError::SegmentFull { .. } => {
-                ErrorKind::OutOfSpace
-            }
+            ShuffleError::NotHeld { .. } | ShuffleError::Freed { .. } => ErrorKind::NotFound,
+            // A closed segment takes no more, as a full one: writers move on to the next segment
+            // (a writer that has not yet seen its partition move on is not failed).
+            ShuffleError::Full { .. }
+            | ShuffleError::TiersFull { .. }
+            | ShuffleError::SegmentFull { .. }
+            | ShuffleError::Closed { .. } => ErrorKind::OutOfSpace,
             ShuffleError::QuotaExceeded { .. } => ErrorKind::QuotaExceeded,
             ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
             ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
@@ -725,10 +726,6 @@ impl Shuffles {
             // Freed meanwhile: the extent goes with the segment.
             return Err(ShuffleError::Freed { segment: id, server }.into());
         }
-        if state.closed {
-            // Closed for a copy meanwhile: the batch is not indexed, so neither copy serves it.
-            return Err(ShuffleError::Closed { segment: id, server }.into());
-        }
         let slot = match fresh {
             true => {
                 state.slots.push(Extent::Nvme(extent));
@@ -908,10 +905,14 @@ impl Shuffles {
     }
 
     /// Closes a segment to pushes, for a copy of it to another server: from now on it holds
-    /// exactly what the copy will (its partition has moved on, so only a writer that has not
-    /// heard of that pushes here, and it is told to move on too).
-    pub(crate) fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<(), ShuffleError> {
+    /// exactly what the copy will. Its partition has moved on, so only a writer that has not
+    /// seen that yet pushes here, and it is refused as by a full segment (OutOfSpace), which
+    /// moves it on too.
+    pub(crate) async fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<(), ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
+        // After any append straight to NVMe under way (it indexes its batch when its write is
+        // done): a closed segment's extents hold no batch its index lacks.
+        let _turn = segment.nvme_appends.lock().await;
         segment.state.lock().closed = true;
         Ok(())
     }
@@ -1559,9 +1560,9 @@ mod tests {
             push(&source, id, map, attempt, &data(map, attempt, n as u32, 700 + n * 10)).unwrap();
         }
         push(&source, other, 0, 0, &data(0, 0, 9, 10)).unwrap();
-        futures::executor::block_on(async { source.close_segment_for_copy(id) }).unwrap();
+        futures::executor::block_on(source.close_segment_for_copy(id)).unwrap();
         let refused = push(&source, id, 1, 0, &data(1, 0, 9, 10)).unwrap_err();
-        assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::NotFound, "{refused}");
+        assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
         let mut cursor = 0;
         let mut pushed = 0;
         loop {

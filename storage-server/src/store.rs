@@ -176,8 +176,8 @@ impl BlockStore {
 
     /// Closes a segment to pushes before it is copied to another server (see
     /// [`crate::copier`]).
-    pub fn close_segment_for_copy(&self, segment: SegmentId) -> Result<(), ShuffleError> {
-        self.shuffles.close_for_copy(self.server_id(), segment)
+    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<(), ShuffleError> {
+        self.shuffles.close_for_copy(self.server_id(), segment).await
     }
 
     /// A page of every batch a segment holds, from `cursor`, for its copy.
