@@ -270,6 +270,10 @@ async fn a_cut_off_servers_shuffle_segments_get_their_second_copy_back_and_read_
     let text = std::fs::read_to_string(run.log()).unwrap();
     let line = format!("{} blocks and {} shuffle segments", 0, held.len());
     assert!(text.contains(&format!("{line} (")) && text.contains("copied"), "{text}");
+    // And the metadata server's metrics.
+    let metrics = cluster.metadata_metrics();
+    let copied = format!("tern_metadata_copied_segments {}", held.len());
+    assert!(metrics.contains(&copied) && metrics.contains("tern_metadata_copies_pending_segments 0"), "{metrics}");
     let (after, read) = segments_and_read(&cluster, shuffle_id, &token);
     assert_eq!(joined(&read), expected, "read after re-replication");
     for segment in &after {
