@@ -251,6 +251,10 @@ fn a_restart_replays_moved_segments_and_a_returning_server_frees_its_old_copies(
     }
     assert_eq!(segment_copies(&mut rebuilt, shuffle_id, later), before);
     assert_eq!(before[..2], [((0, 0), [b, c], false), ((0, 1), [b, c], false)]);
+    // A snapshot of the replayed state says the same.
+    let mut from_snapshot = State::new(&config());
+    from_snapshot.restore(&rebuilt.snapshot(), later).unwrap();
+    assert_eq!(segment_copies(&mut from_snapshot, shuffle_id, later), before);
     // a comes back with its old copies: the chains no longer name them there, so they are freed
     // (segments the chains do name stay).
     let register = RegisterServerRequest { address: "10.0.0.1:7000".into(), instance_id: 1, ..Default::default() };
