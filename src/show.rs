@@ -117,8 +117,9 @@ pub fn status_json(status: &StatusResponse) -> Value {
     })
 }
 
-/// Re-replication and drain copies (counts since the metadata server started; rates in bytes per
-/// second, the limit 0 when there is none).
+/// Re-replication and drain copies of blocks and shuffle segments (counts since the metadata
+/// server started; bytes of both kinds together; rates in bytes per second, the limit 0 when
+/// there is none).
 pub fn copies_json(c: &tern_proto::v1::CopyStatus) -> Value {
     json!({
         "pending_blocks": c.pending_blocks,
@@ -128,6 +129,9 @@ pub fn copies_json(c: &tern_proto::v1::CopyStatus) -> Value {
         "failed_blocks": c.failed_blocks,
         "recent_bytes_per_sec": c.recent_bytes_per_sec,
         "limit_bytes_per_sec": c.limit_bytes_per_sec,
+        "pending_segments": c.pending_segments,
+        "copied_segments": c.copied_segments,
+        "failed_segments": c.failed_segments,
     })
 }
 

@@ -71,20 +71,29 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         }
     }
     let copies = status.copies.unwrap_or_default();
-    if copies.pending_blocks + copies.copied_blocks + copies.failed_blocks > 0 {
+    let segments = copies.pending_segments + copies.copied_segments + copies.failed_segments;
+    if copies.pending_blocks + copies.copied_blocks + copies.failed_blocks + segments > 0 {
         let limit = match copies.limit_bytes_per_sec {
             0 => "no limit".to_string(),
             limit => format!("limit {}/s", show::size(limit)),
         };
+        // Shuffle segments are named once there have been any (their bytes count with blocks').
+        let count = |blocks: u64, segments_of_kind: u64| match segments {
+            0 => format!("{blocks} blocks"),
+            _ => format!("{blocks} blocks and {segments_of_kind} shuffle segments"),
+        };
+        let failed = match segments {
+            0 => copies.failed_blocks.to_string(),
+            _ => count(copies.failed_blocks, copies.failed_segments),
+        };
         outln!();
         outln!(
-            "copies (re-replication, drains): {} blocks ({}) pending, {} blocks ({}) copied, {} failed; {}/s over \
-             the last 10 s ({limit})",
-            copies.pending_blocks,
+            "copies (re-replication, drains): {} ({}) pending, {} ({}) copied, {failed} failed; {}/s over the last \
+             10 s ({limit})",
+            count(copies.pending_blocks, copies.pending_segments),
             show::size(copies.pending_bytes),
-            copies.copied_blocks,
+            count(copies.copied_blocks, copies.copied_segments),
             show::size(copies.copied_bytes),
-            copies.failed_blocks,
             show::size(copies.recent_bytes_per_sec),
         );
     }

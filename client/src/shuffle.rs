@@ -248,6 +248,13 @@ impl Shuffle {
         self.current.lock().iter().map(|s| s.address.clone()).collect()
     }
 
+    /// Every segment of `partitions` as the metadata server places it now: each one's copies,
+    /// and which are lost (for tools and tests that look at placement; readers locate by
+    /// themselves).
+    pub async fn segments(&self, partitions: Range<u32>) -> Result<Vec<pb::Segment>> {
+        Ok(self.client.locate(self.id, partitions, 0..0).await?.segments)
+    }
+
     /// A writer for attempt `attempt` of map `map`.
     pub fn writer(&self, map: u32, attempt: u32) -> MapWriter {
         self.writer_with(map, attempt, MapWriterOptions::default())

@@ -38,8 +38,9 @@ pub struct Config {
     /// Deadline of a drain that names none (`tern admin drain` without --timeout): the server is
     /// told to exit then even if data it holds is still needed.
     pub drain_timeout_ms: u64,
-    /// Bytes per second that re-replication (second copies of blocks whose other copy's server
-    /// died) and drains (blocks copied off a draining server) may copy, all servers together;
+    /// Bytes per second that re-replication (second copies of blocks and shuffle segments whose
+    /// other copy's server died) and drains (blocks copied off a draining server) may copy, all
+    /// servers together;
     /// 0 = no limit. A limit keeps copying from crowding out jobs' reads and writes.
     pub copy_rate: ByteSize,
     /// Most entries one List call returns.

@@ -37,7 +37,7 @@ pub struct Gauges {
     pub allocated_blocks: u64,
     pub shuffles: u64,
     /// Re-replication and drain copies: see `Copies::totals`.
-    pub copies: [u64; 5],
+    pub copies: [u64; 8],
 }
 
 impl Metrics {
@@ -95,17 +95,32 @@ impl Collector for StateGauges {
                 "Block copies (re-replication, drain) chosen, not yet stored",
                 gauges.copies[0],
             ),
-            ("tern_metadata_copies_pending_bytes", "Bytes of block copies chosen, not yet stored", gauges.copies[1]),
+            (
+                "tern_metadata_copies_pending_bytes",
+                "Bytes of block and segment copies chosen, not yet stored (segments: committed bytes, an estimate)",
+                gauges.copies[1],
+            ),
             (
                 "tern_metadata_copied_blocks",
                 "Block copies stored since start (re-replication, drain)",
                 gauges.copies[2],
             ),
-            ("tern_metadata_copied_bytes", "Bytes of block copies stored since start", gauges.copies[3]),
+            ("tern_metadata_copied_bytes", "Bytes of block and segment copies stored since start", gauges.copies[3]),
             (
                 "tern_metadata_copy_failed_blocks",
                 "Block copies that failed or were given up since start",
                 gauges.copies[4],
+            ),
+            (
+                "tern_metadata_copies_pending_segments",
+                "Shuffle segment copies (re-replication) chosen, not yet stored",
+                gauges.copies[5],
+            ),
+            ("tern_metadata_copied_segments", "Shuffle segment copies stored since start", gauges.copies[6]),
+            (
+                "tern_metadata_copy_failed_segments",
+                "Shuffle segment copies that failed or were given up since start",
+                gauges.copies[7],
             ),
         ] {
             let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));

@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tern_proto::v1::{BlockLocation, HeartbeatResponse, LogServer, LogServerMode, ServerMode, ServerStatus, TierUsage};
+use tern_proto::v1::{
+    BlockLocation, HeartbeatResponse, HeldSegment, LogServer, LogServerMode, ServerMode, ServerStatus, TierUsage,
+};
 use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, StorageClass, Tier};
 
 use crate::error::{invalid, Refusal};
@@ -49,6 +51,8 @@ enum Free {
     Block(BlockId),
     /// Every segment the server holds of this shuffle.
     Shuffle(ShuffleId),
+    /// One segment copy the chain does not name there (a copy not stored whole, or moved off).
+    Segment(SegmentCopy),
 }
 
 #[derive(Debug)]
@@ -129,6 +133,8 @@ pub struct Reconciled {
     pub unreferenced: u64,
     pub lost: u64,
     pub unknown_shuffles: u64,
+    /// Segments of registered shuffles the chains do not name there (copies never logged).
+    pub unreferenced_segments: u64,
 }
 
 impl Server {
@@ -243,7 +249,7 @@ impl Server {
         match free {
             Free::Shuffle(_) => self.shuffle_frees += 1,
             Free::Block(id) if id.tier() == Tier::Nvme => self.nvme_frees += 1,
-            Free::Block(_) => {}
+            Free::Block(_) | Free::Segment(_) => {}
         }
     }
 
@@ -601,6 +607,7 @@ impl Servers {
         referenced: &HashMap<BlockId, bool>,
         restarted: bool,
         registered_shuffle: impl Fn(ShuffleId) -> bool,
+        needed_segment: impl Fn(SegmentCopy) -> bool,
     ) -> (Reconciled, HashSet<SegmentCopy>) {
         let Some(server) = self.servers.get_mut(&server_id) else {
             return (Reconciled::default(), HashSet::new());
@@ -642,6 +649,17 @@ impl Servers {
             server.queue_free(Free::Shuffle(shuffle_id));
             done.unknown_shuffles += 1;
         }
+        let mut orphans: Vec<SegmentCopy> = inventory
+            .segments
+            .iter()
+            .copied()
+            .filter(|s| registered_shuffle(s.shuffle_id) && !needed_segment(*s))
+            .collect();
+        orphans.sort_unstable_by_key(|s| (s.shuffle_id, s.partition, s.index));
+        for segment in orphans {
+            server.queue_free(Free::Segment(segment));
+            done.unreferenced_segments += 1;
+        }
         server.reconciled = true;
         (done, inventory.segments)
     }
@@ -674,6 +692,7 @@ impl Servers {
                     *allocated = allocated.saturating_sub(1);
                 }
                 Free::Shuffle(_) => server.shuffle_frees -= 1,
+                Free::Segment(_) => {}
             }
         }
         // A heartbeat without tiers says nothing about capacity; keep the last report.
@@ -686,6 +705,11 @@ impl Servers {
             match free {
                 Free::Block(block_id) => reply.free_block_ids.push(block_id.get()),
                 Free::Shuffle(shuffle_id) => reply.free_shuffle_ids.push(shuffle_id.get()),
+                Free::Segment(s) => reply.free_segments.push(HeldSegment {
+                    shuffle_id: s.shuffle_id.get(),
+                    partition: s.partition,
+                    index: s.index,
+                }),
             }
             reply.free_seq = seq;
         }
@@ -765,6 +789,35 @@ impl Servers {
                 server.queue_free(Free::Shuffle(shuffle_id));
             }
         }
+    }
+
+    /// Queues a single segment copy's free on its server, if it is alive (a dead one's is gone).
+    pub fn free_segment(&mut self, server_id: ServerId, segment: SegmentCopy) {
+        if let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) {
+            server.queue_free(Free::Segment(segment));
+        }
+    }
+
+    /// A segment copy moved from `old` to `new`: counts it in `new`'s load, not in `old`'s.
+    pub fn move_segment(&mut self, old: ServerId, new: ServerId) {
+        if let Some(server) = self.servers.get_mut(&old) {
+            server.segments = server.segments.saturating_sub(1);
+        }
+        self.add_segments(&[new]);
+    }
+
+    /// Segment frees queued and not yet acknowledged, by server: such a server takes no new copy
+    /// of that segment until its free is done (it would drop the new copy).
+    pub fn pending_segment_frees(&self) -> HashSet<(ServerId, SegmentCopy)> {
+        let mut out = HashSet::new();
+        for (&id, server) in &self.servers {
+            for (_, free) in &server.frees {
+                if let Free::Segment(segment) = free {
+                    out.insert((id, *segment));
+                }
+            }
+        }
+        out
     }
 
     /// Why `block` cannot be read, or `None` when its server is alive.
@@ -984,7 +1037,7 @@ mod tests {
     fn join(servers: &mut Servers, address: &str, tiers: Vec<TierUsage>, now: Instant) -> ServerId {
         let (id, _) = servers.register(address, tiers, 1, now).unwrap();
         servers.inventory_page(id, &[], &[], &[], 4096).unwrap();
-        servers.reconcile(id, &HashMap::new(), false, |_| false);
+        servers.reconcile(id, &HashMap::new(), false, |_| false, |_| true);
         id
     }
 
@@ -1320,8 +1373,8 @@ mod tests {
         let referenced =
             HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
         let (done, _) =
-            servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false);
-        assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1 });
+            servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false, |_| true);
+        assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1, unreferenced_segments: 0 });
         assert!(blocks.iter().all(|b| servers.lost(b).is_none()));
         let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
         assert_eq!((reply.free_block_ids, reply.free_shuffle_ids), (vec![99], vec![7]));
@@ -1332,8 +1385,8 @@ mod tests {
         assert_eq!((id, previous), (ServerId(1), Some(1)));
         assert!(servers.restarted_since_log(ServerId(1)));
         servers.inventory_page(ServerId(1), &[blocks[1].block_id], &[], &[], 4096).unwrap();
-        let (done, _) = servers.reconcile(ServerId(1), &referenced, true, |_| false);
-        assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0 });
+        let (done, _) = servers.reconcile(ServerId(1), &referenced, true, |_| false, |_| true);
+        assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0, unreferenced_segments: 0 });
         let lost = servers.lost(&blocks[0]).unwrap();
         assert!(lost.contains("registered again without it"), "{lost}");
         assert!(servers.lost(&blocks[1]).is_none() && servers.lost(&blocks[2]).is_some());

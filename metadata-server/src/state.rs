@@ -483,6 +483,10 @@ impl State {
             let copies = planner::place_segments(&loads, 1, &next.avoid, next.replicas).context(&context)?[0];
             let change = Change::AddSegment(segment_record(shuffle_id, req.partition, copies));
             self.commit(change, now).context(&context)?;
+            // The full segment is closed now: one with a copy gone is for re-replication.
+            if next.replicas > 1 && next.avoid.iter().any(|&server| !self.servers.is_alive(server)) {
+                self.copies.wake();
+            }
         }
         let segment = self.shuffles.last_segment(shuffle_id, req.partition, &self.servers).context(&context)?;
         Ok(AdvanceSegmentResponse { segment: Some(segment) })
@@ -607,7 +611,11 @@ impl State {
         }
         let restarted = self.servers.restarted_since_log(server_id);
         let shuffles = &self.shuffles;
-        let (done, held) = self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id));
+        // Segments the chains name there, or a copy under way is writing there.
+        let copying: std::collections::HashSet<SegmentCopy> = self.copies.segments_to(server_id).collect();
+        let needed = |segment: SegmentCopy| shuffles.holds(segment, server_id) || copying.contains(&segment);
+        let (done, held) =
+            self.servers.reconcile(server_id, &referenced, restarted, |id| shuffles.is_registered(id), needed);
         // A server taking placements again may be the room blocks waiting for a copy need.
         self.copies.wake();
         if restarted {
@@ -616,11 +624,11 @@ impl State {
                 self.commit_own(Change::LostSegments(lost), now);
             }
         }
-        if done.lost > 0 || done.unreferenced > 0 || done.unknown_shuffles > 0 {
+        if done.lost > 0 || done.unreferenced > 0 || done.unknown_shuffles > 0 || done.unreferenced_segments > 0 {
             warn!(
-                "storage server {server_id} reconciled: {} referenced blocks lost, {} unreferenced blocks and {} \
-                 unknown shuffles to free",
-                done.lost, done.unreferenced, done.unknown_shuffles
+                "storage server {server_id} reconciled: {} referenced blocks lost, {} unreferenced blocks, {} \
+                 unknown shuffles and {} unreferenced segments to free",
+                done.lost, done.unreferenced, done.unknown_shuffles, done.unreferenced_segments
             );
         }
         Ok(ReportInventoryResponse { blocks_unreferenced: done.unreferenced, blocks_lost: done.lost })
@@ -634,7 +642,7 @@ impl State {
             self.take_shuffle_usage(server_id, &req.shuffles).context(context)?;
             self.add_quota_stops(&mut response);
             self.take_copies_done(server_id, &req.copies_done, now);
-            response.copy_blocks = self.hand_out_copies(server_id, now);
+            (response.copy_blocks, response.copy_segments) = self.hand_out_copies(server_id, now);
         }
         Ok(response)
     }
@@ -689,8 +697,9 @@ impl State {
     /// Checks every drain: a draining server is told to exit (in its heartbeat replies) once it
     /// holds nothing a live job or file still needs, or when its deadline passes. Needed: blocks
     /// of files that no other readable copy on a server taking placements backs, and segments of
-    /// registered shuffles. Nothing is moved: single-copy data keeps the server until its owner
-    /// frees it (jobs end; files are deleted) or the deadline. While a drain is under way this
+    /// registered shuffles. Nothing is moved here (`plan_copies` copies sealed files' blocks and
+    /// closed shuffle segments off); the rest keeps the server until its owner frees it (jobs
+    /// end; files are deleted; shuffles are unregistered) or the deadline. While a drain is under way this
     /// is one pass over every block each reap period; with none, nothing.
     fn check_drains(&mut self, now: Instant) {
         let drains = self.servers.drains();
@@ -720,14 +729,19 @@ impl State {
             let segments = self.servers.segments_on(drain.server_id);
             let mut waiting = Vec::new();
             if blocks > 0 {
-                let moving = self.copies.draining_from(drain.server_id);
+                let moving =
+                    self.copies.draining_from(drain.server_id) - self.copies.segments_draining_from(drain.server_id);
                 waiting.push(format!(
                     "{blocks} blocks no other copy backs ({unsealed} of files still being written, {moving} being copied \
                      off)"
                 ));
             }
             if segments > 0 {
-                waiting.push(format!("{segments} segments of registered shuffles"));
+                let moving = match self.copies.segments_draining_from(drain.server_id) {
+                    0 => String::new(),
+                    n => format!(" ({n} being copied off)"),
+                };
+                waiting.push(format!("{segments} segments of registered shuffles{moving}"));
             }
             let waiting_for = waiting.join(", ");
             let expired = now >= drain.deadline;

@@ -33,6 +33,7 @@ use tonic::transport::Channel;
 
 use crate::copier::Copier;
 use crate::metrics::Metrics;
+use crate::shuffle::SegmentId;
 use crate::store::{BlockStore, Inventory};
 use crate::Usage;
 
@@ -244,6 +245,12 @@ impl Session {
         }
         let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from(id)));
         let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId(id)));
+        let single = reply.free_segments.iter().map(|s| SegmentId {
+            shuffle: ShuffleId(s.shuffle_id),
+            partition: s.partition,
+            index: s.index,
+        });
+        let segments = segments + store.free_segments(single);
         store.set_quota_stops(&reply.quota_stops);
         // Never move the acknowledgement backwards: a reply with nothing to free may carry an
         // older (or zero) sequence number.
@@ -403,13 +410,13 @@ impl Heartbeater {
             tracing::info!("metadata server at {} reachable again", self.metadata);
         }
         match self.session.apply(&reply, &self.store) {
-            Outcome::Freed { blocks: 0, segments: 0 } => self.copier.start(&reply.copy_blocks),
+            Outcome::Freed { blocks: 0, segments: 0 } => self.copier.start(&reply.copy_blocks, &reply.copy_segments),
             Outcome::Freed { blocks, segments } => {
                 tracing::debug!(
                     "freed {blocks} blocks and {segments} shuffle segments (through free sequence {})",
                     reply.free_seq
                 );
-                self.copier.start(&reply.copy_blocks);
+                self.copier.start(&reply.copy_blocks, &reply.copy_segments);
             }
             Outcome::Drained => {
                 self.readiness.not_ready("drained");

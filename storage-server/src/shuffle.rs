@@ -131,6 +131,11 @@ pub enum ShuffleError {
     NotHeld { segment: SegmentId, server: ServerId },
     #[error("push to {segment} refused: the shuffle was freed on storage server {server} and takes no more pushes")]
     Freed { segment: SegmentId, server: ServerId },
+    #[error(
+        "push to {segment} refused: the segment is closed on storage server {server} (it is being copied to \
+         another server; the partition has moved on to a later segment)"
+    )]
+    Closed { segment: SegmentId, server: ServerId },
     #[error("push to {segment} refused: dram tier full: {in_use} of {total} blocks in use")]
     Full { segment: SegmentId, in_use: usize, total: usize },
     #[error(
@@ -159,9 +164,12 @@ impl ShuffleError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             ShuffleError::NotHeld { .. } | ShuffleError::Freed { .. } => ErrorKind::NotFound,
-            ShuffleError::Full { .. } | ShuffleError::TiersFull { .. } | ShuffleError::SegmentFull { .. } => {
-                ErrorKind::OutOfSpace
-            }
+            // A closed segment takes no more, as a full one: writers move on to the next segment
+            // (a writer that has not yet seen its partition move on is not failed).
+            ShuffleError::Full { .. }
+            | ShuffleError::TiersFull { .. }
+            | ShuffleError::SegmentFull { .. }
+            | ShuffleError::Closed { .. } => ErrorKind::OutOfSpace,
             ShuffleError::QuotaExceeded { .. } => ErrorKind::QuotaExceeded,
             ShuffleError::BatchSize { .. } | ShuffleError::CursorPastEnd { .. } => ErrorKind::Invalid,
             ShuffleError::Corrupt { .. } => ErrorKind::Corrupt,
@@ -233,6 +241,9 @@ struct SegmentState {
     batches_in_nvme_open: u32,
     /// Freed (its bytes no longer counted): a racing push is refused, a racing move discarded.
     dropped: bool,
+    /// Closed for a copy ([`Shuffles::close_for_copy`]): pushes are refused, so the copy holds
+    /// every batch the segment ever takes.
+    closed: bool,
     /// The durable record (see [`durable`]): a seal being written; the slot of extent 0 once
     /// sealed (a push clears its entry before adding a batch); whether the shuffle index may hold
     /// entries of its extents (cleared when it is freed).
@@ -317,6 +328,7 @@ impl Segment {
                 nvme_open,
                 batches_in_nvme_open: 0,
                 dropped: false,
+                closed: false,
                 sealing: false,
                 sealed: None,
                 recorded: false,
@@ -371,6 +383,7 @@ impl Segment {
             nvme_open: None,
             batches_in_nvme_open: 0,
             dropped: false,
+            closed: false,
             sealing: false,
             sealed: Some(seal.extents[0].0),
             recorded: true,
@@ -616,6 +629,9 @@ impl Shuffles {
         if state.dropped {
             return Err(ShuffleError::Freed { segment: id, server }.into());
         }
+        if state.closed {
+            return Err(ShuffleError::Closed { segment: id, server }.into());
+        }
         if state.sealing || state.sealed.is_some() {
             drop(state);
             return Err(PushError::Sealed(segment));
@@ -674,6 +690,9 @@ impl Shuffles {
             let state = segment.state.lock();
             if state.dropped {
                 return Err(ShuffleError::Freed { segment: id, server }.into());
+            }
+            if state.closed {
+                return Err(ShuffleError::Closed { segment: id, server }.into());
             }
             if state.sealing || state.sealed.is_some() {
                 drop(state);
@@ -881,16 +900,78 @@ impl Shuffles {
         id: SegmentId,
         request: &FetchRequest,
     ) -> Result<FetchPage, ShuffleError> {
+        let want = |map, attempt| request.attempt_of(map) == Some(attempt);
+        self.page_of(server, id, request.cursor, request.max_bytes, &want).await
+    }
+
+    /// Closes a segment to pushes, for a copy of it to another server: from now on it holds
+    /// exactly what the copy will. Its partition has moved on, so only a writer that has not
+    /// seen that yet pushes here, and it is refused as by a full segment (OutOfSpace), which
+    /// moves it on too.
+    pub(crate) async fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<(), ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
-        let limit = request.max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
+        // After any append straight to NVMe under way (it indexes its batch when its write is
+        // done): a closed segment's extents hold no batch its index lacks.
+        let _turn = segment.nvme_appends.lock().await;
+        segment.state.lock().closed = true;
+        Ok(())
+    }
+
+    /// A page of every batch the segment holds, of every map and attempt, in the order a Fetch
+    /// serves them (by map and attempt, each in push order), from `cursor`: what a copy of the
+    /// segment pushes to its target, so the target's index is the same.
+    pub(crate) async fn copy_page(
+        &self,
+        server: ServerId,
+        id: SegmentId,
+        cursor: u32,
+        max_bytes: u32,
+    ) -> Result<FetchPage, ShuffleError> {
+        self.page_of(server, id, cursor, max_bytes, &|_, _| true).await
+    }
+
+    /// Drops single segments (a copy not stored whole, or one whose place in its chain was
+    /// taken by a copy elsewhere); returns how many were held. The shuffle is not remembered as
+    /// freed: its other segments stay, and a copy may come here again.
+    pub(crate) fn free_segments(&self, ids: impl IntoIterator<Item = SegmentId>) -> usize {
+        let removed: Vec<Arc<Segment>> = {
+            let mut map = self.map.lock();
+            let mut removed = Vec::new();
+            for id in ids {
+                let Some(segments) = map.shuffles.get_mut(&id.shuffle) else { continue };
+                if let Some(segment) = segments.remove(&(id.partition, id.index)) {
+                    if segments.is_empty() {
+                        map.shuffles.remove(&id.shuffle);
+                    }
+                    removed.push(segment);
+                }
+            }
+            map.segments -= removed.len();
+            removed
+        };
+        self.uncount(removed.iter());
+        removed.len()
+    }
+
+    /// The page of the batches `want` names that starts at `cursor`.
+    async fn page_of(
+        &self,
+        server: ServerId,
+        id: SegmentId,
+        cursor: u32,
+        max_bytes: u32,
+        want: &(dyn Fn(u32, u32) -> bool + Sync),
+    ) -> Result<FetchPage, ShuffleError> {
+        let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
+        let limit = max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
         let (page, more, next) = {
             let state = segment.state.lock();
-            let (page, more) = state.page(id, request, request.cursor, limit)?;
+            let (page, more) = state.page(id, want, cursor, limit)?;
             // A reader of NVMe: the page it asks for next, as NVMe spans to read ahead. (Readers
             // of DRAM alone pay nothing for it.)
             let from_disk = page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)));
             let next = match more && from_disk {
-                true => state.page(id, request, request.cursor + page.len() as u32, limit)?.0,
+                true => state.page(id, want, cursor + page.len() as u32, limit)?.0,
                 false => Vec::new(),
             };
             (page, more, disk_spans(&next))
@@ -901,7 +982,7 @@ impl Shuffles {
         let page = read_extents(id, &segment, page).await?;
         drop(segment);
         let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
-        let next_cursor = if more { request.cursor + batches } else { FETCH_DONE };
+        let next_cursor = if more { cursor + batches } else { FETCH_DONE };
         // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
         // (the usual page for large batches) goes out as the view itself, without a copy; more
         // are gathered into one buffer. Either way every batch is checked against the crc taken
@@ -1354,12 +1435,12 @@ impl SegmentState {
         }
     }
 
-    /// The batches of the page `request` asks for (at most about `limit` bytes with their
+    /// The batches of the page `want` names from `cursor` (at most about `limit` bytes with their
     /// headers, and at least one), and whether more remain after them.
     fn page(
         &self,
         id: SegmentId,
-        request: &FetchRequest,
+        want: &(dyn Fn(u32, u32) -> bool + Sync),
         cursor: u32,
         limit: usize,
     ) -> Result<(Vec<(BatchHeader, Stored)>, bool), ShuffleError> {
@@ -1367,7 +1448,7 @@ impl SegmentState {
         let mut page = Vec::new();
         let mut size = 0;
         for (&(map, attempt), batches) in &self.index {
-            if request.attempt_of(map) != Some(attempt) {
+            if !want(map, attempt) {
                 continue;
             }
             let held = batches.len() as u64;
@@ -1465,6 +1546,46 @@ mod tests {
             cursor = page.next_cursor;
         }
         panic!("fetch never finished");
+    }
+
+    /// What a segment copy does (see `crate::copier`), in process: close, page through every
+    /// batch, push each to another server's segment. The copy serves the same pages at the same
+    /// cursors for any committed attempts, and freeing the original drops only that segment.
+    #[test]
+    fn a_closed_segment_refuses_pushes_and_its_copy_serves_the_same_pages() {
+        let (source, target) =
+            (BlockStore::new(BS, 8 * BS as u64).unwrap(), BlockStore::new(BS, 8 * BS as u64).unwrap());
+        let (id, other) = (seg(3, 1, 0), seg(3, 2, 0));
+        for (n, (map, attempt)) in [(0, 0), (1, 0), (0, 1), (0, 0), (1, 0), (0, 1)].into_iter().enumerate() {
+            push(&source, id, map, attempt, &data(map, attempt, n as u32, 700 + n * 10)).unwrap();
+        }
+        push(&source, other, 0, 0, &data(0, 0, 9, 10)).unwrap();
+        futures::executor::block_on(source.close_segment_for_copy(id)).unwrap();
+        let refused = push(&source, id, 1, 0, &data(1, 0, 9, 10)).unwrap_err();
+        assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
+        let mut cursor = 0;
+        let mut pushed = 0;
+        loop {
+            let page = futures::executor::block_on(source.copy_page(id, cursor, 1500)).unwrap();
+            for (map, attempt, bytes) in parse(&page) {
+                pushed += bytes.len() as u64;
+                assert_eq!(push(&target, id, map, attempt, &bytes).unwrap(), pushed);
+            }
+            if page.next_cursor == FETCH_DONE {
+                break;
+            }
+            cursor = page.next_cursor;
+        }
+        assert_eq!(pushed, (0..6).map(|n| 700 + n * 10).sum::<u64>(), "every attempt's batches");
+        for committed in [&[(0, 1), (1, 0)][..], &[(0, 0)][..]] {
+            assert_eq!(fetch_all(&target, id, committed, 1000), fetch_all(&source, id, committed, 1000));
+            let (a, b) =
+                (fetch(&source, id, &request(1, 800, committed)), fetch(&target, id, &request(1, 800, committed)));
+            assert_eq!(a.unwrap(), b.unwrap(), "the same cursor means the same page on either copy");
+        }
+        assert_eq!(source.free_segments([id, seg(3, 5, 0)]), 1);
+        assert!(matches!(fetch(&source, id, &request(0, 800, &[(0, 0)])), Err(ShuffleError::NotHeld { .. })));
+        assert_eq!(fetch_all(&source, other, &[(0, 0)], 1000).len(), 1, "the shuffle's other segments stay");
     }
 
     #[test]

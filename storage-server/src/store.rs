@@ -174,6 +174,22 @@ impl BlockStore {
         self.shuffles.fetch(self.server_id(), segment, request).await
     }
 
+    /// Closes a segment to pushes before it is copied to another server (see
+    /// [`crate::copier`]).
+    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<(), ShuffleError> {
+        self.shuffles.close_for_copy(self.server_id(), segment).await
+    }
+
+    /// A page of every batch a segment holds, from `cursor`, for its copy.
+    pub async fn copy_page(&self, segment: SegmentId, cursor: u32, max_bytes: u32) -> Result<FetchPage, ShuffleError> {
+        self.shuffles.copy_page(self.server_id(), segment, cursor, max_bytes).await
+    }
+
+    /// Drops single segments; returns how many were held.
+    pub fn free_segments(&self, segments: impl IntoIterator<Item = SegmentId>) -> usize {
+        self.shuffles.free_segments(segments)
+    }
+
     /// Moves shuffle data from DRAM to NVMe as [`crate::shuffle`] says (nothing without an NVMe
     /// tier); returns how many slots moved.
     pub async fn move_shuffles_down(&self) -> usize {

@@ -24,7 +24,7 @@ use crate::jobs::Quota;
 use crate::namespace::{BlockRef, Removed};
 use crate::path::{self, Place, JOBS_DIR};
 use crate::planner::{parse_storage_class, Copies};
-use crate::shuffles::SegmentChanges;
+use crate::shuffles::{SegmentChanges, SegmentCopy};
 
 /// What applying a change released, for the live call's reply and log line.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -193,6 +193,16 @@ impl State {
                 self.servers.count_placed(&[new]);
                 // On a live (draining) server it is freed there; a dead server's is gone already.
                 self.servers.free(&[old]);
+            }
+            Change::MoveSegment(log) => {
+                self.shuffles.move_segment(log)?;
+                let (old, new) = (ServerId(log.old_server_id), ServerId(log.new_server_id));
+                self.servers.move_segment(old, new);
+                // On a live server (healed, or draining) the old copy is dropped; a dead one's is
+                // gone, and a server coming back frees it when it reconciles.
+                let segment =
+                    SegmentCopy { shuffle_id: ShuffleId(log.shuffle_id), partition: log.partition, index: log.index };
+                self.servers.free_segment(old, segment);
             }
             Change::Counters(log) => {
                 self.namespace.raise_next_file_id(log.next_file_id);

@@ -1,18 +1,18 @@
-//! Which blocks need a copy and where it goes (re-replication and drains; the table, the rate
-//! limit and why copies go server to server are in `copies`), and settling copies the storage
-//! servers report.
+//! Which blocks and shuffle segments need a copy and where it goes (re-replication and drains;
+//! the table, the rate limit and why copies go server to server are in `copies`), and settling
+//! copies the storage servers report.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use tern_proto::token::{GrantKind, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
-use tern_proto::v1::{CopyBlock, CopyDone, LogCounters, LogMoveBlock};
+use tern_proto::v1::{CopyBlock, CopyDone, CopySegment, LogCounters, LogMoveBlock, LogMoveSegment};
 use tern_proto::{ServerId, Tier};
 use tracing::{info, warn};
 
 use super::State;
-use crate::copies::{Task, Why};
+use crate::copies::{Task, What, Why, Wire};
 use crate::namespace::BlockRef;
 use crate::path::Place;
 
@@ -21,20 +21,20 @@ impl State {
     /// block with a copy that cannot be read (its server died, or lost the block) gets it back
     /// from a readable copy; a block on a draining server that no copy elsewhere backs is copied
     /// off it. A target is a server taking placements that holds no copy of the block, with room
-    /// in the source's tier (the most room first). Runs at each reap after something changed,
-    /// every 10 s while blocks wait for room, and at every reap while a drain is under way: one
-    /// pass over the files.
+    /// in the source's tier (the most room first). Then closed shuffle segments with a copy gone
+    /// (`plan_segment_copies`). Runs at each reap after something changed, every 10 s while
+    /// copies wait for room, and at every reap while a drain is under way: one pass over the
+    /// files and the shuffles' segments.
     pub(super) fn plan_copies(&mut self, now: Instant) {
         let draining: Vec<ServerId> = self.servers.drains().iter().map(|d| d.server_id).collect();
         if !self.copies.take_wake(now) && draining.is_empty() {
             return;
         }
         let servers = &self.servers;
-        let dropped = self.copies.drop_where(|task| {
-            servers.is_placeable(task.source.server_id) && servers.is_placeable(task.target.server_id)
-        });
+        let dropped =
+            self.copies.drop_where(|task| servers.is_placeable(task.source()) && servers.is_placeable(task.target()));
         for task in &dropped {
-            self.servers.free(&[task.target]);
+            self.free_target(task);
         }
         let mut room = self.copies.room();
         if room == 0 {
@@ -107,8 +107,15 @@ impl State {
                 }
             }
         }
+        let (segments, no_room) = self.plan_segment_copies(room);
+        unplaceable += no_room;
+        if segments > 0 {
+            info!("chose {segments} shuffle segment copies to restore second copies or move off draining servers");
+        }
         if unplaceable > 0 && unplaceable != self.copies.unplaceable {
-            warn!("{unplaceable} blocks need a copy and no server taking placements has room for one; waiting");
+            warn!(
+                "{unplaceable} blocks or segments need a copy and no server taking placements has room for one; waiting"
+            );
         }
         self.copies.unplaceable = unplaceable;
         if unplaceable > 0 {
@@ -128,7 +135,8 @@ impl State {
                 Why::Rereplicate => rereplicate += 1,
                 Why::Drain => drain += 1,
             }
-            self.copies.add(Task::new(file_id, copy, old, source, target, length, why));
+            let what = What::Block { file_id, copy, old, source, target };
+            self.copies.add(Task::new(what, u64::from(length), why));
         }
         // The ids are logged as taken before any copy is handed out: after a restart none of them
         // is named again, so a copy stored but never logged cannot be mistaken for a new block.
@@ -145,72 +153,186 @@ impl State {
         info!("chose {rereplicate} block copies to restore second copies and {drain} to move off draining servers");
     }
 
+    /// Chooses copies for closed segments of 2-copy shuffles with one copy gone, and for closed
+    /// segments on draining servers that nothing else backs, up to `room`: the target is a server
+    /// taking segments of the shuffle's class that holds no copy of it and has no free of it
+    /// pending, the least loaded first. Returns how many were chosen and how many
+    /// found no target. Segment copies take no ids: a segment keeps its id on every server.
+    fn plan_segment_copies(&mut self, room: usize) -> (u64, u64) {
+        if room == 0 {
+            return (0, 0);
+        }
+        let servers = &self.servers;
+        let copies = &self.copies;
+        let draining: Vec<ServerId> = servers.drains().iter().map(|d| d.server_id).collect();
+        let needs = self.shuffles.segments_to_copy(
+            |server| servers.is_alive(server),
+            |server| draining.contains(&server),
+            |segment| copies.is_segment_busy(segment),
+            room,
+        );
+        if needs.is_empty() {
+            return (0, 0);
+        }
+        let pending_frees = self.servers.pending_segment_frees();
+        let mut loads: HashMap<tern_proto::StorageClass, Vec<crate::planner::SegmentLoad>> = HashMap::new();
+        let (mut chosen, mut unplaceable) = (0, 0);
+        for need in needs {
+            if !self.servers.is_placeable(need.live) {
+                continue;
+            }
+            let loads = loads.entry(need.class).or_insert_with(|| self.servers.segment_loads(need.class));
+            let target = loads
+                .iter_mut()
+                .filter(|l| {
+                    !l.full
+                        && l.server_id != need.lost
+                        && l.server_id != need.live
+                        && !pending_frees.contains(&(l.server_id, need.segment))
+                })
+                .min_by_key(|l| (l.load, l.server_id));
+            let Some(target) = target else {
+                unplaceable += 1;
+                continue;
+            };
+            target.load += 1;
+            let what = What::Segment {
+                segment: need.segment,
+                old: need.lost,
+                source: need.live,
+                target: target.server_id,
+                class: need.class,
+            };
+            let why = if need.drain { Why::Drain } else { Why::Rereplicate };
+            self.copies.add(Task::new(what, need.bytes, why));
+            chosen += 1;
+        }
+        (chosen, unplaceable)
+    }
+
+    /// Frees what a task that will not be logged left on its target.
+    fn free_target(&mut self, task: &Task) {
+        match task.what {
+            What::Block { target, .. } => self.servers.free(&[target]),
+            What::Segment { segment, target, .. } => self.servers.free_segment(target, segment),
+        }
+    }
+
     /// Settles the copies a storage server reports: a stored copy replaces the old one in its
-    /// file (logged), unless the file changed meanwhile; a failed one frees what it left on the
-    /// target and is chosen again at the next reap.
+    /// file or segment chain (logged), unless that changed meanwhile; a failed one frees what it
+    /// left on the target and is chosen again at the next reap.
     pub(super) fn take_copies_done(&mut self, server_id: ServerId, done: &[CopyDone], now: Instant) {
         for report in done {
             let ok = report.error.is_empty();
-            let Some(task) = self.copies.finish(report.copy_id, server_id, ok, now) else {
+            let Some(task) = self.copies.finish(report.copy_id, server_id, ok, report.bytes, now) else {
                 continue;
             };
             if !ok {
+                let what = match &task.what {
+                    What::Block { source, .. } => format!("block {}", source.block_id.get()),
+                    What::Segment { segment, .. } => format!(
+                        "segment {} of partition {} of shuffle {}",
+                        segment.index, segment.partition, segment.shuffle_id
+                    ),
+                };
                 warn!(
-                    "copying block {} from storage server {server_id} to {} failed: {}",
-                    task.source.block_id.get(),
-                    self.servers.address(task.target.server_id),
+                    "copying {what} from storage server {server_id} to {} failed: {}",
+                    self.servers.address(task.target()),
                     report.error
                 );
-                self.servers.free(&[task.target]);
+                self.free_target(&task);
                 continue;
             }
-            let current = self
-                .namespace
-                .file_mut(task.file_id)
-                .ok()
-                .and_then(|file| file.blocks.get(task.copy as usize).copied());
-            if current != Some(task.old) {
-                // Deleted, or its copy replaced meanwhile: the new copy is not needed.
-                self.servers.free(&[task.target]);
-                continue;
-            }
-            let change = Change::MoveBlock(LogMoveBlock {
-                file_id: task.file_id,
-                copy: task.copy,
-                old_block_id: task.old.block_id.get(),
-                new_block_id: task.target.block_id.get(),
-                new_server_id: task.target.server_id.get(),
-            });
+            let change = match task.what {
+                What::Block { file_id, copy, old, target, .. } => {
+                    let current =
+                        self.namespace.file_mut(file_id).ok().and_then(|file| file.blocks.get(copy as usize).copied());
+                    if current != Some(old) {
+                        // Deleted, or its copy replaced meanwhile: the new copy is not needed.
+                        self.free_target(&task);
+                        continue;
+                    }
+                    Change::MoveBlock(LogMoveBlock {
+                        file_id,
+                        copy,
+                        old_block_id: old.block_id.get(),
+                        new_block_id: target.block_id.get(),
+                        new_server_id: target.server_id.get(),
+                    })
+                }
+                What::Segment { segment, old, target, .. } => {
+                    if !self.shuffles.holds(segment, old) || self.shuffles.holds(segment, target) {
+                        // Freed, or its copies changed meanwhile: the new copy is not needed.
+                        self.free_target(&task);
+                        continue;
+                    }
+                    Change::MoveSegment(LogMoveSegment {
+                        shuffle_id: segment.shuffle_id.get(),
+                        partition: segment.partition,
+                        index: segment.index,
+                        old_server_id: old.get(),
+                        new_server_id: target.get(),
+                    })
+                }
+            };
             self.commit_own(change, now);
         }
     }
 
-    /// The copies to hand to `server_id` in its heartbeat reply, each with the target block's
-    /// grant and its file owner's token.
-    pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Instant) -> Vec<CopyBlock> {
-        let (servers, namespace, jobs, key) = (&self.servers, &self.namespace, &self.jobs, &self.key);
-        self.copies.hand_out(server_id, now, |copy_id, task| {
-            let job =
-                namespace.file_path(task.file_id).ok().and_then(|path| Place::of(&path).job().map(str::to_string));
-            let (serial, token) = match job.as_deref().and_then(|job| Some((job, jobs.lease_of(job, now)?))) {
-                Some((job, (serial, lease, left))) => {
-                    let expires = tern_common::unix_ms().saturating_add(left.as_millis() as u64);
-                    (serial, key.issue(job, serial, expires, lease.as_millis() as u64).encode())
-                }
-                // A job that is gone: a serial no token carries (the copy fails and is dropped
-                // with the file).
-                None if job.is_some() => (u64::MAX, Vec::new()),
-                None => (VOLUME_SERIAL, Vec::new()),
-            };
-            CopyBlock {
-                copy_id,
-                block_id: task.source.block_id.get(),
-                length: task.length,
-                target_address: servers.address(task.target.server_id),
-                target_block_id: task.target.block_id.get(),
-                grant: key.grant(GrantKind::Block, task.target.block_id.get(), serial).to_vec(),
-                token,
+    /// The copies to hand to `server_id` in its heartbeat reply: blocks, each with the target
+    /// block's grant and its file owner's token, and segments, each with its shuffle's grant and
+    /// its job's token.
+    pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Instant) -> (Vec<CopyBlock>, Vec<CopySegment>) {
+        let (servers, namespace, jobs, key, shuffles) =
+            (&self.servers, &self.namespace, &self.jobs, &self.key, &self.shuffles);
+        // The owner's serial and a fresh token: a job's, or the volume principal's (no token).
+        let credentials = |job: Option<&str>| match job.and_then(|job| Some((job, jobs.lease_of(job, now)?))) {
+            Some((job, (serial, lease, left))) => {
+                let expires = tern_common::unix_ms().saturating_add(left.as_millis() as u64);
+                (serial, key.issue(job, serial, expires, lease.as_millis() as u64).encode())
             }
-        })
+            // A job that is gone: a serial no token carries (the copy fails and is dropped
+            // with the file or shuffle).
+            None if job.is_some() => (u64::MAX, Vec::new()),
+            None => (VOLUME_SERIAL, Vec::new()),
+        };
+        let wires = self.copies.hand_out(server_id, now, |copy_id, task| match task.what {
+            What::Block { file_id, source, target, .. } => {
+                let job = namespace.file_path(file_id).ok().and_then(|path| Place::of(&path).job().map(str::to_string));
+                let (serial, token) = credentials(job.as_deref());
+                Wire::Block(CopyBlock {
+                    copy_id,
+                    block_id: source.block_id.get(),
+                    length: task.bytes as u32,
+                    target_address: servers.address(target.server_id),
+                    target_block_id: target.block_id.get(),
+                    grant: key.grant(GrantKind::Block, target.block_id.get(), serial).to_vec(),
+                    token,
+                })
+            }
+            What::Segment { segment, target, class, .. } => {
+                // A shuffle is always a job's: an unregistered one's copy fails and is freed.
+                let job = shuffles.job_of(segment.shuffle_id).unwrap_or("(unregistered)");
+                let (serial, token) = credentials(Some(job));
+                Wire::Segment(CopySegment {
+                    copy_id,
+                    shuffle_id: segment.shuffle_id.get(),
+                    partition: segment.partition,
+                    index: segment.index,
+                    storage_class: class.to_string(),
+                    target_address: servers.address(target),
+                    grant: key.grant(GrantKind::Shuffle, segment.shuffle_id.get(), serial).to_vec(),
+                    token,
+                })
+            }
+        });
+        let (mut blocks, mut segments) = (Vec::new(), Vec::new());
+        for wire in wires {
+            match wire {
+                Wire::Block(block) => blocks.push(block),
+                Wire::Segment(segment) => segments.push(segment),
+            }
+        }
+        (blocks, segments)
     }
 }

@@ -20,6 +20,8 @@ const METADATA_PORT: u16 = 9060;
 const STORAGE_PORT: u16 = 9070;
 /// Storage servers' admin endpoint (/metrics), on each one's own loopback.
 const STORAGE_ADMIN_PORT: u16 = 9071;
+/// The metadata server's admin endpoint (/metrics), on its host's loopback.
+const METADATA_ADMIN_PORT: u16 = 9072;
 /// How long the cluster may take to come up.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often [`MultiHost::wait_status`] asks.
@@ -85,7 +87,7 @@ impl MultiHost {
             .on(meta)
             .serving(metadata_addr)
             .args(["metadata-server", "--listen", &metadata_addr.to_string(), "--dir", &state, "--tls-dir", &tls])
-            .args(["--admin", "127.0.0.1:0"]);
+            .args(["--admin", &format!("127.0.0.1:{METADATA_ADMIN_PORT}")]);
         for set in layout.metadata_sets {
             metadata = metadata.args(["--set", set]);
         }
@@ -234,6 +236,13 @@ impl MultiHost {
         let admin = std::net::SocketAddr::from(([127, 0, 0, 1], STORAGE_ADMIN_PORT));
         let read = self.network.on_host(&storage_host(i), || crate::monitoring::http_get(admin, "/metrics"));
         read.and_then(|metrics| metrics).unwrap_or_else(|e| panic!("metrics of storage server {i}: {e:#}"))
+    }
+
+    /// The metadata server's Prometheus metrics, read on its own host.
+    pub fn metadata_metrics(&self) -> String {
+        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], METADATA_ADMIN_PORT));
+        let read = self.network.on_host(METADATA_HOST, || crate::monitoring::http_get(admin, "/metrics"));
+        read.and_then(|metrics| metrics).unwrap_or_else(|e| panic!("metrics of the metadata server: {e:#}"))
     }
 
     /// SIGKILLs storage server `i`.

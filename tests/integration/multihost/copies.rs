@@ -1,6 +1,7 @@
 //! Re-replication across hosts: a storage server holding second copies is cut off, and every
-//! block it held a copy of gets its second copy back on another server, copied server to server
-//! over TLS, rate-limited, and shown in `tern status` as it goes.
+//! block (and every closed shuffle segment) it held a copy of gets its second copy back on
+//! another server, copied server to server over TLS, rate-limited, and shown in `tern status` as
+//! it goes.
 
 use std::time::{Duration, Instant};
 
@@ -8,6 +9,8 @@ use bytes::Bytes;
 use tern_client::{CreateOptions, StatusResponse};
 
 use crate::common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
+use tern_client::ShuffleOptions;
+use tern_proto::v1::Segment;
 
 const PATH: &str = "/rerep/data";
 const MIB: u64 = 1 << 20;
@@ -170,4 +173,135 @@ async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_
         blocks.into_iter().map(|(b, _)| b.address).collect::<std::collections::BTreeSet<_>>()
     });
     assert_eq!(holders.into_iter().collect::<Vec<_>>(), [other], "every block moved to the other server");
+}
+
+/// The bytes map `map` writes to partition `p` of the shuffle test: distinct per (map, p), several
+/// batches' worth (the writer cuts batches of at most a block).
+fn map_output(map: u32, p: u32) -> Vec<u8> {
+    let mut out = pattern(600 << 10);
+    out.iter_mut().for_each(|b| *b ^= (map * 16 + p) as u8);
+    out
+}
+
+/// A batch read: (partition, map, bytes).
+type Read = (u32, u32, Vec<u8>);
+
+/// Every segment of the shuffle test's partitions, and every batch read back from the client host
+/// (as (partition, map, bytes) in read order), with a fresh client holding the job's token.
+fn segments_and_read(
+    cluster: &MultiHost,
+    shuffle_id: tern_client::ShuffleId,
+    token: &str,
+) -> (Vec<Segment>, Vec<Read>) {
+    cluster.with_client_on(CLIENT_HOST, async |client| {
+        client.add_job_token(token).unwrap();
+        let shuffle = client.open_shuffle(shuffle_id).await.unwrap();
+        let segments = shuffle.segments(0..SHUFFLE_PARTITIONS).await.unwrap();
+        let batches = shuffle.reader(0..SHUFFLE_PARTITIONS, 0..u32::MAX).await.unwrap().read_to_end().await.unwrap();
+        (segments, batches.into_iter().map(|b| (b.partition, b.map, b.data.to_vec())).collect())
+    })
+}
+
+/// The bytes of each (partition, map) in a read, in read order.
+fn joined(read: &[Read]) -> std::collections::BTreeMap<(u32, u32), Vec<u8>> {
+    let mut out = std::collections::BTreeMap::<(u32, u32), Vec<u8>>::new();
+    for (p, map, bytes) in read {
+        out.entry((*p, *map)).or_default().extend_from_slice(bytes);
+    }
+    out
+}
+
+const SHUFFLE_PARTITIONS: u32 = 6;
+const SHUFFLE_MAPS: u32 = 4;
+
+/// A 2-copy shuffle on 3 servers with every map committed; the server holding copies of some
+/// segments is cut off. Each of its segments gets its second copy back on the third server (the
+/// survivor pushes every batch there), so locate shows two live copies of every segment and the
+/// reducers read exactly what was pushed; then the server holding the original surviving copy of
+/// some of them is cut off too, and those read right from their new copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_servers_shuffle_segments_get_their_second_copy_back_and_read_from_it() {
+    let started = Instant::now();
+    let cluster = MultiHost::start(Layout { storage_servers: 3, dram: "512MiB", metadata_sets: &[] }).await;
+    let (shuffle_id, token) = cluster.with_client_on(CLIENT_HOST, async |client| {
+        let job = client.start_job(None, Duration::from_secs(120)).await.unwrap();
+        let options = ShuffleOptions { maps: SHUFFLE_MAPS, replicas: 2, ..ShuffleOptions::default() };
+        let shuffle = client.register_shuffle(job.id(), SHUFFLE_PARTITIONS, options).await.unwrap();
+        for map in 0..SHUFFLE_MAPS {
+            let mut writer = shuffle.writer(map, 0);
+            for p in 0..SHUFFLE_PARTITIONS {
+                writer.write(p, &map_output(map, p)).await.unwrap();
+            }
+            assert!(writer.commit().await.unwrap().committed);
+        }
+        let token = job.token();
+        // The job outlives this client (its 120 s lease is longer than the test): not ended on drop.
+        std::mem::forget(job);
+        (shuffle.id(), token)
+    });
+    let expected: std::collections::BTreeMap<(u32, u32), Vec<u8>> = (0..SHUFFLE_PARTITIONS)
+        .flat_map(|p| (0..SHUFFLE_MAPS).map(move |map| ((p, map), map_output(map, p))))
+        .collect();
+    let (before, read) = segments_and_read(&cluster, shuffle_id, &token);
+    assert_eq!(joined(&read), expected, "read before any cut");
+    let (cut, addrs) = (cluster.storage_addrs[1].clone(), cluster.storage_addrs.clone());
+    let on = |s: &Segment, address: &str| s.address == address || s.replica_address == address;
+    let held: Vec<&Segment> = before.iter().filter(|s| on(s, &cut)).collect();
+    assert!(!held.is_empty() && before.iter().all(|s| s.replica_server_id != 0), "{before:?}");
+
+    cluster.network().cut(&storage_host(1)).unwrap();
+    let copies = cluster.wait_status("every segment on the cut-off server copied", Duration::from_secs(30), |status| {
+        let copies = copies_of(status);
+        let dead = status.servers.iter().any(|s| s.address == cut && !s.alive);
+        (dead && copies.copied_segments >= held.len() as u64 && copies.pending_segments == 0).then_some(copies)
+    });
+    assert_eq!((copies.copied_segments, copies.failed_segments), (held.len() as u64, 0), "{copies:?}");
+    assert!(copies.copied_bytes > 0, "{copies:?}");
+    // `tern status` shows them, as JSON and as text.
+    let mut run = cluster.spawn_tern("status-json", tern_client::TransportKind::Auto, &["status", "--json"]);
+    let json = cluster.json_result(&mut run, Duration::from_secs(10)).await;
+    let shown = &json["copies"];
+    assert_eq!(
+        (shown["copied_segments"].as_u64(), shown["pending_segments"].as_u64()),
+        (Some(held.len() as u64), Some(0))
+    );
+    let mut run = cluster.spawn_tern("status", tern_client::TransportKind::Auto, &["status"]);
+    assert!(run.wait_until(&tern_local::Deadline::after(Duration::from_secs(10))).await.is_some_and(|s| s.success()));
+    let text = std::fs::read_to_string(run.log()).unwrap();
+    let line = format!("{} blocks and {} shuffle segments", 0, held.len());
+    assert!(text.contains(&format!("{line} (")) && text.contains("copied"), "{text}");
+    // And the metadata server's metrics.
+    let metrics = cluster.metadata_metrics();
+    let copied = format!("tern_metadata_copied_segments {}", held.len());
+    assert!(metrics.contains(&copied) && metrics.contains("tern_metadata_copies_pending_segments 0"), "{metrics}");
+    let (after, read) = segments_and_read(&cluster, shuffle_id, &token);
+    assert_eq!(joined(&read), expected, "read after re-replication");
+    for segment in &after {
+        assert!(!segment.lost && !segment.replica_lost && !on(segment, &cut), "{segment:?} in {after:?}");
+        assert_ne!(segment.address, segment.replica_address, "{segment:?}");
+    }
+    // Each copied segment: which server held its surviving copy, and which has the new one.
+    let survivor = |s: &Segment| if s.address == cut { s.replica_address.clone() } else { s.address.clone() };
+    let second_cut = survivor(held[0]);
+    let i = addrs.iter().position(|a| *a == second_cut).unwrap();
+    let proven: Vec<(u32, u32)> =
+        held.iter().filter(|s| survivor(s) == second_cut).map(|s| (s.partition, s.index)).collect();
+
+    cluster.network().cut(&storage_host(i)).unwrap();
+    cluster.wait_status("the survivor's server declared dead", Duration::from_secs(20), |status| {
+        status.servers.iter().any(|s| s.address == second_cut && !s.alive).then_some(())
+    });
+    let (last, read) = segments_and_read(&cluster, shuffle_id, &token);
+    for (p, index) in &proven {
+        let segment = last.iter().find(|s| s.partition == *p && s.index == *index).unwrap();
+        assert!(!segment.lost && segment.replica_lost, "only the new copy is live: {segment:?}");
+        assert!(segment.address != second_cut && segment.address != cut, "{segment:?}");
+    }
+    assert_eq!(joined(&read), expected, "read from the new copies once the original survivor is gone too");
+    eprintln!(
+        "{} segments re-replicated ({} bytes); the test took {:.1} s",
+        copies.copied_segments,
+        copies.copied_bytes,
+        started.elapsed().as_secs_f64()
+    );
 }
