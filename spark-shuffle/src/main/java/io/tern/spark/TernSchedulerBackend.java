@@ -89,6 +89,8 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private final TreeSet<Integer> cancelled = new TreeSet<>();
     /** Executors that registered with the driver (their ids), whether or not Spark still has them. */
     private final java.util.Set<String> registered = new java.util.HashSet<>();
+    /** When each task was asked of the scheduler (driver clock, ms), for acquisition times. */
+    private final Map<Integer, Long> requestedAt = new HashMap<>();
     private int endedNext;
     private int failuresBeforeRegistering;
     private int maxFailures;
@@ -187,6 +189,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         TernConf tern = new TernConf(conf);
         client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey);
         synchronized (this) {
+            long asked = System.currentTimeMillis();
             jobId = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
                     conf.getInt(PRIORITY, 0), cores * 1000L, (heapMb + overheadMb + pysparkMb) << 20, gpus * 1000,
                     initial, gang, Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS),
@@ -194,6 +197,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             target = initial;
             for (int i = 0; i < initial; i++) {
                 live.add(i);
+                requestedAt.put(i, asked);
             }
         }
         LOG.info("Spark application {} is Tern job {} on scheduler {}: {} executors of {} cores, {} MiB heap + {} MiB "
@@ -201,6 +205,18 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         monitor = new Thread(this::watch, "tern-executors");
         monitor.setDaemon(true);
         monitor.start();
+    }
+
+    /**
+     * When executor {@code executorId}'s Tern task was asked of the scheduler (driver clock, ms
+     * since the epoch), or -1 if this backend did not ask for it (for `tern bench spark-pool`).
+     */
+    public synchronized long requestedAtMs(String executorId) {
+        try {
+            return requestedAt.getOrDefault(Integer.parseInt(executorId), -1L);
+        } catch (NumberFormatException e) {
+            return -1;
+        }
     }
 
     /** The Tern job's id (for tests and logs). */
@@ -286,7 +302,10 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private void reconcile() {
         int missing = target - live.size();
         if (missing > 0) {
-            apply(TernSchedulerNative.scale(client, jobId, missing, new int[0], false, endedNext));
+            long asked = System.currentTimeMillis();
+            for (int task : apply(TernSchedulerNative.scale(client, jobId, missing, new int[0], false, endedNext))) {
+                requestedAt.put(task, asked);
+            }
         } else if (missing < 0) {
             List<Integer> drop = new ArrayList<>();
             for (Integer t : live.descendingSet()) {
@@ -314,14 +333,16 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         apply(TernSchedulerNative.scale(client, jobId, 0, indexes, false, endedNext));
     }
 
-    /** Applies a ScaleStage reply: tasks added, tasks ended. Under `this`. */
-    private void apply(String reply) {
+    /** Applies a ScaleStage reply: tasks added (returned), tasks ended. Under `this`. */
+    private List<Integer> apply(String reply) {
         String[] lines = reply.split("\n");
         String[] head = lines[0].split(" ");
         endedNext = Integer.parseInt(head[3]);
+        List<Integer> addedTasks = new ArrayList<>();
         for (String added : lines[1].split(" ")) {
             if (!added.equals("added")) {
                 live.add(Integer.parseInt(added));
+                addedTasks.add(Integer.parseInt(added));
             }
         }
         for (int i = 2; i < lines.length; i++) {
@@ -330,6 +351,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             String outcome = parts[2];
             String message = parts.length > 3 ? parts[3] : "";
             live.remove(task);
+            requestedAt.remove(task);
             if (cancelled.remove(task) || stopping) {
                 continue;
             }
@@ -360,6 +382,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             }
             sc.stopInNewThread();
         }
+        return addedTasks;
     }
 
     /** The executor's exit status as its report tells it (137 for SIGKILL; -1 when unknown). */
