@@ -46,7 +46,9 @@ import scala.concurrent.Future$;
  * {@code spark.tern.maxExecutorFailures}, fail the application instead of looping.
  *
  * <p>Only the default resource profile is served: stage-level scheduling with other profiles is
- * refused with an error rather than run on the wrong executors.
+ * refused with an error rather than run on the wrong executors. (Spark 3.5's
+ * ResourceProfileManager refuses non-default profiles itself on masters other than YARN,
+ * Kubernetes and standalone, so a tern:// application cannot make one outside Spark's tests.)
  */
 public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     /** The application's queue (a tenant's): Tern's weighted fair share applies between queues. */
