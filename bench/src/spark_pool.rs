@@ -112,7 +112,9 @@ fn seconds(from: i64, to: i64) -> Option<f64> {
 /// Sums up the acquisition times of `runs` (all of one kind).
 fn acquisition(runs: &[&Run]) -> Acquisition {
     let all = |f: &dyn Fn(i64, &ExecutorTimes) -> Option<f64>| -> Vec<f64> {
-        runs.iter().flat_map(|r| r.result.executors.iter().filter_map(|e| f(r.result.application_start_ms, e))).collect()
+        runs.iter()
+            .flat_map(|r| r.result.executors.iter().filter_map(|e| f(r.result.application_start_ms, e)))
+            .collect()
     };
     let requested = all(&|_, e| seconds(e.requested_ms, e.registered_ms));
     let to_jvm = all(&|_, e| seconds(e.requested_ms, e.jvm_start_ms));
@@ -216,11 +218,8 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     let of = |kind: Executors| runs.iter().filter(|r| r.executors_from == kind).collect::<Vec<_>>();
     let (pool_runs, local_runs) = (of(Executors::TernPool), of(Executors::LocalCluster));
     let terasort = |runs: &[&Run]| Spread::of(runs.iter().map(|r| r.result.terasort.seconds).collect());
-    let ratios = pool_runs
-        .iter()
-        .zip(&local_runs)
-        .map(|(p, l)| p.result.terasort.seconds / l.result.terasort.seconds)
-        .collect();
+    let ratios =
+        pool_runs.iter().zip(&local_runs).map(|(p, l)| p.result.terasort.seconds / l.result.terasort.seconds).collect();
     Ok(SparkPoolReport {
         size_bytes: records * RECORD_LEN as u64,
         partitions,
@@ -258,17 +257,15 @@ pub fn print_table(r: &SparkPoolReport) {
     println!(
         "Spark executors from Tern's warm pool vs Spark's local-cluster: {} executors of {} core and {} MiB, \
          TeraSort of {} bytes in {} partitions, {} runs each (order rotates); median [min-max]:",
-        r.executors,
-        r.executor_cores,
-        r.executor_memory_mib,
-        r.size_bytes,
-        r.partitions,
-        r.pool_terasort_s.runs
+        r.executors, r.executor_cores, r.executor_memory_mib, r.size_bytes, r.partitions, r.pool_terasort_s.runs
     );
     let opt = |s: &Option<Spread>| s.as_ref().map_or("n/a".to_string(), |s| s.to_string());
     for (name, a) in [("pool", &r.pool_acquisition), ("local-cluster", &r.local_cluster_acquisition)] {
         println!("  {name} executor acquisition, s (every executor of every run):");
-        println!("    request -> registered with the driver  {}   (target p50 <= 1.5)", opt(&a.request_to_registered_s));
+        println!(
+            "    request -> registered with the driver  {}   (target p50 <= 1.5)",
+            opt(&a.request_to_registered_s)
+        );
         println!("    request -> executor JVM started (Tern's part)  {}", opt(&a.request_to_jvm_s));
         println!("    JVM started -> registered (JVM and Spark)  {}", a.jvm_to_registered_s);
         println!("    application start -> registered  {}", a.app_start_to_registered_s);

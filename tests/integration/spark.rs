@@ -231,7 +231,11 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
         if let (Some(gold), Some(bronze)) = (find("gold"), find("bronze")) {
             break [gold, bronze];
         }
-        assert!(Instant::now() < deadline, "both applications did not submit within 90 s: {jobs:?}\n{}", tail(&logs(), 40));
+        assert!(
+            Instant::now() < deadline,
+            "both applications did not submit within 90 s: {jobs:?}\n{}",
+            tail(&logs(), 40)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     let executors: Vec<_> = (0..2)
@@ -263,7 +267,11 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
         if now[0].0 + now[1].0 == 6 {
             break;
         }
-        assert!(Instant::now() < deadline, "6 executor tasks did not start within 30 s: {now:?}\n{}", tail(&logs(), 40));
+        assert!(
+            Instant::now() < deadline,
+            "6 executor tasks did not start within 30 s: {now:?}\n{}",
+            tail(&logs(), 40)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // ...then executor time over a window in which both applications want more than they hold.
