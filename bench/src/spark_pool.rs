@@ -134,7 +134,10 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     anyhow::ensure!((1..=16).contains(&options.executors), "--executors must be 1 to 16");
     let (jar, home, submit) = options.spark.resolve()?;
     std::fs::create_dir_all(&options.scratch)?;
-    let work = tempfile::tempdir_in(&options.scratch)?;
+    // Absolute: spark-submit runs in the work directory (Spark copies the application's jar into
+    // its working directory).
+    let scratch = std::fs::canonicalize(&options.scratch)?;
+    let work = tempfile::tempdir_in(&scratch)?;
     let progress = MultiProgress::with_draw_target(if options.quiet {
         ProgressDrawTarget::hidden()
     } else {
@@ -184,6 +187,7 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
             let out = work.path().join(format!("out-{run}-{kind:?}"));
             let mut command = tokio::process::Command::new(&submit);
             command
+                .current_dir(work.path())
                 .env("SPARK_HOME", &home)
                 .args(["--master", master, "--class", "io.tern.spark.tools.PoolRun"])
                 .args(["--driver-memory", &options.spark.driver_memory])
