@@ -449,6 +449,8 @@ def main():
         stage = status["stages"][0]
         assert status["state"] == "succeeded" and stage["attempts"] >= 3 and stage["failed"] >= 1, \
             f"the application's Tern job: {status}"
+        assert status["tern_job_id"] == job, \
+            f"the application's shuffles were in Tern job {job}, not in its scheduler job's {status['tern_job_id']}"
         killed_by = [e for e in stage["errors"] if "killed by signal 9 (SIGKILL)" in e]
         assert killed_by and not any("more than the" in e for e in stage["errors"]), \
             f"the SIGKILLed executor's task should be reported killed by a signal, not OOM: {stage['errors']}"

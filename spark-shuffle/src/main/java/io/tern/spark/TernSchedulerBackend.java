@@ -192,10 +192,12 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey);
         synchronized (this) {
             long asked = System.currentTimeMillis();
-            jobId = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
+            String[] submitted = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
                     conf.getInt(PRIORITY, 0), cores * 1000L, (heapMb + overheadMb + pysparkMb) << 20, gpus * 1000,
                     initial, gang, Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS),
-                    column(params, 0), column(params, 1), column(env, 0), column(env, 1));
+                    column(params, 0), column(params, 1), column(env, 0), column(env, 1)).split("\n", 3);
+            jobId = submitted[0];
+            adoptShuffleJob(conf, submitted[1], submitted[2]);
             target = initial;
             for (int i = 0; i < initial; i++) {
                 live.add(i);
@@ -207,6 +209,26 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         monitor = new Thread(this::watch, "tern-executors");
         monitor.setDaemon(true);
         monitor.start();
+    }
+
+    /**
+     * Puts the application's shuffles in its scheduler job's own Tern job (one Tern job per
+     * application: ending or cancelling the application frees its shuffles with its executors),
+     * unless {@code spark.tern.tenant} names another tenant than the queue (the scheduler starts
+     * that Tern job in the queue's tenant): then the shuffle manager keeps its own job in its tenant.
+     */
+    private void adoptShuffleJob(SparkConf conf, String ternJobId, String token) {
+        String tenant = conf.get(TernConf.TENANT, "");
+        String queue = conf.get(QUEUE, "");
+        if (!tenant.isEmpty() && !tenant.equals(queue)) {
+            LOG.info("the application's shuffles stay in a Tern job of tenant {} ({}), not in its scheduler job's "
+                    + "(queue {})", tenant, TernConf.TENANT, queue.isEmpty() ? "default" : queue);
+            return;
+        }
+        TernShuffleManager manager = (TernShuffleManager) sc.env().shuffleManager();
+        if (!manager.adoptJob(ternJobId, token)) {
+            LOG.warn("the shuffle manager already holds a Tern job; the application's shuffles stay there");
+        }
     }
 
     /**
