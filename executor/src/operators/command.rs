@@ -40,19 +40,24 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
         return Report::failed("command: the stage's operator has no argv (the program to run)");
     };
     let env: Vec<(String, String)> = operator.env.into_iter().collect();
-    run_program(task, services, program, args, &env).await
+    run_program(task, services, program, args, &env, None).await
 }
 
-/// Runs `program` with `args` as task `task` (its environment, `env` added), watching its memory
-/// as the module says; the report is the program's.
+/// Runs `program` with `args` as task `task` (its environment, `env` added; in `cwd` when given,
+/// else the executor's own directory), watching its memory as the module says; the report is the
+/// program's.
 pub(super) async fn run_program(
     task: &pb::Assignment,
     services: &Services,
     program: &str,
     args: &[String],
     env: &[(String, String)],
+    cwd: Option<&std::path::Path>,
 ) -> Report {
     let mut command = Command::new(program);
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
     command
         .args(args)
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
