@@ -146,7 +146,8 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
 /// at first, starts one executor whose GPU discovery script names GPUs 0 and 1 (this machine has
 /// none) for the application's backlog of two one-GPU executors; each Spark task sees its executor's granted device in
 /// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
-/// `tern job list` shows the application and `tern job cancel` stops it.
+/// `tern job list` shows the application, a shuffle lands in the application job's own Tern job, and
+/// `tern job cancel` stops the application and frees that Tern job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_gpu_executors_get_distinct_granted_devices() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
