@@ -480,3 +480,17 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     let _ = writeln!(out, "Logs:    {}", logs.display());
     let _ = writeln!(out, "Ctrl-C stops the cluster.");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_queue;
+
+    #[test]
+    fn queue_weights_are_name_equals_a_whole_number_of_at_least_one() {
+        assert_eq!(parse_queue("gold=2"), Ok(("gold".to_string(), 2)));
+        for bad in ["gold", "gold=0", "gold=-1", "gold=1.5", "=2"] {
+            let e = parse_queue(bad).unwrap_err();
+            assert!(e.contains("NAME=WEIGHT"), "{bad}: {e}");
+        }
+    }
+}
