@@ -267,6 +267,39 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Spark executors from Tern's pool against Spark's own: a warm `tern up` pool of --executors
+    /// executors (1 CPU each) and master local-tern:// against local-cluster[N,1,MEM], the same
+    /// cores, memory and Tern shuffle, in --runs runs each (the order rotates). Executor
+    /// acquisition (the backend's request to registration with the driver, split at the executor
+    /// JVM's start: Tern's part, then the JVM's and Spark's), p50 and range over every executor;
+    /// a TeraSort of --size on each (every output validated), median and range, and the per-run
+    /// ratio pool / local-cluster.
+    SparkPool {
+        /// Bytes to sort (100-byte gensort records).
+        #[arg(long, default_value = "512MiB")]
+        size: ByteSize,
+        /// Executors of each application, and of the warm pool.
+        #[arg(long, default_value_t = 2)]
+        executors: u32,
+        /// Runs of each (pool and local-cluster).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Each executor's heap (1 core each; Spark adds its overhead).
+        #[arg(long, default_value = "900MiB")]
+        executor_memory: ByteSize,
+        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
+        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
+        jar: PathBuf,
+        /// Spark installation [default: $SPARK_HOME, else the pyspark package].
+        #[arg(long)]
+        spark_home: Option<PathBuf>,
+        /// Directory for the input and outputs (local disk, about 2x the size).
+        #[arg(long, default_value = "/tmp")]
+        scratch: PathBuf,
+        /// Print one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Spark TeraSort through Spark's built-in shuffle and through Tern (spark-submit, the
     /// plugin jar's TeraSort driver), same input and executors, in --pairs pairs (who goes first
     /// rotates) on the same kind of storage for both shuffles; every output validated. Median and
@@ -499,6 +532,28 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             let report = tern_bench::tpcds::run(&options).await?;
             show(json, &report, tern_bench::tpcds::print_table)?;
             tern_bench::tpcds::verdict(&report)
+        }
+        BenchCommand::SparkPool { size, executors, runs, executor_memory, jar, spark_home, scratch, json } => {
+            let options = tern_bench::spark_pool::SparkPoolOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                size_bytes: size.bytes(),
+                executors,
+                runs,
+                executor_memory_mib: executor_memory.bytes() >> 20,
+                spark: tern_bench::spark::SparkSetup {
+                    jar,
+                    spark_home,
+                    master: String::new(),
+                    executor_memory: String::new(),
+                    driver_memory: "1g".into(),
+                },
+                scratch,
+                quiet: json,
+            };
+            let report = tern_bench::spark_pool::run(&options).await?;
+            show(json, &report, tern_bench::spark_pool::print_table)?;
+            anyhow::ensure!(report.all_valid, "a Spark TeraSort output is invalid");
+            Ok(())
         }
         BenchCommand::SparkTerasort { size, partitions, spark, scratch, pairs, storage, json } => {
             anyhow::ensure!(pairs >= 1, "--pairs must be at least 1");

@@ -149,11 +149,27 @@ struct PoolArgs {
     /// --gpu-discovery-script`), e.g. to declare GPUs on a machine without any.
     #[arg(long, conflicts_with = "executor_gpus")]
     executor_gpu_discovery_script: Option<PathBuf>,
+    /// A queue's weight in the scheduler's fair share, NAME=WEIGHT (repeatable; the scheduler's
+    /// `queues.NAME`); queues not named weigh 1.
+    #[arg(long = "queue", value_name = "NAME=WEIGHT", value_parser = parse_queue)]
+    queues: Vec<(String, u32)>,
+}
+
+/// `NAME=WEIGHT` of `--queue`: the scheduler checks the name; a weight is a whole number >= 1.
+fn parse_queue(s: &str) -> Result<(String, u32), String> {
+    let (name, weight) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=WEIGHT"))?;
+    match weight.parse::<u32>() {
+        Ok(weight) if weight >= 1 && !name.is_empty() => Ok((name.to_string(), weight)),
+        _ => Err(format!("{s:?}: expected NAME=WEIGHT with a weight of at least 1")),
+    }
 }
 
 impl PoolArgs {
     fn wanted(&self) -> bool {
-        self.executors.is_some() || self.min_executors.is_some() || self.max_executors.is_some()
+        self.executors.is_some()
+            || self.min_executors.is_some()
+            || self.max_executors.is_some()
+            || !self.queues.is_empty()
     }
 
     /// The pool's config, beside a scheduler at `scheduler`.
@@ -318,6 +334,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             if args.tls {
                 scheduler_args.extend(["--tls-dir", &tls_dir_arg]);
             }
+            let queues: Vec<String> =
+                args.pool.queues.iter().map(|(name, weight)| format!("queues.{name}={weight}")).collect();
+            for queue in &queues {
+                scheduler_args.extend(["--set", queue]);
+            }
             daemons.push(daemon("scheduler", ports.scheduler()).args(scheduler_args).spawn()?);
             let scheduler = daemons.len() - 1;
             let deadline = Deadline::after(STARTUP_TIMEOUT);
@@ -458,4 +479,18 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     }
     let _ = writeln!(out, "Logs:    {}", logs.display());
     let _ = writeln!(out, "Ctrl-C stops the cluster.");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_queue;
+
+    #[test]
+    fn queue_weights_are_name_equals_a_whole_number_of_at_least_one() {
+        assert_eq!(parse_queue("gold=2"), Ok(("gold".to_string(), 2)));
+        for bad in ["gold", "gold=0", "gold=-1", "gold=1.5", "=2"] {
+            let e = parse_queue(bad).unwrap_err();
+            assert!(e.contains("NAME=WEIGHT"), "{bad}: {e}");
+        }
+    }
 }

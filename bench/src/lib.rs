@@ -11,6 +11,7 @@ pub mod scheduler;
 pub mod shuffle;
 pub mod soak;
 pub mod spark;
+pub mod spark_pool;
 pub mod spark_small;
 pub mod tiers;
 pub mod tpcds;

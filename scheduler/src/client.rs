@@ -50,8 +50,13 @@ impl SchedulerClient {
 
     /// Submits a job (already validated by [`crate::spec`]); returns its id.
     pub async fn submit(&self, job: pb::JobSpec) -> Result<String> {
+        Ok(self.submit_with_tern_job(job).await?.job_id)
+    }
+
+    /// As [`SchedulerClient::submit`], with the job's Tern job id and token.
+    pub async fn submit_with_tern_job(&self, job: pb::JobSpec) -> Result<pb::SubmitJobResponse> {
         let request = Self::request(pb::SubmitJobRequest { job: Some(job) }, CALL_TIMEOUT);
-        Ok(self.grpc.clone().submit_job(request).await?.into_inner().job_id)
+        Ok(self.grpc.clone().submit_job(request).await?.into_inner())
     }
 
     pub async fn job(&self, job_id: &str) -> Result<pb::JobStatus> {

@@ -473,6 +473,11 @@ impl Scheduler for Service {
                 return Err(status);
             }
         };
+        let submitted = pb::SubmitJobResponse {
+            job_id: job_id.clone(),
+            tern_job_id: session.id().to_string(),
+            tern_job_token: session.token(),
+        };
         let info = JobInfo {
             job_id: job_id.clone(),
             name: spec.name.clone(),
@@ -492,7 +497,7 @@ impl Scheduler for Service {
         self.shared.metrics.jobs_submitted.inc();
         self.shared.work.notify_waiters();
         info!("job {job_id} submitted: {} stages, {tasks} tasks, queue {:?}", spec.stages.len(), spec.queue);
-        Ok(Response::new(pb::SubmitJobResponse { job_id }))
+        Ok(Response::new(submitted))
     }
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {

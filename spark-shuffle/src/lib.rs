@@ -361,6 +361,25 @@ pub extern "system" fn Java_io_tern_spark_TernNative_addJobToken<'l>(
     })
 }
 
+/// The freshest token the client holds for a job it was given the token of (`addJobToken`): the
+/// client refreshes such tokens as they near expiry.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernNative_clientJobToken<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    job_id: JString<'l>,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live client handle.
+        let client = unsafe { shared::<Client>(client)? };
+        let job_id = string(env, &job_id)?;
+        let token =
+            client.job_token(&job_id).ok_or_else(|| invalid(format!("the client holds no token of job {job_id}")))?;
+        Ok(env.new_string(token)?.into_raw())
+    })
+}
+
 /// Ends the job (freeing everything under it) and frees the handle.
 #[no_mangle]
 pub extern "system" fn Java_io_tern_spark_TernNative_endJob<'l>(mut env: JNIEnv<'l>, _: JClass<'l>, job: jlong) {

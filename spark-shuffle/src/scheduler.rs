@@ -64,7 +64,8 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_closeScheduler<'l>
 
 /// Submits the application: one job, one elastic stage "executors" of `initial` tasks, each
 /// needing `cpu_milli`, `memory_bytes` and `gpu_milli`; a gang of `min_available` when above 0;
-/// cancelled by the scheduler when no `scale` call comes for `lease_ms`.
+/// cancelled by the scheduler when no `scale` call comes for `lease_ms`. Returns three lines: the
+/// job id, its Tern job id and that Tern job's token.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
@@ -118,8 +119,9 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
             shuffles: Vec::new(),
             stages: vec![stage],
         };
-        let job_id = runtime().block_on(client.submit(spec))?;
-        Ok(env.new_string(job_id)?.into_raw())
+        let submitted = runtime().block_on(client.submit_with_tern_job(spec))?;
+        let reply = format!("{}\n{}\n{}", submitted.job_id, submitted.tern_job_id, submitted.tern_job_token);
+        Ok(env.new_string(reply)?.into_raw())
     })
 }
 

@@ -7,7 +7,8 @@ Tern job must show its executors' GPU grants were honoured (both ran at once on 
 with two GPUs).
 
 Then `tern job list` shows the application running in its queue (`spark.tern.queue`) at its
-priority (`spark.tern.priority`), and `tern job cancel` stops it.
+priority (`spark.tern.priority`), its shuffles in the application job's own Tern job, and `tern job
+cancel` stops it and frees that Tern job (its shuffles with it).
 
 Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_BIN, TERN_SPARK_MASTER (local-tern://HOST:PORT).
 """
@@ -27,6 +28,13 @@ def probe(_):
     gpus = ctx.resources()["gpu"].addresses
     time.sleep(0.5)  # keep both executors busy at once
     return [(os.environ.get("CUDA_VISIBLE_DEVICES", ""), list(gpus), os.getpid())]
+
+
+def tern_jobs():
+    """The live Tern jobs' ids, as the metadata server lists them."""
+    status = subprocess.run([os.environ["TERN_BIN"], "status", "--json", "--metadata", os.environ["TERN_METADATA"]],
+                            check=True, capture_output=True, text=True).stdout
+    return {j["job_id"] for j in json.loads(status)["jobs"]}
 
 
 def main():
@@ -72,14 +80,24 @@ def main():
         mine = [j for j in json.loads(listed) if j["job_id"] == job]
         assert mine and mine[0]["state"] == "running" and (mine[0]["queue"], mine[0]["priority"]) == ("gpu-team", 3), \
             f"the application's job as tern job list shows it: {mine} (wanted queue gpu-team, priority 3)"
+        # A shuffle: it lives in the application job's Tern job.
+        counts = dict(sc.parallelize(range(1000), 4).map(lambda x: (x % 7, 1)).reduceByKey(lambda a, b: a + b).collect())
+        assert counts == {k: len(range(k, 1000, 7)) for k in range(7)}, f"a shuffle on the GPU executors: {counts}"
+        shuffles = jsc.env().shuffleManager().ternJobId()
+        assert shuffles == mine[0]["tern_job_id"], \
+            f"the shuffles are in Tern job {shuffles}, not the application job's {mine[0]['tern_job_id']}"
+        assert shuffles in tern_jobs(), f"Tern job {shuffles} is not live"
         subprocess.run([os.environ["TERN_BIN"], "job", "cancel", job, "--scheduler", scheduler], check=True,
                        capture_output=True)
         deadline = time.time() + 30
         while not jsc.isStopped():
             assert time.time() < deadline, "the application did not stop after tern job cancel"
             time.sleep(0.2)
-        print(f"  ok  tern job list showed {job} running in queue gpu-team at priority 3; tern job cancel stopped "
-              "the application", flush=True)
+        while shuffles in tern_jobs():
+            assert time.time() < deadline, f"Tern job {shuffles} (the shuffles) outlived tern job cancel"
+            time.sleep(0.2)
+        print(f"  ok  tern job list showed {job} running in queue gpu-team at priority 3 with its shuffles in its "
+              f"Tern job {shuffles}; tern job cancel stopped the application and freed that job", flush=True)
     finally:
         sc.stop()
     print(f"GPU executors right ({job})", flush=True)

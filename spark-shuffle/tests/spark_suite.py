@@ -449,8 +449,13 @@ def main():
         stage = status["stages"][0]
         assert status["state"] == "succeeded" and stage["attempts"] >= 3 and stage["failed"] >= 1, \
             f"the application's Tern job: {status}"
+        assert status["tern_job_id"] == job, \
+            f"the application's shuffles were in Tern job {job}, not in its scheduler job's {status['tern_job_id']}"
+        killed_by = [e for e in stage["errors"] if "killed by signal 9 (SIGKILL)" in e]
+        assert killed_by and not any("more than the" in e for e in stage["errors"]), \
+            f"the SIGKILLed executor's task should be reported killed by a signal, not OOM: {stage['errors']}"
         print(f"  ok  the application ran as Tern job {app_job} ({status['name']}): {stage['attempts']} executor "
-              f"tasks, {stage['failed']} killed, succeeded at sc.stop()", flush=True)
+              f"tasks, {stage['failed']} killed (reported: {killed_by[0][:80]}...), succeeded at sc.stop()", flush=True)
     wait_for("the stopped application's bytes to be freed", lambda: held_bytes() == 0, 15)
     assert job not in {j["job_id"] for j in tern_status()["jobs"]}, f"Tern job {job} outlived sc.stop()"
     print(f"  ok  application end ended Tern job {job} and freed its blocks", flush=True)

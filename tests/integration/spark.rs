@@ -146,7 +146,8 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
 /// at first, starts one executor whose GPU discovery script names GPUs 0 and 1 (this machine has
 /// none) for the application's backlog of two one-GPU executors; each Spark task sees its executor's granted device in
 /// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
-/// `tern job list` shows the application and `tern job cancel` stops it.
+/// `tern job list` shows the application, a shuffle lands in the application job's own Tern job, and
+/// `tern job cancel` stops the application and frees that Tern job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_gpu_executors_get_distinct_granted_devices() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -181,6 +182,132 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     let script = root.join("spark-shuffle/tests/spark_gpus.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "GPU executors right", &logs).await;
+}
+
+/// Two Spark applications at once in queues of weight 2 (`gold`) and 1 (`bronze`), each wanting 6
+/// one-core executors, on 6 executor slots (two `tern executor`s of 3 CPUs, started once both
+/// applications have submitted, so that neither holds the pool before the other asks). Executor
+/// time measured from Tern's side (each application's running executor tasks, sampled every
+/// 100 ms over 12 s while both still have executors queued) is 2:1 within 15%, and each driver
+/// saw as many executors register as Tern ran for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_spark_applications_share_executors_by_queue_weight() {
+    use std::time::{Duration, Instant};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    // The pool starts nothing (max 0): the test starts the executors itself, at the moment it picks.
+    let _up = TernUp::start(dir.path(), port, &["--queue", "gold=2", "--queue", "bronze=1", "--max-executors", "0"]);
+    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let stop = dir.path().join("stop");
+    let logs = || crate::common::logs_in(&dir.path().join("logs"));
+    let script = root.join("spark-shuffle/tests/spark_share.py");
+    let apps: Vec<_> = ["gold", "bronze"]
+        .into_iter()
+        .map(|queue| {
+            tokio::process::Command::new("python3")
+                .arg(&script)
+                .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
+                .env("TERN_SPARK_JAR", &jar)
+                .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"))
+                .env("TERN_QUEUE", queue)
+                .env("TERN_EXECUTORS", "6")
+                .env("TERN_STOP", &stop)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Both applications' jobs, by queue.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let jobs = loop {
+        let jobs = client.list_jobs(true).await.unwrap();
+        let find = |queue: &str| jobs.iter().find(|j| j.queue == queue).map(|j| j.job_id.clone());
+        if let (Some(gold), Some(bronze)) = (find("gold"), find("bronze")) {
+            break [gold, bronze];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "both applications did not submit within 90 s: {jobs:?}\n{}",
+            tail(&logs(), 40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let executors: Vec<_> = (0..2)
+        .map(|i| {
+            tokio::process::Command::new(TERN)
+                .args(["executor", "--scheduler", &scheduler, "--cpus", "3", "--memory", "3GiB"])
+                .args(["--name", &format!("share-{i}")])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Running and queued executor tasks of each application now.
+    let counts = || async {
+        let mut out = [(0u32, 0u32); 2];
+        for (i, job) in jobs.iter().enumerate() {
+            let status = client.job(job).await.unwrap();
+            let stage = &status.stages[0];
+            out[i] = (stage.running, stage.queued);
+        }
+        out
+    };
+    // Every slot taken (each Tern task is an executor JVM starting or running)...
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = counts().await;
+        if now[0].0 + now[1].0 == 6 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "6 executor tasks did not start within 30 s: {now:?}\n{}",
+            tail(&logs(), 40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // ...then executor time over a window in which both applications want more than they hold.
+    const WINDOW: Duration = Duration::from_secs(12);
+    let (mut time, start) = ([0f64; 2], Instant::now());
+    let mut last = start;
+    while start.elapsed() < WINDOW {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = counts().await;
+        let dt = last.elapsed().as_secs_f64();
+        last = Instant::now();
+        for i in 0..2 {
+            assert!(now[i].1 > 0, "application {i} stopped being backlogged: {now:?}");
+            time[i] += f64::from(now[i].0) * dt;
+        }
+    }
+    let ratio = time[0] / time[1];
+    println!("executor seconds over {WINDOW:?}: gold {:.1}, bronze {:.1}, ratio {ratio:.2}", time[0], time[1]);
+    assert!((ratio - 2.0).abs() <= 0.3, "gold:bronze executor time {ratio:.2}, not 2:1 within 15% ({time:?})");
+    std::fs::write(&stop, "").unwrap();
+    for (app, (queue, executors)) in apps.into_iter().zip([("gold", 4), ("bronze", 2)]) {
+        let out = tokio::time::timeout(Duration::from_secs(60), app.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("the {queue} application did not end within 60 s of its stop file"))
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("share app done"),
+            "the {queue} application failed:\n{stdout}\n{}",
+            tail(&String::from_utf8_lossy(&out.stderr), 60)
+        );
+        let said = format!("queue {queue}: {executors} executors registered");
+        assert!(stdout.contains(&said), "wanted {said:?}:\n{stdout}");
+    }
+    drop(executors);
 }
 
 /// `tern up` under test, started with `extra` flags; interrupted (Ctrl-C) when dropped.

@@ -9,7 +9,9 @@
 //! twice the memory. RSS rather than `setrlimit(RLIMIT_AS)`: an address-space limit breaks
 //! programs that reserve far more than they touch (JVMs, Go, CUDA), and a failed `malloc` does
 //! not tell the executor it was memory. The cost: a program may overshoot between two checks.
-//! A program killed by SIGKILL from elsewhere (the kernel's OOM killer) is reported OOM too.
+//! A program killed by a signal from elsewhere is reported failed, naming the signal: only the
+//! executor's own enforcement says OOM (a SIGKILL may be `kill -9`, a cancelled Spark executor, or
+//! the kernel's OOM killer; the message says whether the kernel counted an OOM kill meanwhile).
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Stdio;
@@ -38,19 +40,24 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
         return Report::failed("command: the stage's operator has no argv (the program to run)");
     };
     let env: Vec<(String, String)> = operator.env.into_iter().collect();
-    run_program(task, services, program, args, &env).await
+    run_program(task, services, program, args, &env, None).await
 }
 
-/// Runs `program` with `args` as task `task` (its environment, `env` added), watching its memory
-/// as the module says; the report is the program's.
+/// Runs `program` with `args` as task `task` (its environment, `env` added; in `cwd` when given,
+/// else the executor's own directory), watching its memory as the module says; the report is the
+/// program's.
 pub(super) async fn run_program(
     task: &pb::Assignment,
     services: &Services,
     program: &str,
     args: &[String],
     env: &[(String, String)],
+    cwd: Option<&std::path::Path>,
 ) -> Report {
     let mut command = Command::new(program);
+    if let Some(cwd) = cwd {
+        command.current_dir(cwd);
+    }
     command
         .args(args)
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -62,6 +69,7 @@ pub(super) async fn run_program(
         .process_group(0)
         .kill_on_drop(true);
     let started = Instant::now();
+    let oom_kills_before = kernel_oom_kills();
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => return Report::failed(format!("command: cannot start {program:?}: {e}")),
@@ -106,13 +114,38 @@ pub(super) async fn run_program(
     if status.success() {
         return Report::succeeded(format!("exit 0 after {seconds:.3} s"));
     }
-    if status.signal() == Some(libc::SIGKILL) {
-        return Report::oom(format!(
-            "command {program:?} was killed by SIGKILL (most likely the kernel's OOM killer; peak resident \
-             memory seen {peak} bytes){output}"
+    if let Some(signal) = status.signal() {
+        let kernel = match (oom_kills_before, kernel_oom_kills()) {
+            (Some(before), Some(after)) if after > before => "; the kernel's OOM killer killed a process meanwhile",
+            _ => "",
+        };
+        return Report::failed(format!(
+            "command {program:?} was killed by signal {signal} ({}) from outside the executor after {seconds:.3} s \
+             (not by Tern's memory enforcement: peak resident memory seen {peak} of {limit} bytes granted{kernel}){output}",
+            signal_name(signal)
         ));
     }
     Report::failed(format!("command {program:?} failed ({status}) after {seconds:.3} s{output}"))
+}
+
+/// The kernel's count of OOM kills since boot (`oom_kill` in /proc/vmstat, Linux 4.13 on).
+fn kernel_oom_kills() -> Option<u64> {
+    let vmstat = std::fs::read_to_string("/proc/vmstat").ok()?;
+    vmstat.lines().find_map(|line| line.strip_prefix("oom_kill ")?.trim().parse().ok())
+}
+
+/// A signal's name, as `kill -l` gives it, for the common ones.
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGHUP => "SIGHUP",
+        _ => "another signal",
+    }
 }
 
 /// Kills the task's process group when dropped.
@@ -257,6 +290,18 @@ mod tests {
         let fits = "x=$(head -c 1048576 /dev/zero | tr '\\0' a)";
         let report = run(&command(&["sh", "-c", fits], 256 << 20), &services()).await;
         assert_eq!(report.outcome, pb::TaskOutcome::Succeeded, "{}", report.message);
+    }
+
+    #[tokio::test]
+    async fn a_command_killed_from_outside_is_failed_naming_the_signal_not_oom() {
+        let report = run(&command(&["sh", "-c", "kill -9 $$"], 256 << 20), &services()).await;
+        assert_eq!(report.outcome, pb::TaskOutcome::Failed, "{}", report.message);
+        assert!(report.message.contains("killed by signal 9 (SIGKILL)"), "{}", report.message);
+        assert!(report.message.contains("not by Tern's memory enforcement"), "{}", report.message);
+        let report = run(&command(&["sh", "-c", "kill -TERM $$"], 0), &services()).await;
+        assert_eq!(report.outcome, pb::TaskOutcome::Failed, "{}", report.message);
+        assert!(report.message.contains("signal 15 (SIGTERM)"), "{}", report.message);
+        assert!(kernel_oom_kills().is_some(), "/proc/vmstat has no oom_kill counter");
     }
 
     #[test]

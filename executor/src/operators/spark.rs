@@ -11,7 +11,9 @@
 //! The process runs as a `command` does (its memory watched against the task's grant: heap plus
 //! overhead, killed past it). GPUs the scheduler granted go to the executor in its resources
 //! file (`--resourcesFile`, so it offers exactly those addresses to tasks) and in
-//! `CUDA_VISIBLE_DEVICES` (set by [`super::task_env`]).
+//! `CUDA_VISIBLE_DEVICES` (set by [`super::task_env`]). The JVM runs in a directory of its own,
+//! removed when the task ends: its working directory, where Spark's executor fetches the
+//! application's jars and files (as a standalone worker's executor runs in its work directory).
 
 use std::path::PathBuf;
 
@@ -29,19 +31,18 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
     };
     let env: Vec<(String, String)> =
         task.operator.as_ref().map(|o| o.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
-    let report = command::run_program(task, services, &launch.java, &launch.args, &env).await;
-    if let Some(dir) = launch.dir {
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    let report = command::run_program(task, services, &launch.java, &launch.args, &env, Some(&launch.dir)).await;
+    let _ = std::fs::remove_dir_all(&launch.dir);
     report
 }
 
-/// The executor's command line, and the directory holding its resources file.
+/// The executor's command line, and its directory (its working directory, holding its resources
+/// file).
 #[derive(Debug)]
 struct Launch {
     java: String,
     args: Vec<String>,
-    dir: Option<PathBuf>,
+    dir: PathBuf,
 }
 
 impl Launch {
@@ -96,20 +97,16 @@ impl Launch {
             ]
             .map(String::from),
         );
-        let mut dir = None;
+        let dir =
+            std::env::temp_dir().join(format!("tern-spark-{}-{}-{}", task.job_id, task.task_index, std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
         if !task.gpus.is_empty() {
-            let path = std::env::temp_dir().join(format!(
-                "tern-spark-{}-{}-{}",
-                task.job_id,
-                task.task_index,
-                std::process::id()
-            ));
-            std::fs::create_dir_all(&path).map_err(|e| anyhow::anyhow!("creating {}: {e}", path.display()))?;
-            let file = path.join("resources.json");
-            std::fs::write(&file, resources_json(&task.gpus))
-                .map_err(|e| anyhow::anyhow!("writing {}: {e}", file.display()))?;
+            let file = dir.join("resources.json");
+            if let Err(e) = std::fs::write(&file, resources_json(&task.gpus)) {
+                let _ = std::fs::remove_dir_all(&dir);
+                anyhow::bail!("writing {}: {e}", file.display());
+            }
             args.extend(["--resourcesFile".to_string(), file.display().to_string()]);
-            dir = Some(path);
         }
         Ok(Launch { java, args, dir })
     }
@@ -169,10 +166,16 @@ mod tests {
             ),
             "{line}"
         );
-        let dir = launch.dir.unwrap();
-        let file = std::fs::read_to_string(dir.join("resources.json")).unwrap();
+        let file = std::fs::read_to_string(launch.dir.join("resources.json")).unwrap();
         assert_eq!(file, r#"[{"id":{"componentName":"spark.executor","resourceName":"gpu"},"addresses":["0","3"]}]"#);
-        std::fs::remove_dir_all(dir).unwrap();
+        std::fs::remove_dir_all(&launch.dir).unwrap();
+        // Without GPUs: a working directory all the same, and no resources file.
+        let mut other = task(&PARAMS, &[]);
+        other.task_index = 8;
+        let launch = Launch::new(&other, &services).unwrap();
+        assert!(launch.dir.is_dir() && !launch.dir.join("resources.json").exists(), "{launch:?}");
+        assert!(!launch.args.contains(&"--resourcesFile".to_string()), "{launch:?}");
+        std::fs::remove_dir_all(&launch.dir).unwrap();
     }
 
     #[test]

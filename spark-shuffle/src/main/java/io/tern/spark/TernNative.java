@@ -44,6 +44,9 @@ public final class TernNative {
     /** Gives the client a job's token: pushes and fetches of the job's shuffles need it. */
     public static native void addJobToken(long client, String token);
 
+    /** The freshest token the client holds for {@code jobId} (it refreshes the ones it was given). */
+    public static native String clientJobToken(long client, String jobId);
+
     /** Ends the job, freeing all its data, and frees the handle. */
     public static native void endJob(long job);
 

@@ -46,7 +46,9 @@ import scala.concurrent.Future$;
  * {@code spark.tern.maxExecutorFailures}, fail the application instead of looping.
  *
  * <p>Only the default resource profile is served: stage-level scheduling with other profiles is
- * refused with an error rather than run on the wrong executors.
+ * refused with an error rather than run on the wrong executors. (Spark 3.5's
+ * ResourceProfileManager refuses non-default profiles itself on masters other than YARN,
+ * Kubernetes and standalone, so a tern:// application cannot make one outside Spark's tests.)
  */
 public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     /** The application's queue (a tenant's): Tern's weighted fair share applies between queues. */
@@ -89,6 +91,8 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private final TreeSet<Integer> cancelled = new TreeSet<>();
     /** Executors that registered with the driver (their ids), whether or not Spark still has them. */
     private final java.util.Set<String> registered = new java.util.HashSet<>();
+    /** When each task was asked of the scheduler (driver clock, ms), for acquisition times. */
+    private final Map<Integer, Long> requestedAt = new HashMap<>();
     private int endedNext;
     private int failuresBeforeRegistering;
     private int maxFailures;
@@ -187,13 +191,17 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         TernConf tern = new TernConf(conf);
         client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey);
         synchronized (this) {
-            jobId = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
+            long asked = System.currentTimeMillis();
+            String[] submitted = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
                     conf.getInt(PRIORITY, 0), cores * 1000L, (heapMb + overheadMb + pysparkMb) << 20, gpus * 1000,
                     initial, gang, Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS),
-                    column(params, 0), column(params, 1), column(env, 0), column(env, 1));
+                    column(params, 0), column(params, 1), column(env, 0), column(env, 1)).split("\n", 3);
+            jobId = submitted[0];
+            adoptShuffleJob(conf, submitted[1], submitted[2]);
             target = initial;
             for (int i = 0; i < initial; i++) {
                 live.add(i);
+                requestedAt.put(i, asked);
             }
         }
         LOG.info("Spark application {} is Tern job {} on scheduler {}: {} executors of {} cores, {} MiB heap + {} MiB "
@@ -201,6 +209,38 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         monitor = new Thread(this::watch, "tern-executors");
         monitor.setDaemon(true);
         monitor.start();
+    }
+
+    /**
+     * Puts the application's shuffles in its scheduler job's own Tern job (one Tern job per
+     * application: ending or cancelling the application frees its shuffles with its executors),
+     * unless {@code spark.tern.tenant} names another tenant than the queue (the scheduler starts
+     * that Tern job in the queue's tenant): then the shuffle manager keeps its own job in its tenant.
+     */
+    private void adoptShuffleJob(SparkConf conf, String ternJobId, String token) {
+        String tenant = conf.get(TernConf.TENANT, "");
+        String queue = conf.get(QUEUE, "");
+        if (!tenant.isEmpty() && !tenant.equals(queue)) {
+            LOG.info("the application's shuffles stay in a Tern job of tenant {} ({}), not in its scheduler job's "
+                    + "(queue {})", tenant, TernConf.TENANT, queue.isEmpty() ? "default" : queue);
+            return;
+        }
+        TernShuffleManager manager = (TernShuffleManager) sc.env().shuffleManager();
+        if (!manager.adoptJob(ternJobId, token)) {
+            LOG.warn("the shuffle manager already holds a Tern job; the application's shuffles stay there");
+        }
+    }
+
+    /**
+     * When executor {@code executorId}'s Tern task was asked of the scheduler (driver clock, ms
+     * since the epoch), or -1 if this backend did not ask for it (for `tern bench spark-pool`).
+     */
+    public synchronized long requestedAtMs(String executorId) {
+        try {
+            return requestedAt.getOrDefault(Integer.parseInt(executorId), -1L);
+        } catch (NumberFormatException e) {
+            return -1;
+        }
     }
 
     /** The Tern job's id (for tests and logs). */
@@ -286,7 +326,10 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private void reconcile() {
         int missing = target - live.size();
         if (missing > 0) {
-            apply(TernSchedulerNative.scale(client, jobId, missing, new int[0], false, endedNext));
+            long asked = System.currentTimeMillis();
+            for (int task : apply(TernSchedulerNative.scale(client, jobId, missing, new int[0], false, endedNext))) {
+                requestedAt.put(task, asked);
+            }
         } else if (missing < 0) {
             List<Integer> drop = new ArrayList<>();
             for (Integer t : live.descendingSet()) {
@@ -314,14 +357,16 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         apply(TernSchedulerNative.scale(client, jobId, 0, indexes, false, endedNext));
     }
 
-    /** Applies a ScaleStage reply: tasks added, tasks ended. Under `this`. */
-    private void apply(String reply) {
+    /** Applies a ScaleStage reply: tasks added (returned), tasks ended. Under `this`. */
+    private List<Integer> apply(String reply) {
         String[] lines = reply.split("\n");
         String[] head = lines[0].split(" ");
         endedNext = Integer.parseInt(head[3]);
+        List<Integer> addedTasks = new ArrayList<>();
         for (String added : lines[1].split(" ")) {
             if (!added.equals("added")) {
                 live.add(Integer.parseInt(added));
+                addedTasks.add(Integer.parseInt(added));
             }
         }
         for (int i = 2; i < lines.length; i++) {
@@ -330,6 +375,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             String outcome = parts[2];
             String message = parts.length > 3 ? parts[3] : "";
             live.remove(task);
+            requestedAt.remove(task);
             if (cancelled.remove(task) || stopping) {
                 continue;
             }
@@ -360,6 +406,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             }
             sc.stopInNewThread();
         }
+        return addedTasks;
     }
 
     /** The executor's exit status as its report tells it (137 for SIGKILL; -1 when unknown). */

@@ -22,7 +22,8 @@ final class TernSchedulerNative {
     static native void closeScheduler(long client);
 
     /**
-     * Submits the application's job; returns its id. The scheduler cancels it when no
+     * Submits the application's job; returns three lines: its id, its Tern job's id and that Tern
+     * job's token (the application's shuffles go there). The scheduler cancels it when no
      * {@link #scale} call comes for {@code leaseMs} (the driver died).
      */
     static native String submit(long client, String name, String queue, int priority, long cpuMilli,

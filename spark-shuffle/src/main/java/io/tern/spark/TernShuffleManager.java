@@ -38,6 +38,8 @@ import scala.reflect.ClassTag$;
  * background) and registers one Tern shuffle per Spark shuffle under it; unregisterShuffle frees
  * the shuffle's data and stop() ends the job, freeing everything; a driver that dies stops renewing
  * and Tern frees the job when the lease lapses. Executors open shuffles by Tern id from the handle.
+ * On Tern's scheduler the job is the application's own ({@link #adoptJob}): the scheduler renews
+ * and ends it.
  *
  * <p>Lost data: the driver also serves {@link TernDriverEndpoint}, through which a reader that hit
  * lost data has every lost map output of the shuffle unregistered at once (see
@@ -66,6 +68,11 @@ public class TernShuffleManager implements ShuffleManager {
     private long client;
     private long job;
     private String jobId;
+    /**
+     * Set when the driver's shuffles go in a Tern job someone else holds (the application's job
+     * on Tern's scheduler, which renews and ends it): not started, renewed or ended here.
+     */
+    private boolean adopted;
     private boolean stopped;
     /** The driver's endpoint: served here on the driver, looked up on executors. */
     private RpcEndpointRef endpoint;
@@ -109,9 +116,25 @@ public class TernShuffleManager implements ShuffleManager {
         return client;
     }
 
+    /**
+     * Puts the driver's shuffles in an existing Tern job whose token is {@code token} (the
+     * application's job on Tern's scheduler) instead of a job of its own; false if this manager
+     * already has a job (a shuffle came first).
+     */
+    public synchronized boolean adoptJob(String ternJobId, String token) {
+        if (job != 0 || jobId != null) {
+            return false;
+        }
+        TernNative.addJobToken(client(), token);
+        jobId = ternJobId;
+        adopted = true;
+        LOG.info("Tern job {} (the application's job on Tern's scheduler) holds this application's shuffles", jobId);
+        return true;
+    }
+
     /** The driver's job, started on the first shuffle (the app id is set by then). */
     private synchronized String jobId() {
-        if (job == 0) {
+        if (job == 0 && !adopted) {
             String name = "spark-" + sparkConf.get("spark.app.id", "app-" + System.currentTimeMillis());
             job = TernNative.startJob(client(), name, conf.jobLeaseMs);
             jobId = TernNative.jobId(job);
@@ -123,7 +146,7 @@ public class TernShuffleManager implements ShuffleManager {
     /** The token of the driver's job (its client keeps a fresher one as it renews). */
     private synchronized String jobToken() {
         jobId();
-        return TernNative.jobToken(job);
+        return adopted ? TernNative.clientJobToken(client(), jobId) : TernNative.jobToken(job);
     }
 
     /** Gives this process's client the token a handle carries, once per token. */
