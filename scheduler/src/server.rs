@@ -347,10 +347,40 @@ fn host_of(address: &str) -> String {
     }
 }
 
+/// Refuses a job whose built-in part writers (teragen, the terasort reduces) would write into a
+/// store directory that already holds parts: the first whole attempt of a part wins, so an
+/// earlier run's part would silently stand in for this job's.
+async fn refuse_stale_parts(tern: &tern_client::Client, spec: &pb::JobSpec) -> Result<(), Status> {
+    for stage in &spec.stages {
+        let operator = stage.operator.as_ref().map_or("", |o| o.name.as_str());
+        if !matches!(operator, "teragen" | "terasort-reduce" | "terasort-reduce-gpu") {
+            continue;
+        }
+        let Some(pb::data_ref::Kind::Path(dir)) = stage.output.as_ref().and_then(|d| d.kind.as_ref()) else { continue };
+        if !dir.starts_with('/') {
+            continue; // Under the job's own root: new with the job.
+        }
+        let entries = match tern.list(dir).await {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e.kind().status(format!("stage {:?}: listing its output {dir}: {e}", stage.name))),
+        };
+        if let Some(part) = entries.iter().find(|e| e.path.rsplit('/').next().is_some_and(|n| n.starts_with("part-"))) {
+            return Err(ErrorKind::AlreadyExists.status(format!(
+                "stage {:?}: its output {dir} already holds {} (an earlier run's?); its parts would mix with \
+                 this job's: remove it or choose another output",
+                stage.name, part.path
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl Service {
     /// Registers the job's Tern job and shuffles, and works out each stage's facts.
     async fn prepare(&self, job_id: &str, spec: &pb::JobSpec) -> Result<(JobSession, Vec<StageInfo>), Status> {
         let tern = self.shared.tern().await?;
+        refuse_stale_parts(tern, spec).await?;
         let lease = Duration::from_millis(self.shared.config.tern_job_lease_ms);
         // The job's queue is its tenant: Tern's quotas apply per queue.
         let session = tern

@@ -76,7 +76,7 @@ async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_v
 /// succeeds with output that has the input's checksum.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recompute_the_lost_lineage() {
-    const BYTES: u64 = 256 << 20;
+    const SIZE: &str = "268435456"; // 256 MiB
     let cluster = MultiHost::start(two_storage_servers()).await;
     let host = cluster.network().host(CLIENT_HOST).ip().to_string();
     let listen = format!("{host}:9062");
@@ -88,20 +88,25 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
         tern(&format!("executor-{i}"), &args)
     };
     let _executors = [executor(0), executor(1)];
-    let size = BYTES.to_string();
+    fn with_scheduler<'a>(scheduler: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+        [&["job", "--scheduler", scheduler][..], args].concat()
+    }
+    let job_cli = |args: &[&'static str]| with_scheduler(&scheduler, args);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while run_tern(&cluster, "ready", &job_cli(&["list"])).await.is_none() {
+        assert!(Instant::now() < deadline, "the scheduler did not answer within 30 s:\n{}", cluster.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // 4 tasks a stage on 2 executors: maps run two by two, so one has committed while others run.
-    let args = ["job", "--scheduler", &scheduler, "terasort", "--size", &size, "--tasks", "4", "--out", "/ts"];
-    let mut job = tern("job", &[&args[..], &["--wait", "--json"]].concat());
+    let args = ["terasort", "--size", SIZE, "--tasks", "4", "--out", "/ts", "--wait", "--json"];
+    let mut job = tern("job", &job_cli(&args));
     // A map committed: teragen has finished, so its parts on the cut server come back only by
     // running its tasks again, and so does the map's output there.
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let mut poll = tern("poll", &["job", "--scheduler", &scheduler, "status", "terasort-1", "--json"]);
-        let polled = poll.wait_until(&tern_local::Deadline::after(Duration::from_secs(10))).await;
-        let log = std::fs::read_to_string(poll.log()).unwrap_or_default();
+        let polled = run_tern(&cluster, "poll", &job_cli(&["status", "terasort-1", "--json"])).await;
         let status: Option<serde_json::Value> = polled
-            .filter(|s| s.success())
-            .and_then(|_| log.lines().rev().find(|l| l.starts_with('{')).and_then(|l| serde_json::from_str(l).ok()));
+            .and_then(|log| log.lines().rev().find(|l| l.starts_with('{')).and_then(|l| serde_json::from_str(l).ok()));
         if status.is_some_and(|s| s["stages"][1]["succeeded"].as_u64() >= Some(1)) {
             break;
         }
@@ -126,7 +131,7 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
     // teravalidate prints their checksum and fails).
     let expected = cluster.dir.path().join("expected");
     let local = |args: &[&str]| std::process::Command::new(crate::common::TERN).args(args).arg(&expected).output();
-    let made = local(&["teragen", "--local", "--size", &size, "--parts", "1", "--out"]).unwrap();
+    let made = local(&["teragen", "--local", "--size", SIZE, "--parts", "1", "--out"]).unwrap();
     assert!(made.status.success(), "teragen --local: {}", String::from_utf8_lossy(&made.stderr));
     let checked = local(&["teravalidate", "--local", "--json"]).unwrap();
     let expected: serde_json::Value = serde_json::from_slice(&checked.stdout)
@@ -139,6 +144,16 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
         recomputed(0),
         recomputed(1)
     );
+}
+
+/// `tern ARGS` on the client host, run to its end (10 s at most): its output if it succeeded.
+async fn run_tern(cluster: &MultiHost, name: &str, args: &[&str]) -> Option<String> {
+    let mut run = cluster.spawn_tern(name, TransportKind::Auto, args);
+    let status = run.wait_until(&tern_local::Deadline::after(Duration::from_secs(10))).await;
+    if status.is_none() {
+        let _ = run.kill();
+    }
+    status.filter(|s| s.success()).map(|_| std::fs::read_to_string(run.log()).unwrap_or_default())
 }
 
 /// A storage server the metadata server hears from but the client cannot reach (a partition

@@ -217,6 +217,12 @@ async fn terasort_job_on_two_executors_validates() {
     // The job's own data (its input, the shuffle) went with it; the output outside stays.
     let listing = cluster.tern_ok(&["fs", "ls", "/jobs"]);
     assert!(!listing.contains(&status.tern_job_id) || status.tern_job_id.is_empty(), "{listing}");
+    // The same output again is refused at submission: the old parts would stand in for new ones.
+    let path = cluster.dir.path().join("again.toml");
+    std::fs::write(&path, terasort_job("again", bytes, 4, "/sorted/two")).unwrap();
+    let out = Command::new(TERN).args(["job", "--scheduler", &scheduler.addr, "submit"]).arg(&path).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("/sorted/two already holds /sorted/two/part-"), "{stderr}");
 }
 
 /// The GPU reduce on an executor that declares a GPU it cannot open (no driver here; on a GPU
