@@ -76,6 +76,10 @@ enum JobCommand {
         /// Leave out the validate stage (`tern teravalidate` run as a command task).
         #[arg(long)]
         no_validate: bool,
+        /// Copies of the shuffle and of the input and output parts, each on another storage
+        /// server: 1 or 2.
+        #[arg(long, alias = "replicas", default_value_t = 1)]
+        copies: u32,
         #[arg(long)]
         wait: bool,
         #[arg(long)]
@@ -123,7 +127,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        JobCommand::Terasort { size, tasks, gpu, out, no_validate, wait, json } => {
+        JobCommand::Terasort { size, tasks, gpu, out, no_validate, copies, wait, json } => {
             let out = out.unwrap_or_else(|| {
                 let secs =
                     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -142,6 +146,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
                 gpu,
                 out,
                 validate,
+                copies,
             })?;
             submit(&client, spec, wait, json).await
         }

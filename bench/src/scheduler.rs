@@ -442,6 +442,7 @@ pub async fn job_terasort(options: &JobTerasortOptions) -> anyhow::Result<JobTer
             gpu: false,
             out: out.clone(),
             validate: None,
+            copies: 1,
         })?;
         let started = Instant::now();
         let job_id = scheduler.submit(spec).await?;

@@ -232,6 +232,8 @@ pub struct JobInfo {
     pub tern_job_root: String,
     /// The Tern job's token, handed to its tasks.
     pub tern_job_token: String,
+    /// Copies of what its built-ins write (at least 1).
+    pub copies: u32,
     pub submitted_unix_ms: u64,
 }
 
@@ -1072,6 +1074,7 @@ impl Policy {
             tern_job_id: job.info.tern_job_id.clone(),
             tern_job_root: job.info.tern_job_root.clone(),
             tern_job_token: job.info.tern_job_token.clone(),
+            copies: job.info.copies,
             input_shuffle_id: stage.info.input_shuffle_id,
             input_partitions: stage.info.input_partitions,
             input_path: path(&spec.input),
@@ -1625,7 +1628,7 @@ mod tests {
     }
 
     fn add(policy: &mut Policy, id: &str, queue: &str, priority: i32, stages: Vec<pb::StageSpec>) {
-        let spec = pb::JobSpec { name: id.into(), queue: queue.into(), priority, shuffles: vec![], stages };
+        let spec = pb::JobSpec { name: id.into(), queue: queue.into(), priority, stages, ..Default::default() };
         let dag = validate(&spec, &SpecLimits::default()).unwrap();
         let infos = spec
             .stages
@@ -1648,6 +1651,7 @@ mod tests {
             tern_job_id: String::new(),
             tern_job_root: String::new(),
             tern_job_token: String::new(),
+            copies: 1,
             submitted_unix_ms: 1,
         };
         policy.add_job(info, infos, &dag, 0);

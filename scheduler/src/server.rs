@@ -395,7 +395,7 @@ impl Service {
                 .iter()
                 .find(|s| matches!(s.output.as_ref().and_then(|d| d.kind.as_ref()), Some(pb::data_ref::Kind::Shuffle(n)) if *n == shuffle.name))
                 .map_or(0, |s| s.tasks);
-            let options = ShuffleOptions { maps: writer, ..ShuffleOptions::default() };
+            let options = ShuffleOptions { maps: writer, replicas: spec.copies.max(1), ..ShuffleOptions::default() };
             let registered = tern
                 .register_shuffle(session.id(), shuffle.partitions, options)
                 .await
@@ -516,6 +516,7 @@ impl Scheduler for Service {
             tern_job_id: session.id().to_string(),
             tern_job_root: session.root().to_string(),
             tern_job_token: session.token(),
+            copies: spec.copies.max(1),
             submitted_unix_ms: unix_ms(),
         };
         state.sessions.insert(job_id.clone(), session);

@@ -83,6 +83,9 @@ pub struct JobFile {
     #[serde(default)]
     pub shuffles: Vec<ShuffleFile>,
     pub stages: Vec<StageFile>,
+    /// Copies of shuffle segments and of built-ins' output files: 1 or 2 (absent: 1).
+    #[serde(default)]
+    pub copies: u32,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -274,6 +277,7 @@ impl JobFile {
                 .map(|s| pb::ShuffleSpec { name: s.name.clone(), partitions: s.partitions })
                 .collect(),
             stages,
+            copies: self.copies,
         })
     }
 }
@@ -314,6 +318,9 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
     }
     if spec.stages.is_empty() {
         bail!("job {:?} has no stages", spec.name);
+    }
+    if spec.copies > 2 {
+        bail!("job {:?}: copies = {} must be 1 or 2", spec.name, spec.copies);
     }
     if spec.stages.len() > limits.max_stages {
         bail!("job {:?} has {} stages; at most {} are allowed", spec.name, spec.stages.len(), limits.max_stages);
@@ -550,6 +557,8 @@ pub struct TerasortJob {
     pub out: String,
     /// A last stage runs `validate` (argv; e.g. `tern teravalidate <out>/output`) as a command.
     pub validate: Option<Vec<String>>,
+    /// Copies of the shuffle and of the input and output parts (1 or 2).
+    pub copies: u32,
 }
 
 /// teragen → terasort-map → terasort-reduce (→ validate): the job `tern terasort` runs in one
@@ -627,6 +636,7 @@ pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
         priority: 0,
         shuffles: vec![ShuffleFile { name: "data".into(), partitions: job.tasks }],
         stages,
+        copies: job.copies,
     };
     let spec = file.to_proto()?;
     validate(&spec, &SpecLimits::default())?;
@@ -695,6 +705,7 @@ max_memory = "4GiB"
             (SORT.replace("after = [\"map\"]\n", ""), "does not come after it"),
             (SORT.replace("max_memory = \"4GiB\"", "max_memory = \"1MiB\""), "max_memory"),
             (SORT.replace("priority = 2", "priority = 2\nbogus = 1"), "unknown field"),
+            (SORT.replace("priority = 2", "priority = 2\ncopies = 3"), "copies = 3 must be 1 or 2"),
             (SORT.replace("name = \"sort\"", "name = \"a b\""), "job name"),
             (SORT.replace("partitions = 4", "partitions = 0"), "partitions = 0"),
         ];
@@ -735,6 +746,7 @@ after = ["a"]
             gpu: true,
             out: "/ts/".into(),
             validate: Some(vec!["tern".into(), "teravalidate".into(), "/ts/output".into()]),
+            copies: 1,
         };
         let spec = terasort_job(&job).unwrap();
         let names: Vec<&str> = spec.stages.iter().map(|s| s.operator.as_ref().unwrap().name.as_str()).collect();

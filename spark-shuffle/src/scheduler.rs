@@ -116,8 +116,8 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
             name: string(env, &name)?,
             queue: string(env, &queue)?,
             priority,
-            shuffles: Vec::new(),
             stages: vec![stage],
+            ..Default::default()
         };
         let submitted = runtime().block_on(client.submit_with_tern_job(spec))?;
         let reply = format!("{}\n{}\n{}", submitted.job_id, submitted.tern_job_id, submitted.tern_job_token);

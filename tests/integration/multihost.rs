@@ -76,8 +76,39 @@ async fn a_storage_server_cut_off_mid_terasort_costs_only_its_maps_and_the_job_v
 /// succeeds with output that has the input's checksum.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recompute_the_lost_lineage() {
+    let (status, after_cut) = scheduler_terasort_with_a_cut(two_storage_servers(), "1").await;
+    let stages = status["stages"].as_array().unwrap();
+    let recomputed = |i: usize| stages[i]["recomputed"].as_u64().unwrap();
+    let tasks = stages[0]["tasks"].as_u64().unwrap();
+    assert!((1..=tasks).contains(&recomputed(0)), "teragen's lost parts were not recomputed: {status}");
+    assert!((1..=tasks).contains(&recomputed(1)), "the lost maps were not recomputed: {status}");
+    assert_eq!(recomputed(2), 0, "{status}");
+    eprintln!(
+        "job succeeded {:.1} s after the cut; teragen recomputed {} tasks, maps {}: {status}",
+        after_cut.as_secs_f64(),
+        recomputed(0),
+        recomputed(1)
+    );
+}
+
+/// The scheduler job with 2 copies of its files and shuffle on 3 servers, one cut the same way:
+/// every part and segment still has a live copy, so nothing is recomputed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_two_copies_a_scheduler_job_loses_a_server_and_recomputes_nothing() {
+    let layout = Layout { storage_servers: 3, ..two_storage_servers() };
+    let (status, after_cut) = scheduler_terasort_with_a_cut(layout, "2").await;
+    let recomputed: Vec<u64> =
+        status["stages"].as_array().unwrap().iter().map(|s| s["recomputed"].as_u64().unwrap()).collect();
+    assert!(recomputed.iter().all(|&r| r == 0), "recomputed {recomputed:?}: {status}");
+    eprintln!("2 copies: job succeeded {:.1} s after the cut: {status}", after_cut.as_secs_f64());
+}
+
+/// A 256 MiB `tern job terasort --copies COPIES` on a scheduler and two executors of the client
+/// host, storage server 1's link cut once a map has committed; checks that the job succeeded and
+/// its output is the input sorted. Returns the job's status and the time from cut to its end.
+async fn scheduler_terasort_with_a_cut(layout: Layout<'static>, copies: &'static str) -> (serde_json::Value, Duration) {
     const SIZE: &str = "268435456"; // 256 MiB
-    let cluster = MultiHost::start(two_storage_servers()).await;
+    let cluster = MultiHost::start(layout).await;
     let host = cluster.network().host(CLIENT_HOST).ip().to_string();
     let listen = format!("{host}:9062");
     let scheduler = format!("https://{listen}");
@@ -98,10 +129,10 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // 4 tasks a stage on 2 executors: maps run two by two, so one has committed while others run.
-    let args = ["terasort", "--size", SIZE, "--tasks", "4", "--out", "/ts", "--wait", "--json"];
+    let args = ["terasort", "--size", SIZE, "--tasks", "4", "--copies", copies, "--out", "/ts", "--wait", "--json"];
     let mut job = tern("job", &job_cli(&args));
     // A map committed: teragen has finished, so its parts on the cut server come back only by
-    // running its tasks again, and so does the map's output there.
+    // running its tasks again (or from their second copies), and so does the map's output there.
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let polled = run_tern(&cluster, "poll", &job_cli(&["status", "terasort-1", "--json"])).await;
@@ -117,14 +148,8 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
     cluster.network().cut(&storage_host(1)).unwrap();
     let cut = Instant::now();
     let status = cluster.json_result(&mut job, SORT_TIMEOUT).await;
-    let finished = cut.elapsed();
+    let after_cut = cut.elapsed();
     assert_eq!(status["state"], "succeeded", "{status}");
-    let stages = status["stages"].as_array().unwrap();
-    let recomputed = |i: usize| stages[i]["recomputed"].as_u64().unwrap();
-    let tasks = stages[0]["tasks"].as_u64().unwrap();
-    assert!((1..=tasks).contains(&recomputed(0)), "teragen's lost parts were not recomputed: {status}");
-    assert!((1..=tasks).contains(&recomputed(1)), "the lost maps were not recomputed: {status}");
-    assert_eq!(recomputed(2), 0, "{status}");
     let mut valid = tern("teravalidate", &["teravalidate", "--json", "/ts/output"]);
     let valid = cluster.json_result(&mut valid, Duration::from_secs(60)).await;
     // The input's checksum: teragen is deterministic, so the same records made locally (unsorted:
@@ -138,12 +163,7 @@ async fn a_storage_server_cut_off_after_teragen_finished_has_the_scheduler_recom
         .unwrap_or_else(|e| panic!("teravalidate --local: {e}: {}", String::from_utf8_lossy(&checked.stderr)));
     assert_eq!(valid["sorted"], true, "{valid}");
     assert_eq!(valid["checksum"], expected["checksum"], "output {valid}, input {expected}");
-    eprintln!(
-        "job succeeded {:.1} s after the cut; teragen recomputed {} tasks, maps {}: {status}",
-        finished.as_secs_f64(),
-        recomputed(0),
-        recomputed(1)
-    );
+    (status, after_cut)
 }
 
 /// `tern ARGS` on the client host, run to its end (10 s at most): its output if it succeeded.

@@ -49,8 +49,10 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         client.delete(&part, false).await.with_context(|| format!("removing the lost {part}"))?;
     }
     let target = Location::Store(part);
+    let bar = ProgressBar::hidden();
     let summary =
-        tasks::generate_part(Some(&client), first, count, &target, task.attempt, &ProgressBar::hidden()).await?;
+        tasks::generate_part_with(Some(&client), first, count, &target, task.attempt, &bar, create_options(task))
+            .await?;
     Ok(Report::succeeded(format!("{} records, checksum {:x}", summary.records, summary.checksum)))
 }
 
@@ -218,7 +220,7 @@ async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) 
             let memory = limit.map(|limit| limit / 2);
             let scratch = std::env::temp_dir();
             let sorted =
-                sort_partition_to_store(&client, input, memory, &scratch, &path, task.attempt, Default::default())
+                sort_partition_to_store(&client, input, memory, &scratch, &path, task.attempt, create_options(task))
                     .await?;
             bytes += sorted.bytes;
             partitions += 1;
@@ -254,7 +256,7 @@ async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) 
         );
         sort_seconds += stats.sort_seconds;
         // Sent from the pinned buffer itself, which goes back to the sorter's pool once written.
-        tasks::write_part(&client, &path, task.attempt, Bytes::from_owner(buf)).await?;
+        tasks::write_part_with(&client, &path, task.attempt, Bytes::from_owner(buf), create_options(task)).await?;
         partitions += 1;
     }
     let path = match &sorter {
@@ -275,6 +277,11 @@ async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) 
         message = format!("{message}; {note}");
     }
     Ok(Report { path, ..Report::succeeded(message) })
+}
+
+/// How the task's output files are stored: the job's copies.
+fn create_options(task: &pb::Assignment) -> tern_client::CreateOptions {
+    tern_client::CreateOptions { replicas: task.copies.max(1), ..Default::default() }
 }
 
 /// A GPU's error as the executor's contract has it: out of GPU (or pinned) memory is
