@@ -44,7 +44,7 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
     let client = services.client_for(task).await?;
     let part = tasks::store_part(&dir, task.task_index as usize);
-    if task.attempt > 0 && data_lost(client.open(&part).await.map(drop)) {
+    if task.attempt > 0 && matches!(client.open(&part).await, Err(e) if e.kind() == ErrorKind::DataLost) {
         // Run again because the part was lost: the lost file would refuse the new one's rename.
         client.delete(&part, false).await.with_context(|| format!("removing the lost {part}"))?;
     }
@@ -67,7 +67,7 @@ pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<R
     let client = services.client_for(task).await?;
     let mine = my_parts(task, &client, &input).await?;
     match map_parts(task, &client, &mine).await {
-        Err(e) if is_data_lost(&e) || is_not_found(&e) => Err(lost_parts(&client, &mine, e).await),
+        Err(e) if has_kind(&e, &[ErrorKind::DataLost, ErrorKind::NotFound]) => Err(lost_parts(&client, &mine, e).await),
         done => done,
     }
 }
@@ -139,7 +139,7 @@ pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> an
         bail!("a terasort reduce reads a shuffle, but the stage's input is {:?}", task.input_path);
     }
     match sort_partitions(task, services, gpu).await {
-        Err(e) if is_data_lost(&e) => Err(lost_maps(task, services, e).await),
+        Err(e) if has_kind(&e, &[ErrorKind::DataLost]) => Err(lost_maps(task, services, e).await),
         done => done,
     }
 }
@@ -169,21 +169,9 @@ async fn lost_maps(task: &pb::Assignment, services: &Services, e: anyhow::Error)
     InputLost { tasks: lost.into_iter().collect(), why: format!("{e:#}") }.into()
 }
 
-/// Whether `e` says data is lost (every copy of it), somewhere in its chain.
-fn is_data_lost(e: &anyhow::Error) -> bool {
-    has_kind(e, ErrorKind::DataLost)
-}
-
-fn is_not_found(e: &anyhow::Error) -> bool {
-    has_kind(e, ErrorKind::NotFound)
-}
-
-fn has_kind(e: &anyhow::Error, kind: ErrorKind) -> bool {
-    e.chain().any(|c| c.downcast_ref::<tern_client::Error>().is_some_and(|e| e.kind() == kind))
-}
-
-fn data_lost<T>(result: Result<T, tern_client::Error>) -> bool {
-    matches!(result, Err(e) if e.kind() == ErrorKind::DataLost)
+/// Whether a Tern client error of one of `kinds` is somewhere in `e`'s chain.
+fn has_kind(e: &anyhow::Error, kinds: &[ErrorKind]) -> bool {
+    e.chain().any(|c| c.downcast_ref::<tern_client::Error>().is_some_and(|e| kinds.contains(&e.kind())))
 }
 
 async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) -> anyhow::Result<Report> {
