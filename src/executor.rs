@@ -40,6 +40,11 @@ pub struct ExecutorArgs {
     /// Leave after this long with nothing to run, e.g. 30s [default: stay until stopped].
     #[arg(long, value_parser = tern_common::parse_duration)]
     idle_exit_after: Option<Duration>,
+    /// Spark executor JVMs kept started and loaded, at most, so a Spark application's executor
+    /// is a hand-off rather than a JVM start (each holds a few hundred MiB outside any task's
+    /// grant; 0 = none). Learned per kind of executor from the first one that ran here.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=tern_executor::operators::spark_warm::MAX_LIMIT as i64))]
+    warm_spark_executors: u32,
 }
 
 pub async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
@@ -60,6 +65,7 @@ pub async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
         memory_bytes,
         gpus,
         idle_exit: args.idle_exit_after,
+        warm_spark_executors: args.warm_spark_executors as usize,
     };
     tern_executor::run(config, tern_common::shutdown_signal()).await?;
     Ok(())

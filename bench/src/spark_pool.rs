@@ -6,9 +6,12 @@
 //!
 //! Acquisition of an executor on the pool: from the backend asking Tern's scheduler for its task
 //! (`TernSchedulerBackend.requestedAtMs`) to its registration with the driver (Spark's
-//! `SparkListenerExecutorAdded`), split at the executor JVM's start (its RuntimeMXBean): before
-//! it is Tern's part (scheduling, the pool executor's poll, the launch), after it the JVM's start
-//! and Spark's registration, which local-cluster executors pay too. All on one machine's clock.
+//! `SparkListenerExecutorAdded`), split at the executor's start: its JVM's start (its
+//! RuntimeMXBean), or for a parked JVM (`tern executor --warm-spark-executors`) its hand-off.
+//! Before it is Tern's part (scheduling, the pool executor's poll, the launch or hand-off), after
+//! it the JVM's start and Spark's registration, which local-cluster executors pay whole. The first
+//! pool run's executors start cold (each Tern executor learns the kind from them); later runs'
+//! come from parked JVMs, and the report gives both. All on one machine's clock.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,6 +54,9 @@ pub struct ExecutorTimes {
     pub requested_ms: i64,
     pub jvm_start_ms: i64,
     pub registered_ms: i64,
+    /// A parked JVM became this executor: `jvm_start_ms` is the hand-off.
+    #[serde(default)]
+    pub warm: bool,
 }
 
 /// What `PoolRun` prints.
@@ -75,6 +81,10 @@ pub struct Acquisition {
     pub request_to_registered_s: Option<Spread>,
     /// Its 50th percentile.
     pub p50_s: Option<f64>,
+    /// Request to registration of the executors that were parked JVMs, and of those started cold
+    /// (pool only).
+    pub warm_request_to_registered_s: Option<Spread>,
+    pub cold_request_to_registered_s: Option<Spread>,
     /// Request to the executor JVM's start: Tern's part (pool only).
     pub request_to_jvm_s: Option<Spread>,
     /// JVM start to registration: the JVM's and Spark's part.
@@ -117,12 +127,16 @@ fn acquisition(runs: &[&Run]) -> Acquisition {
             .collect()
     };
     let requested = all(&|_, e| seconds(e.requested_ms, e.registered_ms));
+    let warm = all(&|_, e| seconds(e.requested_ms, e.registered_ms).filter(|_| e.warm));
+    let cold = all(&|_, e| seconds(e.requested_ms, e.registered_ms).filter(|_| !e.warm));
     let to_jvm = all(&|_, e| seconds(e.requested_ms, e.jvm_start_ms));
     let some = |v: Vec<f64>| (!v.is_empty()).then(|| Spread::of(v));
     let request_to_registered_s = some(requested);
     Acquisition {
         p50_s: request_to_registered_s.as_ref().map(|s| s.median),
         request_to_registered_s,
+        warm_request_to_registered_s: some(warm),
+        cold_request_to_registered_s: some(cold),
         request_to_jvm_s: some(to_jvm),
         jvm_to_registered_s: Spread::of(all(&|_, e| seconds(e.jvm_start_ms, e.registered_ms))),
         app_start_to_registered_s: Spread::of(all(&|start, e| seconds(start, e.registered_ms))),
@@ -181,8 +195,15 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
                 Executors::TernPool => &tern_master,
                 Executors::LocalCluster => &local_cluster,
             };
+            // The same start for both: a pool run leaves its Tern executors parking JVMs (seconds
+            // of CPU), which must not land on the next run, whichever kind it is.
+            let busy = wait_for_quiet().await;
             if !options.quiet {
-                eprintln!("spark-pool: run {} on {kind:?} ({master}) ...", run + 1);
+                eprintln!(
+                    "spark-pool: run {} on {kind:?} ({master}; CPU {:.0}% busy before) ...",
+                    run + 1,
+                    busy * 100.0
+                );
             }
             let out = work.path().join(format!("out-{run}-{kind:?}"));
             let mut command = tokio::process::Command::new(&submit);
@@ -240,6 +261,38 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     })
 }
 
+/// Waits (up to [`QUIET_WAIT`]) until the machine's CPUs are less than [`QUIET_BUSY`] busy over
+/// half a second; returns the last busy fraction.
+async fn wait_for_quiet() -> f64 {
+    let deadline = std::time::Instant::now() + QUIET_WAIT;
+    let mut busy = 1.0;
+    while std::time::Instant::now() < deadline {
+        let before = cpu_jiffies();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let (Some((total0, idle0)), Some((total1, idle1))) = (before, cpu_jiffies()) {
+            busy = 1.0 - (idle1 - idle0) as f64 / (total1 - total0).max(1) as f64;
+            if busy < QUIET_BUSY {
+                break;
+            }
+        } else {
+            break;
+        }
+    }
+    busy
+}
+
+/// Below this busy fraction the machine counts as quiet.
+const QUIET_BUSY: f64 = 0.25;
+/// Longest wait for a quiet machine before a run.
+const QUIET_WAIT: Duration = Duration::from_secs(30);
+
+/// All CPUs' (total, idle + iowait) jiffies from /proc/stat.
+fn cpu_jiffies() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    (fields.len() >= 5).then(|| (fields.iter().sum(), fields[3] + fields[4]))
+}
+
 /// Waits until the pool's warm executors have registered with the scheduler.
 async fn wait_for_pool(scheduler: &str, executors: u32) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -270,8 +323,13 @@ pub fn print_table(r: &SparkPoolReport) {
             "    request -> registered with the driver  {}   (target p50 <= 1.5)",
             opt(&a.request_to_registered_s)
         );
-        println!("    request -> executor JVM started (Tern's part)  {}", opt(&a.request_to_jvm_s));
-        println!("    JVM started -> registered (JVM and Spark)  {}", a.jvm_to_registered_s);
+        println!("      from a parked JVM  {}", opt(&a.warm_request_to_registered_s));
+        println!("      from a JVM started cold  {}", opt(&a.cold_request_to_registered_s));
+        println!(
+            "    request -> executor started (Tern's part: a JVM start or a hand-off)  {}",
+            opt(&a.request_to_jvm_s)
+        );
+        println!("    executor started -> registered (the JVM and Spark)  {}", a.jvm_to_registered_s);
         println!("    application start -> registered  {}", a.app_start_to_registered_s);
     }
     println!("  TeraSort on the pool           {} s", r.pool_terasort_s);
@@ -293,6 +351,7 @@ mod tests {
             requested_ms,
             jvm_start_ms,
             registered_ms,
+            warm: requested_ms > 0 && registered_ms - requested_ms < 1500,
         };
         let run = |executors| Run {
             executors_from: Executors::TernPool,
@@ -303,6 +362,8 @@ mod tests {
         let acq = acquisition(&[&a, &b]);
         let req = acq.request_to_registered_s.unwrap();
         assert_eq!((req.min, req.max, req.runs), (1.0, 2.0, 2));
+        assert_eq!(acq.warm_request_to_registered_s.unwrap().max, 1.0);
+        assert_eq!(acq.cold_request_to_registered_s.unwrap().runs, 1);
         assert_eq!(acq.request_to_jvm_s.unwrap().max, 0.3);
         assert_eq!((acq.jvm_to_registered_s.min, acq.jvm_to_registered_s.runs), (0.5, 3));
         assert_eq!(acq.app_start_to_registered_s.max, 2.1);

@@ -5,6 +5,7 @@
 //! - [`operators`]: what a task runs (noop, the TeraSort built-ins on CPU and GPU, any command),
 //!   and the executor's contract with them: an error whose chain holds
 //!   [`tern_common::OutOfMemory`] is reported as OOM, so the scheduler retries with more memory;
+//!   Spark executors among them, from parked JVMs ([`operators::spark_warm`]) when it can;
 //! - [`pool`]: the local autoscaler `tern up` runs, starting and stopping executors.
 
 // kill(2) on a command's process group, sysconf(3) for its memory use.

@@ -64,6 +64,8 @@ pub struct ExecutorConfig {
     pub gpus: tern_gpu::Inventory,
     /// Leave after this long with nothing to run (the pool's elastic executors); `None` = stay.
     pub idle_exit: Option<Duration>,
+    /// Spark executor JVMs kept parked, at most (see `operators::spark_warm`; 0 = none).
+    pub warm_spark_executors: usize,
 }
 
 /// Why [`run`] returned.
@@ -142,7 +144,11 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
     };
     let mut executor = Executor {
         client,
-        services: Arc::new(Services::new(metadata, options).with_host(&config.host)),
+        services: Arc::new(
+            Services::new(metadata, options)
+                .with_host(&config.host)
+                .with_warm_spark_executors(config.warm_spark_executors),
+        ),
         executor_id: registration.executor_id.clone(),
         max_batch: registration.max_batch.max(1),
         max_poll_wait: Duration::from_millis(registration.max_poll_wait_ms.max(1)),

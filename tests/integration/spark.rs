@@ -499,6 +499,40 @@ fn the_small_jobs_bench_compares_results_and_times() {
     assert!(except["rows"].as_u64().is_some_and(|rows| rows > 0), "{stdout}");
 }
 
+/// `tern bench spark-pool` with one executor and two runs of each kind (pool, local-cluster,
+/// local-cluster, pool): every TeraSort validates on both; the first pool application's executor
+/// starts cold and teaches its Tern executor the kind, the second is a parked JVM handed off
+/// (`tern executor --warm-spark-executors`, 1 by default). How much sooner is the bench's to say,
+/// not this test's.
+#[test]
+fn the_spark_pool_bench_hands_the_second_application_a_parked_executor_jvm() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let scratch = tempfile::tempdir().unwrap();
+    let out = Command::new(TERN)
+        .args(["bench", "spark-pool", "--size", "8MiB", "--executors", "1", "--runs", "2", "--json", "--jar", &jar])
+        .arg("--scratch")
+        .arg(scratch.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", tail(&String::from_utf8_lossy(&out.stderr), 80));
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(report["all_valid"], true, "{stdout}");
+    let pool: Vec<&serde_json::Value> = report["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["executors_from"] == "tern-pool")
+        .flat_map(|r| r["result"]["executors"].as_array().unwrap())
+        .collect();
+    assert_eq!(pool.len(), 2, "{stdout}");
+    assert_eq!((&pool[0]["warm"], &pool[1]["warm"]), (&false.into(), &true.into()), "{stdout}");
+    let warm = &report["pool_acquisition"]["warm_request_to_registered_s"];
+    assert_eq!(warm["runs"], 1, "{stdout}");
+}
+
 /// `tern bench tpcds` at scale factor 0.01 (tpcgen-cli takes fractions) on four shuffle-heavy
 /// queries: the packages are pip-installed and the data generated into a fresh cache, both
 /// systems run every query, each result is the same on both (the bench fails otherwise), and the

@@ -62,25 +62,49 @@ pub(super) async fn run_program(
         .args(args)
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .envs(task_env(task, services.metadata()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own group, so the group can be killed with everything it started.
-        .process_group(0)
-        .kill_on_drop(true);
-    let started = Instant::now();
+        .stdin(Stdio::null());
+    match Started::spawn(command) {
+        Ok(started) => watch(task, program, started).await,
+        Err(e) => Report::failed(format!("command: cannot start {program:?}: {e}")),
+    }
+}
+
+/// A program started by [`Started::spawn`], its output being gathered.
+pub(super) struct Started {
+    pub child: tokio::process::Child,
+    pub pid: u32,
+    stdout: Arc<Mutex<Vec<u8>>>,
+    stderr: Arc<Mutex<Vec<u8>>>,
+    readers: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl Started {
+    /// Starts `command` in a process group of its own (so the group can be killed with everything
+    /// it started), killed if dropped, its stdout and stderr tails kept.
+    pub fn spawn(mut command: Command) -> std::io::Result<Started> {
+        command.stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0).kill_on_drop(true);
+        let mut child = command.spawn()?;
+        let pid = child.id().ok_or_else(|| std::io::Error::other("it exited before it could be watched"))?;
+        let (stdout, stdout_done) = tail(child.stdout.take());
+        let (stderr, stderr_done) = tail(child.stderr.take());
+        Ok(Started { child, pid, stdout, stderr, readers: [stdout_done, stderr_done] })
+    }
+
+    /// What it wrote so far (stdout, stderr tails), forgotten: for a program whose first output
+    /// belongs to no task (a parked JVM's warm-up).
+    pub fn take_output(&self) -> (Vec<u8>, Vec<u8>) {
+        (std::mem::take(&mut *self.stdout.lock()), std::mem::take(&mut *self.stderr.lock()))
+    }
+}
+
+/// Waits for `started` to end as task `task` (the task's memory enforced, its group killed when
+/// this returns or is dropped); the report is the program's.
+pub(super) async fn watch(task: &pb::Assignment, program: &str, started: Started) -> Report {
+    let Started { mut child, pid, stdout, stderr, readers } = started;
+    let began = Instant::now();
     let oom_kills_before = kernel_oom_kills();
-    let mut child = match command.spawn() {
-        Ok(child) => child,
-        Err(e) => return Report::failed(format!("command: cannot start {program:?}: {e}")),
-    };
-    let Some(pid) = child.id() else {
-        return Report::failed(format!("command: {program:?} exited before it could be watched"));
-    };
     // Dropped (the task cancelled, the executor leaving) or done: the group goes with it.
     let _group = GroupGuard(pid as libc::pid_t);
-    let (stdout, stdout_done) = tail(child.stdout.take());
-    let (stderr, stderr_done) = tail(child.stderr.take());
     let limit = task.granted.as_ref().map(|g| g.memory_bytes).unwrap_or(0);
     let mut tick = tokio::time::interval(MEMORY_CHECK_INTERVAL);
     let mut peak = 0u64;
@@ -106,11 +130,11 @@ pub(super) async fn run_program(
     };
     // Let the readers drain what the program wrote last (bounded: a process it left behind may
     // hold the pipes open until the group is killed).
-    for reader in [stdout_done, stderr_done] {
+    for reader in readers {
         let _ = tokio::time::timeout(OUTPUT_DRAIN, reader).await;
     }
     let output = describe_output(&stdout.lock(), &stderr.lock());
-    let seconds = started.elapsed().as_secs_f64();
+    let seconds = began.elapsed().as_secs_f64();
     if status.success() {
         return Report::succeeded(format!("exit 0 after {seconds:.3} s"));
     }

@@ -18,6 +18,7 @@
 mod command;
 mod noop;
 mod spark;
+pub mod spark_warm;
 mod terasort;
 
 use std::collections::HashMap;
@@ -87,7 +88,7 @@ impl Report {
 
 /// What the operators of one executor share: the Tern client (connected on first use, so
 /// an executor running only `noop` or `command` never connects) and one sorter per GPU (its
-/// kernels are compiled once, not per task).
+/// kernels are compiled once, not per task), and the parked Spark executor JVMs.
 pub struct Services {
     metadata: String,
     /// This executor's host, as it registered (Spark executors announce it to their driver).
@@ -95,6 +96,7 @@ pub struct Services {
     options: ClientOptions,
     client: tokio::sync::OnceCell<Client>,
     sorters: parking_lot::Mutex<HashMap<String, Arc<parking_lot::Mutex<GpuSorter>>>>,
+    warm_spark: spark_warm::WarmJvms,
 }
 
 impl Services {
@@ -105,7 +107,19 @@ impl Services {
             options,
             client: tokio::sync::OnceCell::new(),
             sorters: Default::default(),
+            warm_spark: spark_warm::WarmJvms::new(0),
         }
+    }
+
+    /// Keeps up to `limit` Spark executor JVMs parked ([`spark_warm`]; 0, the default: none).
+    pub fn with_warm_spark_executors(mut self, limit: usize) -> Services {
+        self.warm_spark = spark_warm::WarmJvms::new(limit);
+        self
+    }
+
+    /// The parked Spark executor JVMs.
+    pub fn warm_spark(&self) -> &spark_warm::WarmJvms {
+        &self.warm_spark
     }
 
     /// The host this executor registered with (default "localhost").

@@ -15,34 +15,124 @@
 //! removed when the task ends: its working directory, where Spark's executor fetches the
 //! application's jars and files (as a standalone worker's executor runs in its work directory).
 
-use std::path::PathBuf;
-
 use tern_proto::sched as pb;
 
+use std::path::PathBuf;
+
+use super::spark_warm::{self, Shape, Taken, WarmJvms};
 use super::{command, param, Report, Services};
 
 /// Java options given in `java_options`, at most.
 const MAX_JAVA_OPTIONS: usize = 256;
+/// The executor JVM's main class.
+const MAIN_CLASS: &str = "org.apache.spark.executor.CoarseGrainedExecutorBackend";
 
 pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
     let launch = match Launch::new(task, services) {
         Ok(launch) => launch,
         Err(e) => return Report::failed(format!("spark-executor: {e:#}")),
     };
-    let env: Vec<(String, String)> =
-        task.operator.as_ref().map(|o| o.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect()).unwrap_or_default();
-    let report = command::run_program(task, services, &launch.java, &launch.args, &env, Some(&launch.dir)).await;
-    let _ = std::fs::remove_dir_all(&launch.dir);
-    report
+    if !task.gpus.is_empty() {
+        // Its CUDA_VISIBLE_DEVICES is set when its process starts: always a cold start.
+        return run_cold(task, services, &launch, false).await;
+    }
+    let warm = services.warm_spark();
+    // However the executor ends (its JVM exits, or Spark releases it and the task is cancelled,
+    // dropping this future), its slot is free again: a JVM of its kind waits for the next one.
+    let _park = ParkWhenDone { warm, shape: &launch.shape };
+    match warm.take(&launch.shape) {
+        Some(taken) => run_warm(task, services, &launch, taken).await,
+        None => run_cold(task, services, &launch, warm.wants_class_log(&launch.shape)).await,
+    }
 }
 
-/// The executor's command line, and its directory (its working directory, holding its resources
-/// file).
+/// Parks a JVM of `shape` when dropped.
+struct ParkWhenDone<'a> {
+    warm: &'a WarmJvms,
+    shape: &'a Shape,
+}
+
+impl Drop for ParkWhenDone<'_> {
+    fn drop(&mut self) {
+        self.warm.park(self.shape);
+    }
+}
+
+/// An executor's own directory, removed when dropped (the task ended or was cancelled); a cold
+/// executor that logged its classes teaches them to [`WarmJvms`] first.
+struct ExecutorDir<'a> {
+    dir: PathBuf,
+    learn: Option<(&'a WarmJvms, &'a Shape)>,
+}
+
+impl ExecutorDir<'_> {
+    fn class_log(&self) -> PathBuf {
+        self.dir.join("classes.log")
+    }
+}
+
+impl Drop for ExecutorDir<'_> {
+    fn drop(&mut self) {
+        if let Some((warm, shape)) = self.learn {
+            warm.learn(shape, &self.class_log());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts the executor's JVM, in a directory of its own (with its resources file), logging
+/// the classes it loads when `learn` (for [`spark_warm`]).
+async fn run_cold(task: &pb::Assignment, services: &Services, launch: &Launch, learn: bool) -> Report {
+    let dir = ExecutorDir {
+        dir: std::env::temp_dir().join(format!(
+            "tern-spark-{}-{}-{}",
+            task.job_id,
+            task.task_index,
+            std::process::id()
+        )),
+        learn: learn.then_some((services.warm_spark(), &launch.shape)),
+    };
+    let mut args = launch.shape.jvm_options.clone();
+    if learn {
+        args.push(spark_warm::class_log_option(&dir.class_log()));
+    }
+    args.extend(launch.properties.iter().cloned());
+    args.push(MAIN_CLASS.to_string());
+    args.extend(launch.args.iter().cloned());
+    let prepared = std::fs::create_dir_all(&dir.dir).and_then(|()| {
+        if task.gpus.is_empty() {
+            return Ok(());
+        }
+        let file = dir.dir.join("resources.json");
+        std::fs::write(&file, resources_json(&task.gpus))?;
+        args.extend(["--resourcesFile".to_string(), file.display().to_string()]);
+        Ok(())
+    });
+    if let Err(e) = prepared {
+        return Report::failed(format!("spark-executor: preparing {}: {e}", dir.dir.display()));
+    }
+    command::run_program(task, services, &launch.shape.java, &args, &launch.shape.env, Some(&dir.dir)).await
+}
+
+/// Makes a parked JVM this task's executor; a JVM that cannot take the hand-off is given up and
+/// the executor starts cold.
+async fn run_warm(task: &pb::Assignment, services: &Services, launch: &Launch, mut taken: Taken) -> Report {
+    let dir = ExecutorDir { dir: taken.dir.clone(), learn: None };
+    if let Err(e) = spark_warm::hand_off(&mut taken, &launch.properties, &launch.args).await {
+        tracing::warn!(error = %e, "a parked Spark executor JVM did not take its hand-off; starting one cold");
+        drop((taken, dir));
+        return run_cold(task, services, launch, false).await;
+    }
+    command::watch(task, &launch.shape.java, taken.started).await
+}
+
+/// The executor's JVM: how it is started ([`Shape`]), the application's startup settings (its
+/// `-Dspark.*` options, which a parked JVM takes at the hand-off) and its arguments.
 #[derive(Debug)]
 struct Launch {
-    java: String,
+    shape: Shape,
+    properties: Vec<String>,
     args: Vec<String>,
-    dir: PathBuf,
 }
 
 impl Launch {
@@ -73,42 +163,37 @@ impl Launch {
         if options.len() > MAX_JAVA_OPTIONS {
             anyhow::bail!("java_options has {} options; at most {MAX_JAVA_OPTIONS}", options.len());
         }
-        let mut args = vec!["-cp".to_string(), classpath];
+        let mut jvm_options = vec!["-cp".to_string(), classpath];
         if let Some(heap) = heap {
             // In MiB: the JVM takes no plain byte count above 2^31 on every version.
-            args.push(format!("-Xmx{}m", (heap >> 20).max(64)));
+            jvm_options.push(format!("-Xmx{}m", (heap >> 20).max(64)));
         }
-        args.extend(options);
-        args.extend(
-            [
-                "org.apache.spark.executor.CoarseGrainedExecutorBackend",
-                "--driver-url",
-                &driver_url,
-                "--executor-id",
-                &task.task_index.to_string(),
-                "--hostname",
-                services.host(),
-                "--cores",
-                &cores.to_string(),
-                "--app-id",
-                &app_id,
-                "--resourceProfileId",
-                &profile.to_string(),
-            ]
-            .map(String::from),
-        );
-        let dir =
-            std::env::temp_dir().join(format!("tern-spark-{}-{}-{}", task.job_id, task.task_index, std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
-        if !task.gpus.is_empty() {
-            let file = dir.join("resources.json");
-            if let Err(e) = std::fs::write(&file, resources_json(&task.gpus)) {
-                let _ = std::fs::remove_dir_all(&dir);
-                anyhow::bail!("writing {}: {e}", file.display());
-            }
-            args.extend(["--resourcesFile".to_string(), file.display().to_string()]);
-        }
-        Ok(Launch { java, args, dir })
+        let (properties, rest): (Vec<String>, Vec<String>) =
+            options.into_iter().partition(|o| o.starts_with("-Dspark."));
+        jvm_options.extend(rest);
+        let mut env: Vec<(String, String)> = task
+            .operator
+            .as_ref()
+            .map(|o| o.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default();
+        env.sort();
+        let args = [
+            "--driver-url",
+            &driver_url,
+            "--executor-id",
+            &task.task_index.to_string(),
+            "--hostname",
+            services.host(),
+            "--cores",
+            &cores.to_string(),
+            "--app-id",
+            &app_id,
+            "--resourceProfileId",
+            &profile.to_string(),
+        ]
+        .map(String::from)
+        .to_vec();
+        Ok(Launch { shape: Shape { java, jvm_options, env }, properties, args })
     }
 }
 
@@ -148,34 +233,29 @@ mod tests {
         ("cores", "2"),
         ("heap_bytes", "1073741824"),
         ("java", "/jdk/bin/java"),
-        ("java_options", "-Dx=1\n--add-opens=java.base/java.nio=ALL-UNNAMED\n"),
+        ("java_options", "-Dx=1\n--add-opens=java.base/java.nio=ALL-UNNAMED\n-Dspark.driver.port=4040\n"),
     ];
 
     #[test]
-    fn the_command_line_carries_the_executors_identity_resources_and_options() {
+    fn the_command_line_carries_the_executors_identity_and_options_and_the_apps_settings_apart() {
         let services = Services::new("m:1".into(), ClientOptions::default()).with_host("h3");
         let launch = Launch::new(&task(&PARAMS, &["0", "3"]), &services).unwrap();
-        assert_eq!(launch.java, "/jdk/bin/java");
-        let line = launch.args.join(" ");
-        assert!(
-            line.starts_with(
-                "-cp /spark/jars/* -Xmx1024m -Dx=1 --add-opens=java.base/java.nio=ALL-UNNAMED \
-                 org.apache.spark.executor.CoarseGrainedExecutorBackend --driver-url \
-                 spark://CoarseGrainedScheduler@10.0.0.1:4040 --executor-id 7 --hostname h3 --cores 2 \
-                 --app-id app-42 --resourceProfileId 0 --resourcesFile "
-            ),
-            "{line}"
+        assert_eq!(launch.shape.java, "/jdk/bin/java");
+        assert_eq!(
+            launch.shape.jvm_options.join(" "),
+            "-cp /spark/jars/* -Xmx1024m -Dx=1 --add-opens=java.base/java.nio=ALL-UNNAMED"
         );
-        let file = std::fs::read_to_string(launch.dir.join("resources.json")).unwrap();
-        assert_eq!(file, r#"[{"id":{"componentName":"spark.executor","resourceName":"gpu"},"addresses":["0","3"]}]"#);
-        std::fs::remove_dir_all(&launch.dir).unwrap();
-        // Without GPUs: a working directory all the same, and no resources file.
-        let mut other = task(&PARAMS, &[]);
-        other.task_index = 8;
-        let launch = Launch::new(&other, &services).unwrap();
-        assert!(launch.dir.is_dir() && !launch.dir.join("resources.json").exists(), "{launch:?}");
-        assert!(!launch.args.contains(&"--resourcesFile".to_string()), "{launch:?}");
-        std::fs::remove_dir_all(&launch.dir).unwrap();
+        // The application's own settings are not part of how its JVM starts: a parked JVM takes them.
+        assert_eq!(launch.properties, ["-Dspark.driver.port=4040"]);
+        assert_eq!(
+            launch.args.join(" "),
+            "--driver-url spark://CoarseGrainedScheduler@10.0.0.1:4040 --executor-id 7 --hostname h3 --cores 2 \
+             --app-id app-42 --resourceProfileId 0"
+        );
+        assert_eq!(
+            resources_json(&task(&PARAMS, &["0", "3"]).gpus),
+            r#"[{"id":{"componentName":"spark.executor","resourceName":"gpu"},"addresses":["0","3"]}]"#
+        );
     }
 
     #[test]

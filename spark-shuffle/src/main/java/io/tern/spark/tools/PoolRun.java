@@ -16,6 +16,7 @@ import org.apache.spark.scheduler.SparkListenerApplicationStart;
 import org.apache.spark.scheduler.SparkListenerExecutorAdded;
 
 import io.tern.spark.TernSchedulerBackend;
+import io.tern.spark.WarmExecutor;
 import scala.Tuple2;
 
 /**
@@ -26,7 +27,8 @@ import scala.Tuple2;
  * prints one line {@code POOLRUN {json}}: per executor the time its Tern task was asked of the
  * scheduler (on Tern's scheduler; -1 on others), the application's start (Spark's
  * SparkListenerApplicationStart, after its cluster manager started), the executor JVM's start
- * (its RuntimeMXBean) and its registration with the driver, all ms since the epoch on one
+ * (its RuntimeMXBean; for an executor that was a parked JVM, its hand-off, and {@code "warm":true})
+ * and its registration with the driver, all ms since the epoch on one
  * machine's clock; and the TeraSort's result.
  */
 public final class PoolRun {
@@ -67,7 +69,7 @@ public final class PoolRun {
                 }
                 Thread.sleep(20);
             }
-            Map<String, Long> jvmStart = jvmStarts(jsc, executors);
+            Map<String, ExecutorStart> started = executorStarts(jsc, executors);
             Object backend = jsc.sc().schedulerBackend();
             StringBuilder json = new StringBuilder("{\"application_start_ms\":" + Times.applicationStart
                     + ",\"executors\":[");
@@ -78,7 +80,7 @@ public final class PoolRun {
                 long requested = backend instanceof TernSchedulerBackend
                         ? ((TernSchedulerBackend) backend).requestedAtMs(id) : -1;
                 json.append(i == 0 ? "" : ",").append("{\"id\":\"").append(id).append("\",\"requested_ms\":")
-                        .append(requested).append(",\"jvm_start_ms\":").append(jvmStart.getOrDefault(id, -1L))
+                        .append(requested).append(started.getOrDefault(id, ExecutorStart.UNKNOWN).json())
                         .append(",\"registered_ms\":").append(Times.REGISTERED.get(id)).append('}');
             }
             json.append("],\"terasort\":")
@@ -87,18 +89,42 @@ public final class PoolRun {
         }
     }
 
-    /** Each executor's JVM start (ms since the epoch), from tasks spread until every executor ran one. */
-    private static Map<String, Long> jvmStarts(JavaSparkContext jsc, int executors) throws InterruptedException {
-        Map<String, Long> starts = new HashMap<>();
+    /** When an executor started: its JVM's start, or a warm JVM's hand-off. */
+    static final class ExecutorStart implements java.io.Serializable {
+        static final ExecutorStart UNKNOWN = new ExecutorStart(-1, false);
+        final long ms;
+        final boolean warm;
+
+        ExecutorStart(long ms, boolean warm) {
+            this.ms = ms;
+            this.warm = warm;
+        }
+
+        /** This executor's. */
+        static ExecutorStart here() {
+            long handoff = Long.getLong(WarmExecutor.HANDOFF_PROPERTY, -1L);
+            return handoff > 0 ? new ExecutorStart(handoff, true)
+                    : new ExecutorStart(ManagementFactory.getRuntimeMXBean().getStartTime(), false);
+        }
+
+        String json() {
+            return ",\"jvm_start_ms\":" + ms + ",\"warm\":" + warm;
+        }
+    }
+
+    /** Each executor's start, from tasks spread until every executor ran one. */
+    private static Map<String, ExecutorStart> executorStarts(JavaSparkContext jsc, int executors)
+            throws InterruptedException {
+        Map<String, ExecutorStart> starts = new HashMap<>();
         for (int round = 0; round < 20 && starts.size() < executors; round++) {
             List<Integer> slices = new ArrayList<>();
             for (int i = 0; i < 8 * executors; i++) {
                 slices.add(i);
             }
-            for (Tuple2<String, Long> seen : jsc.parallelize(slices, slices.size()).map(i -> {
+            for (Tuple2<String, ExecutorStart> seen : jsc.parallelize(slices, slices.size()).map(i -> {
                 // Long enough that every executor gets a task before one runs them all.
                 Thread.sleep(50);
-                return new Tuple2<>(SparkEnv.get().executorId(), ManagementFactory.getRuntimeMXBean().getStartTime());
+                return new Tuple2<>(SparkEnv.get().executorId(), ExecutorStart.here());
             }).collect()) {
                 starts.put(seen._1(), seen._2());
             }

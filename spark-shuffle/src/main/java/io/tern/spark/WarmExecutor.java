@@ -1,0 +1,90 @@
+package io.tern.spark;
+
+import java.io.BufferedReader;
+import java.io.InputStreamReader;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Paths;
+import java.util.ArrayList;
+import java.util.List;
+
+import org.apache.spark.executor.CoarseGrainedExecutorBackend;
+
+/**
+ * A parked Spark executor JVM, started by a Tern executor before any Spark application asks for it
+ * (the {@code spark-executor} operator's warm JVMs): it loads and initializes the classes a Spark
+ * executor of its kind loaded on its way to its first task (the class list the Tern executor
+ * learned from such an executor's {@code -Xlog:class+load}), says so on stdout, then waits on
+ * stdin for the one line that makes it an executor. Starting the JVM and loading Spark's classes
+ * is most of an executor's start (seconds); what is left after the hand-off is Spark's own
+ * registration with the driver.
+ *
+ * <p>Arguments: the class list file (one binary class name a line; absent or empty: nothing to
+ * load). The hand-off line: NUL-separated fields; {@code -Dkey=value} fields become system
+ * properties (the application's own startup settings, such as {@code spark.driver.port}, which
+ * a JVM started before the application cannot have on its command line), the rest are
+ * {@link CoarseGrainedExecutorBackend}'s arguments. End of input before a line (the Tern executor
+ * stopped or gave the JVM up) exits quietly.
+ *
+ * <p>A class whose static initializer throws stays unusable in this JVM for good, so a JVM where
+ * one did is no executor: it exits with status {@link #POISONED}, naming the classes, and is
+ * never handed an application. Classes that are missing (a dependency absent here, as a cold
+ * executor would find too) only count.
+ */
+public final class WarmExecutor {
+    /** Printed on stdout (with counts) once the classes are in. */
+    static final String READY = "TERN-WARM-READY";
+    /** Exit status of a JVM where a class failed to initialize. */
+    static final int POISONED = 3;
+    /** Set at the hand-off (ms since the epoch): when this JVM became an executor. */
+    public static final String HANDOFF_PROPERTY = "tern.executor.handoffMs";
+
+    private WarmExecutor() {
+    }
+
+    public static void main(String[] argv) throws Exception {
+        long started = System.nanoTime();
+        int loaded = 0;
+        int missing = 0;
+        List<String> poisoned = new ArrayList<>();
+        if (argv.length > 0 && !argv[0].isEmpty()) {
+            ClassLoader loader = WarmExecutor.class.getClassLoader();
+            for (String name : Files.readAllLines(Paths.get(argv[0]), StandardCharsets.UTF_8)) {
+                if (name.isEmpty()) {
+                    continue;
+                }
+                try {
+                    Class.forName(name, true, loader);
+                    loaded++;
+                } catch (ExceptionInInitializerError e) {
+                    poisoned.add(name + " (" + e.getCause() + ")");
+                } catch (LinkageError | ClassNotFoundException e) {
+                    missing++;
+                }
+            }
+        }
+        if (!poisoned.isEmpty()) {
+            System.err.println("a warm executor JVM is unusable: static initializers failed in " + poisoned);
+            System.exit(POISONED);
+        }
+        System.out.println(READY + " loaded=" + loaded + " missing=" + missing + " ms="
+                + (System.nanoTime() - started) / 1_000_000);
+        System.out.flush();
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in, StandardCharsets.UTF_8));
+        String line = in.readLine();
+        if (line == null) {
+            System.exit(0);
+        }
+        System.setProperty(HANDOFF_PROPERTY, Long.toString(System.currentTimeMillis()));
+        List<String> args = new ArrayList<>();
+        for (String field : line.split("\0")) {
+            int eq = field.indexOf('=');
+            if (field.startsWith("-D") && eq > 2) {
+                System.setProperty(field.substring(2, eq), field.substring(eq + 1));
+            } else if (!field.isEmpty()) {
+                args.add(field);
+            }
+        }
+        CoarseGrainedExecutorBackend.main(args.toArray(new String[0]));
+    }
+}
