@@ -350,8 +350,7 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
         .unwrap();
     let spark_submit = Path::new(String::from_utf8(pyspark.stdout).unwrap().trim()).join("bin/spark-submit");
     let start_file = dir.path().join("gang-start");
-    let metrics: Vec<String> =
-        (0..2).map(|i| format!("http://127.0.0.1:{}/metrics", ports.storage_admin(i))).collect();
+    let metrics: Vec<String> = (0..2).map(|i| format!("http://127.0.0.1:{}/metrics", ports.storage_admin(i))).collect();
     let app = tokio::process::Command::new(&spark_submit)
         .args(["--conf", "spark.tern.gang.minExecutors=3", "--conf", "spark.executor.instances=3"])
         .args(["--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=512m"])
@@ -374,7 +373,11 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
         if let Some(job) = jobs.iter().find(|j| j.name == "spark-gang") {
             break job.job_id.clone();
         }
-        assert!(Instant::now() < deadline, "the application did not submit within 60 s: {jobs:?}\n{}", tail(&logs(), 40));
+        assert!(
+            Instant::now() < deadline,
+            "the application did not submit within 60 s: {jobs:?}\n{}",
+            tail(&logs(), 40)
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     // ...waits on a pool that started its 2 executors for it, with nothing running, and says why.
