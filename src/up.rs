@@ -12,6 +12,8 @@ use tern_common::ByteSize;
 use tern_executor::pool::{Pool, PoolConfig};
 use tern_local::{Daemon, DaemonSpec, Deadline, Host, PortLayout, Stopped};
 
+mod spark_conf;
+
 #[derive(Args)]
 pub struct UpArgs {
     /// Directory for metadata state and logs.
@@ -48,6 +50,12 @@ pub struct UpArgs {
     /// size, so a long-running cluster's logs stay under twice this per daemon.
     #[arg(long, default_value = "64MiB")]
     log_max_size: ByteSize,
+    /// Tern's Spark plugin jar, put on the driver's and executors' class paths in the Spark
+    /// configuration `tern up` writes (DIR/spark/spark-defaults.conf) [default: the jar
+    /// spark-shuffle/build.sh leaves beside this binary's build, target/tern-spark/tern-spark.jar,
+    /// when it is there].
+    #[arg(long, env = "TERN_SPARK_JAR")]
+    spark_jar: Option<PathBuf>,
     #[command(flatten)]
     pool: PoolArgs,
 }
@@ -247,6 +255,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         false => None,
     };
     let tern = std::env::current_exe().context("locating the tern binary")?;
+    let spark_conf = spark_conf::SparkConf {
+        master: args.pool.wanted().then(|| tern_scheduler::spark_master_url(&scheduler_addr)),
+        metadata: metadata_addr.clone(),
+        tls_dir: args.tls.then(|| std::path::absolute(&tls_dir)).transpose().context("the TLS directory's path")?,
+        jar: spark_conf::plugin_jar(args.spark_jar.as_deref(), &tern)?,
+    };
+    let spark_conf_dir = spark_conf.write(&args.dir.join("spark"))?;
     let daemon = |name: &str, port: u16| {
         DaemonSpec::new(name, &tern, logs.join(format!("{name}.log")))
             .on(host.clone())
@@ -368,7 +383,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         Some(Ok(())) => match tern_local::first_exited(&mut daemons) {
             Some(died) => Err(died),
             None => {
-                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs);
+                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark_conf.banner(&spark_conf_dir));
                 tokio::select! {
                     _ = &mut shutdown => Ok(()),
                     died = tern_local::first_exit(&mut daemons) => Err(died),
@@ -427,7 +442,7 @@ async fn stop_all(daemons: &mut [Daemon]) {
 }
 
 /// The banner goes to stdout; a stdout that went away costs the banner, not the cluster.
-fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path) {
+fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path, spark: &str) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
@@ -477,6 +492,7 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
         );
         let _ = writeln!(out, "  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
+    let _ = write!(out, "{spark}");
     let _ = writeln!(out, "Logs:    {}", logs.display());
     let _ = writeln!(out, "Ctrl-C stops the cluster.");
 }

@@ -187,7 +187,7 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     let cluster = EmbeddedCluster::start_with(&options.tern, 2, &room, "1MiB", Some("off"), work.path(), &pool).await?;
     wait_for_pool(&cluster.scheduler_addr(), options.executors).await?;
     let local_cluster = format!("local-cluster[{n},1,{}]", options.executor_memory_mib + 124);
-    let tern_master = format!("local-tern://{}", cluster.scheduler_addr());
+    let tern_master = tern_scheduler::spark_master_url(&cluster.scheduler_addr());
     let mut runs = Vec::new();
     for run in 0..options.runs {
         for kind in run_order(run) {

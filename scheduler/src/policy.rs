@@ -1409,21 +1409,10 @@ impl Policy {
         let op = stage.info.spec.operator.as_ref().map_or("", |o| o.name.as_str());
         let need = Res { memory_bytes, ..stage.needs };
         let fits_idle = |e: &Executor| {
-            let idle = Executor {
-                free_cpu: e.capacity.cpu_milli,
-                free_memory: e.capacity.memory_bytes,
-                gpus: e.gpus.iter().map(|g| Gpu { address: g.address.clone(), free_milli: MILLI as u32 }).collect(),
-                outbox: Vec::new(),
-                operators: e.operators.clone(),
-                host: String::new(),
-                ..*e
-            };
+            let idle = idle_copy(e);
             idle.runs(op) && fit_on(&idle, need, stage.info.spec.gpu_optional).is_some()
         };
         let live: Vec<&Executor> = self.executors.iter().flatten().collect();
-        if live.iter().any(|e| fits_idle(e)) {
-            return String::new();
-        }
         let wants = format!(
             "a task needs {} CPUs, {} bytes of memory and {} GPUs{}",
             need.cpu_milli as f64 / MILLI as f64,
@@ -1431,6 +1420,9 @@ impl Policy {
             need.gpu_milli as f64 / MILLI as f64,
             if op.is_empty() { String::new() } else { format!(" and runs operator {op}") }
         );
+        if live.iter().any(|e| fits_idle(e)) {
+            return self.why_gang_blocked(stage, need, op, &wants);
+        }
         match live.iter().max_by_key(|e| (e.capacity.cpu_milli, e.capacity.memory_bytes)) {
             None => format!("no live executor; {wants}"),
             Some(e) => format!(
@@ -1441,6 +1433,45 @@ impl Policy {
                 e.gpus.len()
             ),
         }
+    }
+
+    /// For a gang stage not yet placed: why the live executors cannot hold its gang even when
+    /// all are idle (they hold fewer of its tasks than the gang needs), or "" when they could.
+    /// Like Volcano's "Unschedulable" podgroup condition: the gang keeps waiting (executors may
+    /// still join) but its job's status says why.
+    fn why_gang_blocked(&self, stage: &Stage, need: Res, op: &str, wants: &str) -> String {
+        if !stage.info.spec.gang || stage.gang_placed {
+            return String::new();
+        }
+        let want = match stage.info.spec.min_available {
+            0 => stage.tasks.len(),
+            n => n as usize,
+        }
+        .saturating_sub(stage.counts.running as usize + stage.counts.succeeded as usize);
+        let mut live = 0;
+        let mut holds = 0;
+        for e in self.executors.iter().flatten() {
+            live += 1;
+            let mut idle = idle_copy(e);
+            if !idle.runs(op) {
+                continue;
+            }
+            // At most `want` rounds in all: each round places one task or leaves the loop.
+            idle.running = 0;
+            while holds < want && idle.running < self.config.max_tasks_per_executor {
+                let Some((r, g)) = fit_on(&idle, need, stage.info.spec.gpu_optional) else { break };
+                take(&mut idle, r, &g);
+                idle.running += 1;
+                holds += 1;
+            }
+        }
+        if holds >= want {
+            return String::new();
+        }
+        format!(
+            "a gang of {want} tasks starts together or not at all, and the {live} live executors hold at most \
+             {holds} of them even when idle ({wants}); it waits for more executors"
+        )
     }
 
     /// Jobs in submission order.
@@ -1572,6 +1603,19 @@ fn fit_on(executor: &Executor, res: Res, gpu_optional: bool) -> Option<(Res, Vec
         .map(|(i, _)| (i, MILLI as u32))
         .collect();
     (free.len() == whole).then_some((res, free))
+}
+
+/// `e` as it would be with nothing running.
+fn idle_copy(e: &Executor) -> Executor {
+    Executor {
+        free_cpu: e.capacity.cpu_milli,
+        free_memory: e.capacity.memory_bytes,
+        gpus: e.gpus.iter().map(|g| Gpu { address: g.address.clone(), free_milli: MILLI as u32 }).collect(),
+        outbox: Vec::new(),
+        operators: e.operators.clone(),
+        host: String::new(),
+        ..*e
+    }
 }
 
 fn take(executor: &mut Executor, res: Res, gpus: &[(usize, u32)]) {
@@ -1936,6 +1980,30 @@ mod tests {
         let e2 = executor(&mut p, "h2", 1, 0);
         p.scale_stage("app", "executors", 1, &[], false, 0, 8, 2, 1).unwrap();
         assert_eq!(p.assign(e2, 10, 2).len(), 1);
+    }
+
+    #[test]
+    fn status_says_why_a_gang_the_live_executors_cannot_hold_waits() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let blocked = |p: &Policy| p.job_status("app", true).unwrap().stages[0].blocked.clone();
+        let mut s = stage("executors", 3, MILLI, 0);
+        s.elastic = true;
+        s.gang = true;
+        s.min_available = 3;
+        add(&mut p, "app", "q", 0, vec![s]);
+        let e0 = executor(&mut p, "h0", 1, 0);
+        executor(&mut p, "h1", 1, 0);
+        let why = blocked(&p);
+        assert!(
+            why.contains("a gang of 3 tasks") && why.contains("the 2 live executors hold at most 2 of them"),
+            "{why}"
+        );
+        assert!(p.assign(e0, 10, 0).is_empty());
+        // A third executor: the gang fits (and is placed on the next poll); nothing to report.
+        let e2 = executor(&mut p, "h2", 1, 0);
+        assert_eq!(blocked(&p), "");
+        assert_eq!(p.assign(e2, 10, 1).len(), 1);
+        assert_eq!(blocked(&p), "", "a placed gang is never blocked");
     }
 
     #[test]

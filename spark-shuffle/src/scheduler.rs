@@ -161,6 +161,25 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_scale<'l>(
     })
 }
 
+/// Why the application's executor tasks cannot start (the stage's `blocked` in the job's status:
+/// no live executor fits one, or the live executors cannot hold its gang), "" when they can.
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_blocked<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    job_id: JString<'l>,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live scheduler handle (see `shared`).
+        let client = unsafe { shared::<SchedulerClient>(client)? }.clone();
+        let job_id = string(env, &job_id)?;
+        let status = runtime().block_on(client.job(&job_id))?;
+        let blocked = status.stages.first().map(|s| s.blocked.replace(['\n', '\r'], " ")).unwrap_or_default();
+        Ok(env.new_string(blocked)?.into_raw())
+    })
+}
+
 fn reply_text(reply: &pb::ScaleStageResponse) -> String {
     let mut text = format!(
         "state {} next {} queued {} running {}\nadded",

@@ -124,7 +124,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     python
         .env("TERN_METADATA", &metadata)
         .env("TERN_WORK", work.path())
-        .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"));
+        .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&scheduler));
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "all Spark cases agree", &logs).await;
@@ -178,7 +178,7 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     let mut python = tokio::process::Command::new("python3");
     python
         .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
-        .env("TERN_SPARK_MASTER", format!("local-tern://127.0.0.1:{}", ports.scheduler()));
+        .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&format!("127.0.0.1:{}", ports.scheduler())));
     let script = root.join("spark-shuffle/tests/spark_gpus.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "GPU executors right", &logs).await;
@@ -213,7 +213,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
                 .arg(&script)
                 .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
                 .env("TERN_SPARK_JAR", &jar)
-                .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"))
+                .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&scheduler))
                 .env("TERN_QUEUE", queue)
                 .env("TERN_EXECUTORS", "6")
                 .env("TERN_STOP", &stop)
@@ -310,6 +310,138 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
     drop(executors);
 }
 
+/// A gang on real Spark, run as a user would after `tern up` (spark-shuffle/tests/spark_gang.py): a
+/// bare `spark-submit` with SPARK_CONF_DIR set to the directory `tern up` wrote (its master and
+/// Tern's shuffle, no --master or shuffle settings given) asks for 3 executors that start together
+/// (`spark.tern.gang.minExecutors=3`) from a pool of at most 2 one-CPU executors. While the pool
+/// holds 2, none of the 3 runs (the Tern job shows 0 running, its status says why, and so does the
+/// driver's log, naming the key); once a third `tern executor` joins, all 3 start in one step, all
+/// register with the driver after it joined and close together, and a shuffle through Tern counts
+/// right. About 40 s (38 s on the 2-core machine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
+    use std::time::{Duration, Instant};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let (jar, _) = build_plugin(root);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let executor_flags = ["--executor-cpus", "1", "--executor-memory", "1536MiB"];
+    let _up = TernUp::start(
+        dir.path(),
+        port,
+        &[&["--min-executors", "0", "--max-executors", "2", "--executor-idle-timeout", "120s"][..], &executor_flags]
+            .concat(),
+    );
+    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let master = tern_scheduler::spark_master_url(&scheduler);
+    // `tern up` found the jar build.sh made beside its binary and wrote it into Spark's defaults.
+    let conf_dir = dir.path().join("spark");
+    let defaults = std::fs::read_to_string(conf_dir.join("spark-defaults.conf")).unwrap();
+    for wanted in [&master, &jar, "io.tern.spark.TernShuffleManager"] {
+        assert!(defaults.contains(wanted), "spark-defaults.conf lacks {wanted}:\n{defaults}");
+    }
+    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let logs = || crate::common::logs_in(&dir.path().join("logs"));
+    let pyspark = Command::new("python3")
+        .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])
+        .output()
+        .unwrap();
+    let spark_submit = Path::new(String::from_utf8(pyspark.stdout).unwrap().trim()).join("bin/spark-submit");
+    let start_file = dir.path().join("gang-start");
+    let metrics: Vec<String> = (0..2).map(|i| format!("http://127.0.0.1:{}/metrics", ports.storage_admin(i))).collect();
+    let app = tokio::process::Command::new(&spark_submit)
+        .args(["--conf", "spark.tern.gang.minExecutors=3", "--conf", "spark.executor.instances=3"])
+        .args(["--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=512m"])
+        .args(["--conf", "spark.driver.memory=512m", "--conf", "spark.ui.enabled=false"])
+        .arg(root.join("spark-shuffle/tests/spark_gang.py"))
+        .env("SPARK_CONF_DIR", &conf_dir)
+        .env_remove("SPARK_HOME")
+        .env_remove("LD_LIBRARY_PATH")
+        .env("TERN_SPARK_MASTER", &master)
+        .env("TERN_GANG_START", &start_file)
+        .env("TERN_STORAGE_METRICS", metrics.join(","))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // The application's job (`tern job list` shows it as spark-<app name>)...
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let job = loop {
+        let jobs = client.list_jobs(true).await.unwrap();
+        if let Some(job) = jobs.iter().find(|j| j.name == "spark-gang") {
+            break job.job_id.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the application did not submit within 60 s: {jobs:?}\n{}",
+            tail(&logs(), 40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // ...waits on a pool that started its 2 executors for it, with nothing running, and says why.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while client.pool_status().await.unwrap().executors < 2 {
+        assert!(Instant::now() < deadline, "the pool did not start 2 executors within 20 s\n{}", tail(&logs(), 40));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let waited = Instant::now();
+    let mut blocked = String::new();
+    while waited.elapsed() < Duration::from_secs(6) {
+        let stage = client.job(&job).await.unwrap().stages.remove(0);
+        assert_eq!((stage.running, stage.queued), (0, 3), "the gang must wait whole: {stage:?}");
+        blocked = stage.blocked;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        blocked.contains("a gang of 3 tasks") && blocked.contains("the 2 live executors hold at most 2 of them"),
+        "tern job status does not say why the gang waits: {blocked:?}"
+    );
+    // Capacity for all 3: another executor joins. The Tern side sees 0 running, then 3 at once.
+    let unix_ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    let joined_ms = unix_ms();
+    let _extra = tokio::process::Command::new(TERN)
+        .args(["executor", "--scheduler", &scheduler, "--name", "gang-extra", "--cpus", "1", "--memory", "1536MiB"])
+        .env_remove("LD_LIBRARY_PATH")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    std::fs::write(&start_file, joined_ms.to_string()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let stage = client.job(&job).await.unwrap().stages.remove(0);
+        if stage.running > 0 {
+            assert_eq!((stage.running, stage.queued), (3, 0), "the gang started in part: {stage:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the gang did not start within 20 s: {stage:?}\n{}", tail(&logs(), 40));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), app.wait_with_output())
+        .await
+        .expect("the application did not end within 120 s")
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(
+        out.status.success() && stdout.contains("gang done"),
+        "spark_gang.py failed:\n{stdout}\n--- stderr (tail) ---\n{}\n{}",
+        tail(&stderr, 150),
+        tail(&logs(), 60)
+    );
+    // The driver said why it waited, naming the key.
+    let warned = |l: &&str| l.contains("spark.tern.gang.minExecutors = 3") && l.contains("hold at most 2 of them");
+    let said: Vec<&str> =
+        stderr.lines().filter(|l| l.contains("WARN") || l.contains("tern-executors")).take(40).collect();
+    let warning = stderr.lines().find(warned);
+    assert!(warning.is_some(), "no warning in the driver's log; its warnings:\n{}", said.join("\n"));
+    println!("the driver said: {}", warning.unwrap_or_default());
+}
+
 /// `tern up` under test, started with `extra` flags; interrupted (Ctrl-C) when dropped.
 struct TernUp(std::process::Child);
 
@@ -320,6 +452,10 @@ impl TernUp {
             .args(["up", "--dir", dir.to_str().unwrap(), "--port", &port.to_string(), "--dram", "512MiB"])
             .args(["--nvme-size", "0"])
             .args(extra)
+            // Cargo's test runner points LD_LIBRARY_PATH at target/debug, which may hold a
+            // libtern_spark.so older than the jar's; Spark's JVMs (the pool's executors start
+            // them) must load the jar's, as a user's do.
+            .env_remove("LD_LIBRARY_PATH")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()

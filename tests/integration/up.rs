@@ -78,6 +78,13 @@ async fn up_with_tls_serves_the_control_plane_over_tls() {
     let (mut up, banner) = start_up(dir.path(), port, &["--tls"]);
     let tls_dir = dir.path().join("tls");
     assert!(banner.contains(&format!("TERN_TLS_DIR={}", tls_dir.display())), "the banner names the TLS dir:\n{banner}");
+    // Spark's defaults name the TLS dir too, and no master (no scheduler runs).
+    let spark = dir.path().join("spark");
+    assert!(banner.contains(&format!("export SPARK_CONF_DIR={}", spark.display())), "{banner}");
+    let defaults = std::fs::read_to_string(spark.join("spark-defaults.conf")).unwrap();
+    let tls_key = format!("spark.tern.tlsDir {}", tls_dir.display());
+    let keys: Vec<String> = defaults.lines().map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+    assert!(keys.contains(&tls_key) && !defaults.contains("spark.master"), "{defaults}");
     let addr = format!("127.0.0.1:{port}");
     let options = tern_client::ClientOptions {
         transport: tern_client::TransportKind::Quic,

@@ -66,6 +66,13 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
 
     /** How often the scheduler is asked which executor tasks ended. */
     static final long POLL_MS = 200;
+    /**
+     * A gang not started this long after submission is looked into (then every {@link #GANG_CHECK_MS}):
+     * long enough for a pool to start executors for it, short enough that a user waiting on a
+     * gang the executors cannot hold learns why.
+     */
+    static final long GANG_WARN_AFTER_MS = 5_000;
+    static final long GANG_CHECK_MS = 2_000;
     /** Executors a default application asks for without dynamic allocation. */
     private static final int DEFAULT_EXECUTORS = 2;
     private static final Pattern EXIT_STATUS = Pattern.compile("exit status: (-?\\d+)");
@@ -94,6 +101,11 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     /** When each task was asked of the scheduler (driver clock, ms), for acquisition times. */
     private final Map<Integer, Long> requestedAt = new HashMap<>();
     private int endedNext;
+    /** spark.tern.gang.minExecutors (0: no gang). */
+    private int gangMin;
+    /** When the gang is next looked into (driver clock, ms), and what was last said about it. */
+    private long gangCheckAtMs;
+    private String gangBlocked = "";
     private int failuresBeforeRegistering;
     private int maxFailures;
 
@@ -197,6 +209,8 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
                     initial, gang, Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS),
                     column(params, 0), column(params, 1), column(env, 0), column(env, 1)).split("\n", 3);
             jobId = submitted[0];
+            gangMin = gang;
+            gangCheckAtMs = asked + GANG_WARN_AFTER_MS;
             adoptShuffleJob(conf, submitted[1], submitted[2]);
             target = initial;
             for (int i = 0; i < initial; i++) {
@@ -418,6 +432,29 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         return message.contains("SIGKILL") || outcome.equals("OOM") ? 137 : -1;
     }
 
+    /**
+     * While a gang has no executor registered: asks the scheduler, every GANG_CHECK_MS from
+     * GANG_WARN_AFTER_MS on, why its tasks cannot start, and warns (once per different reason)
+     * when the live executors cannot hold the gang, so that a gang larger than the pool is not a
+     * silent wait (the scheduler keeps it queued, as Volcano keeps an unschedulable podgroup:
+     * executors may still join). Under `this`.
+     */
+    private void checkGang() {
+        if (gangMin == 0 || !registered.isEmpty() || System.currentTimeMillis() < gangCheckAtMs) {
+            return;
+        }
+        gangCheckAtMs = System.currentTimeMillis() + GANG_CHECK_MS;
+        String why = TernSchedulerNative.blocked(client, jobId);
+        if (!why.isEmpty() && !why.equals(gangBlocked)) {
+            LOG.warn("the application's gang of {} executors ({} = {}) cannot start on Tern's executors now: {} "
+                    + "(tern job status {}); no executor starts until {} fit at once", gangMin, GANG_MIN, gangMin,
+                    why, jobId, gangMin);
+        } else if (why.isEmpty() && !gangBlocked.isEmpty()) {
+            LOG.info("the application's gang of {} executors fits on Tern's executors now", gangMin);
+        }
+        gangBlocked = why;
+    }
+
     /** Every POLL_MS: ended tasks, then replacements while the target wants them. */
     private void watch() {
         while (!stopping) {
@@ -430,6 +467,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
                     apply(TernSchedulerNative.scale(client, jobId, 0, new int[0], false, endedNext));
                     if (!stopping) {
                         reconcile();
+                        checkGang();
                     }
                 }
             } catch (InterruptedException e) {

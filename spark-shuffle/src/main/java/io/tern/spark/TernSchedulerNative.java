@@ -36,4 +36,10 @@ final class TernSchedulerNative {
      * "added I I ...", then "ended INDEX OUTCOME MESSAGE" lines.
      */
     static native String scale(long client, String jobId, int add, int[] cancel, boolean finish, int endedFrom);
+
+    /**
+     * Why the application's executor tasks cannot start on the scheduler's live executors (no
+     * executor fits one, or together they cannot hold the gang), or "" when they can.
+     */
+    static native String blocked(long client, String jobId);
 }
