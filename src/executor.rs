@@ -41,7 +41,7 @@ pub struct ExecutorArgs {
     #[arg(long, value_parser = tern_common::parse_duration)]
     idle_exit_after: Option<Duration>,
     /// Spark executor JVMs kept started and loaded, at most, so a Spark application's executor
-    /// is a hand-off rather than a JVM start (each holds a few hundred MiB outside any task's
+    /// is a hand-off rather than a JVM start (each holds about 190 MiB outside any task's
     /// grant; 0 = none). Learned per kind of executor from the first one that ran here.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=tern_executor::operators::spark_warm::MAX_LIMIT as i64))]
     warm_spark_executors: u32,
