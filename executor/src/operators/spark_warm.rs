@@ -19,8 +19,8 @@
 //! application's `-Dspark.*` startup settings (its driver's port among them) travel in the
 //! hand-off as system properties instead; executors with GPUs start cold (their
 //! `CUDA_VISIBLE_DEVICES` is per task, set at the process's start), as does every executor when
-//! the limit is 0. A parked JVM is outside any task's grant: it holds a few hundred MiB of
-//! resident memory (about 190 MiB with a 900 MiB heap) for the executor's operator to budget.
+//! the limit is 0. A parked JVM is outside any task's grant: it holds about 190 MiB resident (with
+//! a 900 MiB heap), which the executor's operator budgets for.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
