@@ -1,4 +1,4 @@
-//! `tern bench spark-pool`: Spark executors from Tern's pool (master `local-tern://`, Tern's
+//! `tern bench spark-pool`: Spark executors from Tern's pool (master `local-cluster-tern://`, Tern's
 //! scheduler and a warm `tern up` pool) against Spark's own local-cluster executors, the same
 //! cores and memory, the same Tern shuffle, in one run: how long executors take to come, and a
 //! TeraSort on them (the plugin jar's `PoolRun`, which runs `TeraSort`), in `--runs` runs whose
@@ -173,7 +173,7 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     let cluster = EmbeddedCluster::start_with(&options.tern, 2, &room, "1MiB", Some("off"), work.path(), &pool).await?;
     wait_for_pool(&cluster.scheduler_addr(), options.executors).await?;
     let local_cluster = format!("local-cluster[{n},1,{}]", options.executor_memory_mib + 124);
-    let tern_master = format!("local-tern://{}", cluster.scheduler_addr());
+    let tern_master = format!("local-cluster-tern://{}", cluster.scheduler_addr());
     let mut runs = Vec::new();
     for run in 0..options.runs {
         for kind in run_order(run) {

@@ -527,8 +527,7 @@ impl Policy {
         let min_success = if info.spec.min_success == 0 { n } else { info.spec.min_success };
         let max_attempts =
             if info.spec.max_attempts == 0 { self.config.default_max_attempts } else { info.spec.max_attempts };
-        let backoff_ms =
-            if info.spec.backoff_ms == 0 { self.config.default_backoff_ms } else { info.spec.backoff_ms };
+        let backoff_ms = if info.spec.backoff_ms == 0 { self.config.default_backoff_ms } else { info.spec.backoff_ms };
         Stage {
             state: pb::StageState::Waiting,
             needs,
@@ -625,7 +624,10 @@ impl Policy {
             return Err(ScaleError::Invalid(format!("{at}: only elastic stages join a job, and only an elastic one")));
         }
         if spec.tasks != 0 {
-            return Err(ScaleError::Invalid(format!("{at}: tasks = {}; a new stage starts with 0 (add queues)", spec.tasks)));
+            return Err(ScaleError::Invalid(format!(
+                "{at}: tasks = {}; a new stage starts with 0 (add queues)",
+                spec.tasks
+            )));
         }
         let whole = pb::JobSpec {
             name: job.info.name.clone(),

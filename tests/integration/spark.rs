@@ -83,12 +83,15 @@ async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     }
 }
 
-/// Spark on Tern's scheduler: spark_suite.py with master `local-tern://` against `tern up` whose
-/// pool starts at 0 executors (at most 2, 1 CPU each, 1.5 GiB). Every Tern case agrees with the
-/// built-in shuffle while the executors are Tern tasks (the suite checks the application's Tern
-/// job); an executor JVM SIGKILLed mid-stage costs nothing but a rerun; the dynamic-allocation
-/// child releases all its executors and gets new ones. Here: the pool went up to 2 executors for
-/// Spark and back to 0 once the applications ended.
+/// Spark on Tern's scheduler: spark_suite.py with master `local-cluster-tern://` against `tern up`
+/// whose pool starts at 0 executors (at most 2, 2 CPUs each, 1.5 GiB: one 1-core Spark executor of
+/// 700 MiB heap fits in each, by memory). Every Tern case agrees with the built-in shuffle while the
+/// executors are Tern tasks (the suite checks the application's Tern job); an executor JVM
+/// SIGKILLed mid-stage costs nothing but a rerun; the dynamic-allocation child releases all its
+/// executors and gets new ones, then runs a stage with a resource profile of its own (2-core
+/// executors) on executors of that profile, which Tern ran as a stage of its own with that
+/// profile's resources. Here: the pool went up to 2 executors for Spark and back to 0 once the
+/// applications ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_applications_run_on_terns_scheduler_and_pool() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -100,7 +103,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     let _up = TernUp::start(
         dir.path(),
         port,
-        &["--min-executors", "0", "--max-executors", "2", "--executor-cpus", "1", "--executor-memory", "1536MiB"],
+        &["--min-executors", "0", "--max-executors", "2", "--executor-cpus", "2", "--executor-memory", "1536MiB"],
     );
     let metadata = format!("127.0.0.1:{}", ports.metadata());
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());
@@ -124,7 +127,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     python
         .env("TERN_METADATA", &metadata)
         .env("TERN_WORK", work.path())
-        .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"));
+        .env("TERN_SPARK_MASTER", format!("local-cluster-tern://{scheduler}"));
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "all Spark cases agree", &logs).await;
@@ -178,7 +181,7 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     let mut python = tokio::process::Command::new("python3");
     python
         .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
-        .env("TERN_SPARK_MASTER", format!("local-tern://127.0.0.1:{}", ports.scheduler()));
+        .env("TERN_SPARK_MASTER", format!("local-cluster-tern://127.0.0.1:{}", ports.scheduler()));
     let script = root.join("spark-shuffle/tests/spark_gpus.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "GPU executors right", &logs).await;
@@ -213,7 +216,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
                 .arg(&script)
                 .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
                 .env("TERN_SPARK_JAR", &jar)
-                .env("TERN_SPARK_MASTER", format!("local-tern://{scheduler}"))
+                .env("TERN_SPARK_MASTER", format!("local-cluster-tern://{scheduler}"))
                 .env("TERN_QUEUE", queue)
                 .env("TERN_EXECUTORS", "6")
                 .env("TERN_STOP", &stop)
