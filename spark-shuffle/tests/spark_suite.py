@@ -378,6 +378,7 @@ def stage_level_scheduling(sc, rdd, expected, log, app_job):
           .require(ExecutorResourceRequests().cores(PROFILE_CORES).memory(f"{PROFILE_HEAP_MIB}m"))
           .require(TaskResourceRequests().cpus(PROFILE_CORES)).build)
     log.clear()
+    started = time.time()
     out = rdd.mapPartitions(lambda it: [(TaskContext.get().cpus(), list(it))]).withResources(rp).collect()
     assert sorted(r for _, part in out for r in part) == expected, "the resource profile's stage read the shuffle wrong"
     cpus = {c for c, _ in out}
@@ -393,7 +394,8 @@ def stage_level_scheduling(sc, rdd, expected, log, app_job):
     want = {"cpus": float(PROFILE_CORES), "memory_bytes": (PROFILE_HEAP_MIB + 384) << 20, "gpus": 0.0}
     assert name in stages and stages[name]["needs"] == want and stages[name]["attempts"] >= len(ran_on), \
         f"Tern's stage {name} for profile {rp.id} (wanted needs {want}): {stages}"
-    return {"profile": rp.id, "executors": ran_on, "stage": name, "needs": want}
+    return {"profile": rp.id, "executors": ran_on, "stage": name, "needs": want,
+            "seconds": round(time.time() - started, 1)}
 
 
 def dynamic_allocation_and_crashed_driver():
@@ -489,9 +491,10 @@ def main():
             killed = survive_killed_executor(sc)
             print(f"  ok  executor {killed} SIGKILLed mid-stage: Tern reported it, Spark reran its tasks, result "
                   "right, executor replaced", flush=True)
+            t = time.time()
             ran_on = task_resource_profile(sc)
-            print(f"  ok  a TaskResourceProfile without dynamic allocation ran on the default executors {ran_on}",
-                  flush=True)
+            print(f"  ok  a TaskResourceProfile without dynamic allocation ran on the default executors {ran_on} "
+                  f"({time.time() - t:.1f}s)", flush=True)
         job = sc._jsc.sc().env().shuffleManager().ternJobId()
     finally:
         sc.stop()
@@ -524,7 +527,7 @@ def main():
         p = ready["profiled"]
         print(f"  ok  stage-level scheduling: resource profile {p['profile']}'s stage read the shuffle on its own "
               f"executors {p['executors']} ({PROFILE_CORES} cores, TaskContext.cpus() {PROFILE_CORES}), Tern stage "
-              f"{p['stage']} granted {p['needs']}", flush=True)
+              f"{p['stage']} granted {p['needs']} ({p['seconds']}s)", flush=True)
 
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures), flush=True)
