@@ -87,7 +87,8 @@ async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
 /// whose pool starts at 0 executors (at most 2, 2 CPUs each, 1.5 GiB: one 1-core Spark executor of
 /// 700 MiB heap fits in each, by memory). Every Tern case agrees with the built-in shuffle while the
 /// executors are Tern tasks (the suite checks the application's Tern job); an executor JVM
-/// SIGKILLed mid-stage costs nothing but a rerun; the dynamic-allocation child releases all its
+/// SIGKILLed mid-stage costs nothing but a rerun; a stage with a TaskResourceProfile runs on the
+/// default profile's executors (no dynamic allocation); the dynamic-allocation child releases all its
 /// executors and gets new ones, then runs a stage with a resource profile of its own (2-core
 /// executors) on executors of that profile, which Tern ran as a stage of its own with that
 /// profile's resources. Here: the pool went up to 2 executors for Spark and back to 0 once the
