@@ -14,8 +14,9 @@ Tern side runs on Tern's scheduler instead of local-cluster: its executors are T
 the suite checks through `tern job status`, and the built-in side runs in local[2]; it also SIGKILLs one executor JVM mid-stage (the job
 must still be right, the executor replaced). The dynamic-allocation child then scales its
 executors (Tern tasks) up, down to none and up again, and reads its shuffle once more in a stage
-with a resource profile of its own (stage-level scheduling: 2-core executors of that profile,
-which Tern runs as a stage of their own in the application's job; needs Tern executors of 2 CPUs). The storage-server fault needs
+with a resource profile of its own (stage-level scheduling: 2-core, one-GPU executors of that
+profile, which Tern runs as a stage of their own in the application's job; needs Tern executors
+of 2 CPUs with GPUs). The storage-server fault needs
 TERN_STORAGE_FAULT; without it that case is not run, and the suite says so.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
@@ -364,25 +365,32 @@ def task_resource_profile(sc):
     return ran_on
 
 
-# Stage-level scheduling: executors of 2 cores and 512 MiB heap (+ 384 MiB overhead), 2 CPUs a task.
+# Stage-level scheduling: executors of 2 cores, 512 MiB heap (+ 384 MiB overhead) and one GPU; 2 CPUs
+# and the GPU a task.
 PROFILE_CORES, PROFILE_HEAP_MIB = 2, 512
 
 
 def stage_level_scheduling(sc, rdd, expected, log, app_job):
     """A stage with a resource profile of its own reads the child's shuffle (its map stage is not
-    run again): its tasks see the profile's CPUs in TaskContext.cpus() and ran only on executors of
-    that profile with its cores (ids profile * 1,000,000 + n), which Tern's scheduler ran as the
-    application job's stage of that profile with that profile's resources."""
+    run again): its tasks see the profile's CPUs in TaskContext.cpus() and one GPU in
+    TaskContext.resources(), and ran only on executors of that profile with its cores (ids
+    profile * 1,000,000 + n), which Tern's scheduler ran as the application job's stage of that
+    profile with that profile's resources (its GPU granted: the pool's executors offer GPUs from
+    a discovery script)."""
     from pyspark.resource import ExecutorResourceRequests, ResourceProfileBuilder, TaskResourceRequests
     rp = (ResourceProfileBuilder()
-          .require(ExecutorResourceRequests().cores(PROFILE_CORES).memory(f"{PROFILE_HEAP_MIB}m"))
-          .require(TaskResourceRequests().cpus(PROFILE_CORES)).build)
+          .require(ExecutorResourceRequests().cores(PROFILE_CORES).memory(f"{PROFILE_HEAP_MIB}m").resource("gpu", 1))
+          .require(TaskResourceRequests().cpus(PROFILE_CORES).resource("gpu", 1)).build)
     log.clear()
     started = time.time()
-    out = rdd.mapPartitions(lambda it: [(TaskContext.get().cpus(), list(it))]).withResources(rp).collect()
-    assert sorted(r for _, part in out for r in part) == expected, "the resource profile's stage read the shuffle wrong"
-    cpus = {c for c, _ in out}
+    probe = lambda it: [(TaskContext.get().cpus(), list(TaskContext.get().resources()["gpu"].addresses), list(it))]
+    out = rdd.mapPartitions(probe).withResources(rp).collect()
+    assert sorted(r for _, _, part in out for r in part) == expected, \
+        "the resource profile's stage read the shuffle wrong"
+    cpus = {c for c, _, _ in out}
     assert cpus == {PROFILE_CORES}, f"the profile's tasks saw TaskContext.cpus() {cpus}, wanted {PROFILE_CORES}"
+    gpus = [g for _, g, _ in out]
+    assert all(len(g) == 1 and g[0] in ("0", "1") for g in gpus), f"the profile's tasks saw GPUs {gpus}, wanted one"
     seen = events(sc, log)
     ran_on = sorted({t[4] for t in seen["tasks"]})
     added = {e[0]: (e[1], e[2]) for e in seen["executors"]}
@@ -391,7 +399,7 @@ def stage_level_scheduling(sc, rdd, expected, log, app_job):
             f"a task of profile {rp.id} ran on executor {executor}: {added.get(executor)} (profile, cores)"
     name = f"executors-rp{rp.id}"
     stages = {st["name"]: st for st in scheduler_job(app_job)["stages"]}
-    want = {"cpus": float(PROFILE_CORES), "memory_bytes": (PROFILE_HEAP_MIB + 384) << 20, "gpus": 0.0}
+    want = {"cpus": float(PROFILE_CORES), "memory_bytes": (PROFILE_HEAP_MIB + 384) << 20, "gpus": 1.0}
     assert name in stages and stages[name]["needs"] == want and stages[name]["attempts"] >= len(ran_on), \
         f"Tern's stage {name} for profile {rp.id} (wanted needs {want}): {stages}"
     return {"profile": rp.id, "executors": ran_on, "stage": name, "needs": want,
@@ -526,8 +534,8 @@ def main():
     if ready["profiled"]:
         p = ready["profiled"]
         print(f"  ok  stage-level scheduling: resource profile {p['profile']}'s stage read the shuffle on its own "
-              f"executors {p['executors']} ({PROFILE_CORES} cores, TaskContext.cpus() {PROFILE_CORES}), Tern stage "
-              f"{p['stage']} granted {p['needs']} ({p['seconds']}s)", flush=True)
+              f"executors {p['executors']} ({PROFILE_CORES} cores and a GPU, TaskContext.cpus() {PROFILE_CORES}), "
+              f"Tern stage {p['stage']} granted {p['needs']} ({p['seconds']}s)", flush=True)
 
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures), flush=True)
