@@ -82,7 +82,7 @@ fi
 
 javac -nowarn -encoding UTF-8 --release 8 -cp "$SPARK_HOME/jars/*" -d "$out/classes" \
     $(find spark-shuffle/src/main/java -name '*.java') 2> >(grep -v '^warning: \[options\]' >&2)
-# META-INF/services: Spark finds Tern's cluster manager (master tern:// or local-tern://) there.
+# META-INF/services: Spark finds Tern's cluster manager (master tern:// or local-cluster-tern://) there.
 cp -r spark-shuffle/src/main/resources/. "$out/classes/"
 jar cf "$out/tern-spark.jar.tmp" -C "$out/classes" .
 mv "$out/tern-spark.jar.tmp" "$out/tern-spark.jar"

@@ -268,7 +268,7 @@ enum BenchCommand {
         json: bool,
     },
     /// Spark executors from Tern's pool against Spark's own: a warm `tern up` pool of --executors
-    /// executors (1 CPU each) and master local-tern:// against local-cluster[N,1,MEM], the same
+    /// executors (1 CPU each) and master local-cluster-tern:// against local-cluster[N,1,MEM], the same
     /// cores, memory and Tern shuffle, in --runs runs each (the order rotates). Executor
     /// acquisition (the backend's request to registration with the driver, split at the executor
     /// JVM's start: Tern's part, then the JVM's and Spark's), p50 and range over every executor;

@@ -257,6 +257,11 @@ fn job_json(job: &pb::JobStatus) -> Value {
             "paths": s.paths,
             "errors": s.errors,
             "blocked": s.blocked,
+            "needs": s.needs.map(|n| json!({
+                "cpus": n.cpu_milli as f64 / 1000.0,
+                "memory_bytes": n.memory_bytes,
+                "gpus": n.gpu_milli as f64 / 1000.0,
+            })),
             "input_shuffle_id": crate::show::id(s.input_shuffle_id),
             "output_shuffle_id": crate::show::id(s.output_shuffle_id),
         })).collect::<Vec<_>>(),
@@ -305,6 +310,14 @@ fn print_status(job: &pb::JobStatus) {
             s.attempts,
             paths.join(" ")
         );
+        if let Some(n) = s.needs {
+            outln!(
+                "    each task: {} CPUs, {}, {} GPUs",
+                n.cpu_milli as f64 / 1000.0,
+                crate::show::size(n.memory_bytes),
+                n.gpu_milli as f64 / 1000.0
+            );
+        }
         if !s.blocked.is_empty() {
             outln!("    waiting: {}", s.blocked);
         }

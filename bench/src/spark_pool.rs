@@ -1,4 +1,4 @@
-//! `tern bench spark-pool`: Spark executors from Tern's pool (master `local-tern://`, Tern's
+//! `tern bench spark-pool`: Spark executors from Tern's pool (master `local-cluster-tern://`, Tern's
 //! scheduler and a warm `tern up` pool) against Spark's own local-cluster executors, the same
 //! cores and memory, the same Tern shuffle, in one run: how long executors take to come, and a
 //! TeraSort on them (the plugin jar's `PoolRun`, which runs `TeraSort`), in `--runs` runs whose

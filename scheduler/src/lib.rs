@@ -22,10 +22,11 @@ pub use client::SchedulerClient;
 pub use config::Config;
 
 /// The prefix of the Spark master URL that names this scheduler to spark-submit and pyspark
-/// (spark-submit 3.5 takes only masters starting yarn, spark, mesos, k8s or local; Tern's
+/// (spark-submit 3.5 takes only masters starting yarn, spark, mesos, k8s or local, and Spark serves
+/// non-default resource profiles only on masters starting spark:// or local-cluster; Tern's
 /// cluster manager, `TernClusterManager.ALIAS` in spark-shuffle's Java, takes this one). The one
 /// place Rust spells it.
-pub const SPARK_MASTER_PREFIX: &str = "local-tern://";
+pub const SPARK_MASTER_PREFIX: &str = "local-cluster-tern://";
 
 /// The Spark master URL of the scheduler at `addr` (HOST:PORT).
 pub fn spark_master_url(addr: &str) -> String {

@@ -483,55 +483,7 @@ impl Policy {
         let queue = self.queue_of(&queue_name);
         let key = self.next_job;
         self.next_job += 1;
-        let mut built: Vec<Stage> = stages
-            .into_iter()
-            .map(|info| {
-                let needs: Res = info.spec.needs.unwrap_or_default().into();
-                let n = info.spec.tasks;
-                let min_success = if info.spec.min_success == 0 { n } else { info.spec.min_success };
-                let max_attempts =
-                    if info.spec.max_attempts == 0 { self.config.default_max_attempts } else { info.spec.max_attempts };
-                let backoff_ms =
-                    if info.spec.backoff_ms == 0 { self.config.default_backoff_ms } else { info.spec.backoff_ms };
-                Stage {
-                    state: pb::StageState::Waiting,
-                    needs,
-                    max_attempts,
-                    backoff_ms,
-                    min_success,
-                    tasks: vec![
-                        Task {
-                            state: TaskState::Waiting,
-                            runs: 0,
-                            failures: 0,
-                            memory_bytes: needs.memory_bytes,
-                            queued_at_ms: 0,
-                            assignment: 0
-                        };
-                        n as usize
-                    ],
-                    ready: VecDeque::new(),
-                    local: HashMap::new(),
-                    next: Vec::new(),
-                    pending_deps: 0,
-                    counts: Counts { waiting: n, ..Counts::default() },
-                    attempts: 0,
-                    oom_retries: 0,
-                    lost: 0,
-                    paths: BTreeMap::new(),
-                    errors: VecDeque::new(),
-                    started_ms: 0,
-                    finished_ms: 0,
-                    gang_placed: false,
-                    ended: Vec::new(),
-                    producer: None,
-                    recomputed: 0,
-                    recompute_rounds: 0,
-                    recomputing: false,
-                    info,
-                }
-            })
-            .collect();
+        let mut built: Vec<Stage> = stages.into_iter().map(|info| self.new_stage(info)).collect();
         for (stage, &producer) in built.iter_mut().zip(&dag.producer) {
             stage.producer = producer;
         }
@@ -568,6 +520,53 @@ impl Policy {
         }
     }
 
+    /// A stage of a new job (or one added to an elastic job), its tasks waiting.
+    fn new_stage(&self, info: StageInfo) -> Stage {
+        let needs: Res = info.spec.needs.unwrap_or_default().into();
+        let n = info.spec.tasks;
+        let min_success = if info.spec.min_success == 0 { n } else { info.spec.min_success };
+        let max_attempts =
+            if info.spec.max_attempts == 0 { self.config.default_max_attempts } else { info.spec.max_attempts };
+        let backoff_ms = if info.spec.backoff_ms == 0 { self.config.default_backoff_ms } else { info.spec.backoff_ms };
+        Stage {
+            state: pb::StageState::Waiting,
+            needs,
+            max_attempts,
+            backoff_ms,
+            min_success,
+            tasks: vec![
+                Task {
+                    state: TaskState::Waiting,
+                    runs: 0,
+                    failures: 0,
+                    memory_bytes: needs.memory_bytes,
+                    queued_at_ms: 0,
+                    assignment: 0
+                };
+                n as usize
+            ],
+            ready: VecDeque::new(),
+            local: HashMap::new(),
+            next: Vec::new(),
+            pending_deps: 0,
+            counts: Counts { waiting: n, ..Counts::default() },
+            attempts: 0,
+            oom_retries: 0,
+            lost: 0,
+            paths: BTreeMap::new(),
+            errors: VecDeque::new(),
+            started_ms: 0,
+            finished_ms: 0,
+            gang_placed: false,
+            ended: Vec::new(),
+            producer: None,
+            recomputed: 0,
+            recompute_rounds: 0,
+            recomputing: false,
+            info,
+        }
+    }
+
     fn start_stage(&mut self, key: u64, s: usize, now_ms: u64) {
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = pb::JobState::Running;
@@ -599,6 +598,59 @@ impl Policy {
             let sort = (Reverse(job.info.priority), job.seq);
             self.queues[job.queue].ready_jobs.remove(&sort);
         }
+    }
+
+    /// An elastic job's owner adds an elastic stage (a Spark application's executors of another
+    /// resource profile), running at once with no tasks. Checked as a submitted job is, with the
+    /// job's stages and this one together under `limits`. Returns false, changing nothing, when
+    /// the job already has a stage of that name (a retried call).
+    pub fn add_stage(
+        &mut self,
+        job_id: &str,
+        spec: pb::StageSpec,
+        limits: &crate::spec::SpecLimits,
+        now_ms: u64,
+    ) -> Result<bool, ScaleError> {
+        let key = *self.job_keys.get(job_id).ok_or_else(|| ScaleError::NotFound(format!("no job {job_id}")))?;
+        let job = &self.jobs[&key];
+        if job.stages.iter().any(|st| st.info.spec.name == spec.name) {
+            return Ok(false);
+        }
+        let at = format!("adding stage {:?} to job {job_id}", spec.name);
+        if !matches!(job.state, pb::JobState::Pending | pb::JobState::Running) {
+            return Err(ScaleError::Invalid(format!("{at}: the job is {:?}", job.state)));
+        }
+        if !spec.elastic || !job.stages.iter().all(|st| st.info.spec.elastic) {
+            return Err(ScaleError::Invalid(format!("{at}: only elastic stages join a job, and only an elastic one")));
+        }
+        if spec.tasks != 0 {
+            return Err(ScaleError::Invalid(format!(
+                "{at}: tasks = {}; a new stage starts with 0 (add queues)",
+                spec.tasks
+            )));
+        }
+        let whole = pb::JobSpec {
+            name: job.info.name.clone(),
+            queue: job.info.queue.clone(),
+            stages: job.stages.iter().map(|st| st.info.spec.clone()).chain([spec.clone()]).collect(),
+            ..Default::default()
+        };
+        crate::spec::validate(&whole, limits).map_err(|e| ScaleError::Invalid(format!("{at}: {e:#}")))?;
+        let stage = self.new_stage(StageInfo {
+            spec,
+            input_shuffle_id: 0,
+            input_partitions: 0,
+            input_maps: 0,
+            output_shuffle_id: 0,
+            output_partitions: 0,
+            hosts: Vec::new(),
+        });
+        let job = self.jobs.get_mut(&key).expect("job");
+        job.stages.push(stage);
+        job.unfinished_stages += 1;
+        let s = job.stages.len() - 1;
+        self.start_stage(key, s, now_ms);
+        Ok(true)
     }
 
     /// An elastic stage's owner: adds `add` tasks (new indexes), cancels the tasks in `cancel`
@@ -1647,6 +1699,7 @@ fn stage_status(stage: &Stage) -> pb::StageStatus {
         errors: stage.errors.iter().cloned().collect(),
         input_shuffle_id: stage.info.input_shuffle_id,
         output_shuffle_id: stage.info.output_shuffle_id,
+        needs: stage.info.spec.needs,
         // Relative to the policy's clock; the server adds its start time.
         started_unix_ms: stage.started_ms,
         finished_unix_ms: stage.finished_ms,
@@ -2026,6 +2079,61 @@ mod tests {
         assert!(status.error.contains("did not renew its lease"), "{}", status.error);
         assert!(p.take_events().contains(&Event::Cancel { executor: e0, assignments: vec![placed[0].assignment_id] }));
         assert_eq!(p.expire_leases(u64::MAX, 1), 0, "expired once");
+    }
+
+    #[test]
+    fn an_elastic_job_gains_stages_of_other_needs_and_ends_when_all_are_finished() {
+        let mut p = Policy::new(PolicyConfig::default());
+        let e0 = executor(&mut p, "h0", 4, 1);
+        let mut s = stage("executors", 1, MILLI, 0);
+        s.elastic = true;
+        add(&mut p, "app", "q", 0, vec![s]);
+        let limits = SpecLimits { max_stages: 3, ..SpecLimits::default() };
+        let mut big = stage("executors-rp1", 0, 2 * MILLI, MILLI);
+        big.elastic = true;
+        assert_eq!(p.add_stage("app", big.clone(), &limits, 1), Ok(true));
+        assert_eq!(p.add_stage("app", big.clone(), &limits, 1), Ok(false), "a retried call changes nothing");
+        let out = p.scale_stage("app", "executors-rp1", 2, &[], false, 0, 8, 2, 1).unwrap();
+        assert_eq!(out.added, [0, 1], "the new stage's own indexes");
+        let placed = p.assign(e0, 10, 2);
+        let mut granted: Vec<(String, u64, u64)> = placed
+            .iter()
+            .map(|a| (a.stage.clone(), a.granted.unwrap().cpu_milli, a.granted.unwrap().gpu_milli))
+            .collect();
+        granted.sort();
+        // 4 CPUs, 1 GPU: the default stage's task and one of the profile's (2 CPUs, the GPU).
+        assert_eq!(granted, [("executors".into(), MILLI, 0), ("executors-rp1".into(), 2 * MILLI, MILLI)]);
+        let status = p.job_status("app", true).unwrap();
+        let needs: Vec<_> = status.stages.iter().map(|st| (st.name.as_str(), st.needs.unwrap().cpu_milli)).collect();
+        assert_eq!(needs, [("executors", MILLI), ("executors-rp1", 2 * MILLI)]);
+        // Refused: tasks at creation, a stage past the limit, a non-elastic stage.
+        let mut more = big.clone();
+        more.name = "x".into();
+        more.tasks = 1;
+        let e = p.add_stage("app", more.clone(), &limits, 3).unwrap_err();
+        assert!(matches!(&e, ScaleError::Invalid(m) if m.contains("starts with 0")), "{e:?}");
+        more.tasks = 0;
+        assert_eq!(p.add_stage("app", more.clone(), &limits, 3), Ok(true));
+        more.name = "y".into();
+        let e = p.add_stage("app", more.clone(), &limits, 3).unwrap_err();
+        assert!(matches!(&e, ScaleError::Invalid(m) if m.contains("at most 3")), "{e:?}");
+        more.elastic = false;
+        assert!(matches!(p.add_stage("app", more, &limits, 3), Err(ScaleError::Invalid(_))));
+        // The job succeeds once its owner finished every stage.
+        for (i, name) in ["executors", "x", "executors-rp1"].into_iter().enumerate() {
+            let out = p.scale_stage("app", name, 0, &[], true, 0, 8, 4, 1).unwrap();
+            let want = if i < 2 { pb::JobState::Running } else { pb::JobState::Succeeded };
+            assert_eq!(out.state, want, "after finishing {name}");
+        }
+        let mut late = big;
+        late.name = "z".into();
+        assert!(matches!(p.add_stage("app", late, &limits, 5), Err(ScaleError::Invalid(_))), "a finished job");
+        let mut plain = stage("s", 1, MILLI, 0);
+        add(&mut p, "batch", "q", 0, vec![plain.clone()]);
+        plain.name = "t".into();
+        plain.tasks = 0;
+        plain.elastic = true;
+        assert!(matches!(p.add_stage("batch", plain, &limits, 5), Err(ScaleError::Invalid(_))), "not an elastic job");
     }
 
     #[test]

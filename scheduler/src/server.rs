@@ -596,6 +596,20 @@ impl Scheduler for Service {
             )));
         }
         let now_ms = self.shared.now_ms();
+        let refused = |e: crate::policy::ScaleError| match e {
+            crate::policy::ScaleError::NotFound(m) => ErrorKind::NotFound.status(m),
+            crate::policy::ScaleError::Invalid(m) => invalid(m),
+        };
+        if let Some(create) = r.create {
+            let create = pb::StageSpec { name: r.stage.clone(), ..create };
+            let needs = create.needs.unwrap_or_default();
+            if state.policy.add_stage(&r.job_id, create, &limits, now_ms).map_err(refused)? {
+                info!(
+                    "job {}: elastic stage {:?} added ({} mCPU, {} bytes, {} mGPU a task)",
+                    r.job_id, r.stage, needs.cpu_milli, needs.memory_bytes, needs.gpu_milli
+                );
+            }
+        }
         let out = state
             .policy
             .scale_stage(
@@ -609,10 +623,7 @@ impl Scheduler for Service {
                 now_ms,
                 unix_ms(),
             )
-            .map_err(|e| match e {
-                crate::policy::ScaleError::NotFound(m) => ErrorKind::NotFound.status(m),
-                crate::policy::ScaleError::Invalid(m) => invalid(m),
-            })?;
+            .map_err(refused)?;
         let added = out.added.len() as u64;
         if added > 0 {
             state.active_tasks += added;

@@ -355,8 +355,10 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
     for (i, stage) in spec.stages.iter().enumerate() {
         let at = format!("stage {:?}", stage.name);
         if stage.elastic {
-            if spec.stages.len() != 1 || !spec.shuffles.is_empty() {
-                bail!("{at}: an elastic stage must be its job's only stage, with no shuffles");
+            // Elastic stages live side by side (a Spark application's resource profiles), each
+            // ended by its owner: nothing orders them and nothing flows between them.
+            if spec.stages.iter().any(|s| !s.elastic) || !spec.shuffles.is_empty() || !stage.after.is_empty() {
+                bail!("{at}: a job with an elastic stage has only elastic stages, with no `after` and no shuffles");
             }
             if stage.lease_ms > 86_400_000 {
                 bail!("{at}: lease_ms = {} is more than a day", stage.lease_ms);

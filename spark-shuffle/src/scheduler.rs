@@ -1,8 +1,10 @@
 //! Tern's scheduler over JNI, for the Java class `io.tern.spark.TernSchedulerNative`: what a Spark
 //! driver running Tern's cluster manager calls to submit its application as a Tern job (an
-//! elastic stage of `spark-executor` tasks) and to scale it. The same rules as the rest of the
-//! crate: opaque handles freed by `closeScheduler`, every call under `entry` (errors thrown as
-//! `TernException`), calls blocking their Java thread on the crate's runtime.
+//! elastic stage of `spark-executor` tasks per resource profile: "executors" for the default one,
+//! submitted with the job; the others added when Spark first asks for them) and to scale them.
+//! The same rules as the rest of the crate: opaque handles freed by `closeScheduler`, every call
+//! under `entry` (errors thrown as `TernException`), calls blocking their Java thread on the
+//! crate's runtime.
 //!
 //! Replies cross as text, one fact a line, so Java needs no generated protobuf classes:
 //! `state <JobState> next <ended_next> queued <n> running <n>`, then `added <i> <i> ...`, then
@@ -62,10 +64,49 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_closeScheduler<'l>
     let _ = std::panic::catch_unwind(|| unsafe { close::<SchedulerClient>(client) });
 }
 
-/// Submits the application: one job, one elastic stage "executors" of `initial` tasks, each
-/// needing `cpu_milli`, `memory_bytes` and `gpu_milli`; a gang of `min_available` when above 0;
-/// cancelled by the scheduler when no `scale` call comes for `lease_ms`. Returns three lines: the
-/// job id, its Tern job id and that Tern job's token.
+/// One elastic stage of `spark-executor` tasks, each needing `cpu_milli`, `memory_bytes` and
+/// `gpu_milli`; a gang of `min_available` when above 0.
+#[allow(clippy::too_many_arguments)]
+fn executor_stage(
+    name: &str,
+    cpu_milli: jlong,
+    memory_bytes: jlong,
+    gpu_milli: jlong,
+    tasks: jint,
+    min_available: jint,
+    lease_ms: jlong,
+    params: Vec<(String, String)>,
+    env: Vec<(String, String)>,
+) -> Outcome<pb::StageSpec> {
+    if cpu_milli <= 0 || memory_bytes <= 0 || gpu_milli < 0 || tasks < 0 || min_available < 0 || lease_ms < 0 {
+        return Err(invalid("an executor needs CPUs and memory above 0; counts must be >= 0"));
+    }
+    Ok(pb::StageSpec {
+        name: name.into(),
+        operator: Some(pb::Operator {
+            name: "spark-executor".into(),
+            params: params.into_iter().collect(),
+            argv: Vec::new(),
+            env: env.into_iter().collect(),
+        }),
+        tasks: tasks as u32,
+        needs: Some(pb::Resources {
+            cpu_milli: cpu_milli as u64,
+            memory_bytes: memory_bytes as u64,
+            gpu_milli: gpu_milli as u64,
+        }),
+        gang: min_available > 0,
+        min_available: min_available as u32,
+        elastic: true,
+        lease_ms: lease_ms as u64,
+        ..Default::default()
+    })
+}
+
+/// Submits the application: one job, one elastic stage "executors" (the default resource
+/// profile's) of `initial` tasks, each needing `cpu_milli`, `memory_bytes` and `gpu_milli`; a gang
+/// of `min_available` when above 0; cancelled by the scheduler when no `scale` call comes for
+/// `lease_ms`. Returns three lines: the job id, its Tern job id and that Tern job's token.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
@@ -89,29 +130,19 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
     entry(&mut env, |env| {
         // SAFETY: a live scheduler handle; SchedulerClient is Sync (see `shared`).
         let client = unsafe { shared::<SchedulerClient>(client)? }.clone();
-        if cpu_milli <= 0 || memory_bytes <= 0 || gpu_milli < 0 || initial < 0 || min_available < 0 || lease_ms < 0 {
-            return Err(invalid("an executor needs CPUs and memory above 0; counts must be >= 0"));
-        }
-        let stage = pb::StageSpec {
-            name: "executors".into(),
-            operator: Some(pb::Operator {
-                name: "spark-executor".into(),
-                params: pairs(env, &param_keys, &param_values)?.into_iter().collect(),
-                argv: Vec::new(),
-                env: pairs(env, &env_keys, &env_values)?.into_iter().collect(),
-            }),
-            tasks: initial as u32,
-            needs: Some(pb::Resources {
-                cpu_milli: cpu_milli as u64,
-                memory_bytes: memory_bytes as u64,
-                gpu_milli: gpu_milli as u64,
-            }),
-            gang: min_available > 0,
-            min_available: min_available as u32,
-            elastic: true,
-            lease_ms: lease_ms as u64,
-            ..Default::default()
-        };
+        let params = pairs(env, &param_keys, &param_values)?;
+        let vars = pairs(env, &env_keys, &env_values)?;
+        let stage = executor_stage(
+            "executors",
+            cpu_milli,
+            memory_bytes,
+            gpu_milli,
+            initial,
+            min_available,
+            lease_ms,
+            params,
+            vars,
+        )?;
         let spec = pb::JobSpec {
             name: string(env, &name)?,
             queue: string(env, &queue)?,
@@ -125,13 +156,50 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_submit<'l>(
     })
 }
 
-/// Scales the application's stage; the reply as the module says.
+/// Adds the elastic stage `stage` (another resource profile's executors, each needing
+/// `cpu_milli`, `memory_bytes` and `gpu_milli`) to the application's job, with no tasks yet
+/// (ScaleStage with `create`; a stage that exists already is left as it is, so a retry is safe).
+/// The reply as the module says.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_createStage<'l>(
+    mut env: JNIEnv<'l>,
+    _: JClass<'l>,
+    client: jlong,
+    job_id: JString<'l>,
+    stage: JString<'l>,
+    cpu_milli: jlong,
+    memory_bytes: jlong,
+    gpu_milli: jlong,
+    lease_ms: jlong,
+    param_keys: JObjectArray<'l>,
+    param_values: JObjectArray<'l>,
+    env_keys: JObjectArray<'l>,
+    env_values: JObjectArray<'l>,
+) -> jstring {
+    entry(&mut env, |env| {
+        // SAFETY: a live scheduler handle (see `shared`).
+        let client = unsafe { shared::<SchedulerClient>(client)? }.clone();
+        let stage = string(env, &stage)?;
+        let params = pairs(env, &param_keys, &param_values)?;
+        let vars = pairs(env, &env_keys, &env_values)?;
+        let create = executor_stage(&stage, cpu_milli, memory_bytes, gpu_milli, 0, 0, lease_ms, params, vars)?;
+        let request =
+            pb::ScaleStageRequest { job_id: string(env, &job_id)?, stage, create: Some(create), ..Default::default() };
+        let reply = runtime().block_on(client.scale_stage(request))?;
+        Ok(env.new_string(reply_text(&reply))?.into_raw())
+    })
+}
+
+/// Scales one of the application's stages; the reply as the module says.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_scale<'l>(
     mut env: JNIEnv<'l>,
     _: JClass<'l>,
     client: jlong,
     job_id: JString<'l>,
+    stage: JString<'l>,
     add: jint,
     cancel: JIntArray<'l>,
     finish: jboolean,
@@ -150,11 +218,12 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_scale<'l>(
         }
         let request = pb::ScaleStageRequest {
             job_id: string(env, &job_id)?,
-            stage: "executors".into(),
+            stage: string(env, &stage)?,
             add: add as u32,
             cancel: indexes.into_iter().map(|i| i as u32).collect(),
             finish: finish != 0,
             ended_from: ended_from as u32,
+            create: None,
         };
         let reply = runtime().block_on(client.scale_stage(request))?;
         Ok(env.new_string(reply_text(&reply))?.into_raw())

@@ -10,7 +10,7 @@ Then `tern job list` shows the application running in its queue (`spark.tern.que
 priority (`spark.tern.priority`), its shuffles in the application job's own Tern job, and `tern job
 cancel` stops it and frees that Tern job (its shuffles with it).
 
-Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_BIN, TERN_SPARK_MASTER (local-tern://HOST:PORT).
+Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_BIN, TERN_SPARK_MASTER (local-cluster-tern://HOST:PORT).
 """
 
 import json

@@ -4,7 +4,7 @@ that wants TERN_EXECUTORS executors of one core and keeps them busy with jobs of
 the file TERN_STOP exists. It prints how many executors registered with its driver, so the test can
 hold Spark's view against the executor time it measured from Tern's side.
 
-Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_SPARK_MASTER (local-tern://HOST:PORT), TERN_QUEUE,
+Environment: TERN_METADATA, TERN_SPARK_JAR, TERN_SPARK_MASTER (local-cluster-tern://HOST:PORT), TERN_QUEUE,
 TERN_EXECUTORS, TERN_STOP.
 """
 

@@ -9,11 +9,14 @@ the map stage, which reruns exactly the maps Tern lost; and a second driver (thi
 released between two jobs reading one shuffle) and is then killed with SIGKILL: its data must be
 freed when its job lease lapses.
 
-With TERN_SPARK_MASTER (`local-tern://HOST:PORT`, Tern's scheduler of a `tern up` cluster) the
+With TERN_SPARK_MASTER (`local-cluster-tern://HOST:PORT`, Tern's scheduler of a `tern up` cluster) the
 Tern side runs on Tern's scheduler instead of local-cluster: its executors are Tern tasks, which
 the suite checks through `tern job status`, and the built-in side runs in local[2]; it also SIGKILLs one executor JVM mid-stage (the job
 must still be right, the executor replaced). The dynamic-allocation child then scales its
-executors (Tern tasks) up, down to none and up again. The storage-server fault needs
+executors (Tern tasks) up, down to none and up again, and reads its shuffle once more in a stage
+with a resource profile of its own (stage-level scheduling: 2-core, one-GPU executors of that
+profile, which Tern runs as a stage of their own in the application's job; needs Tern executors
+of 2 CPUs with GPUs). The storage-server fault needs
 TERN_STORAGE_FAULT; without it that case is not run, and the suite says so.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR, TERN_BIN (the tern
@@ -34,7 +37,7 @@ import threading
 import time
 from operator import add
 
-from pyspark import SparkConf, SparkContext
+from pyspark import SparkConf, SparkContext, TaskContext
 from pyspark.sql import SparkSession, Window
 from pyspark.sql import functions as F
 
@@ -343,9 +346,64 @@ def child():
     pid = sc._jvm.java.lang.ProcessHandle.current().pid()
     job = jsc.env().shuffleManager().ternJobId()
     app_job = jsc.schedulerBackend().ternJobId() if MASTER else None
+    profiled = stage_level_scheduling(sc, rdd, expected, log, app_job) if MASTER else None
     print(json.dumps({"pid": pid, "job": job, "app_job": app_job, "first_executors": first,
-                      "second_executors": second}), flush=True)
+                      "second_executors": second, "profiled": profiled}), flush=True)
     time.sleep(600)
+
+
+def task_resource_profile(sc):
+    """Without dynamic allocation, a stage with a TaskResourceProfile (task resources only) is
+    accepted under Tern's master and runs on the default profile's executors."""
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+    rp = ResourceProfileBuilder().require(TaskResourceRequests().cpus(1)).build
+    log = stage_log(sc)
+    out = sc.parallelize(range(1000), 4).map(lambda x: x * 2).withResources(rp).collect()
+    assert out == [x * 2 for x in range(1000)], "the TaskResourceProfile's stage is wrong"
+    ran_on = sorted({t[4] for t in events(sc, log)["tasks"]})
+    assert ran_on and all(int(e) < 1_000_000 for e in ran_on), f"it ran on executors {ran_on}, not the default's"
+    return ran_on
+
+
+# Stage-level scheduling: executors of 2 cores, 512 MiB heap (+ 384 MiB overhead) and one GPU; 2 CPUs
+# and the GPU a task.
+PROFILE_CORES, PROFILE_HEAP_MIB = 2, 512
+
+
+def stage_level_scheduling(sc, rdd, expected, log, app_job):
+    """A stage with a resource profile of its own reads the child's shuffle (its map stage is not
+    run again): its tasks see the profile's CPUs in TaskContext.cpus() and one GPU in
+    TaskContext.resources(), and ran only on executors of that profile with its cores (ids
+    profile * 1,000,000 + n), which Tern's scheduler ran as the application job's stage of that
+    profile with that profile's resources (its GPU granted: the pool's executors offer GPUs from
+    a discovery script)."""
+    from pyspark.resource import ExecutorResourceRequests, ResourceProfileBuilder, TaskResourceRequests
+    rp = (ResourceProfileBuilder()
+          .require(ExecutorResourceRequests().cores(PROFILE_CORES).memory(f"{PROFILE_HEAP_MIB}m").resource("gpu", 1))
+          .require(TaskResourceRequests().cpus(PROFILE_CORES).resource("gpu", 1)).build)
+    log.clear()
+    started = time.time()
+    probe = lambda it: [(TaskContext.get().cpus(), list(TaskContext.get().resources()["gpu"].addresses), list(it))]
+    out = rdd.mapPartitions(probe).withResources(rp).collect()
+    assert sorted(r for _, _, part in out for r in part) == expected, \
+        "the resource profile's stage read the shuffle wrong"
+    cpus = {c for c, _, _ in out}
+    assert cpus == {PROFILE_CORES}, f"the profile's tasks saw TaskContext.cpus() {cpus}, wanted {PROFILE_CORES}"
+    gpus = [g for _, g, _ in out]
+    assert all(len(g) == 1 and g[0] in ("0", "1") for g in gpus), f"the profile's tasks saw GPUs {gpus}, wanted one"
+    seen = events(sc, log)
+    ran_on = sorted({t[4] for t in seen["tasks"]})
+    added = {e[0]: (e[1], e[2]) for e in seen["executors"]}
+    for executor in ran_on:
+        assert added.get(executor) == (rp.id, PROFILE_CORES) and int(executor) // 1_000_000 == rp.id, \
+            f"a task of profile {rp.id} ran on executor {executor}: {added.get(executor)} (profile, cores)"
+    name = f"executors-rp{rp.id}"
+    stages = {st["name"]: st for st in scheduler_job(app_job)["stages"]}
+    want = {"cpus": float(PROFILE_CORES), "memory_bytes": (PROFILE_HEAP_MIB + 384) << 20, "gpus": 1.0}
+    assert name in stages and stages[name]["needs"] == want and stages[name]["attempts"] >= len(ran_on), \
+        f"Tern's stage {name} for profile {rp.id} (wanted needs {want}): {stages}"
+    return {"profile": rp.id, "executors": ran_on, "stage": name, "needs": want,
+            "seconds": round(time.time() - started, 1)}
 
 
 def dynamic_allocation_and_crashed_driver():
@@ -441,6 +499,10 @@ def main():
             killed = survive_killed_executor(sc)
             print(f"  ok  executor {killed} SIGKILLed mid-stage: Tern reported it, Spark reran its tasks, result "
                   "right, executor replaced", flush=True)
+            t = time.time()
+            ran_on = task_resource_profile(sc)
+            print(f"  ok  a TaskResourceProfile without dynamic allocation ran on the default executors {ran_on} "
+                  f"({time.time() - t:.1f}s)", flush=True)
         job = sc._jsc.sc().env().shuffleManager().ternJobId()
     finally:
         sc.stop()
@@ -469,6 +531,11 @@ def main():
     if ready["app_job"]:
         print(f"  ok  its application job {ready['app_job']} on Tern's scheduler cancelled when its lease lapsed",
               flush=True)
+    if ready["profiled"]:
+        p = ready["profiled"]
+        print(f"  ok  stage-level scheduling: resource profile {p['profile']}'s stage read the shuffle on its own "
+              f"executors {p['executors']} ({PROFILE_CORES} cores and a GPU, TaskContext.cpus() {PROFILE_CORES}), "
+              f"Tern stage {p['stage']} granted {p['needs']} ({p['seconds']}s)", flush=True)
 
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures), flush=True)

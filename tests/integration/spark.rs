@@ -83,12 +83,16 @@ async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     }
 }
 
-/// Spark on Tern's scheduler: spark_suite.py with master `local-tern://` against `tern up` whose
-/// pool starts at 0 executors (at most 2, 1 CPU each, 1.5 GiB). Every Tern case agrees with the
-/// built-in shuffle while the executors are Tern tasks (the suite checks the application's Tern
-/// job); an executor JVM SIGKILLed mid-stage costs nothing but a rerun; the dynamic-allocation
-/// child releases all its executors and gets new ones. Here: the pool went up to 2 executors for
-/// Spark and back to 0 once the applications ended.
+/// Spark on Tern's scheduler: spark_suite.py with master `local-cluster-tern://` against `tern up`
+/// whose pool starts at 0 executors (at most 2, 2 CPUs each, 1.5 GiB: one 1-core Spark executor of
+/// 700 MiB heap fits in each, by memory; GPUs "0" and "1" from a discovery script). Every Tern case
+/// agrees with the built-in shuffle while the executors are Tern tasks (the suite checks the
+/// application's Tern job); an executor JVM SIGKILLed mid-stage costs nothing but a rerun; a stage
+/// with a TaskResourceProfile runs on the default profile's executors (no dynamic allocation); the
+/// dynamic-allocation child releases all its executors and gets new ones, then runs a stage with a
+/// resource profile of its own (2-core executors of one GPU, one GPU a task) on executors of that
+/// profile, which Tern ran as a stage of its own with that profile's resources. Here: the pool went
+/// up to 2 executors for Spark and back to 0 once the applications ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_applications_run_on_terns_scheduler_and_pool() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -97,10 +101,25 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     let dir = tempfile::tempdir().unwrap();
     let port = tern_local::free_port_range(14).unwrap();
     let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    // GPUs "0" and "1" on each pool executor (this machine has none): for the child's profile.
+    let gpus = dir.path().join("gpus.sh");
+    std::fs::write(&gpus, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
+    std::fs::set_permissions(&gpus, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let _up = TernUp::start(
         dir.path(),
         port,
-        &["--min-executors", "0", "--max-executors", "2", "--executor-cpus", "1", "--executor-memory", "1536MiB"],
+        &[
+            "--min-executors",
+            "0",
+            "--max-executors",
+            "2",
+            "--executor-cpus",
+            "2",
+            "--executor-memory",
+            "1536MiB",
+            "--executor-gpu-discovery-script",
+            gpus.to_str().unwrap(),
+        ],
     );
     let metadata = format!("127.0.0.1:{}", ports.metadata());
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());

@@ -1,10 +1,12 @@
 //! `spark-executor`: one Spark executor (`CoarseGrainedExecutorBackend`) of a Spark application
 //! whose driver runs Tern's cluster manager (`io.tern.spark.TernClusterManager`). The driver
-//! submits an elastic stage of these and scales it; each task is one executor JVM, its Spark
-//! executor id the task's index (indexes are never reused, as Spark wants).
+//! submits an elastic stage of these per resource profile and scales them; each task is one
+//! executor JVM, its Spark executor id `executor_id_base` plus the task's index (indexes are never
+//! reused, as Spark wants; the driver gives each profile's stage its own base).
 //!
 //! Parameters (strings, set by the driver): `driver_url`, `app_id`, `cores`, `classpath` (the
-//! JVM's `-cp`), optional `resource_profile_id` (default 0), `heap_bytes` (`-Xmx`), `java`
+//! JVM's `-cp`), optional `resource_profile_id` (default 0), optional `executor_id_base` (default
+//! 0), `heap_bytes` (`-Xmx`), `java`
 //! (default `$JAVA_HOME/bin/java`, else `java`), `java_options` (one option a line: the
 //! application's `spark.executor.extraJavaOptions` and the `--add-opens` Spark needs on Java 17).
 //!
@@ -14,6 +16,8 @@
 //! `CUDA_VISIBLE_DEVICES` (set by [`super::task_env`]). The JVM runs in a directory of its own,
 //! removed when the task ends: its working directory, where Spark's executor fetches the
 //! application's jars and files (as a standalone worker's executor runs in its work directory).
+//! An executor without GPUs is, when the Tern executor has one, a parked JVM handed the
+//! executor's arguments ([`super::spark_warm`]) instead of a JVM started for it.
 
 use tern_proto::sched as pb;
 
@@ -149,6 +153,10 @@ impl Launch {
             anyhow::bail!("cores = 0: an executor needs at least one core");
         }
         let profile: u32 = param(task, "resource_profile_id")?.unwrap_or(0);
+        let base: u64 = param(task, "executor_id_base")?.unwrap_or(0);
+        let executor_id = base
+            .checked_add(u64::from(task.task_index))
+            .ok_or_else(|| anyhow::anyhow!("executor_id_base = {base} plus task index overflows"))?;
         let heap: Option<u64> = param(task, "heap_bytes")?;
         let java = match param::<String>(task, "java")? {
             Some(java) if !java.is_empty() => java,
@@ -181,7 +189,7 @@ impl Launch {
             "--driver-url",
             &driver_url,
             "--executor-id",
-            &task.task_index.to_string(),
+            &executor_id.to_string(),
             "--hostname",
             services.host(),
             "--cores",
@@ -256,6 +264,12 @@ mod tests {
             resources_json(&task(&PARAMS, &["0", "3"]).gpus),
             r#"[{"id":{"componentName":"spark.executor","resourceName":"gpu"},"addresses":["0","3"]}]"#
         );
+        // Another resource profile's stage: its executor ids start at its base.
+        let mut profile = PARAMS.to_vec();
+        profile.extend([("resource_profile_id", "2"), ("executor_id_base", "2000000")]);
+        let launch = Launch::new(&task(&profile, &[]), &services).unwrap();
+        let line = launch.args.join(" ");
+        assert!(line.contains("--executor-id 2000007 ") && line.contains("--resourceProfileId 2"), "{line}");
     }
 
     #[test]

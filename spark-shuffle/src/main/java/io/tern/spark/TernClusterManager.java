@@ -8,14 +8,21 @@ import org.apache.spark.scheduler.TaskSchedulerImpl;
 
 /**
  * Spark applications on Tern's scheduler: the master URL {@code tern://HOST:PORT} (the scheduler's
- * address) or its alias {@code local-tern://HOST:PORT}, which spark-submit 3.5 (and so pyspark)
- * accepts where it refuses {@code tern://} (it takes only URLs starting yarn, spark, mesos, k8s or
- * local, and this one matches none of Spark's own local patterns). Found by Spark through
- * META-INF/services; the executors are Tern tasks ({@link TernSchedulerBackend}).
+ * address) or its one alias {@code local-cluster-tern://HOST:PORT}, the form to use. The alias is
+ * spelt so for two checks in Spark 3.5: spark-submit (and so pyspark) takes only masters starting
+ * yarn, spark, mesos, k8s or local, so it refuses {@code tern://}; and ResourceProfileManager
+ * allows resource profiles other than the default (stage-level scheduling, with dynamic
+ * allocation) only on YARN, Kubernetes and masters starting {@code spark://} or
+ * {@code local-cluster}. Spark's own local-cluster master is the full pattern
+ * {@code local-cluster[N,C,M]}, which this URL does not match, so SparkContext hands it to the
+ * external cluster managers. (Under such a master Spark's default profile names no executor cores
+ * unless spark.executor.cores is set; {@link TernSchedulerBackend} then takes 1, that key's
+ * default.) Found by Spark through META-INF/services; the executors are Tern tasks
+ * ({@link TernSchedulerBackend}).
  */
 public final class TernClusterManager implements ExternalClusterManager {
     static final String SCHEME = "tern://";
-    static final String ALIAS = "local-tern://";
+    static final String ALIAS = "local-cluster-tern://";
 
     @Override
     public boolean canCreate(String masterUrl) {

@@ -4,6 +4,7 @@ import java.util.ArrayList;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.TreeMap;
 import java.util.TreeSet;
 import java.util.regex.Matcher;
 import java.util.regex.Pattern;
@@ -11,6 +12,7 @@ import java.util.regex.Pattern;
 import org.apache.spark.SparkConf;
 import org.apache.spark.SparkConf$;
 import org.apache.spark.SparkContext;
+import org.apache.spark.resource.ExecutorResourceRequest;
 import org.apache.spark.resource.ResourceProfile;
 import org.apache.spark.scheduler.ExecutorExited;
 import org.apache.spark.scheduler.ExecutorKilled$;
@@ -30,25 +32,31 @@ import scala.concurrent.Future$;
 /**
  * A Spark application's executors as Tern tasks. At start the driver submits one Tern job (named
  * after the application, in {@code spark.tern.queue} at {@code spark.tern.priority}) whose elastic
- * stage runs one {@code spark-executor} task per executor; Tern's executors launch the
- * {@code CoarseGrainedExecutorBackend} JVMs with the application's cores, memory (heap plus
- * overhead, the task's memory grant, enforced as Tern enforces any task's) and GPUs. The Spark
- * executor id is the task's index (never reused).
+ * stage "executors" runs one {@code spark-executor} task per executor of the default resource
+ * profile; Tern's executors launch the {@code CoarseGrainedExecutorBackend} JVMs with the
+ * profile's cores, memory (heap plus overhead plus PySpark memory: the task's memory grant,
+ * enforced as Tern enforces any task's) and GPUs.
  *
- * <p>Like Spark's Kubernetes backend, this one reconciles: it keeps as many live tasks (queued or
- * running) as Spark's target; a target that drops cancels tasks that have not registered yet
- * (newest first), and registered executors go only when Spark kills them (a cancel). A thread
- * asks the scheduler every {@link #POLL_MS} ms which tasks ended: an executor that ended without
- * Spark killing it is removed with {@link ExecutorExited} and its reason (so its tasks run again),
- * and it is replaced while the target wants it. The job's lease is {@code spark.tern.jobLease} (as the
- * shuffles' Tern job): a driver that dies stops these calls, and the scheduler cancels the job,
- * stopping its executors. Executors that end before registering, past
- * {@code spark.tern.maxExecutorFailures}, fail the application instead of looping.
+ * <p>Stage-level scheduling: every resource profile Spark asks executors for (with dynamic
+ * allocation, a stage whose RDD carries a {@code ResourceProfile}) gets an elastic stage of its
+ * own, "executors-rp&lt;id&gt;", added to the job when Spark first asks for it, its tasks needing
+ * that profile's executor resources ({@link Profile#of}). Spark accepts such profiles only on
+ * masters it takes for YARN, Kubernetes or standalone: hence the master alias
+ * {@code local-cluster-tern://} ({@link TernClusterManager}). A {@code TaskResourceProfile}
+ * without dynamic allocation runs on the default profile's executors and needs nothing here.
+ * The Spark executor id is {@code profile id * }{@link #ID_STRIDE}{@code  + task index} (unique in
+ * the application, an integer, never reused).
  *
- * <p>Only the default resource profile is served: stage-level scheduling with other profiles is
- * refused with an error rather than run on the wrong executors. (Spark 3.5's
- * ResourceProfileManager refuses non-default profiles itself on masters other than YARN,
- * Kubernetes and standalone, so a tern:// application cannot make one outside Spark's tests.)
+ * <p>Like Spark's Kubernetes backend, this one reconciles each profile: it keeps as many live tasks
+ * (queued or running) as Spark's target for it; a target that drops cancels tasks that have not
+ * registered yet (newest first), and registered executors go only when Spark kills them (a
+ * cancel). A thread asks the scheduler every {@link #POLL_MS} ms which tasks ended: an executor
+ * that ended without Spark killing it is removed with {@link ExecutorExited} and its reason (so its
+ * tasks run again), and it is replaced while the target wants it. The job's lease is
+ * {@code spark.tern.jobLease} (as the shuffles' Tern job): a driver that dies stops these calls,
+ * and the scheduler cancels the job, stopping its executors. Executors that end before
+ * registering, past {@code spark.tern.maxExecutorFailures}, fail the application instead of
+ * looping.
  */
 public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     /** The application's queue (a tenant's): Tern's weighted fair share applies between queues. */
@@ -73,6 +81,13 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
      */
     static final long GANG_WARN_AFTER_MS = 5_000;
     static final long GANG_CHECK_MS = 2_000;
+    /**
+     * Executor ids of profile P are P * ID_STRIDE + task index: each profile's stage may run up to
+     * this many tasks in its life (the scheduler's max_tasks_per_stage, 100,000 by default, is below).
+     */
+    static final int ID_STRIDE = 1_000_000;
+    /** The highest resource profile id served: its executor ids still fit a Java int. */
+    static final int MAX_PROFILE_ID = Integer.MAX_VALUE / ID_STRIDE - 1;
     /** Executors a default application asks for without dynamic allocation. */
     private static final int DEFAULT_EXECUTORS = 2;
     private static final Pattern EXIT_STATUS = Pattern.compile("exit status: (-?\\d+)");
@@ -88,19 +103,20 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private String jobId;
     private Thread monitor;
     private volatile boolean stopping;
+    /** Operator parameters every profile's executors share, and their environment. */
+    private String[][] commonParams;
+    private List<String[]> env;
+    private long leaseMs;
 
     // All under `this`.
-    /** Executors wanted (Spark's target for the default profile). */
-    private int target;
-    /** Task indexes queued or running, by our account. */
-    private final TreeSet<Integer> live = new TreeSet<>();
-    /** Tasks Spark asked to kill, or that we cancelled: their end is expected. */
-    private final TreeSet<Integer> cancelled = new TreeSet<>();
+    /** Each resource profile's executors, by profile id (the default one from the start). */
+    private final TreeMap<Integer, Profile> profiles = new TreeMap<>();
+    /** Resource profiles Tern cannot serve (resources it does not grant, ids out of range). */
+    private final java.util.Set<Integer> unserved = new java.util.HashSet<>();
     /** Executors that registered with the driver (their ids), whether or not Spark still has them. */
     private final java.util.Set<String> registered = new java.util.HashSet<>();
-    /** When each task was asked of the scheduler (driver clock, ms), for acquisition times. */
+    /** When each executor's task was asked of the scheduler (driver clock, ms), for acquisition times. */
     private final Map<Integer, Long> requestedAt = new HashMap<>();
-    private int endedNext;
     /** spark.tern.gang.minExecutors (0: no gang). */
     private int gangMin;
     /** When the gang is next looked into (driver clock, ms), and what was last said about it. */
@@ -108,6 +124,122 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     private String gangBlocked = "";
     private int failuresBeforeRegistering;
     private int maxFailures;
+
+    /** One resource profile's executors: one elastic stage of the application's job. */
+    static final class Profile {
+        final int id;
+        /** Its stage in the Tern job. */
+        final String stage;
+        final int cores;
+        final long heapMb;
+        /** Overhead, PySpark and off-heap memory: the task's grant is heap plus this. */
+        final long extraMb;
+        final long gpus;
+        /** Whether its stage exists in the job. */
+        boolean created;
+        /** Executors wanted (Spark's target for this profile). */
+        int target;
+        /** Tasks ever asked for (the next task index). */
+        int asked;
+        /** Task indexes queued or running, by our account. */
+        final TreeSet<Integer> live = new TreeSet<>();
+        /** Tasks Spark asked to kill, or that we cancelled: their end is expected. */
+        final TreeSet<Integer> cancelled = new TreeSet<>();
+        int endedNext;
+        /** Why the scheduler refused its stage, once it did (then it is not asked again). */
+        String refused;
+
+        private Profile(int id, int cores, long heapMb, long extraMb, long gpus) {
+            this.id = id;
+            this.stage = id == ResourceProfile.DEFAULT_RESOURCE_PROFILE_ID() ? "executors" : "executors-rp" + id;
+            this.cores = cores;
+            this.heapMb = heapMb;
+            this.extraMb = extraMb;
+            this.gpus = gpus;
+        }
+
+        /**
+         * A profile's executor resources as Spark's cluster managers work them out
+         * (ResourceProfile.getResourcesForClusterManager): what the profile names, else the
+         * application's conf: cores (spark.executor.cores, default 1: under a local-cluster master
+         * Spark's default profile names no cores unless that key is set), heap, overhead
+         * (spark.executor.memoryOverhead, else the overhead factor of this profile's heap, at least
+         * 384 MiB), PySpark and off-heap memory, and GPUs (the only custom resource Tern grants).
+         */
+        static Profile of(ResourceProfile rp, SparkConf conf) {
+            Map<String, ExecutorResourceRequest> res = rp.executorResourcesJMap();
+            if (rp.id() < 0 || rp.id() > MAX_PROFILE_ID) {
+                throw new IllegalArgumentException("resource profile " + rp.id() + ": Tern serves profile ids 0 to "
+                        + MAX_PROFILE_ID);
+            }
+            for (String name : res.keySet()) {
+                boolean known = name.equals("gpu") || java.util.Arrays.asList(
+                        ResourceProfile.allSupportedExecutorResources()).contains(name);
+                if (!known) {
+                    throw new IllegalArgumentException("resource profile " + rp.id() + " asks for executor resource "
+                            + name + "; Tern's scheduler grants cores, memory and gpu");
+                }
+            }
+            int cores = res.containsKey(ResourceProfile.CORES()) ? (int) res.get(ResourceProfile.CORES()).amount()
+                    : conf.getInt("spark.executor.cores", 1);
+            long heapMb = res.containsKey(ResourceProfile.MEMORY()) ? res.get(ResourceProfile.MEMORY()).amount()
+                    : conf.getSizeAsMb("spark.executor.memory", "1g");
+            long overheadMb;
+            if (res.containsKey(ResourceProfile.OVERHEAD_MEM())) {
+                overheadMb = res.get(ResourceProfile.OVERHEAD_MEM()).amount();
+            } else if (conf.contains("spark.executor.memoryOverhead")) {
+                overheadMb = conf.getSizeAsMb("spark.executor.memoryOverhead", "384m");
+            } else {
+                overheadMb = Math.max(384, (long) (conf.getDouble("spark.executor.memoryOverheadFactor", 0.1) * heapMb));
+            }
+            long pysparkMb = res.containsKey(ResourceProfile.PYSPARK_MEM())
+                    ? res.get(ResourceProfile.PYSPARK_MEM()).amount()
+                    : conf.contains("spark.executor.pyspark.memory")
+                            ? conf.getSizeAsMb("spark.executor.pyspark.memory", "0") : 0;
+            // Off-heap memory lives outside the heap too (Spark's default profile carries the conf's).
+            long offHeapMb = res.containsKey(ResourceProfile.OFFHEAP_MEM())
+                    ? res.get(ResourceProfile.OFFHEAP_MEM()).amount() : 0;
+            long gpus = res.containsKey("gpu") ? res.get("gpu").amount() : 0;
+            if (cores <= 0 || heapMb <= 0 || gpus < 0) {
+                throw new IllegalArgumentException("resource profile " + rp.id() + ": " + cores + " cores, " + heapMb
+                        + " MiB heap, " + gpus + " GPUs; an executor needs cores and memory above 0");
+            }
+            return new Profile(rp.id(), cores, heapMb, overheadMb + pysparkMb + offHeapMb, gpus);
+        }
+
+        /** The Spark executor id of its task {@code task}. */
+        int executorId(int task) {
+            return id * ID_STRIDE + task;
+        }
+
+        long cpuMilli() {
+            return cores * 1000L;
+        }
+
+        long memoryBytes() {
+            return (heapMb + extraMb) << 20;
+        }
+
+        long gpuMilli() {
+            return gpus * 1000;
+        }
+
+        /** Its executors' own operator parameters. */
+        String[][] params() {
+            return new String[][] {
+                {"cores", Integer.toString(cores)},
+                {"heap_bytes", Long.toString(heapMb << 20)},
+                {"resource_profile_id", Integer.toString(id)},
+                {"executor_id_base", Long.toString((long) id * ID_STRIDE)},
+            };
+        }
+
+        @Override
+        public String toString() {
+            return "profile " + id + " (stage " + stage + "; executors of " + cores + " cores, " + heapMb + " MiB heap + "
+                    + extraMb + " MiB overhead, " + gpus + " GPUs)";
+        }
+    }
 
     TernSchedulerBackend(TaskSchedulerImpl scheduler, SparkContext sc, String schedulerAddr) {
         super(scheduler, sc.env().rpcEnv());
@@ -142,14 +274,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         }
         initial = Math.max(initial, gang);
         maxFailures = conf.getInt(MAX_FAILURES, Math.max(3, 2 * initial));
-        int cores = conf.getInt("spark.executor.cores", 1);
-        long heapMb = conf.getSizeAsMb("spark.executor.memory", "1g");
-        long overheadMb = conf.contains("spark.executor.memoryOverhead")
-                ? conf.getSizeAsMb("spark.executor.memoryOverhead", "384m")
-                : Math.max(384, (long) (conf.getDouble("spark.executor.memoryOverheadFactor", 0.1) * heapMb));
-        long pysparkMb = conf.contains("spark.executor.pyspark.memory")
-                ? conf.getSizeAsMb("spark.executor.pyspark.memory", "0") : 0;
-        long gpus = conf.getLong("spark.executor.resource.gpu.amount", 0);
+        Profile first = Profile.of(sc.resourceProfileManager().defaultResourceProfile(), conf);
 
         String sparkHome = conf.get(SPARK_HOME, System.getenv("SPARK_HOME") == null ? "" : System.getenv("SPARK_HOME"));
         if (sparkHome.isEmpty()) {
@@ -174,17 +299,14 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         }
         String driverUrl = "spark://CoarseGrainedScheduler@" + conf.get("spark.driver.host") + ":"
                 + conf.get("spark.driver.port");
-        String[][] params = {
+        commonParams = new String[][] {
             {"driver_url", driverUrl},
             {"app_id", appId},
-            {"cores", Integer.toString(cores)},
             {"classpath", classpath},
-            {"heap_bytes", Long.toString(heapMb << 20)},
             {"java", java},
             {"java_options", options.toString()},
-            {"resource_profile_id", Integer.toString(ResourceProfile.DEFAULT_RESOURCE_PROFILE_ID())},
         };
-        List<String[]> env = new ArrayList<>();
+        env = new ArrayList<>();
         env.add(new String[] {"SPARK_HOME", sparkHome});
         for (String name : new String[] {"PYTHONPATH", "PYSPARK_PYTHON", "SPARK_LOCAL_DIRS"}) {
             String value = System.getenv(name);
@@ -192,6 +314,7 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
                 env.add(new String[] {name, value});
             }
         }
+        leaseMs = Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS);
         sc.addSparkListener(new SparkListener() {
             @Override
             public void onExecutorAdded(SparkListenerExecutorAdded added) {
@@ -204,25 +327,37 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey);
         synchronized (this) {
             long asked = System.currentTimeMillis();
+            String[][] params = params(first);
             String[] submitted = TernSchedulerNative.submit(client, jobName(sc.appName()), conf.get(QUEUE, ""),
-                    conf.getInt(PRIORITY, 0), cores * 1000L, (heapMb + overheadMb + pysparkMb) << 20, gpus * 1000,
-                    initial, gang, Math.max(conf.getTimeAsMs(TernConf.JOB_LEASE, "30s"), 10 * POLL_MS),
-                    column(params, 0), column(params, 1), column(env, 0), column(env, 1)).split("\n", 3);
+                    conf.getInt(PRIORITY, 0), first.cpuMilli(), first.memoryBytes(), first.gpuMilli(), initial, gang,
+                    leaseMs, column(params, 0), column(params, 1), column(env, 0), column(env, 1)).split("\n", 3);
             jobId = submitted[0];
             gangMin = gang;
             gangCheckAtMs = asked + GANG_WARN_AFTER_MS;
             adoptShuffleJob(conf, submitted[1], submitted[2]);
-            target = initial;
+            first.created = true;
+            first.target = initial;
+            first.asked = initial;
             for (int i = 0; i < initial; i++) {
-                live.add(i);
-                requestedAt.put(i, asked);
+                first.live.add(i);
+                requestedAt.put(first.executorId(i), asked);
             }
+            profiles.put(first.id, first);
         }
-        LOG.info("Spark application {} is Tern job {} on scheduler {}: {} executors of {} cores, {} MiB heap + {} MiB "
-                + "overhead, {} GPUs", appId, jobId, schedulerAddr, initial, cores, heapMb, overheadMb + pysparkMb, gpus);
+        LOG.info("Spark application {} is Tern job {} on scheduler {}: {} executors of the default {}", appId, jobId,
+                schedulerAddr, initial, first);
         monitor = new Thread(this::watch, "tern-executors");
         monitor.setDaemon(true);
         monitor.start();
+    }
+
+    /** The operator parameters of a profile's executors. */
+    private String[][] params(Profile p) {
+        String[][] own = p.params();
+        String[][] all = new String[commonParams.length + own.length][];
+        System.arraycopy(commonParams, 0, all, 0, commonParams.length);
+        System.arraycopy(own, 0, all, commonParams.length, own.length);
+        return all;
     }
 
     /**
@@ -264,50 +399,73 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
 
     @Override
     public Future<Object> doRequestTotalExecutors(scala.collection.immutable.Map<ResourceProfile, Object> totals) {
-        int wanted = 0;
-        for (Map.Entry<ResourceProfile, Object> e : JavaConverters.mapAsJavaMapConverter(totals).asJava().entrySet()) {
-            int n = (Integer) e.getValue();
-            if (e.getKey().id() != ResourceProfile.DEFAULT_RESOURCE_PROFILE_ID()) {
-                if (n > 0) {
-                    LOG.error("Tern's cluster manager serves only the default resource profile; profile {} is not "
-                            + "served", e.getKey().id());
-                    return Future$.MODULE$.successful(Boolean.FALSE);
-                }
-                continue;
-            }
-            wanted = n;
-        }
+        Map<ResourceProfile, Object> wanted = JavaConverters.mapAsJavaMapConverter(totals).asJava();
         try {
             synchronized (this) {
-                target = wanted;
-                reconcile();
+                boolean served = true;
+                // Profiles Spark leaves out keep their target (as Spark's Kubernetes backend does).
+                for (Map.Entry<ResourceProfile, Object> e : wanted.entrySet()) {
+                    int n = (Integer) e.getValue();
+                    int id = e.getKey().id();
+                    if (unserved.contains(id)) {
+                        served &= n == 0;
+                        continue;
+                    }
+                    Profile p = profiles.get(id);
+                    if (p == null) {
+                        try {
+                            p = Profile.of(e.getKey(), sc.conf());
+                        } catch (IllegalArgumentException refused) {
+                            unserved.add(id);
+                            LOG.error("not serving resource profile {}: {}", id, refused.getMessage());
+                            served &= n == 0;
+                            continue;
+                        }
+                        profiles.put(id, p);
+                        LOG.info("Spark asks for executors of resource {}", p);
+                    }
+                    p.target = n;
+                }
+                for (Profile p : profiles.values()) {
+                    served &= reconcile(p);
+                }
+                return Future$.MODULE$.successful(served);
             }
-            return Future$.MODULE$.successful(Boolean.TRUE);
         } catch (TernException e) {
-            LOG.warn("asking Tern's scheduler for {} executors failed: {}", wanted, e.getMessage());
+            LOG.warn("asking Tern's scheduler for executors {} failed: {}", wanted, e.getMessage());
             return Future$.MODULE$.successful(Boolean.FALSE);
         }
     }
 
     @Override
     public Future<Object> doKillExecutors(scala.collection.Seq<String> ids) {
-        List<Integer> kill = new ArrayList<>();
+        Map<Integer, List<Integer>> kill = new TreeMap<>();
         for (String id : JavaConverters.seqAsJavaListConverter(ids).asJava()) {
+            int executor;
             try {
-                kill.add(Integer.parseInt(id));
+                executor = Integer.parseInt(id);
             } catch (NumberFormatException e) {
                 LOG.warn("asked to kill executor {}, which Tern did not start", id);
                 continue;
             }
+            kill.computeIfAbsent(executor / ID_STRIDE, k -> new ArrayList<>()).add(executor % ID_STRIDE);
             removeExecutor(id, ExecutorKilled$.MODULE$);
         }
         try {
             synchronized (this) {
-                cancel(kill);
+                for (Map.Entry<Integer, List<Integer>> e : kill.entrySet()) {
+                    Profile p = profiles.get(e.getKey());
+                    if (p == null || !p.created) {
+                        LOG.warn("asked to kill executors {} of resource profile {}, which Tern did not start",
+                                e.getValue(), e.getKey());
+                        continue;
+                    }
+                    cancel(p, e.getValue());
+                }
             }
             return Future$.MODULE$.successful(Boolean.TRUE);
         } catch (TernException e) {
-            LOG.warn("cancelling executors {} failed: {}", kill, e.getMessage());
+            LOG.warn("cancelling executors {} (profile: task indexes) failed: {}", kill, e.getMessage());
             return Future$.MODULE$.successful(Boolean.FALSE);
         }
     }
@@ -323,11 +481,17 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             }
             synchronized (this) {
                 if (client != 0) {
-                    try {
-                        // The job succeeds; executors still running are stopped by Tern.
-                        TernSchedulerNative.scale(client, jobId, 0, new int[0], true, endedNext);
-                    } catch (TernException e) {
-                        LOG.warn("ending Tern job {} failed: {}", jobId, e.getMessage());
+                    // The job succeeds once every stage is finished; executors still running are
+                    // stopped by Tern.
+                    for (Profile p : profiles.values()) {
+                        if (!p.created) {
+                            continue;
+                        }
+                        try {
+                            TernSchedulerNative.scale(client, jobId, p.stage, 0, new int[0], true, p.endedNext);
+                        } catch (TernException e) {
+                            LOG.warn("ending stage {} of Tern job {} failed: {}", p.stage, jobId, e.getMessage());
+                        }
                     }
                     TernSchedulerNative.closeScheduler(client);
                     client = 0;
@@ -336,51 +500,89 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         }
     }
 
-    /** Adds or cancels not-yet-registered tasks until live tasks match the target. Under `this`. */
-    private void reconcile() {
-        int missing = target - live.size();
+    /**
+     * Adds or cancels a profile's not-yet-registered tasks until its live tasks match its target,
+     * adding its stage to the job first if need be. False when the profile cannot be served.
+     * Under `this`.
+     */
+    private boolean reconcile(Profile p) {
+        if (p.refused != null) {
+            return p.target == 0;
+        }
+        int missing = p.target - p.live.size();
         if (missing > 0) {
-            long asked = System.currentTimeMillis();
-            for (int task : apply(TernSchedulerNative.scale(client, jobId, missing, new int[0], false, endedNext))) {
-                requestedAt.put(task, asked);
+            if (!p.created) {
+                String[][] params = params(p);
+                String reply;
+                try {
+                    reply = TernSchedulerNative.createStage(client, jobId, p.stage, p.cpuMilli(), p.memoryBytes(),
+                            p.gpuMilli(), leaseMs, column(params, 0), column(params, 1), column(env, 0), column(env, 1));
+                } catch (TernException e) {
+                    if (!"invalid".equals(e.kind())) {
+                        throw e;
+                    }
+                    // Past the scheduler's stage limit, say: asking again would not help.
+                    p.refused = e.getMessage();
+                    LOG.error("Tern's scheduler refused executors of resource {}: {}", p, p.refused);
+                    return false;
+                }
+                p.created = true;
+                apply(p, reply);
+                LOG.info("Tern job {} now has stage {} for resource {}", jobId, p.stage, p);
+            }
+            int room = ID_STRIDE - p.asked;
+            if (missing > room) {
+                LOG.error("resource profile {} asked for {} executors in its life; at most {}", p.id, p.asked + missing,
+                        ID_STRIDE);
+                missing = room;
+            }
+            if (missing > 0) {
+                long asked = System.currentTimeMillis();
+                for (int task : apply(p, TernSchedulerNative.scale(client, jobId, p.stage, missing, new int[0], false,
+                        p.endedNext))) {
+                    requestedAt.put(p.executorId(task), asked);
+                }
             }
         } else if (missing < 0) {
             List<Integer> drop = new ArrayList<>();
-            for (Integer t : live.descendingSet()) {
+            for (Integer t : p.live.descendingSet()) {
                 if (drop.size() == -missing) {
                     break;
                 }
-                if (!isExecutorActive(Integer.toString(t))) {
+                if (!isExecutorActive(Integer.toString(p.executorId(t)))) {
                     drop.add(t);
                 }
             }
             if (!drop.isEmpty()) {
-                cancel(drop);
+                cancel(p, drop);
             }
         }
+        return true;
     }
 
-    /** Cancels tasks. Under `this`. */
-    private void cancel(List<Integer> tasks) {
+    /** Cancels a profile's tasks. Under `this`. */
+    private void cancel(Profile p, List<Integer> tasks) {
         int[] indexes = new int[tasks.size()];
         for (int i = 0; i < indexes.length; i++) {
             indexes[i] = tasks.get(i);
-            cancelled.add(indexes[i]);
-            live.remove(indexes[i]);
+            p.cancelled.add(indexes[i]);
+            p.live.remove(indexes[i]);
         }
-        apply(TernSchedulerNative.scale(client, jobId, 0, indexes, false, endedNext));
+        apply(p, TernSchedulerNative.scale(client, jobId, p.stage, 0, indexes, false, p.endedNext));
     }
 
-    /** Applies a ScaleStage reply: tasks added (returned), tasks ended. Under `this`. */
-    private List<Integer> apply(String reply) {
+    /** Applies a ScaleStage reply about a profile's stage: tasks added (returned), tasks ended. Under `this`. */
+    private List<Integer> apply(Profile p, String reply) {
         String[] lines = reply.split("\n");
         String[] head = lines[0].split(" ");
-        endedNext = Integer.parseInt(head[3]);
+        p.endedNext = Integer.parseInt(head[3]);
         List<Integer> addedTasks = new ArrayList<>();
         for (String added : lines[1].split(" ")) {
             if (!added.equals("added")) {
-                live.add(Integer.parseInt(added));
-                addedTasks.add(Integer.parseInt(added));
+                int task = Integer.parseInt(added);
+                p.live.add(task);
+                p.asked = Math.max(p.asked, task + 1);
+                addedTasks.add(task);
             }
         }
         for (int i = 2; i < lines.length; i++) {
@@ -388,13 +590,14 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
             int task = Integer.parseInt(parts[1]);
             String outcome = parts[2];
             String message = parts.length > 3 ? parts[3] : "";
-            live.remove(task);
-            requestedAt.remove(task);
-            if (cancelled.remove(task) || stopping) {
+            p.live.remove(task);
+            requestedAt.remove(p.executorId(task));
+            if (p.cancelled.remove(task) || stopping) {
                 continue;
             }
-            String id = Integer.toString(task);
-            String reason = "Tern task " + task + " of job " + jobId + " ended (" + outcome + "): " + message;
+            String id = Integer.toString(p.executorId(task));
+            String reason = "Tern task " + task + " of stage " + p.stage + " of job " + jobId + " ended (" + outcome
+                    + "): " + message;
             if (registered.contains(id)) {
                 LOG.warn("executor {} is gone: {}", id, reason);
                 removeExecutor(id, new ExecutorExited(exitCode(outcome, message), !outcome.equals("LOST"), reason));
@@ -455,18 +658,25 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         gangBlocked = why;
     }
 
-    /** Every POLL_MS: ended tasks, then replacements while the target wants them. */
+    /** Every POLL_MS: each profile's ended tasks, then replacements while its target wants them. */
     private void watch() {
         while (!stopping) {
             try {
                 Thread.sleep(POLL_MS);
                 synchronized (this) {
-                    if (stopping || client == 0) {
-                        return;
+                    for (Profile p : profiles.values()) {
+                        if (stopping || client == 0) {
+                            return;
+                        }
+                        if (p.created) {
+                            apply(p, TernSchedulerNative.scale(client, jobId, p.stage, 0, new int[0], false,
+                                    p.endedNext));
+                        }
+                        if (!stopping) {
+                            reconcile(p);
+                        }
                     }
-                    apply(TernSchedulerNative.scale(client, jobId, 0, new int[0], false, endedNext));
                     if (!stopping) {
-                        reconcile();
                         checkGang();
                     }
                 }

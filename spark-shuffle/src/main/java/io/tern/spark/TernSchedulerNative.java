@@ -2,9 +2,9 @@ package io.tern.spark;
 
 /**
  * The JNI bridge to Tern's scheduler (spark-shuffle/src/scheduler.rs), for
- * {@link TernSchedulerBackend}: a Spark application is one Tern job whose elastic stage
- * "executors" runs one {@code spark-executor} task per Spark executor. Handles and errors as in
- * {@link TernNative}.
+ * {@link TernSchedulerBackend}: a Spark application is one Tern job whose elastic stages (one per
+ * resource profile: "executors" for the default one) run one {@code spark-executor} task per Spark
+ * executor. Handles and errors as in {@link TernNative}.
  */
 final class TernSchedulerNative {
     private TernSchedulerNative() {}
@@ -31,11 +31,22 @@ final class TernSchedulerNative {
             String[] paramValues, String[] envKeys, String[] envValues);
 
     /**
-     * Adds {@code add} executor tasks, cancels {@code cancel}, ends the job when {@code finish},
-     * and lists tasks ended from {@code endedFrom} on. The reply: "state S next N queued Q running R",
-     * "added I I ...", then "ended INDEX OUTCOME MESSAGE" lines.
+     * Adds the elastic stage {@code stage} to the job, with no tasks yet, each task needing
+     * {@code cpuMilli}, {@code memoryBytes} and {@code gpuMilli} (another resource profile's
+     * executors); a stage that exists already is left as it is. The reply as {@link #scale}'s.
      */
-    static native String scale(long client, String jobId, int add, int[] cancel, boolean finish, int endedFrom);
+    static native String createStage(long client, String jobId, String stage, long cpuMilli, long memoryBytes,
+            long gpuMilli, long leaseMs, String[] paramKeys, String[] paramValues, String[] envKeys,
+            String[] envValues);
+
+    /**
+     * Adds {@code add} tasks to {@code stage}, cancels {@code cancel}, ends the stage when
+     * {@code finish} (the job succeeds when its last stage ends), and lists the stage's tasks ended
+     * from {@code endedFrom} on. The reply: "state S next N queued Q running R", "added I I ...",
+     * then "ended INDEX OUTCOME MESSAGE" lines.
+     */
+    static native String scale(long client, String jobId, String stage, int add, int[] cancel, boolean finish,
+            int endedFrom);
 
     /**
      * Why the application's executor tasks cannot start on the scheduler's live executors (no

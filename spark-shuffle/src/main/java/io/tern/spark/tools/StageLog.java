@@ -4,19 +4,23 @@ import java.util.ArrayList;
 import java.util.List;
 
 import org.apache.spark.scheduler.SparkListener;
+import org.apache.spark.scheduler.SparkListenerExecutorAdded;
 import org.apache.spark.scheduler.SparkListenerStageSubmitted;
 import org.apache.spark.scheduler.SparkListenerTaskEnd;
 import org.apache.spark.scheduler.StageInfo;
 
 /**
- * A listener that records stage attempts and task ends, for the test suite to check how Spark
- * recovered (which stages were resubmitted, which partitions reran). {@link #json()} gives
+ * A listener that records stage attempts, task ends and executors added, for the test suite to
+ * check how Spark recovered (which stages were resubmitted, which partitions reran) and where
+ * tasks ran. {@link #json()} gives
  * {"stages": [[stageId, attempt, shuffleId or -1, numTasks], ...],
- *  "tasks": [[stageId, attempt, partition, successful (0/1), "executor id"], ...]} in event order.
+ *  "tasks": [[stageId, attempt, partition, successful (0/1), "executor id"], ...],
+ *  "executors": [["executor id", resource profile id, cores], ...]} in event order.
  */
 public final class StageLog extends SparkListener {
     private final List<String> stages = new ArrayList<>();
     private final List<String> tasks = new ArrayList<>();
+    private final List<String> executors = new ArrayList<>();
 
     @Override
     public synchronized void onStageSubmitted(SparkListenerStageSubmitted event) {
@@ -31,12 +35,20 @@ public final class StageLog extends SparkListener {
                 + (event.taskInfo().successful() ? 1 : 0) + ",\"" + event.taskInfo().executorId() + "\"]");
     }
 
+    @Override
+    public synchronized void onExecutorAdded(SparkListenerExecutorAdded event) {
+        executors.add("[\"" + event.executorId() + "\"," + event.executorInfo().resourceProfileId() + ","
+                + event.executorInfo().totalCores() + "]");
+    }
+
     public synchronized void clear() {
         stages.clear();
         tasks.clear();
+        executors.clear();
     }
 
     public synchronized String json() {
-        return "{\"stages\":[" + String.join(",", stages) + "],\"tasks\":[" + String.join(",", tasks) + "]}";
+        return "{\"stages\":[" + String.join(",", stages) + "],\"tasks\":[" + String.join(",", tasks)
+                + "],\"executors\":[" + String.join(",", executors) + "]}";
     }
 }
