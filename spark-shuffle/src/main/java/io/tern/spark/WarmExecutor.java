@@ -42,6 +42,31 @@ public final class WarmExecutor {
     private WarmExecutor() {
     }
 
+    /**
+     * What every executor does before it registers whose cost is not class loading, done once per
+     * JVM either way: Hadoop's configuration and login (SparkHadoopUtil.runAsSparkUser, about a
+     * second cold), and the plugin's native library (unpacked into Spark's first local directory,
+     * as {@link TernConf#nativeDir} would choose without {@code spark.tern.nativeDir}). Both come
+     * out the same as in a cold executor: they read only this JVM's options and environment, which
+     * a parked JVM shares with the executors it may become. A failure here is left for the
+     * executor to meet (a library that will not load here is loaded from the application's
+     * directory then).
+     */
+    private static void warmSingletons() {
+        try {
+            org.apache.spark.deploy.SparkHadoopUtil.get();
+            org.apache.hadoop.security.UserGroupInformation.getCurrentUser();
+        } catch (Exception | LinkageError e) {
+            System.err.println("warm-up: Hadoop's login: " + e);
+        }
+        try {
+            String localDirs = System.getenv("SPARK_LOCAL_DIRS");
+            NativeLibrary.load(localDirs == null || localDirs.isEmpty() ? null : localDirs.split(",")[0]);
+        } catch (RuntimeException | LinkageError e) {
+            System.err.println("warm-up: the native library: " + e);
+        }
+    }
+
     public static void main(String[] argv) throws Exception {
         long started = System.nanoTime();
         int loaded = 0;
@@ -63,6 +88,7 @@ public final class WarmExecutor {
                 }
             }
         }
+        warmSingletons();
         if (!poisoned.isEmpty()) {
             System.err.println("a warm executor JVM is unusable: static initializers failed in " + poisoned);
             System.exit(POISONED);
