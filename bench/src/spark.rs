@@ -362,7 +362,8 @@ pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<Strin
         "spark.ui.enabled=false".into(),
     ];
     if let Some(metadata) = tern_metadata {
-        confs.extend(tern_scheduler::SPARK_TERN_SHUFFLE.iter().map(|(key, value)| format!("{key}={value}")));
+        confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
+        confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
         confs.push(format!("spark.tern.metadata={metadata}"));
     }
     confs

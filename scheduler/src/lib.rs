@@ -28,14 +28,6 @@ pub use config::Config;
 /// place Rust spells it.
 pub const SPARK_MASTER_PREFIX: &str = "local-cluster-tern://";
 
-/// The Spark settings that switch Tern's shuffle on (classes of the plugin jar): every Spark
-/// application on Tern's scheduler needs them, as does any that shuffles through Tern. The one
-/// place Rust spells them.
-pub const SPARK_TERN_SHUFFLE: [(&str, &str); 2] = [
-    ("spark.shuffle.manager", "io.tern.spark.TernShuffleManager"),
-    ("spark.shuffle.sort.io.plugin.class", "io.tern.spark.TernShuffleDataIO"),
-];
-
 /// The Spark master URL of the scheduler at `addr` (HOST:PORT).
 pub fn spark_master_url(addr: &str) -> String {
     format!("{SPARK_MASTER_PREFIX}{addr}")

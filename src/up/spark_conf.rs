@@ -14,6 +14,9 @@ use anyhow::{bail, Context};
 
 /// Where spark-shuffle/build.sh leaves the jar, relative to the cargo target directory.
 const BUILT_JAR: &str = "tern-spark/tern-spark.jar";
+/// Tern's shuffle manager and its shuffle I/O plugin (spark-shuffle's Java classes).
+const SHUFFLE_MANAGER: &str = "io.tern.spark.TernShuffleManager";
+const SHUFFLE_IO: &str = "io.tern.spark.TernShuffleDataIO";
 
 /// What the Spark configuration says.
 #[derive(Debug)]
@@ -49,7 +52,8 @@ impl SparkConf {
         if let Some(master) = &self.master {
             keys.push(("spark.master", master.clone()));
         }
-        keys.extend(tern_scheduler::SPARK_TERN_SHUFFLE.iter().map(|&(key, value)| (key, value.to_string())));
+        keys.push(("spark.shuffle.manager", SHUFFLE_MANAGER.into()));
+        keys.push(("spark.shuffle.sort.io.plugin.class", SHUFFLE_IO.into()));
         keys.push(("spark.tern.metadata", self.metadata.clone()));
         if let Some(dir) = &self.tls_dir {
             keys.push(("spark.tern.tlsDir", text(dir)?));
@@ -122,8 +126,8 @@ mod tests {
             text.lines().find_map(|l| l.strip_prefix(key).filter(|v| v.starts_with(' ')).map(str::trim)).unwrap_or("")
         };
         assert_eq!(value("spark.master"), tern_scheduler::spark_master_url("127.0.0.1:9062"));
-        assert_eq!(value("spark.shuffle.manager"), "io.tern.spark.TernShuffleManager");
-        assert_eq!(value("spark.shuffle.sort.io.plugin.class"), "io.tern.spark.TernShuffleDataIO");
+        assert_eq!(value("spark.shuffle.manager"), SHUFFLE_MANAGER);
+        assert_eq!(value("spark.shuffle.sort.io.plugin.class"), SHUFFLE_IO);
         assert_eq!(value("spark.tern.metadata"), "127.0.0.1:9060");
         assert_eq!(value("spark.tern.tlsDir"), "/d/tls");
         assert_eq!(value("spark.driver.extraClassPath"), "/t/tern-spark.jar");

@@ -124,11 +124,11 @@ impl WarmJvms {
                     let (_, stderr) = parked.started.take_output();
                     let why = format!("{status}: {}", String::from_utf8_lossy(&stderr).trim());
                     let _ = std::fs::remove_dir_all(&parked.dir);
-                    refuse(&mut state, &parked.shape, why, status.code() == Some(POISONED));
+                    refuse(&mut state, &parked.shape, why);
                 }
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&parked.dir);
-                    refuse(&mut state, &parked.shape, e.to_string(), false);
+                    refuse(&mut state, &parked.shape, e.to_string());
                 }
             }
         }
@@ -219,14 +219,13 @@ impl WarmJvms {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                refuse(&mut state, &shape, format!("cannot start {}: {e}", shape.java), false);
+                refuse(&mut state, &shape, format!("cannot start {}: {e}", shape.java));
             }
         }
     }
 
-    /// JVMs parked now.
-    #[cfg(test)]
-    fn parked(&self) -> usize {
+    /// JVMs parked now (for tests and status).
+    pub fn parked(&self) -> usize {
         self.state.lock().parked.len()
     }
 }
@@ -239,8 +238,8 @@ impl Drop for WarmJvms {
     }
 }
 
-/// Parks no more JVMs of `shape`; `poisoned` when one exited because a static initializer failed.
-fn refuse(state: &mut State, shape: &Arc<Shape>, why: String, poisoned: bool) {
+fn refuse(state: &mut State, shape: &Arc<Shape>, why: String) {
+    let poisoned = why.contains(&format!("exit status: {POISONED}"));
     tracing::warn!(
         java = %shape.java, why = %why, poisoned,
         "a parked Spark executor JVM failed; executors of this kind start cold from now on"
