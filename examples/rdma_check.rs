@@ -2,12 +2,18 @@
 //! `tern metadata-server` and `tern storage-server`s: every check goes over `--transport rdma`,
 //! and a fallback to TCP is a failure (the script greps this program's log for it).
 //!
-//! `rdma_check METADATA BLOCK_SIZE before`: round trips of files of 0, 1, block-1, block, block+1
-//! bytes (their reads one-sided RDMA READs through the servers' memory windows: counted), a
-//! shuffle written by 3 maps into 4 partitions and read back by map ranges (pages of one batch
-//! READ one-sided too), a read and a Lease of
-//! another job's file refused, READs through a window after its Release and after its lease ran
-//! out failing; leaves /jobs/keep/* for the next phase.
+//! `rdma_check METADATA BLOCK_SIZE before ADDR=ADMIN...` (each storage server's block address and
+//! admin endpoint): round trips of files of 0, 1, block-1, block, block+1 bytes (their reads of
+//! blocks on servers serving RDMA one-sided RDMA READs through the servers' memory windows), a
+//! shuffle written by 3 maps into 4 partitions and read back by map ranges (every page from a
+//! server serving RDMA READ one-sided: its batches lie back to back in one extent), a read and a
+//! Lease of another job's file refused, READs through a window after its Release and after its
+//! lease ran out failing; leaves /jobs/keep/* for the next phase.
+//!
+//! What goes one-sided is counted exactly, whatever order the servers started in and wherever
+//! the planner put each block and segment: the check asks the metadata server which server holds
+//! each one, and compares the client's READs with the lends each server counted
+//! (`tern_storage_lends_total`, from its admin endpoint), which also say why anything was not lent.
 //! `rdma_check METADATA BLOCK_SIZE after`: run once a storage server was killed: every file
 //! still reads back or fails as Unavailable/DataLost naming the server (never wrong bytes, never
 //! a hang past the deadline), and a new file round-trips on the survivor.
@@ -49,31 +55,133 @@ fn check(ok: bool, what: &str) -> anyhow::Result<()> {
 }
 
 async fn client(metadata: &str) -> anyhow::Result<Client> {
+    // Deadlines for an emulated CPU: under TCG an RDMA connect (queue pairs and their buffers
+    // registered) takes seconds beside three servers, and a slow connect is not a missing device.
     let options = ClientOptions {
         transport: TransportKind::Rdma,
+        connect_timeout: Duration::from_secs(30),
+        rdma_connect_timeout: Duration::from_secs(10),
         block_request_timeout: Duration::from_secs(20),
         ..ClientOptions::default()
     };
     Ok(Client::connect_with(metadata, options).await?)
 }
 
-async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
+/// The storage servers: block address and admin endpoint (`ADDR=ADMIN`).
+struct Servers(Vec<(String, String)>);
+
+impl Servers {
+    fn parse(args: &[String]) -> anyhow::Result<Servers> {
+        let servers = args
+            .iter()
+            .map(|arg| {
+                let (addr, admin) = arg.split_once('=').with_context(|| format!("{arg:?}: expected ADDR=ADMIN"))?;
+                Ok((addr.to_string(), admin.to_string()))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        anyhow::ensure!(!servers.is_empty(), "name each storage server as ADDR=ADMIN");
+        Ok(Servers(servers))
+    }
+
+    /// Every server's lends so far, by (server, what, outcome).
+    async fn lends(&self) -> anyhow::Result<Lends> {
+        let mut all = Lends::default();
+        for (addr, admin) in &self.0 {
+            let text = http_get(admin, "/metrics").await.with_context(|| format!("metrics of {addr} from {admin}"))?;
+            for line in text.lines().filter(|l| l.starts_with("tern_storage_lends_total{")) {
+                let label = |name: &str| {
+                    let at = line.find(&format!("{name}=\"")).map(|i| i + name.len() + 2)?;
+                    Some(line[at..].split('"').next()?.to_string())
+                };
+                let (Some(what), Some(outcome)) = (label("what"), label("outcome")) else { continue };
+                let value: f64 = line.rsplit(' ').next().unwrap_or("").parse().with_context(|| line.to_string())?;
+                all.0.insert((addr.clone(), what, outcome), value as u64);
+            }
+        }
+        Ok(all)
+    }
+}
+
+/// Lend counters of the servers, by (server, what, outcome).
+#[derive(Default, Debug)]
+struct Lends(std::collections::BTreeMap<(String, String, String), u64>);
+
+impl Lends {
+    /// What changed since `earlier`, for `what` ("page" or "block"): (server, outcome) -> count.
+    fn since(&self, earlier: &Lends, what: &str) -> Vec<(String, String, u64)> {
+        self.0
+            .iter()
+            .filter(|((_, w, _), _)| w == what)
+            .filter_map(|((server, w, outcome), &now)| {
+                let then = earlier.0.get(&(server.clone(), w.clone(), outcome.clone())).copied().unwrap_or(0);
+                (now > then).then(|| (server.clone(), outcome.clone(), now - then))
+            })
+            .collect()
+    }
+}
+
+/// The body of `GET path` from an admin endpoint (HTTP/1.0, so the server closes when done).
+async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await?;
+        anyhow::Ok(response)
+    };
+    let response = tokio::time::timeout(Duration::from_secs(20), exchange).await.context("timed out")??;
+    let (head, body) = response.split_once("\r\n\r\n").context("no end of the response's head")?;
+    anyhow::ensure!(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"), "{head}");
+    Ok(body.to_string())
+}
+
+/// Checks the lends of one step: every lend refused for a reason other than the data's layout
+/// (a window limit, a bind refused or late, a connection that lends nothing) is a failure, and
+/// the client's one-sided READs are exactly the lends of the servers serving RDMA.
+fn check_lends(step: &str, what: &str, changed: &[(String, String, u64)], reads: u64) -> anyhow::Result<u64> {
+    let mut lent = 0;
+    for (server, outcome, n) in changed {
+        match outcome.as_str() {
+            "lent" => lent += n,
+            // Bytes that are not one view of DRAM are carried by design (the unit tests cover why).
+            "gathered" | "nvme" | "empty" => {}
+            "transport" if server == NO_RDMA_SERVER => {}
+            _ => anyhow::bail!("{step}: storage server {server} did not lend {n} {what}s: {outcome}"),
+        }
+    }
+    check(reads == lent, &format!("{step}: {reads} one-sided READs, {lent} {what}s lent by the servers"))?;
+    Ok(lent)
+}
+
+async fn before(metadata: &str, block: usize, servers: &Servers) -> anyhow::Result<()> {
     let owner = client(metadata).await?;
     let _job = owner.start_job(Some("keep"), Duration::from_secs(600)).await?;
+    let (lends_before, reads_before) = (servers.lends().await?, tern_rdma::one_sided::counters().reads);
+    let mut on_rdma = 0;
     for (i, len) in [0, 1, block - 1, block, block + 1, 3 * block + 7].into_iter().enumerate() {
         let data = pattern(len, i as u64 + 1);
         let path = format!("/jobs/keep/f{len}");
         owner.put(&path, data.clone()).await?;
         let back = owner.open(&path).await?.read_to_end().await?;
         check(back == data, &format!("round trip of {len} bytes"))?;
+        let (_, blocks) = owner.stat_with_blocks(&path, true).await?;
+        on_rdma += blocks.iter().filter(|(b, _)| b.address != NO_RDMA_SERVER).count() as u64;
     }
-    let counted = tern_rdma::one_sided::counters();
-    check(counted.reads > 0, &format!("the round trips' reads went one-sided (RDMA READs: {counted:?})"))?;
+    let reads = tern_rdma::one_sided::counters().reads - reads_before;
+    let changed = servers.lends().await?.since(&lends_before, "block");
+    let lent = check_lends("the round trips", "block", &changed, reads)?;
+    check(
+        lent >= on_rdma && (on_rdma == 0 || reads > 0),
+        &format!("each of the {on_rdma} blocks on servers serving RDMA was READ one-sided ({reads} READs)"),
+    )?;
 
-    // A shuffle: 3 maps into 4 partitions, read back whole and by ranges of maps.
+    // A shuffle: 3 maps into 4 partitions, read back whole and by ranges of maps. Each partition
+    // takes under 4 KiB, so its segment's batches lie back to back in its first extent (a piece of
+    // a slot) and every page is one view of the arena, lent whole.
     let shuffle = owner.register_shuffle("keep", 4, ShuffleOptions::default()).await?;
     let piece = |map: u32, partition: u32| {
-        pattern(1000 + 4099 * partition as usize + 777 * map as usize, 100 + u64::from(map * 10 + partition))
+        pattern(200 + 250 * partition as usize + 100 * map as usize, 100 + u64::from(map * 10 + partition))
     };
     for map in 0..3 {
         let mut writer = shuffle.writer(map, 0);
@@ -82,8 +190,14 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
         }
         check(writer.commit().await?.committed, &format!("map {map} committed"))?;
     }
-    let reads_before = tern_rdma::one_sided::counters().reads;
-    for (partitions, maps) in [(0..4, 0..3), (1..3, 1..3), (3..4, 0..1)] {
+    let segments = shuffle.segments(0..4).await?;
+    let holder = |partition: u32| segments.iter().find(|s| s.partition == partition).map(|s| s.address.clone());
+    for partition in 0..4 {
+        let held_by = holder(partition).context("a partition without a segment")?;
+        println!("rdma_check: shuffle partition {partition} is held by storage server {held_by}");
+    }
+    for (partitions, maps) in [(0..4, 0..3), (1..3, 1..3), (3..4, 0..1), (0..4, 2..3)] {
+        let (lends_before, reads_before) = (servers.lends().await?, tern_rdma::one_sided::counters().reads);
         let batches = shuffle.reader(partitions.clone(), maps.clone()).await?.read_to_end().await?;
         let mut got: Vec<(u32, u32, Vec<u8>)> = Vec::new();
         for b in batches {
@@ -100,11 +214,16 @@ async fn before(metadata: &str, block: usize) -> anyhow::Result<()> {
             }
         }
         want.sort();
-        check(got == want, &format!("shuffle read of partitions {partitions:?} x maps {maps:?}"))?;
+        let step = format!("shuffle read of partitions {partitions:?} x maps {maps:?}");
+        check(got == want, &step)?;
+        // One page per partition (each fits a page): READ one-sided exactly where its holder
+        // serves RDMA, so start order and placement cannot change the count, only its expectation.
+        let expected = partitions.clone().filter(|&p| holder(p).is_some_and(|a| a != NO_RDMA_SERVER)).count() as u64;
+        let reads = tern_rdma::one_sided::counters().reads - reads_before;
+        let changed = servers.lends().await?.since(&lends_before, "page");
+        let lent = check_lends(&step, "page", &changed, reads)?;
+        check(lent == expected, &format!("{step}: {expected} pages on servers serving RDMA, {lent} lent"))?;
     }
-    // A page that is one batch (one extent of the arena) is lent, not carried.
-    let shuffle_reads = tern_rdma::one_sided::counters().reads - reads_before;
-    check(shuffle_reads > 0, &format!("the shuffle's Fetch pages went one-sided ({shuffle_reads} READs)"))?;
 
     // Another job's client may not read keep's file.
     let stranger = client(metadata).await?;
@@ -276,8 +395,8 @@ async fn after(metadata: &str, block: usize) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter("info").init();
     let args: Vec<String> = std::env::args().collect();
-    let [_, metadata, block, phase] = &args[..] else {
-        anyhow::bail!("usage: rdma_check METADATA BLOCK_SIZE_BYTES before|after");
+    let [_, metadata, block, phase, servers @ ..] = &args[..] else {
+        anyhow::bail!("usage: rdma_check METADATA BLOCK_SIZE_BYTES before|after [ADDR=ADMIN ...]");
     };
     let block: usize = block.parse()?;
     tern_rdma::install();
@@ -286,7 +405,7 @@ async fn main() -> anyhow::Result<()> {
         Err(why) => anyhow::bail!("{why}: this check needs an RDMA device (soft-RoCE in the guest)"),
     }
     match phase.as_str() {
-        "before" => before(metadata, block).await,
+        "before" => before(metadata, block, &Servers::parse(servers)?).await,
         "after" => after(metadata, block).await,
         other => anyhow::bail!("unknown phase {other:?} (expected before or after)"),
     }

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # RDMA tests over soft-RoCE: builds `tern` and examples/rdma_check.rs with `--features rdma`,
 # boots a QEMU guest (TCG, Debian's 6.1 kernel, rdma_rxe on a veth) whose initramfs holds them,
-# and inside it starts a metadata server, two storage servers serving RDMA and one not, then checks over
+# and inside it starts a metadata server, two storage servers serving RDMA and one not (in the
+# order RDMA_TEST_ORDER names, e.g. 312, else one of the six at random, printed), then checks over
 # `--transport rdma`: file round trips (0 B, 1 B, block-1, block, block+1, 3 blocks+7, 50 MiB
 # through the `tern fs` CLI), a shuffle written by 3 maps and read by map ranges, reads of DRAM
-# blocks and single-batch pages as one-sided READs through memory windows (counted), READs through
+# blocks and pages on the servers serving RDMA as one-sided READs through memory windows (counted
+# exactly, against each server's lend metrics), READs through
 # a released and an expired window failing with a remote access error, a refused cross-job read
 # and Lease, a killed storage server, and one log line for the fallback to TCP of the server
 # without RDMA. Prints one line `rdma-test: PASS` or
@@ -14,6 +16,7 @@
 # Needs root for apt-get when packages are missing (CI is root). Takes ~3 min beyond the build.
 #   bash scripts/rdma-test.sh            # the whole test
 #   RDMA_TEST_KEEP=1 bash scripts/...   # keep the work directory (printed) for a look
+#   RDMA_TEST_ORDER=312 bash scripts/... # storage servers 3, 1, 2 start in that order
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,11 +44,14 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
-echo "rdma-test: building tern and rdma_check with --features rdma" >&2
-cargo build --features rdma --bin tern --example rdma_check || fail "cargo build --features rdma"
-
 work=$(mktemp -d /tmp/tern-rdma-test.XXXXXX)
 if [ -z "${RDMA_TEST_KEEP:-}" ]; then trap 'rm -rf "$work"' EXIT; else echo "rdma-test: work dir $work" >&2; fi
+
+echo "rdma-test: building tern and rdma_check with --features rdma" >&2
+cargo build --features rdma --bin tern --example rdma_check || fail "cargo build --features rdma"
+# Taken at once: another build in this target dir (without the feature) may replace target/debug/tern.
+objcopy --strip-debug target/debug/tern "$work/tern"
+objcopy --strip-debug target/debug/examples/rdma_check "$work/rdma_check"
 
 # The guest kernel: Debian's 6.1 image (rdma_rxe as a module), cached under target/.
 cache=target/rdma-guest
@@ -105,8 +111,6 @@ cp /bin/busybox "$root/bin/busybox"
 for applet in $(/bin/busybox --list); do [ -e "$root/bin/$applet" ] || ln -s busybox "$root/bin/$applet"; done
 copy_with_libs "$(command -v ip)" bin/iproute2-ip
 copy_with_libs "$(command -v rdma)" bin/rdma-tool
-objcopy --strip-debug target/debug/tern "$work/tern"
-objcopy --strip-debug target/debug/examples/rdma_check "$work/rdma_check"
 copy_with_libs "$work/tern" bin/tern
 copy_with_libs "$work/rdma_check" bin/rdma_check
 # ibv_devinfo, when the host has it, records what the guest's rxe device offers (memory windows).
@@ -129,29 +133,34 @@ for m in $(cat /mod/order); do insmod /mod/$m || verdict "FAIL insmod $m"; done
 /bin/rdma-tool link add rxe0 type rxe netdev va || verdict "FAIL rdma link add"
 [ -e /dev/infiniband/rdma_cm ] || verdict "FAIL no /dev/infiniband/rdma_cm"
 [ -x /bin/ibv_devinfo ] && ibv_devinfo -v | grep -iE "max_mw|max_qp_wr|max_mr:" | sed 's/^[[:space:]]*/guest: rxe0 /'
-export RUST_LOG=info,tern_rdma=debug
+export RUST_LOG=info,tern_rdma=debug,tern_storage_server::service::leases=debug
 BS=262144
 tern metadata-server --listen 127.0.0.1:9060 --admin 127.0.0.1:9061 --dir /data/meta \
     --block-size 256KiB >/tmp/meta.log 2>&1 &
 sleep 2
-tern storage-server --listen 10.77.0.1:9070 --admin 127.0.0.1:9071 --trusted-network \
-    --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=on --set prefault=false --set huge_pages=false \
-    --set drain_grace_ms=0 >/tmp/s1.log 2>&1 &
-S1=$!
-tern storage-server --listen 10.77.0.1:9072 --admin 127.0.0.1:9073 --trusted-network \
-    --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=on --set prefault=false --set huge_pages=false \
-    --set drain_grace_ms=0 >/tmp/s2.log 2>&1 &
-# A third server without RDMA: clients must fall back to TCP for it, saying so once.
-tern storage-server --listen 10.77.0.1:9074 --admin 127.0.0.1:9075 --trusted-network \
-    --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=off --set prefault=false --set huge_pages=false \
-    --set drain_grace_ms=0 >/tmp/s3.log 2>&1 &
-for i in $(seq 1 60); do
-    grep -q "listening on" /tmp/s1.log && grep -q "listening on" /tmp/s2.log && grep -q "listening on" /tmp/s3.log && break
-    sleep 1
+# Servers 1 and 2 serve RDMA; server 3 does not: clients must fall back to TCP for it, saying
+# so once. They start in the order the kernel command line names (tern_order=312: server 3,
+# then 1, then 2), each once the one before it registered ("listening on" follows its
+# registration), so the placement planner sees them in that order.
+ORDER=$(sed -n 's/.*tern_order=\([123]*\).*/\1/p' /proc/cmdline)
+say "starting the storage servers in the order ${ORDER:-123}"
+for n in $(echo "${ORDER:-123}" | sed 's/./& /g'); do
+    rdma=on; [ "$n" = 3 ] && rdma=off
+    tern storage-server --listen 10.77.0.1:907$(( 2 * n - 2 )) --admin 127.0.0.1:907$(( 2 * n - 1 )) \
+        --trusted-network --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=$rdma --set prefault=false \
+        --set huge_pages=false --set drain_grace_ms=0 >/tmp/s$n.log 2>&1 &
+    [ "$n" = 1 ] && S1=$!
+    for i in $(seq 1 60); do grep -q "listening on" /tmp/s$n.log && break; sleep 1; done
+    grep -q "listening on" /tmp/s$n.log || { cat /tmp/meta.log /tmp/s$n.log; verdict "FAIL storage server $n did not start"; }
+    say "storage server $n: $(grep -o 'storage server [0-9]* listening on [^ ]*' /tmp/s$n.log)"
 done
 grep -q "RDMA on" /tmp/s1.log && grep -q "RDMA on" /tmp/s2.log || { cat /tmp/meta.log /tmp/s1.log /tmp/s2.log; verdict "FAIL storage servers not serving RDMA"; }
 say "servers up"
-timeout 200 rdma_check 127.0.0.1:9060 $BS before >/tmp/c1.log 2>&1; rc=$?
+# Deadlines for an emulated CPU (as rdma_check sets its own): an RDMA connect under TCG can take
+# seconds, and a slow connect must not be taken for a server without RDMA.
+export TERN_RDMA_CONNECT_TIMEOUT_MS=10000 TERN_CONNECT_TIMEOUT_MS=30000
+SERVERS="10.77.0.1:9070=127.0.0.1:9071 10.77.0.1:9072=127.0.0.1:9073 10.77.0.1:9074=127.0.0.1:9075"
+timeout 200 rdma_check 127.0.0.1:9060 $BS before $SERVERS >/tmp/c1.log 2>&1; rc=$?
 cat /tmp/c1.log
 say "rdma_check before: exit $rc"
 [ $rc -eq 0 ] || { tail -n 30 /tmp/s1.log /tmp/s2.log; verdict "FAIL rdma_check before (exit $rc)"; }
@@ -185,11 +194,15 @@ EOF
 chmod +x "$root/init"
 
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) >"$work/initrd.gz"
+# The storage servers' start order: given, or one of the six at random (printed, to repeat it).
+order=${RDMA_TEST_ORDER:-$(printf '%s\n' 123 132 213 231 312 321 | shuf -n1)}
+case "$order" in 123|132|213|231|312|321) ;; *) fail "RDMA_TEST_ORDER=$order: expected an order of 1, 2 and 3, such as 312" ;; esac
+echo "rdma-test: storage servers start in the order $order (RDMA_TEST_ORDER=$order to repeat it)" >&2
 echo "rdma-test: booting the guest ($(du -h "$work/initrd.gz" | cut -f1) initramfs, at most ${GUEST_TIMEOUT_S}s)" >&2
 set +e
 timeout --kill-after=10 "$GUEST_TIMEOUT_S" qemu-system-x86_64 -accel tcg -cpu max -m 2048 -smp 2 -nographic \
     -no-reboot -nic none -kernel "$vmlinuz" -initrd "$work/initrd.gz" \
-    -append "console=ttyS0 panic=-1 quiet" </dev/null >"$work/console.log" 2>&1
+    -append "console=ttyS0 panic=-1 quiet tern_order=$order" </dev/null >"$work/console.log" 2>&1
 rc=$?
 set -e
 grep -E "^(guest|rdma_check):" "$work/console.log" | tr -d '\r' >&2 || true

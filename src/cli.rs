@@ -98,6 +98,11 @@ pub struct Deadlines {
     #[arg(long, env = "TERN_CONNECT_TIMEOUT_MS", global = true, value_name = "MS",
           default_value_t = tern_client::DEFAULT_CONNECT_TIMEOUT.as_millis() as u64)]
     pub connect_timeout_ms: u64,
+    /// Deadline for an RDMA connect to a storage server, after which the client uses TCP for it
+    /// (part of --connect-timeout-ms). Raise it on an emulated CPU, where connects take seconds.
+    #[arg(long, env = "TERN_RDMA_CONNECT_TIMEOUT_MS", global = true, value_name = "MS",
+          default_value_t = tern_client::DEFAULT_RDMA_CONNECT_TIMEOUT.as_millis() as u64)]
+    pub rdma_connect_timeout_ms: u64,
     /// Deadline for each metadata (control-plane) call.
     #[arg(long, env = "TERN_RPC_TIMEOUT_MS", global = true, value_name = "MS",
           default_value_t = tern_client::DEFAULT_RPC_TIMEOUT.as_millis() as u64)]
@@ -115,6 +120,7 @@ impl Deadlines {
         use std::time::Duration;
         ClientOptions {
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            rdma_connect_timeout: Duration::from_millis(self.rdma_connect_timeout_ms),
             request_timeout: Duration::from_millis(self.rpc_timeout_ms),
             block_request_timeout: Duration::from_millis(self.block_timeout_ms),
             ..options

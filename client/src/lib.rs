@@ -51,6 +51,8 @@ pub use tern_transport::tls::{PemOrigin, TlsMaterial};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
+/// Default [`ClientOptions::rdma_connect_timeout`] (defined by the transport that applies it).
+pub use tern_transport::rdma_or::DEFAULT_RDMA_CONNECT_TIMEOUT;
 /// Default [`ClientOptions::connect_timeout`]: a handshake on a live network takes milliseconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default [`ClientOptions::request_timeout`]: metadata calls are small but some walk many
@@ -78,6 +80,11 @@ pub struct ClientOptions {
     /// Deadline for opening a connection, handshake included: to the metadata server and to
     /// each storage server (TCP, TLS or QUIC). Default [`DEFAULT_CONNECT_TIMEOUT`].
     pub connect_timeout: Duration,
+    /// Deadline for an RDMA connect to a storage server (`--transport rdma`, or `auto` with a
+    /// device), after which the client falls back to TCP for that server. It is part of
+    /// `connect_timeout`, which covers the fallback too. Default
+    /// [`DEFAULT_RDMA_CONNECT_TIMEOUT`].
+    pub rdma_connect_timeout: Duration,
     /// Deadline for each control-plane call (one metadata or admin RPC). Default
     /// [`DEFAULT_RPC_TIMEOUT`].
     pub request_timeout: Duration,
@@ -106,6 +113,7 @@ impl Default for ClientOptions {
             requests_per_connection: 64,
             max_allocate_batch: 256,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            rdma_connect_timeout: DEFAULT_RDMA_CONNECT_TIMEOUT,
             request_timeout: DEFAULT_RPC_TIMEOUT,
             block_request_timeout: DEFAULT_BLOCK_REQUEST_TIMEOUT,
             transport: TransportKind::Auto,
@@ -160,10 +168,12 @@ impl Drop for Inner {
     }
 }
 
-/// The block connector of `kind`; TLS and QUIC need the TLS material.
+/// The block connector of `kind`; TLS and QUIC need the TLS material. An RDMA connect falls back
+/// after `rdma_timeout`.
 fn connector(
     kind: TransportKind,
     tls: Option<&tern_transport::tls::TlsMaterial>,
+    rdma_timeout: Duration,
 ) -> Result<Arc<dyn tern_transport::Connector>> {
     let needs_tls = || {
         Error::invalid(format!(
@@ -180,11 +190,11 @@ fn connector(
         // have it. With TLS material, never: RDMA frames are not encrypted.
         // The same-host path first, for a server on this host.
         TransportKind::Auto if tls.is_none() => Arc::new(tern_transport::local::LocalFirst::new(
-            tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", false),
+            tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", false, rdma_timeout),
         )),
         TransportKind::Auto => Arc::new(tern_transport::local::LocalFirst::new(auto()?)),
         TransportKind::Local => Arc::new(tern_transport::local::LocalConnector),
-        TransportKind::Rdma => tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", true),
+        TransportKind::Rdma => tern_transport::rdma_or::RdmaOr::connector(auto()?, "TCP", true, rdma_timeout),
         TransportKind::Tcp => Arc::new(tern_transport::tcp::TcpConnector),
         TransportKind::Tls => Arc::new(
             tern_transport::tls_tcp::TlsTcpConnector::new(tls.ok_or_else(needs_tls)?)
@@ -229,7 +239,7 @@ impl Client {
                 .initial_stream_window_size(Some(16 << 20))
         })
         .await?;
-        let connector = connector(options.transport, tls.as_ref())?;
+        let connector = connector(options.transport, tls.as_ref(), options.rdma_connect_timeout)?;
         let tokens = auth::Tokens::default();
         tokens.add_from_env()?;
         let admin = AdminClient::new(channel.clone());

@@ -37,6 +37,12 @@ struct TransportLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LendLabels {
+    what: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EngineLabels {
     engine: &'static str,
 }
@@ -64,6 +70,7 @@ pub struct Metrics {
     nvme_shuffle_bytes: Gauge,
     connections: Gauge,
     connections_accepted: Family<TransportLabels, Counter>,
+    lends: Family<LendLabels, Counter>,
 }
 
 const OPS: [Op; 10] =
@@ -105,6 +112,7 @@ impl Metrics {
         let connections = Gauge::default();
         let connections_accepted = Family::<TransportLabels, Counter>::default();
         let io_engine = Family::<EngineLabels, Gauge>::default();
+        let lends = Family::<LendLabels, Counter>::default();
         registry.register(
             "tern_storage_io_engine_info",
             "The NVMe tier's io engine (uring or psync): 1 for the one in use",
@@ -145,6 +153,12 @@ impl Metrics {
             "Block-service connections accepted, by listener (tcp+tls serves plain TCP and TLS)",
             connections_accepted.clone(),
         );
+        registry.register(
+            "tern_storage_lends",
+            "Fetch pages and Leased blocks, by what and outcome: lent (READ one-sided or copied from the \
+             shared arena), or why not (transport, gathered, nvme, limit, refused, timed_out, empty)",
+            lends.clone(),
+        );
         let ops = OPS.map(|op| {
             let labels = OpLabels { op: op_name(op) };
             OpMetrics {
@@ -170,7 +184,13 @@ impl Metrics {
             nvme_shuffle_bytes: shuffle_bytes.get_or_create_owned(&nvme),
             connections,
             connections_accepted,
+            lends,
         })
+    }
+
+    /// Counts one decision to lend `what` ("page" or "block") or not, by its outcome's name.
+    pub(crate) fn lend(&self, what: &'static str, outcome: &'static str) {
+        self.lends.get_or_create(&LendLabels { what, outcome }).inc();
     }
 
     /// Records one handled request: its op, time taken, payload bytes moved, and error if any.

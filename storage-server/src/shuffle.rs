@@ -121,6 +121,21 @@ pub struct FetchPage {
     pub batches: u32,
     /// crc32c of `payload`, combined from the batches' checked crcs without another pass.
     pub crc: u32,
+    /// Where `payload`'s bytes are: whether the page can be lent rather than copied.
+    pub layout: PageLayout,
+}
+
+/// Where a Fetch page's bytes are, which decides whether a same-host or RDMA connection may lend
+/// the page (a view of the DRAM arena) instead of carrying it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageLayout {
+    /// One view of the DRAM arena: its batches lie back to back in one extent (or it is one
+    /// batch). Lendable.
+    Arena,
+    /// Gathered into a new buffer from batches in several DRAM extents (or not back to back).
+    Gathered,
+    /// Read, in part or whole, from NVMe.
+    Disk,
 }
 
 /// Why a Push or Fetch was refused. Messages name the segment and, for corruption, the map to
@@ -222,8 +237,9 @@ impl Extent {
 
 /// Where a batch of a page is read from.
 enum Stored {
-    /// A view of the arena: the bytes themselves.
-    View(Bytes),
+    /// A view of the arena: the bytes themselves, `[offset, offset + len)` of DRAM extent
+    /// `extent` of the segment.
+    View { bytes: Bytes, extent: u32, offset: u32 },
     /// `[offset, offset + len)` of an NVMe extent, read outside the segment's lock.
     Disk(Arc<NvmeExtent>, u32, u32),
 }
@@ -964,18 +980,19 @@ impl Shuffles {
     ) -> Result<FetchPage, ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
         let limit = max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
-        let (page, more, next) = {
+        let (page, span, more, next) = {
             let state = segment.state.lock();
             let (page, more) = state.page(id, want, cursor, limit)?;
+            let span = state.span_of(&page);
             // A reader of NVMe: the page it asks for next, as NVMe spans to read ahead. (Readers
             // of DRAM alone pay nothing for it.)
-            let from_disk = page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)));
-            let next = match more && from_disk {
+            let next = match more && from_disk(&page) {
                 true => state.page(id, want, cursor + page.len() as u32, limit)?.0,
                 false => Vec::new(),
             };
-            (page, more, disk_spans(&next))
+            (page, span, more, disk_spans(&next))
         };
+        let layout = if from_disk(&page) { PageLayout::Disk } else { PageLayout::Gathered };
         self.read_ahead(&segment, next);
         // Read outside the segment's lock, so pushes to it do not wait; the views and extents
         // keep their slots intact meanwhile, even if the shuffle is freed.
@@ -983,10 +1000,12 @@ impl Shuffles {
         drop(segment);
         let batches = u32::try_from(page.len()).expect("a page holds fewer batches than its segment");
         let next_cursor = if more { cursor + batches } else { FETCH_DONE };
-        // Each view is a stored `[header | bytes]`, exactly as the reply carries it. One batch
-        // (the usual page for large batches) goes out as the view itself, without a copy; more
-        // are gathered into one buffer. Either way every batch is checked against the crc taken
-        // when it was stored, and that checked crc extends the payload's crc with no second pass.
+        // Each view is a stored `[header | bytes]`, exactly as the reply carries it. Batches that
+        // lie back to back in one DRAM extent (one batch, the usual page for large batches, or a
+        // run of small ones) go out as one view of the arena, without a copy; others are gathered
+        // into one buffer. Either way every batch is checked against the crc taken when it was
+        // stored (the check at rest, which names the map to recompute), and that checked crc
+        // extends the payload's crc with no second pass.
         let check = |header: &BatchHeader, bytes: &[u8]| {
             let actual = crc32c::crc32c(bytes);
             if actual != header.crc {
@@ -1000,10 +1019,13 @@ impl Shuffles {
             }
             Ok(actual)
         };
-        if let [(header, stored)] = page.as_slice() {
-            let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
-            let crc = crc32c::crc32c_combine(crc32c::crc32c(encoded), check(header, bytes)?, bytes.len());
-            return Ok(FetchPage { payload: stored.clone(), next_cursor, batches, crc });
+        if let Some(span) = span {
+            let mut crc = 0;
+            for (header, stored) in &page {
+                let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
+                crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, encoded), check(header, bytes)?, bytes.len());
+            }
+            return Ok(FetchPage { payload: span, next_cursor, batches, crc, layout: PageLayout::Arena });
         }
         let size = page.iter().map(|(_, stored)| stored.len()).sum();
         let mut payload = BytesMut::with_capacity(size);
@@ -1017,7 +1039,7 @@ impl Shuffles {
             // Checked over the copy, so what is sent is what was pushed.
             crc = crc32c::crc32c_combine(crc, check(header, &payload[start..])?, bytes.len());
         }
-        Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc })
+        Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc, layout })
     }
 
     /// Starts reading `spans` of `segment` (the page a reader asks for next), unless already read
@@ -1349,7 +1371,7 @@ async fn read_extents(
     Ok(page
         .into_iter()
         .map(|(header, stored)| match stored {
-            Stored::View(bytes) => (header, bytes),
+            Stored::View { bytes, .. } => (header, bytes),
             Stored::Disk(extent, offset, len) => {
                 let at = spans.iter().position(|(e, _, _)| Arc::ptr_eq(e, &extent)).expect("every extent was read");
                 let from = (offset - spans[at].1) as usize;
@@ -1359,7 +1381,27 @@ async fn read_extents(
         .collect())
 }
 
+/// Whether any of the page's batches is on NVMe.
+fn from_disk(page: &[(BatchHeader, Stored)]) -> bool {
+    page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)))
+}
+
 impl SegmentState {
+    /// The page's batches as one view of the arena, when they lie back to back in one DRAM
+    /// extent: what a same-host or RDMA connection can lend whole.
+    fn span_of(&self, page: &[(BatchHeader, Stored)]) -> Option<Bytes> {
+        let Some((_, Stored::View { extent, offset: start, .. })) = page.first() else { return None };
+        let mut end = *start;
+        for (_, stored) in page {
+            match stored {
+                Stored::View { bytes, extent: e, offset } if e == extent && *offset == end => end += bytes.len() as u32,
+                _ => return None,
+            }
+        }
+        let Extent::Dram(slot) = &self.slots[*extent as usize] else { return None };
+        Some(slot.view(*start, end - start))
+    }
+
     /// Bytes its extents hold in each tier.
     fn bytes_by_tier(&self) -> ShuffleBytes {
         let mut bytes = ShuffleBytes::default();
@@ -1468,7 +1510,7 @@ impl SegmentState {
                 let header = BatchHeader { map, attempt, len: batch.len, crc: batch.crc };
                 let (offset, len) = (batch.offset - BATCH_HEADER_LEN as u32, batch.len + BATCH_HEADER_LEN as u32);
                 let stored = match &self.slots[batch.slot as usize] {
-                    Extent::Dram(slot) => Stored::View(slot.view(offset, len)),
+                    Extent::Dram(slot) => Stored::View { bytes: slot.view(offset, len), extent: batch.slot, offset },
                     Extent::Nvme(extent) => Stored::Disk(extent.clone(), offset, len),
                 };
                 page.push((header, stored));
@@ -1785,6 +1827,28 @@ mod tests {
         push(&store, seg(0, 0, 0), 0, 0, b"x").unwrap();
         assert!(push(&store, seg(1, 0, 0), 0, 0, b"x").is_err());
         assert!(push(&store, seg(FREED_REMEMBERED as u64, 0, 0), 0, 0, b"x").is_err());
+    }
+
+    #[test]
+    fn a_page_of_batches_back_to_back_in_one_extent_is_one_view_of_the_arena() {
+        let store = BlockStore::new(BS, 8 * BS as u64).unwrap();
+        let id = seg(7, 0, 0);
+        for map in 0..3 {
+            push(&store, id, map, 0, &data(map, 0, 0, 1000)).unwrap();
+        }
+        // Too big for the rest of the first slot: map 3 starts a second extent.
+        push(&store, id, 3, 0, &data(3, 0, 0, 2000)).unwrap();
+        let layout_of = |maps: &[(u32, u32)]| {
+            let page = fetch(&store, id, &request(0, u32::MAX, maps)).unwrap();
+            assert_eq!(page.crc, crc32c::crc32c(&page.payload), "{maps:?}: the combined crc is the payload's");
+            assert_eq!(parse(&page).len(), maps.len(), "{maps:?}");
+            page.layout
+        };
+        assert_eq!(layout_of(&[(0, 0), (1, 0), (2, 0)]), PageLayout::Arena);
+        assert_eq!(layout_of(&[(1, 0), (2, 0)]), PageLayout::Arena);
+        assert_eq!(layout_of(&[(3, 0)]), PageLayout::Arena);
+        assert_eq!(layout_of(&[(0, 0), (2, 0)]), PageLayout::Gathered, "not back to back");
+        assert_eq!(layout_of(&[(2, 0), (3, 0)]), PageLayout::Gathered, "two extents");
     }
 
     #[test]

@@ -19,12 +19,14 @@ use crate::{Connector, Stream};
 /// How long a server that refused RDMA is dialled with the fallback before RDMA is tried again
 /// (it may have been restarted with a device).
 pub const RETRY_RDMA_AFTER: Duration = Duration::from_secs(60);
-/// How long one RDMA connect may take before the fallback is used: well inside the client's
-/// connect deadline (`connect_timeout`, 5 s by default), which covers the fallback too. A server
-/// with no RDMA listener is not always refused at once (soft-RoCE answered nothing to a
+/// How long one RDMA connect may take, by default, before the fallback is used: well inside the
+/// client's connect deadline (`connect_timeout`, 5 s by default), which covers the fallback too.
+/// A server with no RDMA listener is not always refused at once (soft-RoCE answered nothing to a
 /// connection request for a port with no listener, in the test guest), and an RDMA connect that
-/// works takes milliseconds on hardware and well under a second in the emulated guest.
-pub const RDMA_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// works takes milliseconds on hardware. On an emulated CPU it can take seconds (queue pairs and
+/// their buffers registered under TCG, beside three servers): such hosts set a longer deadline
+/// (`ClientOptions::rdma_connect_timeout`), so that a slow connect is not taken for a missing device.
+pub const DEFAULT_RDMA_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Servers remembered as not serving RDMA, at most (older entries are dropped first).
 const MAX_REMEMBERED: usize = 4096;
 
@@ -35,17 +37,25 @@ pub struct RdmaOr {
     refused: Mutex<HashMap<String, Instant>>,
     /// RDMA was asked for by name: a fallback is a warning, not news.
     required: bool,
+    /// How long one RDMA connect may take before the fallback is used.
+    timeout: Duration,
 }
 
 impl RdmaOr {
     /// RDMA with `fallback` (named `fallback_name` in logs) when this host has an RDMA device and
     /// this build has RDMA; else `fallback` alone, with one log line saying why (at warn when
-    /// RDMA was `required`, i.e. asked for by name; at debug for `auto`).
-    pub fn connector(fallback: Arc<dyn Connector>, fallback_name: &str, required: bool) -> Arc<dyn Connector> {
+    /// RDMA was `required`, i.e. asked for by name; at debug for `auto`). An RDMA connect taking
+    /// longer than `timeout` falls back.
+    pub fn connector(
+        fallback: Arc<dyn Connector>,
+        fallback_name: &str,
+        required: bool,
+        timeout: Duration,
+    ) -> Arc<dyn Connector> {
         match crate::rdma_devices() {
             Ok(devices) => {
                 tracing::debug!("RDMA transport on {devices:?}, {fallback_name} where a server has none");
-                Arc::new(RdmaOr { fallback, refused: Mutex::default(), required })
+                Arc::new(RdmaOr { fallback, refused: Mutex::default(), required, timeout })
             }
             Err(why) if required => {
                 tracing::warn!("RDMA transport asked for, but {why}: using {fallback_name}");
@@ -85,10 +95,10 @@ impl Connector for RdmaOr {
     fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<Stream>> {
         async move {
             if !self.refused_lately(addr) {
-                let why = match tokio::time::timeout(RDMA_CONNECT_TIMEOUT, rdma_connect(addr)).await {
+                let why = match tokio::time::timeout(self.timeout, rdma_connect(addr)).await {
                     Ok(Ok(stream)) => return Ok(stream),
                     Ok(Err(e)) => e.to_string(),
-                    Err(_) => format!("connect timed out after {RDMA_CONNECT_TIMEOUT:?}"),
+                    Err(_) => format!("connect timed out after {:?}", self.timeout),
                 };
                 if self.required {
                     tracing::warn!("storage server {addr}: no RDMA ({why}); falling back to TCP");

@@ -56,8 +56,7 @@ pub(super) async fn fetch(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
     Ok(match conn.store.fetch(segment_of(h), &request).await {
         Ok(page) => {
             let bytes = page.payload.len() as u64;
-            let reply = Frame::reply_with_crc(h, page.next_cursor, page.payload, page.crc);
-            Served::Reply(super::leases::lend_page(conn, reply).await, bytes)
+            Served::Reply(super::leases::reply_with_page(conn, h, page).await, bytes)
         }
         Err(e) => Served::Reply(shuffle_error(h, &e), 0),
     })

@@ -100,6 +100,7 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
     let page = store.fetch(id, &request).await.unwrap();
     assert_eq!(page.payload.len(), BATCH + 16);
     assert_eq!(&page.payload[16..], &data(0, 2)[..], "map 0's second batch, taken from the read-ahead");
+    assert_eq!(page.layout, crate::shuffle::PageLayout::Disk, "a page read from NVMe is never lent");
 
     // Freeing gives both tiers their slots back, once the reads ahead still under way are done.
     assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
