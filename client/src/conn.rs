@@ -100,6 +100,9 @@ struct Leased {
     /// Until when the client reads it: [`LEASE_TTL`] after the Lease was sent, less a margin, so
     /// the server (counting from when it lent) never ends it while a copy runs.
     until: tokio::time::Instant,
+    /// Reads of it under way; the lease is released when the last one that reached the end of
+    /// the lent bytes is done (see [`BlockConnection::done_reading`]).
+    readers: u32,
 }
 
 /// Most blocks one connection keeps leased (or remembers refused), well below the server's
@@ -159,11 +162,17 @@ impl BlockConnection {
             match self.leased(access, block, offset.saturating_add(len)).await {
                 Some(Lent::Local(lease)) => {
                     let arena = self.arena.as_ref().expect("same-host leases come over same-host connections");
-                    return arena.copy_out(lease.offset + u64::from(offset), len as usize).map_err(|e| {
+                    let copied = arena.copy_out(lease.offset + u64::from(offset), len as usize).map_err(|e| {
                         Error::new(crate::ErrorKind::Corrupt, format!("storage server {}: {e}", self.addr))
                     });
+                    self.done_reading(access, block, offset.saturating_add(len)).await;
+                    return copied;
                 }
-                Some(Lent::Remote(lease)) => return self.read_remote(block, &lease, offset, len).await,
+                Some(Lent::Remote(lease)) => {
+                    let read = self.read_remote(block, &lease, offset, len).await;
+                    self.done_reading(access, block, offset.saturating_add(len)).await;
+                    return read;
+                }
                 None => {}
             }
         }
@@ -219,8 +228,11 @@ impl BlockConnection {
         let mut ended = Vec::new();
         {
             let mut leased = self.leased.lock();
-            match leased.get(&key) {
-                Some(held) if held.until > now && (held.lease.is_none() || end <= held.len) => return held.lease,
+            match leased.get_mut(&key) {
+                Some(held) if held.until > now && (held.lease.is_none() || end <= held.len) => {
+                    held.readers += u32::from(held.lease.is_some());
+                    return held.lease;
+                }
                 // Expired, or the block grew since: ask anew.
                 Some(_) => ended.extend(leased.remove(&key).and_then(|held| held.lease).map(|lease| lease.id())),
                 None => {}
@@ -233,7 +245,7 @@ impl BlockConnection {
             None => Lease::decode(payload).map(Lent::Local),
         };
         let fresh = match reply.map(|reply| (decode(&reply.payload), reply.header.length)) {
-            Ok((Ok(lease), len)) => Some(Leased { lease: Some(lease), len, until }),
+            Ok((Ok(lease), len)) => Some(Leased { lease: Some(lease), len, until, readers: u32::from(end <= len) }),
             Ok((Err(e), _)) => {
                 tracing::warn!("storage server {}: a bad Lease reply ({e}); reading through the socket", self.addr);
                 None
@@ -241,7 +253,7 @@ impl BlockConnection {
             Err(e) => {
                 tracing::debug!("storage server {}: block {block} not leased ({e}); reading it", self.addr);
                 // Not in DRAM: remembered, so its reads do not each ask again.
-                (e.kind() == crate::ErrorKind::Invalid).then_some(Leased { lease: None, len: 0, until })
+                (e.kind() == crate::ErrorKind::Invalid).then_some(Leased { lease: None, len: 0, until, readers: 0 })
             }
         };
         {
@@ -269,6 +281,27 @@ impl BlockConnection {
             self.post(|id| Frame::release(id, &ended)).await;
         }
         fresh.and_then(|fresh| fresh.lease.filter(|_| end <= fresh.len))
+    }
+
+    /// One read of `block`'s lease (to `end`) is done. A lease whose bytes were read to their end,
+    /// with no other read of it under way, is released now: a sequential reader is done with the
+    /// block, and a lease kept to its TTL holds the block's DRAM slot on the server (even once the
+    /// block is freed), which filled a small DRAM tier with the slots of a deleted input while
+    /// new blocks were placed there (issue 31). Reading the block again leases it again.
+    async fn done_reading(&self, access: &Access, block: u64, end: u32) {
+        let key = (block, access.grant);
+        let ended = {
+            let mut leased = self.leased.lock();
+            let Some(held) = leased.get_mut(&key) else { return };
+            held.readers = held.readers.saturating_sub(1);
+            if held.readers > 0 || end < held.len {
+                return;
+            }
+            leased.remove(&key).and_then(|held| held.lease).map(|lease| lease.id())
+        };
+        if let Some(ended) = ended {
+            self.post(|id| Frame::release(id, &[ended])).await;
+        }
     }
 
     /// Sends a frame whose reply nobody waits for (a Release): the reply is matched and dropped.

@@ -506,6 +506,12 @@ fn full(pool: &DramSlots, segment: SegmentId) -> ShuffleError {
     ShuffleError::Full { segment, in_use: pool.count(), total: pool.count() }
 }
 
+/// Whether the NVMe tier has a free slot.
+fn has_room(nvme: &NvmeTier) -> bool {
+    let usage = nvme.usage();
+    usage.used_blocks < usage.capacity_blocks
+}
+
 fn share_in_use(pool: &DramSlots) -> f64 {
     let usage = pool.usage();
     usage.used_blocks as f64 / usage.capacity_blocks.max(1) as f64
@@ -811,27 +817,45 @@ impl Shuffles {
     /// more to move or NVMe is full; returns how many moved.
     pub(crate) async fn move_down(&self, pool: &DramSlots, nvme: &NvmeTier) -> usize {
         let mut moved = 0;
-        let nvme_has_room = || {
-            let usage = nvme.usage();
-            usage.used_blocks < usage.capacity_blocks
-        };
         // Checked first, so that an open slot is not closed for a move that cannot happen.
-        while nvme_has_room() {
-            let Some((segment, slot, bytes)) = self.next_move(pool) else { break };
-            self.moves_in_flight.fetch_add(1, Ordering::AcqRel);
-            let written = nvme.write_extent(&bytes).await;
-            let stop = match &written {
-                Ok(Some(_)) => false,
-                Ok(None) => {
-                    tracing::debug!("shuffle mover: the NVMe tier is full; shuffle data stays in DRAM");
-                    true
-                }
-                Err(e) => {
-                    tracing::error!("shuffle mover: writing a DRAM slot to NVMe failed, it stays in DRAM: {e}");
-                    true
-                }
-            };
-            if let Ok(Some(extent)) = written {
+        while has_room(nvme) {
+            let Some((segment, slot, bytes)) = self.next_move(pool, false) else { break };
+            if !self.move_slot(segment, slot, bytes, nvme).await {
+                break;
+            }
+            moved += 1;
+        }
+        moved
+    }
+
+    /// Makes room in a full DRAM tier for a file block: moves one DRAM slot of a segment that may
+    /// live on NVMe down now, whatever the watermarks (the mover may not have caught up with
+    /// blocks written faster than its tick). Returns whether one moved; its DRAM slot is free once
+    /// the last Fetch reading it lets go.
+    pub(crate) async fn make_dram_room(&self, pool: &DramSlots, nvme: &NvmeTier) -> bool {
+        if !has_room(nvme) {
+            return false;
+        }
+        let Some((segment, slot, bytes)) = self.next_move(pool, true) else { return false };
+        self.move_slot(segment, slot, bytes, nvme).await
+    }
+
+    /// Wakes the mover if DRAM is past the high watermark: file blocks written there take slots
+    /// too, and only pushes wake it otherwise.
+    pub(crate) fn dram_block_taken(&self, pool: &DramSlots) {
+        if share_in_use(pool) >= HIGH_WATERMARK {
+            self.wake_mover.notify_one();
+        }
+    }
+
+    /// Writes `slot` of `segment` (closed, its bytes `bytes`) to NVMe and puts the NVMe extent
+    /// in its place; whether it moved (not when NVMe is full or the write failed: it stays in
+    /// DRAM).
+    async fn move_slot(&self, segment: Arc<Segment>, slot: u32, bytes: Bytes, nvme: &NvmeTier) -> bool {
+        self.moves_in_flight.fetch_add(1, Ordering::AcqRel);
+        let written = nvme.write_extent(&bytes).await;
+        let moved = match written {
+            Ok(Some(extent)) => {
                 let len = u64::from(extent.len());
                 let mut state = segment.state.lock();
                 if !state.dropped {
@@ -840,28 +864,34 @@ impl Shuffles {
                     self.dram_bytes.fetch_sub(len, Ordering::Relaxed);
                     self.nvme_bytes.fetch_add(len, Ordering::Relaxed);
                 }
-                moved += 1;
+                true
             }
-            // The DRAM slot is free once the last view of it goes: tell pushes waiting for it.
-            drop((segment, bytes));
-            self.moves_in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.moved.notify_waiters();
-            if stop {
-                break;
+            Ok(None) => {
+                tracing::debug!("shuffle mover: the NVMe tier is full; shuffle data stays in DRAM");
+                false
             }
-        }
+            Err(e) => {
+                tracing::error!("shuffle mover: writing a DRAM slot to NVMe failed, it stays in DRAM: {e}");
+                false
+            }
+        };
+        // The DRAM slot is free once the last view of it goes: tell pushes waiting for it.
+        drop((segment, bytes));
+        self.moves_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.moved.notify_waiters();
         moved
     }
 
-    /// The next DRAM slot to move (closed, so its bytes never change again) and its bytes.
-    fn next_move(&self, pool: &DramSlots) -> Option<(Arc<Segment>, u32, Bytes)> {
+    /// The next DRAM slot to move (closed, so its bytes never change again) and its bytes; with
+    /// `now`, one of an `any` segment even below the watermarks.
+    fn next_move(&self, pool: &DramSlots, now: bool) -> Option<(Arc<Segment>, u32, Bytes)> {
         let share = share_in_use(pool);
         if share >= HIGH_WATERMARK {
             self.draining.store(true, Ordering::Relaxed);
         } else if share < LOW_WATERMARK {
             self.draining.store(false, Ordering::Relaxed);
         }
-        let draining = self.draining.load(Ordering::Relaxed);
+        let draining = now || self.draining.load(Ordering::Relaxed);
         loop {
             let entry = {
                 let mut moves = self.moves.lock();

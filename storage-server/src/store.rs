@@ -12,9 +12,13 @@ use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
 
 use crate::arena::Arena;
 use crate::block_table::StoreError;
-use crate::dram::DramTier;
+use crate::dram::{DramTier, DramWrite};
 use crate::nvme::NvmeTier;
 use crate::shuffle::{FetchPage, SegmentId, ShuffleBytes, ShuffleError, Shuffles};
+
+/// Most shuffle slots one DRAM block write moves to NVMe to find room (each frees a slot once the
+/// Fetches reading it let go, so one nearly always does).
+const DRAM_ROOM_MOVES: usize = 4;
 
 /// The tier an op on a block goes to.
 pub enum TierRef<'a> {
@@ -160,6 +164,49 @@ impl BlockStore {
     pub fn clear(&self) -> (usize, usize) {
         let nvme = self.nvme.as_ref().map_or(0, |tier| tier.clear());
         (self.dram.clear() + nvme, self.shuffles.clear())
+    }
+
+    /// Begins a write to DRAM block `block` as [`DramTier::begin_write`] does. A new block that
+    /// finds every DRAM slot taken while shuffle data that may live on NVMe holds some gets room
+    /// first: such slots move down to NVMe now (at most [`DRAM_ROOM_MOVES`] of them) rather than
+    /// the write be refused with NVMe free. Refused `Full` only when nothing can move.
+    pub async fn begin_dram_write(&self, block: BlockId, offset: u32, len: u32) -> Result<DramWrite<'_>, StoreError> {
+        let mut moves = 0;
+        loop {
+            match self.dram.begin_write(block, offset, len) {
+                Err(full @ StoreError::Full { .. }) => {
+                    let nvme = self.nvme.as_deref().filter(|_| moves < DRAM_ROOM_MOVES);
+                    let moved = match nvme {
+                        Some(nvme) => self.shuffles.make_dram_room(self.dram.slots(), nvme).await,
+                        None => false,
+                    };
+                    if !moved {
+                        let shuffle = self.shuffles.bytes();
+                        tracing::info!(
+                            "write of dram block {} refused: {full}; {} file blocks and {} of shuffle data in \
+                             DRAM, no shuffle slot there could move to NVMe ({moves} moved for it)",
+                            block.get(),
+                            self.dram.ids().len(),
+                            tern_common::ByteSize(shuffle.dram),
+                        );
+                        return Err(full);
+                    }
+                    moves += 1;
+                    tracing::info!(
+                        "dram tier full: moved a shuffle slot to NVMe to make room for dram block {}",
+                        block.get()
+                    );
+                }
+                Ok(write) => {
+                    // A block's first write takes its slot.
+                    if offset == 0 {
+                        self.shuffles.dram_block_taken(self.dram.slots());
+                    }
+                    return Ok(write);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Appends a pushed batch to a shuffle segment, creating the segment on its first push;

@@ -74,18 +74,20 @@ fn a_64_mib_terasort_through_the_shuffle_service_validates() {
     assert!(report["sort_mb_per_s"].as_f64().unwrap() > 0.0);
 }
 
-/// `tern terasort --json` against `metadata` with `extra` flags: its report, once it validated.
-fn sort_on(metadata: &str, size: &str, extra: &[&str]) -> serde_json::Value {
+/// `tern terasort --json` against `metadata` with `extra` flags: its report, once it validated,
+/// and what it said on stderr (each failed attempt and why).
+fn sort_on(metadata: &str, size: &str, extra: &[&str]) -> (serde_json::Value, String) {
     let out = Command::new(TERN)
         .args(["terasort", "--size", size, "--metadata", metadata, "--json"])
         .args(extra)
         .output()
         .unwrap();
-    assert!(out.status.success(), "terasort {extra:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "terasort {extra:?} failed: {said}");
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["sorted"], true, "{report}");
     assert_eq!(report["input_checksum"], report["output_checksum"], "{report}");
-    report
+    (report, said)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,14 +97,21 @@ async fn a_sort_larger_than_the_clusters_dram_and_its_reduces_memory_spills_to_n
     for class in ["any", "nvme"] {
         // The first one's reduces also sort beyond their memory: 64 MiB partitions in 16 MiB.
         let memory: &[&str] = if class == "any" { &["--reduce-memory", "16MiB"] } else { &[] };
-        let report = tokio::task::block_in_place(|| {
+        let (report, said) = tokio::task::block_in_place(|| {
             sort_on(&cluster.metadata_addr, "128MiB", &[&["--shuffle-class", class], memory].concat())
         });
         assert_eq!(report["shuffle_class"], class);
         let runs = report["sort_runs"].as_u64().unwrap();
         assert!(if memory.is_empty() { runs == 0 } else { runs >= 2 * 13 }, "{runs} sorted runs");
         // No map ran out of space and tried again: the shuffle went down to NVMe as it came.
-        assert_eq!((report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()), (Some(0), Some(0)));
+        // What was refused, and why, if one did: the driver says so for each failed attempt.
+        let failed: Vec<&str> = said.lines().filter(|line| line.contains("failed")).collect();
+        assert_eq!(
+            (report["task_retries"].as_u64(), report["maps_recomputed"].as_u64()),
+            (Some(0), Some(0)),
+            "{failed:#?}\n{}",
+            cluster.logs()
+        );
     }
     // A dram shuffle that cannot fit is refused, naming the tier.
     let out = Command::new(TERN)

@@ -84,8 +84,8 @@ pub(super) async fn write(
 ) -> Result<Served, FrameError> {
     let block = BlockId::from(h.block_id);
     let nvme = match conn.store.tier(block) {
-        Ok(TierRef::Dram(dram)) => {
-            let mut pending = match dram.begin_write(block, h.offset, h.payload_len) {
+        Ok(TierRef::Dram(_)) => {
+            let mut pending = match conn.store.begin_dram_write(block, h.offset, h.payload_len).await {
                 Ok(pending) => pending,
                 Err(e) => return refused(rd, h, &e).await,
             };

@@ -20,10 +20,11 @@
 //! have been lent were not: whether a read goes one-sided is never a silent accident of layout.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use tern_proto::frame::{Frame, FrameError, Header, Lease, LentPage, RemoteLease, LEASE_TTL, MAX_RELEASE_IDS};
 use tern_proto::{BlockId, ErrorKind};
 use tern_transport::local::SharedArena;
@@ -42,6 +43,9 @@ pub(super) const MAX_LEASES_PER_CONNECTION: usize = 64;
 /// (microseconds normally); past it a Lease is refused (Unavailable: the client reads instead)
 /// and a Release answers what completed. A window not confirmed invalidated keeps its pin.
 const WINDOW_DEADLINE: Duration = Duration::from_secs(2);
+/// How often expired same-host leases are ended (see [`LeaseBook`]): a lease's slot is back in
+/// use at most this long after its [`LEASE_TTL`].
+pub(super) const EXPIRY_TICK: Duration = Duration::from_secs(1);
 
 /// Whether a Fetch page or a leased block was lent: each decision is counted by outcome
 /// (`tern_storage_lends`) and a refusal logged at debug, so a reader that got bytes in a reply
@@ -94,14 +98,14 @@ pub(super) enum Lender<'a> {
     /// Plain TCP, TLS or QUIC: nothing.
     None,
     /// The server's own host: offsets of the shared arena the client has mapped.
-    Local(&'a mut Leases),
+    Local(&'a Mutex<Leases>),
     /// RDMA: memory windows the client READs through.
     Rdma(Arc<dyn OneSided>),
 }
 
 impl Connection {
     pub(super) fn lender(&mut self) -> Lender<'_> {
-        match (self.one_sided.clone(), self.leases.as_mut()) {
+        match (self.one_sided.clone(), self.leases.as_deref()) {
             (Some(one_sided), _) => Lender::Rdma(one_sided),
             (None, Some(leases)) => Lender::Local(leases),
             (None, None) => Lender::None,
@@ -119,7 +123,7 @@ enum Loan {
 async fn lend(lender: Lender<'_>, view: Bytes) -> Result<Loan, NotLent> {
     match lender {
         Lender::None => Err(NotLent::Transport),
-        Lender::Local(leases) => leases.lend(view).map(Loan::Local),
+        Lender::Local(leases) => leases.lock().lend(view).map(Loan::Local),
         // A window covers at least a byte; there is nothing to READ anyway.
         Lender::Rdma(_) if view.is_empty() => Err(NotLent::Empty),
         Lender::Rdma(one_sided) => match tokio::time::timeout(WINDOW_DEADLINE, one_sided.lend(view, LEASE_TTL)).await {
@@ -128,6 +132,36 @@ async fn lend(lender: Lender<'_>, view: Bytes) -> Result<Loan, NotLent> {
             Ok(Err(e)) => Err(NotLent::Refused(e.to_string())),
             Err(_) => Err(NotLent::TimedOut),
         },
+    }
+}
+
+/// Every same-host connection's leases, so that expired ones end on a timer ([`EXPIRY_TICK`]),
+/// not only at their connection's next Lease. A lent view holds its DRAM slot even once its
+/// block is freed; a connection that stops leasing (a map that read its input and went on to
+/// shuffle and write) kept such slots out of use for the rest of its life, and a DRAM tier full
+/// of them refused new blocks while holding far fewer (issue 31: 12 of 24 slots).
+#[derive(Default)]
+pub(super) struct LeaseBook(Mutex<Vec<Weak<Mutex<Leases>>>>);
+
+impl LeaseBook {
+    /// A new connection's lease table over `arena`, in the book.
+    pub(super) fn open(&self, arena: Arc<SharedArena>) -> Arc<Mutex<Leases>> {
+        let leases = Arc::new(Mutex::new(Leases::new(arena)));
+        self.0.lock().push(Arc::downgrade(&leases));
+        leases
+    }
+
+    /// Ends every lease past its TTL, and forgets closed connections; returns how many ended.
+    pub(super) fn expire(&self, now: Instant) -> usize {
+        let mut ended = 0;
+        self.0.lock().retain(|leases| match leases.upgrade() {
+            Some(leases) => {
+                ended += leases.lock().expire(now);
+                true
+            }
+            None => false,
+        });
+        ended
     }
 }
 
@@ -150,7 +184,7 @@ impl Leases {
             return Err(NotLent::Refused("its bytes are not in the shared arena".to_string()));
         };
         let now = Instant::now();
-        self.held.retain(|_, (_, lent)| now.duration_since(*lent) < LEASE_TTL);
+        self.expire(now);
         if self.held.len() >= MAX_LEASES_PER_CONNECTION {
             return Err(NotLent::Limit);
         }
@@ -158,6 +192,13 @@ impl Leases {
         self.next_id += 1;
         self.held.insert(id, (view, now));
         Ok(Lease { id, offset })
+    }
+
+    /// Ends the leases past their TTL at `now`; returns how many.
+    fn expire(&mut self, now: Instant) -> usize {
+        let before = self.held.len();
+        self.held.retain(|_, (_, lent)| now.duration_since(*lent) < LEASE_TTL);
+        before - self.held.len()
     }
 }
 
@@ -271,11 +312,12 @@ pub(super) async fn release(rd: &mut BoxRead, conn: &mut Connection, h: &Header)
         };
         return Ok(Served::Reply(Frame::reply(h, ended as u32, Bytes::new()), 0));
     }
-    let Some(leases) = conn.leases.as_mut() else {
+    let Some(leases) = conn.leases.as_deref() else {
         let message =
             format!("{h}: Release is served only to clients on the server's own host (its local socket) or over RDMA");
         return Ok(Served::Reply(error_reply(h, ErrorKind::Invalid, &message), 0));
     };
+    let mut leases = leases.lock();
     let ended = ids.iter().filter(|id| leases.held.remove(id).is_some()).count();
     Ok(Served::Reply(Frame::reply(h, ended as u32, Bytes::new()), 0))
 }
@@ -365,23 +407,32 @@ mod tests {
     #[tokio::test]
     async fn a_same_host_page_is_lent_from_the_arena_within_the_connections_limit() {
         let arena = Bytes::from(vec![5u8; 1 << 20]);
-        let mut leases = Leases::new(Arc::new(SharedArena::lent(arena.as_ptr(), arena.len())));
+        let book = LeaseBook::default();
+        let leases = book.open(Arc::new(SharedArena::lent(arena.as_ptr(), arena.len())));
         let view = arena.slice(4096..8192);
-        let (lent, outcome) = lend_page(Lender::Local(&mut leases), page_reply(&view), PageLayout::Arena).await;
+        let (lent, outcome) = lend_page(Lender::Local(&leases), page_reply(&view), PageLayout::Arena).await;
         assert_eq!(outcome, LendOutcome::Lent);
         let page = LentPage::decode(&lent.payload).unwrap();
         assert_eq!((page.lease.offset, page.len, page.crc), (4096, 4096, crc32c::crc32c(&view)));
 
         let elsewhere = Bytes::from(vec![5u8; 16]);
-        let (_, outcome) = lend_page(Lender::Local(&mut leases), page_reply(&elsewhere), PageLayout::Arena).await;
+        let (_, outcome) = lend_page(Lender::Local(&leases), page_reply(&elsewhere), PageLayout::Arena).await;
         assert!(matches!(outcome, LendOutcome::NotLent(NotLent::Refused(_))), "{outcome:?}");
 
         for _ in 1..MAX_LEASES_PER_CONNECTION {
-            let (_, outcome) = lend_page(Lender::Local(&mut leases), page_reply(&view), PageLayout::Arena).await;
+            let (_, outcome) = lend_page(Lender::Local(&leases), page_reply(&view), PageLayout::Arena).await;
             assert_eq!(outcome, LendOutcome::Lent);
         }
-        let (reply, outcome) = lend_page(Lender::Local(&mut leases), page_reply(&view), PageLayout::Arena).await;
+        let (reply, outcome) = lend_page(Lender::Local(&leases), page_reply(&view), PageLayout::Arena).await;
         assert_eq!((outcome, reply.is_lent()), (LendOutcome::NotLent(NotLent::Limit), false));
+
+        // Expired leases end on the book's tick, with no further Lease on the connection, and
+        // let their views (and so their slots) go.
+        assert_eq!(book.expire(Instant::now()), 0, "none expired yet");
+        assert_eq!(book.expire(Instant::now() + LEASE_TTL), MAX_LEASES_PER_CONNECTION);
+        assert!(leases.lock().held.is_empty());
+        drop(leases);
+        assert_eq!((book.expire(Instant::now()), book.0.lock().len()), (0, 0), "a closed connection is forgotten");
     }
 
     #[test]

@@ -113,8 +113,14 @@ pub async fn serve_block_listeners(
     }));
     // Two tasks per connection (and one per refusal); dropping the set (with this future) aborts them all.
     let mut tasks = JoinSet::new();
+    let leases = leases::LeaseBook::default();
+    let mut expiry = tokio::time::interval(leases::EXPIRY_TICK);
+    expiry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
+            _ = expiry.tick() => {
+                leases.expire(Instant::now());
+            }
             Some((transport, next)) = accepted.next() => {
                 let stream = match next {
                     Ok(stream) => stream,
@@ -146,7 +152,7 @@ pub async fn serve_block_listeners(
                     replies: Replies { tx, out },
                     nvme_ops: Arc::new(Semaphore::new(limits.max_in_flight_per_connection)),
                     slots: Slots::default(),
-                    leases: arena.map(leases::Leases::new),
+                    leases: arena.map(|arena| leases.open(arena)),
                     one_sided,
                 };
                 tasks.spawn(read_requests(reader, conn, guard, peer));
@@ -260,7 +266,7 @@ struct Connection {
     /// The job tokens this connection bound (Auth frames), by slot.
     slots: Slots,
     /// On a same-host connection, the blocks it leased.
-    leases: Option<leases::Leases>,
+    leases: Option<Arc<parking_lot::Mutex<leases::Leases>>>,
     /// On an RDMA connection, the memory windows it lends blocks through (see `leases`).
     one_sided: Option<Arc<dyn tern_transport::rdma_provider::OneSided>>,
 }

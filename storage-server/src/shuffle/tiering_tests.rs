@@ -263,6 +263,44 @@ async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_
     mover.abort();
 }
 
+/// Writes `bytes` as DRAM block `block` the way the block service does.
+async fn write_block(store: &BlockStore, block: u64, bytes: &[u8]) -> Result<u32, crate::block_table::StoreError> {
+    let id = tern_proto::BlockId::new(tern_proto::Tier::Dram, block);
+    let mut write = store.begin_dram_write(id, 0, bytes.len() as u32).await?;
+    write.buf().copy_from_slice(bytes);
+    write.commit(crc32c::crc32c(bytes))
+}
+
+#[tokio::test]
+async fn a_file_block_written_while_any_shuffle_data_fills_dram_makes_room_on_nvme() {
+    // The mover is behind (not running at all here): `any` shuffle data holds every DRAM slot.
+    let (_dir, store) = store(4, 16).await;
+    let mut pushed = 0;
+    while store.dram().usage().used_blocks < 4 {
+        push(&store, seg(8, pushed % 2), StorageClass::Any, 0, pushed).await.unwrap();
+        pushed += 1;
+    }
+    assert_eq!(blocks(&store), (4, 0));
+    // A file block placed in DRAM goes in: a shuffle slot moves down to make room, rather than
+    // the write be refused with NVMe free.
+    assert_eq!(write_block(&store, 1, b"file bytes").await, Ok(10));
+    assert_eq!(blocks(&store), (4, 1), "one shuffle slot moved down for the block");
+    for p in 0..2 {
+        let want: Vec<_> = (0..pushed).filter(|n| n % 2 == p).map(|n| (0, data(0, n))).collect();
+        assert_eq!(fetch_all(&store, seg(8, p), 1, u32::MAX).await, want, "partition {p}");
+    }
+    // Only `dram` shuffle data left in DRAM, beside the blocks: nothing may move, the write is
+    // refused, naming the tier.
+    store.free_shuffles([ShuffleId(8)]);
+    while store.dram().usage().used_blocks < 4 {
+        push(&store, seg(9, 0), StorageClass::Dram, 0, pushed).await.unwrap();
+        pushed += 1;
+    }
+    let err = write_block(&store, 2, b"file bytes").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::OutOfSpace);
+    assert!(err.to_string().contains("dram tier full"), "{err}");
+}
+
 #[tokio::test]
 async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
     let (_dir, store) = store(4, 8).await;
