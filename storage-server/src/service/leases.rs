@@ -104,7 +104,7 @@ pub(super) enum Lender<'a> {
 }
 
 impl Connection {
-    pub(super) fn lender(&mut self) -> Lender<'_> {
+    pub(super) fn lender(&self) -> Lender<'_> {
         match (self.one_sided.clone(), self.leases.as_deref()) {
             (Some(one_sided), _) => Lender::Rdma(one_sided),
             (None, Some(leases)) => Lender::Local(leases),
@@ -139,7 +139,7 @@ async fn lend(lender: Lender<'_>, view: Bytes) -> Result<Loan, NotLent> {
 /// not only at their connection's next Lease. A lent view holds its DRAM slot even once its
 /// block is freed; a connection that stops leasing (a map that read its input and went on to
 /// shuffle and write) kept such slots out of use for the rest of its life, and a DRAM tier full
-/// of them refused new blocks while holding far fewer (issue 31: 12 of 24 slots).
+/// of them refused new blocks (issue 31: 24 of 24 slots in use, 2 of them file blocks).
 #[derive(Default)]
 pub(super) struct LeaseBook(Mutex<Vec<Weak<Mutex<Leases>>>>);
 
