@@ -1010,19 +1010,24 @@ impl Shuffles {
     ) -> Result<FetchPage, ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
         let limit = max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
-        let (page, span, more, next) = {
+        let (page, span, layout, more, next) = {
             let state = segment.state.lock();
             let (page, more) = state.page(id, want, cursor, limit)?;
             let span = state.span_of(&page);
+            let on_disk = page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)));
+            let layout = match (&span, on_disk) {
+                (Some(_), _) => PageLayout::Arena,
+                (None, true) => PageLayout::Disk,
+                (None, false) => PageLayout::Gathered,
+            };
             // A reader of NVMe: the page it asks for next, as NVMe spans to read ahead. (Readers
             // of DRAM alone pay nothing for it.)
-            let next = match more && from_disk(&page) {
+            let next = match more && on_disk {
                 true => state.page(id, want, cursor + page.len() as u32, limit)?.0,
                 false => Vec::new(),
             };
-            (page, span, more, disk_spans(&next))
+            (page, span, layout, more, disk_spans(&next))
         };
-        let layout = if from_disk(&page) { PageLayout::Disk } else { PageLayout::Gathered };
         self.read_ahead(&segment, next);
         // Read outside the segment's lock, so pushes to it do not wait; the views and extents
         // keep their slots intact meanwhile, even if the shuffle is freed.
@@ -1055,7 +1060,7 @@ impl Shuffles {
                 let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
                 crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, encoded), check(header, bytes)?, bytes.len());
             }
-            return Ok(FetchPage { payload: span, next_cursor, batches, crc, layout: PageLayout::Arena });
+            return Ok(FetchPage { payload: span, next_cursor, batches, crc, layout });
         }
         let size = page.iter().map(|(_, stored)| stored.len()).sum();
         let mut payload = BytesMut::with_capacity(size);
@@ -1409,11 +1414,6 @@ async fn read_extents(
             }
         })
         .collect())
-}
-
-/// Whether any of the page's batches is on NVMe.
-fn from_disk(page: &[(BatchHeader, Stored)]) -> bool {
-    page.iter().any(|(_, stored)| matches!(stored, Stored::Disk(..)))
 }
 
 impl SegmentState {
