@@ -8,8 +8,8 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tern_common::ByteSize;
 use tern_proto::sched as pb;
-use tern_scheduler::client::is_finished;
-use tern_scheduler::SchedulerClient;
+use tern_scheduler_api::client::is_finished;
+use tern_scheduler_api::SchedulerClient;
 
 #[derive(Args)]
 pub struct JobArgs {
@@ -91,7 +91,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
     let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref()).await?;
     match args.command {
         JobCommand::Submit { file, wait, json, tenant } => {
-            let mut spec = tern_scheduler::spec::load(&file)?;
+            let mut spec = tern_scheduler_api::spec::load(&file)?;
             if let Some(tenant) = tenant.filter(|t| !t.is_empty()) {
                 spec.queue = tenant;
             }
@@ -140,7 +140,7 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
                 Some(vec![tern, "teravalidate".into(), format!("{}/output", out.trim_end_matches('/'))])
             };
             let tasks = tasks.unwrap_or_else(|| tern_terasort::tasks::default_tasks(size.bytes()) as u32);
-            let spec = tern_scheduler::spec::terasort_job(&tern_scheduler::spec::TerasortJob {
+            let spec = tern_scheduler_api::spec::terasort_job(&tern_scheduler_api::spec::TerasortJob {
                 size_bytes: size.bytes(),
                 tasks,
                 gpu,

@@ -256,7 +256,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     };
     let tern = std::env::current_exe().context("locating the tern binary")?;
     let spark_conf = spark_conf::SparkConf {
-        master: args.pool.wanted().then(|| tern_scheduler::spark_master_url(&scheduler_addr)),
+        master: args.pool.wanted().then(|| tern_scheduler_api::spark_master_url(&scheduler_addr)),
         metadata: metadata_addr.clone(),
         tls_dir: args.tls.then(|| std::path::absolute(&tls_dir)).transpose().context("the TLS directory's path")?,
         jar: spark_conf::plugin_jar(args.spark_jar.as_deref(), &tern)?,
@@ -359,7 +359,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             let deadline = Deadline::after(STARTUP_TIMEOUT);
             let addr = scheduler_addr.as_str();
             let answers = move || async move {
-                let client = tern_scheduler::SchedulerClient::connect(addr, scheduler_tls).await?;
+                let client = tern_scheduler_api::SchedulerClient::connect(addr, scheduler_tls).await?;
                 client.pool_status().await?;
                 Ok::<_, anyhow::Error>(())
             };

@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use tern_common::{percentile, percentile_if_supported, rotation, Spread};
 use tern_proto::sched as pb;
-use tern_scheduler::{spec, SchedulerClient};
+use tern_scheduler_api::{spec, SchedulerClient};
 use tern_terasort::{driver, tasks};
 use tokio::io::AsyncBufReadExt;
 

@@ -187,7 +187,7 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
     let cluster = EmbeddedCluster::start_with(&options.tern, 2, &room, "1MiB", Some("off"), work.path(), &pool).await?;
     wait_for_pool(&cluster.scheduler_addr(), options.executors).await?;
     let local_cluster = format!("local-cluster[{n},1,{}]", options.executor_memory_mib + 124);
-    let tern_master = tern_scheduler::spark_master_url(&cluster.scheduler_addr());
+    let tern_master = tern_scheduler_api::spark_master_url(&cluster.scheduler_addr());
     let mut runs = Vec::new();
     for run in 0..options.runs {
         for kind in run_order(run) {
@@ -297,7 +297,7 @@ fn cpu_jiffies() -> Option<(u64, u64)> {
 async fn wait_for_pool(scheduler: &str, executors: u32) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        if let Ok(client) = tern_scheduler::SchedulerClient::connect(scheduler, None).await {
+        if let Ok(client) = tern_scheduler_api::SchedulerClient::connect(scheduler, None).await {
             if client.pool_status().await.is_ok_and(|p| p.executors >= executors) {
                 return Ok(());
             }

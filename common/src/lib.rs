@@ -9,19 +9,19 @@ pub mod backoff;
 pub mod config;
 pub mod durable;
 pub mod duration;
-pub mod oom;
 mod process_metrics;
 pub mod rng;
 pub mod size;
 pub mod stats;
 pub mod systemd;
+pub mod task_error;
 
 pub use backoff::Backoff;
 pub use duration::parse_duration;
-pub use oom::OutOfMemory;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
 pub use stats::{median, percentile, percentile_if_supported, rotation, Spread};
+pub use task_error::{InputLost, OutOfMemory};
 
 /// How a process writes its log lines: `text` for people, `json` (one object per line) for log
 /// collectors. Chosen with `--log-format` or `TERN_LOG_FORMAT`.

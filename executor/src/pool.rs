@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tern_local::{Daemon, DaemonSpec};
-use tern_scheduler::SchedulerClient;
+use tern_scheduler_api::SchedulerClient;
 
 /// An executor this young may not have registered or taken tasks yet.
 pub const STARTUP_GRACE: Duration = Duration::from_millis(500);

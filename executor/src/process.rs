@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tern_client::{ClientOptions, ErrorKind};
 use tern_proto::sched as pb;
-use tern_scheduler::SchedulerClient;
+use tern_scheduler_api::SchedulerClient;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -336,7 +336,7 @@ async fn register(client: &SchedulerClient, config: &ExecutorConfig) -> anyhow::
         host: config.host.clone(),
         capacity: Some(pb::Resources { cpu_milli: config.cpu_milli, memory_bytes: config.memory_bytes, gpu_milli: 0 }),
         gpu_addresses: config.gpus.addresses(),
-        operators: operators::OPERATORS.iter().map(|o| o.to_string()).collect(),
+        operators: tern_scheduler_api::Operator::ALL.iter().map(|o| o.name().to_string()).collect(),
     };
     client
         .register_executor(request)

@@ -27,6 +27,8 @@ use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
+use tern_scheduler_api::Operator;
+
 use crate::config::Config;
 use crate::metrics::{Metrics, OutcomeLabel};
 use crate::policy::{Event, JobInfo, Policy, PolicyConfig, Res, StageInfo};
@@ -352,8 +354,8 @@ fn host_of(address: &str) -> String {
 /// earlier run's part would silently stand in for this job's.
 async fn refuse_stale_parts(tern: &tern_client::Client, spec: &pb::JobSpec) -> Result<(), Status> {
     for stage in &spec.stages {
-        let operator = stage.operator.as_ref().map_or("", |o| o.name.as_str());
-        if !matches!(operator, "teragen" | "terasort-reduce" | "terasort-reduce-gpu") {
+        let operator = stage.operator.as_ref().and_then(|o| o.name.parse::<Operator>().ok());
+        if !operator.is_some_and(Operator::writes_parts) {
             continue;
         }
         let Some(pb::data_ref::Kind::Path(dir)) = stage.output.as_ref().and_then(|d| d.kind.as_ref()) else { continue };

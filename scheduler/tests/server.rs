@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use tern_common::config::Serve;
 use tern_proto::sched as pb;
-use tern_scheduler::{server, spec, Config, SchedulerClient};
+use tern_scheduler::{server, Config};
+use tern_scheduler_api::{spec, SchedulerClient};
 
 struct Cluster {
     _dir: tempfile::TempDir,

@@ -14,7 +14,7 @@ use jni::objects::{JClass, JIntArray, JObjectArray, JString};
 use jni::sys::{jboolean, jint, jlong, jstring};
 use jni::JNIEnv;
 use tern_proto::sched as pb;
-use tern_scheduler::SchedulerClient;
+use tern_scheduler_api::SchedulerClient;
 
 use super::{close, entry, into_handle, invalid, runtime, shared, string, Outcome};
 

@@ -116,7 +116,7 @@ mod tests {
     #[test]
     fn spark_defaults_name_the_master_the_shuffle_and_the_jar() {
         let conf = SparkConf {
-            master: Some(tern_scheduler::spark_master_url("127.0.0.1:9062")),
+            master: Some(tern_scheduler_api::spark_master_url("127.0.0.1:9062")),
             metadata: "127.0.0.1:9060".into(),
             tls_dir: Some("/d/tls".into()),
             jar: Some("/t/tern-spark.jar".into()),
@@ -125,7 +125,7 @@ mod tests {
         let value = |key: &str| {
             text.lines().find_map(|l| l.strip_prefix(key).filter(|v| v.starts_with(' ')).map(str::trim)).unwrap_or("")
         };
-        assert_eq!(value("spark.master"), tern_scheduler::spark_master_url("127.0.0.1:9062"));
+        assert_eq!(value("spark.master"), tern_scheduler_api::spark_master_url("127.0.0.1:9062"));
         assert_eq!(value("spark.shuffle.manager"), SHUFFLE_MANAGER);
         assert_eq!(value("spark.shuffle.sort.io.plugin.class"), SHUFFLE_IO);
         assert_eq!(value("spark.tern.metadata"), "127.0.0.1:9060");

@@ -26,6 +26,8 @@
 //! On a cluster (cargo feature `cluster`, on by default):
 //! * [`tasks`]: generate, map, read a reduce partition, sort, write and publish a part, one
 //!   definition for the commands, the driver and the executor's operators;
+//! * [`stages`]: teragen, map and reduce as tasks of a scheduler job's stages (the executor's
+//!   TeraSort operators), the GPU reduce included, with the GPU handed in as a [`stages::DeviceSorter`];
 //! * [`external`]: a reduce partition larger than its memory, sorted in runs on scratch disk and
 //!   merged into its output part;
 //! * [`driver`]: `tern terasort` in one process, with its own retries;
@@ -43,6 +45,8 @@ pub mod driver;
 pub mod external;
 #[cfg(feature = "cluster")]
 pub mod in_memory;
+#[cfg(feature = "cluster")]
+pub mod stages;
 #[cfg(feature = "cluster")]
 pub mod tasks;
 

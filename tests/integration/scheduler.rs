@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::{free_port, spawn_logged, Cluster, TERN};
 use tern_local::Daemon;
 use tern_proto::sched as pb;
-use tern_scheduler::SchedulerClient;
+use tern_scheduler_api::SchedulerClient;
 
 /// Executors are declared lost fast here, so a killed one's tasks rerun within a second or two.
 const HEARTBEAT_MS: u64 = 200;
@@ -124,7 +124,7 @@ async fn finish(cluster: &Cluster, client: &SchedulerClient, job_id: &str, timeo
     cluster
         .wait_for(&format!("job {job_id} to finish"), timeout, || async {
             let status = client.job(job_id).await.ok()?;
-            tern_scheduler::client::is_finished(status.state()).then_some(status)
+            tern_scheduler_api::client::is_finished(status.state()).then_some(status)
         })
         .await
 }
@@ -468,7 +468,7 @@ async fn the_pool_scales_from_zero_to_n_and_back_to_zero() {
 }
 
 async fn check_done(client: &SchedulerClient, job_id: &str) -> bool {
-    tern_scheduler::client::is_finished(client.job(job_id).await.unwrap().state())
+    tern_scheduler_api::client::is_finished(client.job(job_id).await.unwrap().state())
 }
 
 /// The first of `len` consecutive free loopback ports.

@@ -123,7 +123,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     );
     let metadata = format!("127.0.0.1:{}", ports.metadata());
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());
-    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
     // Samples the pool while Spark runs: its most executors.
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let sampler = {
@@ -143,7 +143,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     python
         .env("TERN_METADATA", &metadata)
         .env("TERN_WORK", work.path())
-        .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&scheduler));
+        .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler));
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "all Spark cases agree", &logs).await;
@@ -197,7 +197,7 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     let mut python = tokio::process::Command::new("python3");
     python
         .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
-        .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&format!("127.0.0.1:{}", ports.scheduler())));
+        .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&format!("127.0.0.1:{}", ports.scheduler())));
     let script = root.join("spark-shuffle/tests/spark_gpus.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "GPU executors right", &logs).await;
@@ -221,7 +221,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
     // The pool starts nothing (max 0): the test starts the executors itself, at the moment it picks.
     let _up = TernUp::start(dir.path(), port, &["--queue", "gold=2", "--queue", "bronze=1", "--max-executors", "0"]);
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());
-    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
     let stop = dir.path().join("stop");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     let script = root.join("spark-shuffle/tests/spark_share.py");
@@ -232,7 +232,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
                 .arg(&script)
                 .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
                 .env("TERN_SPARK_JAR", &jar)
-                .env("TERN_SPARK_MASTER", tern_scheduler::spark_master_url(&scheduler))
+                .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
                 .env("TERN_QUEUE", queue)
                 .env("TERN_EXECUTORS", "6")
                 .env("TERN_STOP", &stop)
@@ -354,14 +354,14 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
             .concat(),
     );
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());
-    let master = tern_scheduler::spark_master_url(&scheduler);
+    let master = tern_scheduler_api::spark_master_url(&scheduler);
     // `tern up` found the jar build.sh made beside its binary and wrote it into Spark's defaults.
     let conf_dir = dir.path().join("spark");
     let defaults = std::fs::read_to_string(conf_dir.join("spark-defaults.conf")).unwrap();
     for wanted in [&master, &jar, "io.tern.spark.TernShuffleManager"] {
         assert!(defaults.contains(wanted), "spark-defaults.conf lacks {wanted}:\n{defaults}");
     }
-    let client = tern_scheduler::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     let pyspark = Command::new("python3")
         .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])

@@ -25,14 +25,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use tern_client::{Client, ClientOptions};
-use tern_common::OutOfMemory;
+use tern_common::{InputLost, OutOfMemory};
 use tern_gpu::{GpuError, GpuSorter};
 use tern_proto::sched as pb;
 
 pub use command::{process_tree_rss_bytes, MEMORY_CHECK_INTERVAL};
 
-/// Operators an executor runs, by the name a stage gives: every one a job may name.
-pub use tern_scheduler::spec::OPERATORS;
+use tern_scheduler_api::Operator;
 
 /// How a task ended, as the executor reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,15 +43,6 @@ pub struct Report {
     pub path: String,
     /// With [`pb::TaskOutcome::InputLost`]: the producing tasks whose output is lost.
     pub lost_inputs: Vec<u32>,
-}
-
-/// An operator's error when its input is lost (every copy of it was on storage that died): the
-/// tasks of the stage that wrote the input whose output is gone, by task index.
-#[derive(Debug, thiserror::Error)]
-#[error("{why}: the input of tasks {tasks:?} of the stage that wrote it is lost")]
-pub struct InputLost {
-    pub tasks: Vec<u32>,
-    pub why: String,
 }
 
 impl Report {
@@ -78,7 +68,7 @@ impl Report {
     fn from_error(e: anyhow::Error) -> Report {
         if OutOfMemory::is_in(&e) {
             Report::oom(format!("{e:#}"))
-        } else if let Some(lost) = e.chain().find_map(|c| c.downcast_ref::<InputLost>()) {
+        } else if let Some(lost) = InputLost::find_in(&e) {
             Report { lost_inputs: lost.tasks.clone(), ..Report::new(pb::TaskOutcome::InputLost, format!("{e:#}")) }
         } else {
             Report::failed(format!("{e:#}"))
@@ -173,16 +163,19 @@ impl Services {
 /// Runs one task to its end. Never panics on bad input: a malformed task fails with a message
 /// naming what is wrong.
 pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
-    let operator = task.operator.as_ref().map(|o| o.name.as_str()).unwrap_or_default();
+    let name = task.operator.as_ref().map(|o| o.name.as_str()).unwrap_or_default();
+    let operator = match name.parse::<Operator>() {
+        Ok(operator) => operator,
+        Err(e) => return Report::failed(e.to_string()),
+    };
     let result = match operator {
-        "noop" => noop::run(task).await,
-        "teragen" => terasort::teragen(task, services).await,
-        "terasort-map" => terasort::map(task, services).await,
-        "terasort-reduce" => terasort::reduce(task, services, false).await,
-        "terasort-reduce-gpu" => terasort::reduce(task, services, true).await,
-        "command" => return command::run(task, services).await,
-        "spark-executor" => return spark::run(task, services).await,
-        other => Err(anyhow::anyhow!("unknown operator {other:?}; this executor runs {}", OPERATORS.join(", "))),
+        Operator::Noop => noop::run(task).await,
+        Operator::Teragen => terasort::teragen(task, services).await,
+        Operator::TerasortMap => terasort::map(task, services).await,
+        Operator::TerasortReduce => terasort::reduce(task, services, false).await,
+        Operator::TerasortReduceGpu => terasort::reduce(task, services, true).await,
+        Operator::Command => return command::run(task, services).await,
+        Operator::SparkExecutor => return spark::run(task, services).await,
     };
     result.unwrap_or_else(Report::from_error)
 }

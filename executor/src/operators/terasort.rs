@@ -1,33 +1,18 @@
 //! The TeraSort built-ins: `teragen`, `terasort-map`, `terasort-reduce` and
-//! `terasort-reduce-gpu`. Each is a thin wrapper around the per-task function `tern terasort`
-//! itself runs (`tern_terasort::tasks`), with the task's index, attempt and data from its
-//! assignment.
-//!
-//! Tasks and parts: teragen task i of N writes part i; map task i of N reads the input parts
-//! i, i+N, ... (so any number of parts works with any number of maps); reduce task i of N
-//! sorts partitions i, i+N, ... each into output part p (so the parts in name order are the
-//! sorted data).
-//!
-//! Lineage: a map that finds an input part lost names the teragen task that wrote it, and a
-//! reduce that finds map output lost names those maps ([`InputLost`]); the scheduler runs them
-//! again. Such a rerun first clears what the lost run left (the lost part, the lost commit), which
-//! would otherwise refuse its output.
+//! `terasort-reduce-gpu`. What a task does is `tern_terasort::stages` (the per-task functions
+//! `tern terasort` itself runs); this adapts an assignment to it: the task's index, attempt, grant
+//! and paths, and for the GPU reduce which GPU sorts (or why the CPU does).
 
-use std::collections::BTreeSet;
-use std::time::Instant;
+use std::sync::Arc;
 
-use anyhow::{bail, Context};
-use bytes::Bytes;
-use indicatif::ProgressBar;
-use tern_client::{Client, ErrorKind};
+use anyhow::bail;
 use tern_common::{ByteSize, OutOfMemory};
-use tern_gpu::GpuError;
+use tern_gpu::{GpuError, GpuSorter};
 use tern_proto::sched as pb;
-use tern_terasort::external::sort_partition_to_store;
-use tern_terasort::tasks::{self, Location};
+use tern_terasort::stages::{self, DeviceSortStats, DeviceSorter, StageTask};
 use tern_terasort::RECORD_LEN;
 
-use super::{param, InputLost, Report, Services};
+use super::{param, Report, Services};
 
 /// `teragen`: task i of N generates its share of `records` (or of `size` bytes, e.g. `1GiB`)
 /// gensort records into `<output>/part-<i>`.
@@ -38,149 +23,37 @@ pub async fn teragen(task: &pb::Assignment, services: &Services) -> anyhow::Resu
         _ => bail!("teragen needs exactly one of the parameters records and size"),
     };
     let dir = output_dir(task)?;
-    let (first, count) = tasks::split_records(records, task.task_count.max(1) as usize)
-        .get(task.task_index as usize)
-        .copied()
-        .with_context(|| format!("task index {} is not below the task count {}", task.task_index, task.task_count))?;
     let client = services.client_for(task).await?;
-    let part = tasks::store_part(&dir, task.task_index as usize);
-    if task.attempt > 0 && matches!(client.open(&part).await, Err(e) if e.kind() == ErrorKind::DataLost) {
-        // Run again because the part was lost: the lost file would refuse the new one's rename.
-        client.delete(&part, false).await.with_context(|| format!("removing the lost {part}"))?;
-    }
-    let target = Location::Store(part);
-    let bar = ProgressBar::hidden();
-    let summary =
-        tasks::generate_part_with(Some(&client), first, count, &target, task.attempt, &bar, create_options(task))
-            .await?;
-    Ok(Report::succeeded(format!("{} records, checksum {:x}", summary.records, summary.checksum)))
+    Ok(Report::succeeded(stages::teragen(&client, &stage_task(task), &dir, records).await?))
 }
 
-/// `terasort-map`: map task i reads its input parts and pushes their records, range-partitioned,
-/// into the output shuffle, then commits as attempt `attempt` (a commit lost to an earlier
-/// attempt of the same map is success: that attempt's output is the map's).
+/// `terasort-map`: map task i pushes its input parts into the output shuffle (`parts`: teragen's
+/// task count, when the parts are to be taken by name).
 pub async fn map(task: &pb::Assignment, services: &Services) -> anyhow::Result<Report> {
     let input = input_dir(task)?;
     if task.output_shuffle_id == 0 {
         bail!("terasort-map writes a shuffle, but the stage's output is {:?}", task.output_path);
     }
+    let parts = param::<usize>(task, "parts")?;
     let client = services.client_for(task).await?;
-    let mine = my_parts(task, &client, &input).await?;
-    match map_parts(task, &client, &mine).await {
-        Err(e) if has_kind(&e, &[ErrorKind::DataLost, ErrorKind::NotFound]) => Err(lost_parts(&client, &mine, e).await),
-        done => done,
-    }
+    let message = stages::map(&client, &stage_task(task), &input, parts, task.output_shuffle_id).await?;
+    Ok(Report::succeeded(message))
 }
 
-/// The input parts map task i of N reads, i, i+N, ..., each with the index of the teragen task
-/// that wrote it: of `parts` (the map's parameter: teragen's task count) by name, so a part being
-/// written again is missing rather than skipped; without it, of the parts listed.
-async fn my_parts(task: &pb::Assignment, client: &Client, input: &str) -> anyhow::Result<Vec<(u32, String)>> {
-    let (i, n) = (task.task_index as usize, task.task_count.max(1) as usize);
-    if let Some(parts) = param::<usize>(task, "parts")? {
-        return Ok((i..parts).step_by(n).map(|j| (j as u32, tasks::store_part(input, j))).collect());
-    }
-    let parts = tasks::list_parts(Some(client), &Location::Store(input.to_string())).await?;
-    if parts.is_empty() {
-        bail!("terasort-map: no part-* files in {input}");
-    }
-    let listed = parts.into_iter().enumerate().skip(i).step_by(n);
-    Ok(listed
-        .filter_map(|(j, (part, _))| match part {
-            Location::Store(path) => Some((j as u32, path)),
-            Location::Local(_) => None,
-        })
-        .collect())
-}
-
-/// The teragen tasks whose part among this map's inputs is lost or missing, as [`InputLost`] (or
-/// `e` when none is: the loss was passing, and a plain retry will do).
-async fn lost_parts(client: &Client, mine: &[(u32, String)], e: anyhow::Error) -> anyhow::Error {
-    let mut lost = Vec::new();
-    for (j, path) in mine {
-        if let Err(e) = client.open(path).await {
-            if matches!(e.kind(), ErrorKind::DataLost | ErrorKind::NotFound) {
-                lost.push(*j);
-            }
-        }
-    }
-    if lost.is_empty() {
-        return e;
-    }
-    InputLost { tasks: lost, why: format!("{e:#}") }.into()
-}
-
-async fn map_parts(task: &pb::Assignment, client: &Client, mine: &[(u32, String)]) -> anyhow::Result<Report> {
-    let shuffle = client.open_shuffle(task.output_shuffle_id.into()).await?;
-    if task.attempt > 0 {
-        // Run again because this map's committed output was lost: that commit would win over
-        // this attempt's (an earlier attempt's commit stands), so it is forgotten first.
-        let map = task.task_index;
-        if !shuffle.lost_maps(0..shuffle.partitions(), map..map + 1).await?.is_empty() {
-            shuffle.invalidate_maps(&[map]).await?;
-        }
-    }
-    let paths: Vec<String> = mine.iter().map(|(_, path)| path.clone()).collect();
-    let outcome =
-        tasks::map_part(client, &shuffle, task.task_index, task.attempt, &paths, &ProgressBar::hidden()).await?;
-    Ok(Report::succeeded(if outcome.committed {
-        format!("{} parts mapped", mine.len())
-    } else {
-        format!("attempt {} had committed this map first; its output stands", outcome.winning_attempt)
-    }))
-}
-
-/// `terasort-reduce` and `terasort-reduce-gpu`: reduce task i sorts its partitions, each into
-/// output part p. The GPU operator sorts on its granted GPU (tern-gpu: the records are read into
-/// pinned host memory and sorted in place by an NVRTC-compiled kernel); with no GPU granted or
-/// none usable, a `gpu_optional` stage takes the CPU path and says so.
+/// `terasort-reduce` and `terasort-reduce-gpu`: the GPU operator sorts on its granted GPU
+/// (tern-gpu: the records are read into pinned host memory and sorted in place by an
+/// NVRTC-compiled kernel); with no GPU granted or none usable, a `gpu_optional` stage takes the
+/// CPU path and says so.
 pub async fn reduce(task: &pb::Assignment, services: &Services, gpu: bool) -> anyhow::Result<Report> {
     if task.input_shuffle_id == 0 {
         bail!("a terasort reduce reads a shuffle, but the stage's input is {:?}", task.input_path);
     }
-    match sort_partitions(task, services, gpu).await {
-        Err(e) if has_kind(&e, &[ErrorKind::DataLost]) => Err(lost_maps(task, services, e).await),
-        done => done,
-    }
-}
-
-/// The maps whose output in this reduce's partitions is lost, as [`InputLost`] (or `e` when none
-/// is: the loss was passing, and a plain retry will do).
-async fn lost_maps(task: &pb::Assignment, services: &Services, e: anyhow::Error) -> anyhow::Error {
-    let Ok(client) = services.client_for(task).await else { return e };
-    let Ok(shuffle) = client.open_shuffle(task.input_shuffle_id.into()).await else { return e };
-    let mut lost = BTreeSet::new();
-    for partition in (task.task_index..shuffle.partitions()).step_by(task.task_count.max(1) as usize) {
-        let range = partition..partition + 1;
-        let (Ok(maps), Ok(committed)) =
-            (shuffle.lost_maps(range.clone(), 0..u32::MAX).await, shuffle.lengths(range, 0..u32::MAX).await)
-        else {
-            return e;
-        };
-        lost.extend(maps);
-        // Maps whose commit was forgotten and that have not committed again (another reader
-        // found their output lost first) are as lost to this reduce.
-        let committed: BTreeSet<u32> = committed.into_iter().map(|(map, _)| map).collect();
-        lost.extend((0..task.input_maps).filter(|m| !committed.contains(m)));
-    }
-    if lost.is_empty() {
-        return e;
-    }
-    InputLost { tasks: lost.into_iter().collect(), why: format!("{e:#}") }.into()
-}
-
-/// Whether a Tern client error of one of `kinds` is somewhere in `e`'s chain.
-fn has_kind(e: &anyhow::Error, kinds: &[ErrorKind]) -> bool {
-    e.chain().any(|c| c.downcast_ref::<tern_client::Error>().is_some_and(|e| kinds.contains(&e.kind())))
-}
-
-async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) -> anyhow::Result<Report> {
     let dir = output_dir(task)?;
-    let (mut sorter, mut note) = (None, String::new());
+    let (mut device, mut note) = (None, String::new());
     if gpu {
         match task.gpus.first() {
             Some(grant) => match services.sorter(&grant.address) {
-                Ok(opened) => sorter = Some((grant.address.clone(), opened)),
+                Ok(sorter) => device = Some(Arc::new(Gpu { address: grant.address.clone(), sorter })),
                 Err(GpuError::NoGpu(why)) if task.gpu_optional => {
                     note = format!("GPU {} is unusable ({why}); ran on the CPU", grant.address)
                 }
@@ -193,83 +66,57 @@ async fn sort_partitions(task: &pb::Assignment, services: &Services, gpu: bool) 
             tracing::info!(job = %task.job_id, stage = %task.stage, task = task.task_index, "{note}");
         }
     }
+    let path = device.as_ref().map_or_else(|| "cpu".to_string(), |gpu| format!("gpu:{}", gpu.address));
     let client = services.client_for(task).await?;
-    let shuffle = client.open_shuffle(task.input_shuffle_id.into()).await?;
-    let limit = task.granted.as_ref().map(|g| g.memory_bytes).filter(|&bytes| bytes > 0);
-    let count = task.task_count.max(1);
-    let (mut bytes, mut partitions) = (0u64, 0u32);
-    let (mut read_seconds, mut sort_seconds) = (0.0, 0.0);
-    for partition in (task.task_index..shuffle.partitions()).step_by(count as usize) {
-        let path = tasks::store_part(&dir, partition as usize);
-        let Some((address, sorter)) = &sorter else {
-            // Half the task's memory for the sort (the rest is the process's own): a partition
-            // larger than that is sorted in runs on scratch disk and merged.
-            let input = tasks::PartitionInput::open(&shuffle, partition).await?;
-            let memory = limit.map(|limit| limit / 2);
-            let scratch = std::env::temp_dir();
-            let sorted =
-                sort_partition_to_store(&client, input, memory, &scratch, &path, task.attempt, create_options(task))
-                    .await?;
-            bytes += sorted.bytes;
-            partitions += 1;
-            continue;
-        };
-        // The GPU path reads the partition straight into pinned memory, sorts it there in place
-        // and writes the output from it: no host copy besides the one out of the shuffle reader.
-        let input = tasks::PartitionInput::open(&shuffle, partition).await?;
-        input.check_memory(1, limit)?;
-        let len = input.bytes() as usize;
-        // Off the async threads: the lock waits while another task sorts on this GPU.
-        let mut buf = tokio::task::spawn_blocking({
-            let sorter = sorter.clone();
-            move || sorter.lock().pinned_buffer(len)
-        })
-        .await?
-        .map_err(gpu_error)?;
-        let started = Instant::now();
-        input.read_into(buf.as_mut()).await?;
-        read_seconds += started.elapsed().as_secs_f64();
-        bytes += buf.as_ref().len() as u64;
-        let sorter = sorter.clone();
-        let (buf, stats) = tokio::task::spawn_blocking(move || {
-            let stats = sorter.lock().sort_pinned(&mut buf)?;
-            Ok::<_, GpuError>((buf, stats))
-        })
-        .await?
-        .map_err(gpu_error)?;
-        tracing::info!(
-            job = %task.job_id, task = task.task_index, partition, gpu = %address, device = %stats.device,
-            records = stats.records, h2d_s = stats.h2d_seconds, sort_s = stats.sort_seconds,
-            d2h_s = stats.d2h_seconds, "sorted a partition on the GPU"
-        );
-        sort_seconds += stats.sort_seconds;
-        // Sent from the pinned buffer itself, which goes back to the sorter's pool once written.
-        tasks::write_part_with(&client, &path, task.attempt, Bytes::from_owner(buf), create_options(task)).await?;
-        partitions += 1;
-    }
-    let path = match &sorter {
-        Some((address, _)) => format!("gpu:{address}"),
-        None => "cpu".to_string(),
-    };
-    let mut message = format!("{partitions} partitions, {bytes} bytes sorted on {path}");
-    if sorter.is_some() && read_seconds > 0.0 && sort_seconds > 0.0 {
-        // The figures BENCHMARKS.md records for a GPU: how fast the shuffle feeds pinned memory,
-        // and how fast the device sorts.
-        message.push_str(&format!(
-            " (shuffle read into pinned memory at {:.0} MB/s, sort at {:.0} MB/s on the device)",
-            bytes as f64 / read_seconds / 1e6,
-            bytes as f64 / sort_seconds / 1e6
-        ));
-    }
+    let stage_task = stage_task(task);
+    let mut message =
+        stages::reduce(&client, &stage_task, task.input_shuffle_id, task.input_maps, &dir, device).await?;
     if !note.is_empty() {
         message = format!("{message}; {note}");
     }
     Ok(Report { path, ..Report::succeeded(message) })
 }
 
-/// How the task's output files are stored: the job's copies.
-fn create_options(task: &pb::Assignment) -> tern_client::CreateOptions {
-    tern_client::CreateOptions { replicas: task.copies.max(1), ..Default::default() }
+/// The task as TeraSort's stage functions take it.
+fn stage_task(task: &pb::Assignment) -> StageTask {
+    StageTask {
+        job: task.job_id.clone(),
+        index: task.task_index,
+        count: task.task_count.max(1),
+        attempt: task.attempt,
+        copies: task.copies.max(1),
+        memory_bytes: task.granted.as_ref().map(|g| g.memory_bytes).filter(|&bytes| bytes > 0),
+    }
+}
+
+/// A granted GPU as TeraSort's reduce takes it. Tasks sharing a GPU (fractions of it) take turns
+/// on its sorter.
+struct Gpu {
+    address: String,
+    sorter: Arc<parking_lot::Mutex<GpuSorter>>,
+}
+
+impl DeviceSorter for Gpu {
+    type Buffer = tern_gpu::PinnedBuffer;
+
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn buffer(&self, len: usize) -> anyhow::Result<Self::Buffer> {
+        self.sorter.lock().pinned_buffer(len).map_err(gpu_error)
+    }
+
+    fn sort(&self, buffer: &mut Self::Buffer) -> anyhow::Result<DeviceSortStats> {
+        let stats = self.sorter.lock().sort_pinned(buffer).map_err(gpu_error)?;
+        Ok(DeviceSortStats {
+            device: stats.device,
+            records: stats.records,
+            h2d_seconds: stats.h2d_seconds,
+            sort_seconds: stats.sort_seconds,
+            d2h_seconds: stats.d2h_seconds,
+        })
+    }
 }
 
 /// A GPU's error as the executor's contract has it: out of GPU (or pinned) memory is

@@ -38,11 +38,10 @@ use serde::{Deserialize, Serialize};
 use tern_common::ByteSize;
 use tern_proto::sched as pb;
 
+use crate::Operator;
+
 /// Milli-units per whole CPU or GPU.
 pub const MILLI: u64 = 1000;
-/// The built-in operators, and "command".
-pub const OPERATORS: [&str; 7] =
-    ["noop", "teragen", "terasort-map", "terasort-reduce", "terasort-reduce-gpu", "command", "spark-executor"];
 /// The queue of jobs that name none.
 pub const DEFAULT_QUEUE: &str = "default";
 
@@ -230,7 +229,7 @@ impl JobFile {
             let at = format!("stage {:?}", stage.name);
             let operator = match (&stage.operator, stage.command.is_empty()) {
                 (Some(name), _) => name.clone(),
-                (None, false) => "command".to_string(),
+                (None, false) => Operator::Command.name().to_string(),
                 (None, true) => bail!("{at}: operator is missing (a built-in name, or command = [...])"),
             };
             let needs = pb::Resources {
@@ -376,15 +375,11 @@ pub fn validate(spec: &pb::JobSpec, limits: &SpecLimits) -> anyhow::Result<Dag> 
         }
         total_tasks += u64::from(stage.tasks);
         let op = stage.operator.as_ref().with_context(|| format!("{at}: operator is missing"))?;
-        if !OPERATORS.contains(&op.name.as_str()) {
-            bail!("{at}: operator {:?} is unknown; known: {}", op.name, OPERATORS.join(", "));
-        }
-        if op.name == "command" && op.argv.is_empty() {
+        let operator: Operator = op.name.parse().with_context(|| at.clone())?;
+        if operator == Operator::Command && op.argv.is_empty() {
             bail!("{at}: operator \"command\" needs command = [program, args...]");
         }
-        // spark-executor takes env too (SPARK_HOME, PYTHONPATH for the executor's Python workers).
-        let takes_env = matches!(op.name.as_str(), "command" | "spark-executor");
-        if op.name != "command" && (!op.argv.is_empty() || (!takes_env && !op.env.is_empty())) {
+        if operator != Operator::Command && (!op.argv.is_empty() || (!operator.takes_env() && !op.env.is_empty())) {
             bail!("{at}: command and env belong to operator \"command\", not {:?}", op.name);
         }
         let needs = stage.needs.unwrap_or_default();
@@ -583,9 +578,9 @@ pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
     let part_bytes = job.size_bytes / u64::from(job.tasks) + 1;
     // A map holds a part's batches; a reduce sorts its partition in memory (data + index).
     let memory = |factor: u64| ByteSize(part_bytes.saturating_mul(factor) + (64 << 20));
-    let stage = |name: &str, operator: &str, factor: u64| StageFile {
+    let stage = |name: &str, operator: Operator, factor: u64| StageFile {
         name: name.into(),
-        operator: Some(operator.into()),
+        operator: Some(operator.name().into()),
         params: BTreeMap::new(),
         command: Vec::new(),
         env: BTreeMap::new(),
@@ -603,15 +598,15 @@ pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
         gpu_optional: false,
         locality: Vec::new(),
     };
-    let mut teragen = stage("teragen", "teragen", 1);
+    let mut teragen = stage("teragen", Operator::Teragen, 1);
     teragen.params.insert("records".into(), ParamValue::Int(records as i64));
     teragen.output = Some(format!("{out}/input"));
-    let mut map = stage("map", "terasort-map", 1);
+    let mut map = stage("map", Operator::TerasortMap, 1);
     map.after = vec!["teragen".into()];
     map.input = Some(format!("{out}/input"));
     map.output = Some("data".into());
     map.params.insert("parts".into(), ParamValue::Int(i64::from(job.tasks)));
-    let mut reduce = stage("reduce", if job.gpu { "terasort-reduce-gpu" } else { "terasort-reduce" }, 3);
+    let mut reduce = stage("reduce", if job.gpu { Operator::TerasortReduceGpu } else { Operator::TerasortReduce }, 3);
     reduce.after = vec!["map".into()];
     reduce.input = Some("data".into());
     reduce.output = Some(format!("{out}/output"));
@@ -621,7 +616,7 @@ pub fn terasort_job(job: &TerasortJob) -> anyhow::Result<pb::JobSpec> {
     }
     let mut stages = vec![teragen, map, reduce];
     if let Some(argv) = &job.validate {
-        let mut validate = stage("validate", "command", 1);
+        let mut validate = stage("validate", Operator::Command, 1);
         validate.tasks = 1;
         validate.command = argv.clone();
         validate.after = vec!["reduce".into()];
