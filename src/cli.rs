@@ -74,7 +74,7 @@ impl Command {
 pub struct MetadataAddr {
     /// Metadata server address: host:port, https://host:port (TLS) or http://host:port (plain).
     /// A bare host:port uses TLS when --tls-dir is given.
-    #[arg(long = "metadata", env = "TERN_METADATA", default_value = "127.0.0.1:9060", global = true)]
+    #[arg(long = "metadata", env = "TERN_METADATA", default_value_t = tern_common::ports::default_metadata(), global = true)]
     pub addr: String,
     /// TLS material (`tern cert init`, or DIR/tls of `tern up`): mutual TLS to the metadata
     /// server, and needed for --transport tls and quic.

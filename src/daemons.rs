@@ -226,6 +226,17 @@ mod readme_tables {
         }
     }
 
+    /// The clients' default addresses, as the README's prose states them.
+    #[test]
+    fn readme_states_the_default_addresses() {
+        let metadata =
+            format!("`TERN_METADATA` when the flag is absent, or `{}`", tern_common::ports::default_metadata());
+        let scheduler = format!("(`TERN_SCHEDULER`, default `{}`)", tern_common::ports::default_scheduler());
+        for sentence in [metadata, scheduler] {
+            assert!(README.contains(&sentence), "README does not say {sentence:?}");
+        }
+    }
+
     #[test]
     fn readme_tables_hold_the_defaults() {
         let tenant = toml::Table::try_from(tern_metadata::TenantQuota::default()).unwrap();

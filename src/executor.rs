@@ -10,7 +10,7 @@ use tern_executor::ExecutorConfig;
 #[derive(Args)]
 pub struct ExecutorArgs {
     /// The scheduler's address (host:port, http:// or https://).
-    #[arg(long, env = "TERN_SCHEDULER", default_value = "127.0.0.1:9062")]
+    #[arg(long, env = "TERN_SCHEDULER", default_value_t = tern_common::ports::default_scheduler())]
     scheduler: String,
     /// The metadata server tasks use [default: the one the scheduler names].
     #[arg(long, env = "TERN_METADATA")]

@@ -16,7 +16,7 @@ pub struct JobArgs {
     #[command(subcommand)]
     command: JobCommand,
     /// Scheduler address: host:port, http:// or https://.
-    #[arg(long, env = "TERN_SCHEDULER", default_value = "127.0.0.1:9062", global = true)]
+    #[arg(long, env = "TERN_SCHEDULER", default_value_t = tern_common::ports::default_scheduler(), global = true)]
     scheduler: String,
     /// TLS material for mutual TLS to the scheduler.
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]

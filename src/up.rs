@@ -22,7 +22,7 @@ pub struct UpArgs {
     /// Metadata server port on 127.0.0.1; the metrics endpoint is PORT+1, the task scheduler
     /// (with --executors) PORT+2 with metrics on PORT+3, storage server i listens on PORT+10+2i
     /// with metrics on PORT+11+2i.
-    #[arg(long, default_value_t = 9060)]
+    #[arg(long, default_value_t = tern_common::ports::METADATA)]
     port: u16,
     /// Number of storage servers.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=32))]

@@ -362,8 +362,7 @@ pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<Strin
         "spark.ui.enabled=false".into(),
     ];
     if let Some(metadata) = tern_metadata {
-        confs.push("spark.shuffle.manager=io.tern.spark.TernShuffleManager".into());
-        confs.push("spark.shuffle.sort.io.plugin.class=io.tern.spark.TernShuffleDataIO".into());
+        confs.extend(tern_common::spark::shuffle_settings().map(|(key, class)| format!("{key}={class}")));
         confs.push(format!("spark.tern.metadata={metadata}"));
     }
     confs

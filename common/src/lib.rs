@@ -1,5 +1,5 @@
-//! What every Tern daemon and command shares, and nothing else: sizes with units, durations, the
-//! layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
+//! What every Tern daemon and command shares, and nothing else: the default ports, the Spark
+//! plugin's class names, sizes with units, durations, the layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
 //! admin endpoint, retry backoff, logging and shutdown signals, percentiles, the out-of-memory
 //! contract between task code and the executor, and the file layer of durable state (`durable`,
 //! with a power-cut simulation for tests).
@@ -9,9 +9,11 @@ pub mod backoff;
 pub mod config;
 pub mod durable;
 pub mod duration;
+pub mod ports;
 mod process_metrics;
 pub mod rng;
 pub mod size;
+pub mod spark;
 pub mod stats;
 pub mod systemd;
 pub mod task_error;

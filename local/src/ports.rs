@@ -12,8 +12,15 @@ pub struct PortLayout {
     storage_servers: u16,
 }
 
+use tern_common::ports;
+
+/// Offsets from the base, so that the layout from [`ports::METADATA`] is the daemons' defaults.
+const METADATA_ADMIN_OFFSET: u16 = ports::METADATA_ADMIN - ports::METADATA;
+const SCHEDULER_OFFSET: u16 = ports::SCHEDULER - ports::METADATA;
+const SCHEDULER_ADMIN_OFFSET: u16 = ports::SCHEDULER_ADMIN - ports::METADATA;
 /// Offset of storage server 0's port from the base; each storage server takes two ports.
-const STORAGE_OFFSET: u16 = 10;
+const STORAGE_OFFSET: u16 = ports::STORAGE - ports::METADATA;
+const STORAGE_ADMIN_OFFSET: u16 = ports::STORAGE_ADMIN - ports::STORAGE;
 
 impl PortLayout {
     /// The layout from `base` for `storage_servers`; an error when its ports pass 65535.
@@ -46,15 +53,15 @@ impl PortLayout {
     }
 
     pub fn metadata_admin(&self) -> u16 {
-        self.base + 1
+        self.base + METADATA_ADMIN_OFFSET
     }
 
     pub fn scheduler(&self) -> u16 {
-        self.base + 2
+        self.base + SCHEDULER_OFFSET
     }
 
     pub fn scheduler_admin(&self) -> u16 {
-        self.base + 3
+        self.base + SCHEDULER_ADMIN_OFFSET
     }
 
     /// Storage server `i`'s block-service port.
@@ -65,7 +72,7 @@ impl PortLayout {
 
     /// Storage server `i`'s admin (metrics) port.
     pub fn storage_admin(&self, i: u16) -> u16 {
-        self.storage(i) + 1
+        self.storage(i) + STORAGE_ADMIN_OFFSET
     }
 
     /// Every port the cluster will bind on `ip` (`scheduler`: with the task scheduler), named.
@@ -149,6 +156,14 @@ mod tests {
         assert_eq!((layout.scheduler(), layout.scheduler_admin()), (9062, 9063));
         assert_eq!((layout.storage(0), layout.storage_admin(0)), (9070, 9071));
         assert_eq!((layout.storage(1), layout.storage_admin(1)), (9072, 9073));
+    }
+
+    #[test]
+    fn the_layout_from_the_default_base_is_the_daemons_defaults() {
+        let layout = PortLayout::new(ports::METADATA, 1).unwrap();
+        assert_eq!((layout.metadata(), layout.metadata_admin()), (ports::METADATA, ports::METADATA_ADMIN));
+        assert_eq!((layout.scheduler(), layout.scheduler_admin()), (ports::SCHEDULER, ports::SCHEDULER_ADMIN));
+        assert_eq!((layout.storage(0), layout.storage_admin(0)), (ports::STORAGE, ports::STORAGE_ADMIN));
     }
 
     #[test]

@@ -87,7 +87,7 @@ pub struct TenantQuota {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            serve: Serve::on_loopback(9060, 9061),
+            serve: Serve::on_loopback(tern_common::ports::METADATA, tern_common::ports::METADATA_ADMIN),
             dir: PathBuf::from("tern-data/metadata"),
             block_size: ByteSize(u64::from(tern_proto::DEFAULT_BLOCK_SIZE)),
             heartbeat_interval_ms: 1000,

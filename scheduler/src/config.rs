@@ -59,8 +59,8 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            serve: Serve::on_loopback(9062, 9063),
-            metadata: "127.0.0.1:9060".into(),
+            serve: Serve::on_loopback(tern_common::ports::SCHEDULER, tern_common::ports::SCHEDULER_ADMIN),
+            metadata: tern_common::ports::default_metadata(),
             queues: BTreeMap::from([("default".to_string(), 1)]),
             default_queue_weight: 1,
             heartbeat_interval_ms: 1000,

@@ -14,9 +14,6 @@ use anyhow::{bail, Context};
 
 /// Where spark-shuffle/build.sh leaves the jar, relative to the cargo target directory.
 const BUILT_JAR: &str = "tern-spark/tern-spark.jar";
-/// Tern's shuffle manager and its shuffle I/O plugin (spark-shuffle's Java classes).
-const SHUFFLE_MANAGER: &str = "io.tern.spark.TernShuffleManager";
-const SHUFFLE_IO: &str = "io.tern.spark.TernShuffleDataIO";
 
 /// What the Spark configuration says.
 #[derive(Debug)]
@@ -52,8 +49,7 @@ impl SparkConf {
         if let Some(master) = &self.master {
             keys.push(("spark.master", master.clone()));
         }
-        keys.push(("spark.shuffle.manager", SHUFFLE_MANAGER.into()));
-        keys.push(("spark.shuffle.sort.io.plugin.class", SHUFFLE_IO.into()));
+        keys.extend(tern_common::spark::shuffle_settings().map(|(key, class)| (key, class.to_string())));
         keys.push(("spark.tern.metadata", self.metadata.clone()));
         if let Some(dir) = &self.tls_dir {
             keys.push(("spark.tern.tlsDir", text(dir)?));
@@ -126,8 +122,8 @@ mod tests {
             text.lines().find_map(|l| l.strip_prefix(key).filter(|v| v.starts_with(' ')).map(str::trim)).unwrap_or("")
         };
         assert_eq!(value("spark.master"), tern_scheduler_api::spark_master_url("127.0.0.1:9062"));
-        assert_eq!(value("spark.shuffle.manager"), SHUFFLE_MANAGER);
-        assert_eq!(value("spark.shuffle.sort.io.plugin.class"), SHUFFLE_IO);
+        assert_eq!(value("spark.shuffle.manager"), tern_common::spark::SHUFFLE_MANAGER_CLASS);
+        assert_eq!(value("spark.shuffle.sort.io.plugin.class"), tern_common::spark::SHUFFLE_IO_CLASS);
         assert_eq!(value("spark.tern.metadata"), "127.0.0.1:9060");
         assert_eq!(value("spark.tern.tlsDir"), "/d/tls");
         assert_eq!(value("spark.driver.extraClassPath"), "/t/tern-spark.jar");

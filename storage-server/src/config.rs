@@ -82,8 +82,8 @@ pub enum RdmaMode {
 impl Default for Config {
     fn default() -> Config {
         Config {
-            serve: Serve::on_loopback(9070, 9071),
-            metadata: "127.0.0.1:9060".to_string(),
+            serve: Serve::on_loopback(tern_common::ports::STORAGE, tern_common::ports::STORAGE_ADMIN),
+            metadata: tern_common::ports::default_metadata(),
             advertise: None,
             dram: ByteSize::gib(1),
             max_connections: 1024,

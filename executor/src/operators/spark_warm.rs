@@ -34,8 +34,6 @@ use tokio::process::Command;
 
 use super::command::Started;
 
-/// The JVM's main class while parked.
-pub const WARM_MAIN: &str = "io.tern.spark.WarmExecutor";
 /// The class a Spark executor loads when it starts its first task: the class list ends there.
 pub const FIRST_TASK_CLASS: &str = "org.apache.spark.executor.Executor$TaskRunner";
 /// Classes in a learned list, at most.
@@ -124,11 +122,11 @@ impl WarmJvms {
                     let (_, stderr) = parked.started.take_output();
                     let why = format!("{status}: {}", String::from_utf8_lossy(&stderr).trim());
                     let _ = std::fs::remove_dir_all(&parked.dir);
-                    refuse(&mut state, &parked.shape, why);
+                    refuse(&mut state, &parked.shape, why, status.code() == Some(POISONED));
                 }
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&parked.dir);
-                    refuse(&mut state, &parked.shape, e.to_string());
+                    refuse(&mut state, &parked.shape, e.to_string(), false);
                 }
             }
         }
@@ -193,7 +191,7 @@ impl WarmJvms {
             command
                 .current_dir(&dir)
                 .args(&shape.jvm_options)
-                .arg(WARM_MAIN)
+                .arg(tern_common::spark::WARM_EXECUTOR_CLASS)
                 .arg(&list)
                 .envs(shape.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
                 .stdin(Stdio::piped());
@@ -219,13 +217,14 @@ impl WarmJvms {
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                refuse(&mut state, &shape, format!("cannot start {}: {e}", shape.java));
+                refuse(&mut state, &shape, format!("cannot start {}: {e}", shape.java), false);
             }
         }
     }
 
-    /// JVMs parked now (for tests and status).
-    pub fn parked(&self) -> usize {
+    /// JVMs parked now.
+    #[cfg(test)]
+    fn parked(&self) -> usize {
         self.state.lock().parked.len()
     }
 }
@@ -238,8 +237,8 @@ impl Drop for WarmJvms {
     }
 }
 
-fn refuse(state: &mut State, shape: &Arc<Shape>, why: String) {
-    let poisoned = why.contains(&format!("exit status: {POISONED}"));
+/// Parks no more JVMs of `shape`; `poisoned` when one exited because a static initializer failed.
+fn refuse(state: &mut State, shape: &Arc<Shape>, why: String, poisoned: bool) {
     tracing::warn!(
         java = %shape.java, why = %why, poisoned,
         "a parked Spark executor JVM failed; executors of this kind start cold from now on"
