@@ -3,8 +3,8 @@
 //! only figures taken side by side compare.
 
 pub mod core;
+pub mod harness;
 pub mod io;
-pub mod raw;
 // kill(2) on the cold-start benchmark's executor.
 #[allow(unsafe_code)]
 pub mod scheduler;

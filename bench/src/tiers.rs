@@ -19,7 +19,7 @@ use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 use tern_terasort::driver::{self, TerasortOptions};
 
-use crate::io::AlignedVec;
+use crate::harness::AlignedVec;
 use crate::shuffle::{push_partition, read_partition_gb_s};
 
 /// Reads in flight on the peer's parallel reader: the reducer's fetch streams at once.

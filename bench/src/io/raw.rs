@@ -18,7 +18,8 @@ use tern_transport::tls_tcp::{PlainFrom, TcpOrTlsListener};
 use tern_transport::{Connector, Listener, Stream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::io::{go, join_all, payload, Budget, Cell, Op, Recorder, Samples};
+use super::{Cell, Op};
+use crate::harness::{go, join_all, payload, Budget, Recorder, Samples};
 
 /// Largest op the server takes (the largest size the bench measures).
 const MAX_OP_BYTES: u64 = 4 << 20;
@@ -27,14 +28,14 @@ const WRITE_ACK: [u8; 8] = *b"written\n";
 
 /// Which transport a raw peer runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RawTransport {
+pub(super) enum RawTransport {
     Tcp,
     Tls,
     Quic,
 }
 
 /// A raw server on loopback and a way to dial it; the server stops when this drops.
-pub(crate) struct RawTarget {
+pub(super) struct RawTarget {
     addr: SocketAddr,
     connector: Arc<dyn Connector>,
     /// Its runtime, shut down (without waiting, as a drop inside async code must) on drop.
@@ -44,7 +45,7 @@ pub(crate) struct RawTarget {
 }
 
 impl RawTarget {
-    pub(crate) async fn start(transport: RawTransport) -> anyhow::Result<RawTarget> {
+    pub(super) async fn start(transport: RawTransport) -> anyhow::Result<RawTarget> {
         let server = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("raw-peer")
@@ -90,7 +91,7 @@ impl RawTarget {
         Ok(RawTarget { addr, connector, server: Some(server), _tls: tls })
     }
 
-    pub(crate) async fn measure(&self, cell: Cell, budget: Budget) -> anyhow::Result<Samples> {
+    pub(super) async fn measure(&self, cell: Cell, budget: Budget) -> anyhow::Result<Samples> {
         let addr = self.addr.to_string();
         let mut streams = Vec::with_capacity(cell.concurrency as usize);
         for _ in 0..cell.concurrency {
@@ -162,5 +163,38 @@ async fn serve_stream(mut stream: Stream, data: &[u8]) -> anyhow::Result<()> {
             stream.writer.write_all(&data[..len as usize]).await?;
         }
         stream.writer.flush().await?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::io::{CellResult, IoOptions, System};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn raw_peers_move_every_byte() {
+        let options = IoOptions {
+            tern: PathBuf::new(),
+            systems: vec![],
+            cells: vec![],
+            seconds: 0.05,
+            warmup_seconds: 0.0,
+            runs: 1,
+            max_bytes: 8 << 20,
+            dir: std::env::temp_dir(),
+            dram_bytes: 0,
+            progress: false,
+        };
+        for transport in [RawTransport::Tcp, RawTransport::Tls, RawTransport::Quic] {
+            let raw = RawTarget::start(transport).await.unwrap();
+            for op in [Op::Write, Op::Read] {
+                let cell = Cell { op, size: 1 << 20, concurrency: 2 };
+                let samples = raw.measure(cell, cell.budget(&options)).await.unwrap();
+                let result = CellResult::of_samples(System::TcpRaw, cell, &samples);
+                assert!(result.ops >= 2 && result.throughput_mib_s > 0.0, "{transport:?} {op:?}: {result:?}");
+            }
+        }
     }
 }
