@@ -31,6 +31,7 @@ fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+bash scripts/check-layout.sh
 
 # Every test binary and `tern` itself, built once with the whole workspace's features (a plain
 # `cargo build --bin tern` unifies fewer features, so the test build would then rebuild tokio and
