@@ -125,7 +125,7 @@ impl Policy {
             .collect()
     }
 
-    /// The job's stage infos (for the server's bookkeeping).
+    /// The job's state, or None for a job the policy does not know (never added, or forgotten).
     pub fn job_state(&self, job_id: &str) -> Option<pb::JobState> {
         self.job_keys.get(job_id).map(|k| self.jobs[k].state)
     }
