@@ -1,0 +1,34 @@
+//! Copy (re-replication): a segment is closed to pushes, then paged through whole, every map and
+//! attempt, in the order a Fetch serves them, for [`crate::copier`] to push to another server.
+
+use tern_proto::ServerId;
+
+use super::{FetchPage, SegmentId, ShuffleError, Shuffles};
+
+impl Shuffles {
+    /// Closes a segment to pushes, for a copy of it to another server: from now on it holds
+    /// exactly what the copy will. Its partition has moved on, so only a writer that has not
+    /// seen that yet pushes here, and it is refused as by a full segment (OutOfSpace), which
+    /// moves it on too.
+    pub(crate) async fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<(), ShuffleError> {
+        let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
+        // After any append straight to NVMe under way (it indexes its batch when its write is
+        // done): a closed segment's extents hold no batch its index lacks.
+        let _turn = segment.nvme_appends.lock().await;
+        segment.state.lock().closed = true;
+        Ok(())
+    }
+
+    /// A page of every batch the segment holds, of every map and attempt, in the order a Fetch
+    /// serves them (by map and attempt, each in push order), from `cursor`: what a copy of the
+    /// segment pushes to its target, so the target's index is the same.
+    pub(crate) async fn copy_page(
+        &self,
+        server: ServerId,
+        id: SegmentId,
+        cursor: u32,
+        max_bytes: u32,
+    ) -> Result<FetchPage, ShuffleError> {
+        self.page_of(server, id, cursor, max_bytes, &|_, _| true).await
+    }
+}
