@@ -10,6 +10,11 @@
 //! before the stage that writes them starts; renewed while the job runs; ended when it finishes,
 //! which frees the shuffles but not output files outside the job's root).
 
+#![expect(
+    clippy::disallowed_methods,
+    reason = "the scheduler's edge: it reads the clock once per call and passes the time into the policy"
+)]
+
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -677,6 +682,13 @@ impl Scheduler for Service {
         if r.host.len() > 255 || r.name.len() > 255 || r.operators.len() > 64 {
             return Err(invalid("RegisterExecutor: host and name at most 255 bytes, at most 64 operators"));
         }
+        // Parsed here, once: the policy matches on the enum.
+        let operators = r
+            .operators
+            .iter()
+            .map(|name| name.parse::<Operator>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| invalid(format!("RegisterExecutor: {e}")))?;
         let mut state = self.shared.state.lock();
         if state.executors.len() >= config.max_executors as usize {
             return Err(ErrorKind::Unavailable
@@ -684,7 +696,7 @@ impl Scheduler for Service {
         }
         let id = format!("e-{}", state.next_executor);
         state.next_executor += 1;
-        let slot = state.policy.add_executor(&r.host, capacity, &r.gpu_addresses, &r.operators);
+        let slot = state.policy.add_executor(&r.host, capacity, &r.gpu_addresses, &operators);
         let name = if r.name.is_empty() { id.clone() } else { r.name.clone() };
         info!(
             "executor {id} ({name}) registered from host {:?}: {} CPUs, {} bytes, GPUs {:?}",

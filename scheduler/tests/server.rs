@@ -2,6 +2,8 @@
 //! in-process, and test code playing the executors (poll, report). Real executor processes are
 //! the black-box tests' business (tests/ at the root).
 
+#![expect(clippy::disallowed_methods, reason = "a black-box test times real waits on a real server")]
+
 use std::time::{Duration, Instant};
 
 use tern_common::config::Serve;

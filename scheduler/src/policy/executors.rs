@@ -6,6 +6,7 @@ use super::assignments::Outcome;
 use super::{Policy, Res};
 use crate::spec::MILLI;
 use tern_proto::sched as pb;
+use tern_scheduler_api::Operator;
 
 /// One GPU device of an executor.
 #[derive(Debug, Clone)]
@@ -26,18 +27,18 @@ pub(super) struct Executor {
     /// Assignments placed here by a gang decision made during another executor's poll.
     pub(super) outbox: Vec<pb::Assignment>,
     /// Operators it runs; empty = all.
-    pub(super) operators: Vec<String>,
+    pub(super) operators: Vec<Operator>,
 }
 
 impl Executor {
-    pub(super) fn runs(&self, operator: &str) -> bool {
-        self.operators.is_empty() || self.operators.iter().any(|o| o == operator)
+    pub(super) fn runs(&self, operator: Option<Operator>) -> bool {
+        self.operators.is_empty() || operator.is_some_and(|o| self.operators.contains(&o))
     }
 }
 
 impl Policy {
     /// Adds an executor; returns its slot (the server maps its own ids to slots).
-    pub fn add_executor(&mut self, host: &str, capacity: Res, gpu_addresses: &[String], operators: &[String]) -> usize {
+    pub fn add_executor(&mut self, host: &str, capacity: Res, gpu_addresses: &[String], operators: &[Operator]) -> usize {
         let executor = Executor {
             host: host.to_string(),
             capacity: Res { gpu_milli: gpu_addresses.len() as u64 * MILLI, ..capacity },

@@ -15,8 +15,7 @@ impl Policy {
     pub(super) fn fit(&self, slot: usize, key: u64, s: usize, t: u32) -> Option<(Res, Vec<(usize, u32)>)> {
         let executor = self.executors[slot].as_ref()?;
         let stage = &self.jobs[&key].stages[s];
-        let op = stage.info.spec.operator.as_ref().map_or("", |o| o.name.as_str());
-        if !executor.runs(op) || executor.running >= self.config.max_tasks_per_executor {
+        if !executor.runs(stage.operator) || executor.running >= self.config.max_tasks_per_executor {
             return None;
         }
         let task = &stage.tasks[t as usize];

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use tern_proto::sched as pb;
+use tern_scheduler_api::Operator;
 
 use super::executors::Executor;
 use super::fit::{fit_on, idle_copy, take, GpuPicks};
@@ -27,7 +28,7 @@ impl Policy {
         let want =
             if stage.info.spec.min_available == 0 { stage.tasks.len() } else { stage.info.spec.min_available as usize };
         let want = want.saturating_sub(stage.counts.running as usize + stage.counts.succeeded as usize);
-        let op = stage.info.spec.operator.as_ref().map_or("", |o| o.name.as_str()).to_string();
+        let op = stage.operator;
         let gpu_optional = stage.info.spec.gpu_optional;
         // Trial copies of the executors' free resources, the polling executor first.
         let mut order: Vec<usize> = vec![slot];
@@ -39,7 +40,7 @@ impl Policy {
             let mut placed = false;
             for &e in &order {
                 let real = self.executors[e].as_ref().expect("live");
-                if !real.runs(&op) {
+                if !real.runs(op) {
                     continue;
                 }
                 let ex = trial.entry(e).or_insert_with(|| Executor {
@@ -88,7 +89,7 @@ impl Policy {
     /// all are idle (they hold fewer of its tasks than the gang needs), or "" when they could.
     /// Like Volcano's "Unschedulable" podgroup condition: the gang keeps waiting (executors may
     /// still join) but its job's status says why.
-    pub(super) fn why_gang_blocked(&self, stage: &Stage, need: Res, op: &str, wants: &str) -> String {
+    pub(super) fn why_gang_blocked(&self, stage: &Stage, need: Res, op: Option<Operator>, wants: &str) -> String {
         if !stage.info.spec.gang || stage.gang_placed {
             return String::new();
         }

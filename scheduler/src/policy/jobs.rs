@@ -5,6 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use tern_proto::sched as pb;
+use tern_scheduler_api::Operator;
 
 use super::{Event, JobInfo, Policy, Res, StageInfo, TaskState};
 use crate::spec::Dag;
@@ -29,6 +30,8 @@ pub(super) struct Job {
 #[derive(Debug)]
 pub(super) struct Stage {
     pub(super) info: StageInfo,
+    /// The stage's operator, parsed once (a validated spec always names one).
+    pub(super) operator: Option<Operator>,
     pub(super) state: pb::StageState,
     pub(super) needs: Res,
     pub(super) max_attempts: u32,
@@ -157,6 +160,7 @@ impl Policy {
             if info.spec.max_attempts == 0 { self.config.default_max_attempts } else { info.spec.max_attempts };
         let backoff_ms = if info.spec.backoff_ms == 0 { self.config.default_backoff_ms } else { info.spec.backoff_ms };
         Stage {
+            operator: info.spec.operator.as_ref().and_then(|o| o.name.parse().ok()),
             state: pb::StageState::Waiting,
             needs,
             max_attempts,

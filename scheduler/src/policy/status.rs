@@ -47,7 +47,7 @@ impl Policy {
         else {
             return String::new();
         };
-        let op = stage.info.spec.operator.as_ref().map_or("", |o| o.name.as_str());
+        let op = stage.operator;
         let need = Res { memory_bytes, ..stage.needs };
         let fits_idle = |e: &Executor| {
             let idle = idle_copy(e);
@@ -59,7 +59,7 @@ impl Policy {
             need.cpu_milli as f64 / MILLI as f64,
             need.memory_bytes,
             need.gpu_milli as f64 / MILLI as f64,
-            if op.is_empty() { String::new() } else { format!(" and runs operator {op}") }
+            op.map(|op| format!(" and runs operator {op}")).unwrap_or_default()
         );
         if live.iter().any(|e| fits_idle(e)) {
             return self.why_gang_blocked(stage, need, op, &wants);
