@@ -1,12 +1,13 @@
 //! What every Tern daemon and command shares, and nothing else: sizes with units, durations, the
 //! layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
-//! admin endpoint, retry backoff, logging and shutdown signals, percentiles, the out-of-memory
-//! contract between task code and the executor, and the file layer of durable state (`durable`,
-//! with a power-cut simulation for tests).
+//! admin endpoint, retry backoff, the lock on a state directory (`dirlock`), logging and shutdown
+//! signals, percentiles, the out-of-memory contract between task code and the executor, and the
+//! file layer of durable state (`durable`, with a power-cut simulation for tests).
 
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod dirlock;
 pub mod durable;
 pub mod duration;
 pub mod oom;
