@@ -1,17 +1,25 @@
 //! `tern up`: a whole cluster on this machine, in the foreground, with no configuration.
 //!
 //! Every daemon runs as its own `tern` process (as in production), logging to `DIR/logs`.
-//! Ctrl-C or SIGTERM stops them all; so does any one of them dying.
+//! `tern up` first locks DIR (`DIR/LOCK`) and checks what it can before it writes anything there
+//! (`up/preflight.rs`: memory, ports, the NVMe tiers an earlier run left); once the cluster is up
+//! it supervises it (`tern_local::supervise`): a daemon that exits unexpectedly is restarted with
+//! a backoff, at most 5 times a minute, and the rest keep running; every event is printed and
+//! `DIR/daemons.json` (`up/report.rs`) says how each daemon stands. Ctrl-C or SIGTERM stops them
+//! all; with `--exit-on-failure`, so does any one of them exiting.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use tern_common::dirlock::DirLock;
 use tern_common::ByteSize;
 use tern_executor::pool::{Pool, PoolConfig};
-use tern_local::{Daemon, DaemonSpec, Deadline, Host, PortLayout, Stopped};
+use tern_local::{Daemon, DaemonReport, DaemonSpec, Deadline, Host, PortLayout, RestartLimits, Stopped, Supervisor};
 
+mod preflight;
+mod report;
 mod spark_conf;
 
 #[derive(Args)]
@@ -56,6 +64,10 @@ pub struct UpArgs {
     /// when it is there].
     #[arg(long, env = "TERN_SPARK_JAR")]
     spark_jar: Option<PathBuf>,
+    /// Stop the whole cluster when any daemon exits, and exit non-zero, instead of restarting
+    /// it (for scripts and tests that want a failure to end the run).
+    #[arg(long)]
+    exit_on_failure: bool,
     #[command(flatten)]
     pool: PoolArgs,
 }
@@ -81,50 +93,6 @@ impl std::str::FromStr for NvmeSize {
             },
         }
     }
-}
-
-/// Most an `auto` NVMe tier takes per storage server.
-const AUTO_NVME_MAX: u64 = 2 << 30;
-/// Least an `auto` NVMe tier is worth having.
-const AUTO_NVME_MIN: u64 = 64 << 20;
-
-/// Each storage server's NVMe tier size (`None`: none; `Some(None)`: the existing file's own),
-/// and why there is none when `auto` found no room.
-fn nvme_tier_size(wanted: NvmeSize, dir: &Path, servers: u16, block_size: u64) -> anyhow::Result<Option<Option<u64>>> {
-    match wanted {
-        NvmeSize::Off => Ok(None),
-        NvmeSize::Size(size) => Ok(Some(Some(size.bytes()))),
-        NvmeSize::Auto if dir.join("storage-0.nvme").exists() => Ok(Some(None)),
-        NvmeSize::Auto => {
-            let (free, tmpfs) = free_space(dir)?;
-            let size = (free / 4 / u64::from(servers)).min(AUTO_NVME_MAX) / block_size * block_size;
-            if tmpfs || size < AUTO_NVME_MIN {
-                let why = if tmpfs { "it is tmpfs, which has no O_DIRECT" } else { "it has too little free space" };
-                eprintln!("tern up: no NVMe tier: {} is on a disk where {why}; shuffles stay in DRAM", dir.display());
-                return Ok(None);
-            }
-            Ok(Some(Some(size)))
-        }
-    }
-}
-
-/// Bytes free to unprivileged users on the filesystem holding `dir`, and whether it is tmpfs.
-#[allow(unsafe_code)] // statfs(2) through libc: the standard library has no call for free space
-fn free_space(dir: &Path) -> anyhow::Result<(u64, bool)> {
-    use std::os::unix::ffi::OsStrExt;
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).context("a directory name holding a NUL")?;
-    let mut stat = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: `path` is a NUL-terminated string and `stat` points to memory for one statfs, which
-    // the call fills on success (checked before it is read).
-    let rc = unsafe { libc::statfs(path.as_ptr(), stat.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("statfs {}", dir.display()));
-    }
-    // SAFETY: statfs succeeded, so it filled the struct.
-    let stat = unsafe { stat.assume_init() };
-    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
-    Ok((stat.f_bavail as u64 * stat.f_bsize as u64, stat.f_type as i64 == TMPFS_MAGIC))
 }
 
 /// The task scheduler and its executor pool: started when any of these is given.
@@ -232,22 +200,30 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // From here on Ctrl-C stops the cluster cleanly, even while it is still starting.
     let shutdown = tern_common::shutdown_signal();
     tokio::pin!(shutdown);
-    let logs = args.dir.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    let tls_dir = args.dir.join("tls");
-    ensure_tls(&tls_dir)?;
-    let tls_dir_arg = tls_dir.to_string_lossy().to_string();
+    // The lock before anything else in DIR: a second `tern up` on a running cluster's directory
+    // must find out before it touches that cluster's logs, Spark configuration or NVMe files.
+    let _lock = DirLock::acquire(&args.dir, "tern up")?;
     let ports = PortLayout::new(args.port, args.storage_servers)
         .context("--port is too high for the ports the cluster needs")?;
     let host = Host::local();
-    // Before anything starts: a daemon that cannot bind its port would otherwise fail only after
-    // another cluster on these ports had answered for it.
+    // Every check that can fail comes before the first write in DIR, each a line naming the flag
+    // to change. A daemon that cannot bind its port would otherwise fail only after another
+    // cluster on these ports had answered for it.
     ports.check_free(host.ip(), args.pool.wanted())?;
+    if let Some(memory) = preflight::memory() {
+        preflight::check_dram(args.dram.bytes(), args.storage_servers, &memory)?;
+    }
+    let nvme_dir = args.dir.join("nvme");
+    let disk = preflight::NvmeDisk::read(&nvme_dir, &args.dir)?;
+    let (nvme_sizes, no_nvme) =
+        preflight::plan_nvme(args.nvme_size, args.storage_servers, args.block_size.bytes(), &disk)?;
+    let logs = args.dir.join("logs");
+    let tls_dir = args.dir.join("tls");
+    let tls_dir_arg = tls_dir.to_string_lossy().to_string();
     let metadata_addr = host.addr(ports.metadata()).to_string();
     // The scheme tells storage servers (which have TLS material for QUIC either way) whether the
     // control plane is TLS.
     let metadata_url = format!("{}://{metadata_addr}", if args.tls { "https" } else { "http" });
-    // The pool's settings are checked before anything starts.
     let scheduler_addr = host.addr(ports.scheduler()).to_string();
     let scheduler_tls = args.tls.then_some(tls_dir.as_path());
     let pool_config = match args.pool.wanted() {
@@ -261,6 +237,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         tls_dir: args.tls.then(|| std::path::absolute(&tls_dir)).transpose().context("the TLS directory's path")?,
         jar: spark_conf::plugin_jar(args.spark_jar.as_deref(), &tern)?,
     };
+
+    // The checks passed: from here on DIR is written.
+    if let Some(note) = no_nvme {
+        eprintln!("tern up: {note}");
+    }
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    ensure_tls(&tls_dir)?;
     let spark_conf_dir = spark_conf.write(&args.dir.join("spark"))?;
     let daemon = |name: &str, port: u16| {
         DaemonSpec::new(name, &tern, logs.join(format!("{name}.log")))
@@ -286,9 +269,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         metadata_args.extend(["--tls-dir", &tls_dir_arg]);
     }
     let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
-    let nvme_dir = args.dir.join("nvme");
-    std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
-    let nvme_size = nvme_tier_size(args.nvme_size, &nvme_dir, args.storage_servers, args.block_size.bytes())?;
+    if nvme_sizes.is_some() {
+        std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
+    }
     let mut storage = Vec::new();
     for i in 0..args.storage_servers {
         let (listen, admin, dram) = (
@@ -313,12 +296,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             "drain_grace_ms=0",
         ];
         let nvme_path = nvme_dir.join(format!("storage-{i}.nvme")).to_string_lossy().to_string();
-        let nvme_bytes = nvme_size.flatten().map(|bytes| bytes.to_string()).unwrap_or_default();
-        if let Some(size) = nvme_size {
-            storage_args.extend(["--nvme", &nvme_path, "--io-engine", &args.io_engine]);
-            if size.is_some() {
-                storage_args.extend(["--nvme-size", &nvme_bytes]);
-            }
+        // Given even for a file that is there (its own size, as planned): the storage server
+        // then never has to be told how big a file it finds empty.
+        let nvme_bytes = nvme_sizes.as_ref().map(|sizes| sizes[usize::from(i)].to_string()).unwrap_or_default();
+        if nvme_sizes.is_some() {
+            storage_args.extend(["--nvme", &nvme_path, "--nvme-size", &nvme_bytes, "--io-engine", &args.io_engine]);
         }
         daemons.push(daemon(&format!("storage-{i}"), ports.storage(i)).args(storage_args).spawn()?);
         storage.push((daemons.len() - 1, host.addr(ports.storage(i))));
@@ -378,16 +360,32 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         }
         (ready, _) => ready,
     };
+    let mut report = report::DaemonsFile::new(&args.dir, &metadata_addr);
     let outcome = match ready {
         // Whatever answered on the cluster's ports, a daemon that exited means it is not up.
+        // (Supervision starts once the cluster is up: a daemon that cannot start is not retried.)
         Some(Ok(())) => match tern_local::first_exited(&mut daemons) {
             Some(died) => Err(died),
             None => {
+                let supervisor = (!args.exit_on_failure)
+                    .then(|| Supervisor::new(std::mem::take(&mut daemons), RestartLimits::default()));
+                // Written before the banner: whoever waits for the banner finds the file.
+                match &supervisor {
+                    Some(supervisor) => report.write(&supervisor.report()),
+                    None => report.write(&daemons.iter().map(DaemonReport::running).collect::<Vec<_>>()),
+                }
                 print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark_conf.banner(&spark_conf_dir));
-                tokio::select! {
-                    _ = &mut shutdown => Ok(()),
-                    died = tern_local::first_exit(&mut daemons) => Err(died),
-                    ended = wait_pool(&mut pool) => Err(ended),
+                match supervisor {
+                    Some(mut supervisor) => {
+                        let outcome = supervise(&mut supervisor, &mut report, &mut shutdown, &mut pool).await;
+                        daemons = supervisor.into_daemons();
+                        outcome
+                    }
+                    None => tokio::select! {
+                        _ = &mut shutdown => Ok(()),
+                        died = tern_local::first_exit(&mut daemons) => Err(died),
+                        ended = wait_pool(&mut pool) => Err(ended),
+                    },
                 }
             }
         },
@@ -401,7 +399,27 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         let _ = pool.await;
     }
     stop_all(&mut daemons).await;
+    report.remove();
     outcome
+}
+
+/// Keeps the cluster's daemons running until Ctrl-C (`Ok`) or the pool fails: prints each
+/// exit, restart and give-up as it happens, and keeps `DIR/daemons.json` up to date.
+async fn supervise(
+    supervisor: &mut Supervisor,
+    report: &mut report::DaemonsFile,
+    shutdown: &mut (impl std::future::Future<Output = ()> + Unpin),
+    pool: &mut Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+) -> anyhow::Result<()> {
+    loop {
+        let event = tokio::select! {
+            _ = &mut *shutdown => return Ok(()),
+            ended = wait_pool(pool) => return Err(ended),
+            event = supervisor.next_event() => event,
+        };
+        eprintln!("tern up: {event}");
+        report.write(&supervisor.report());
+    }
 }
 
 /// Resolves when the pool's task ends (only on an error: it runs until told to stop).
@@ -494,6 +512,15 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     }
     let _ = write!(out, "{spark}");
     let _ = writeln!(out, "Logs:    {}", logs.display());
+    if args.exit_on_failure {
+        let _ = writeln!(out, "Daemons: --exit-on-failure: the cluster stops when any daemon exits.");
+    } else {
+        let _ = writeln!(
+            out,
+            "Daemons: one that exits unexpectedly is restarted (at most 5 times a minute); how each stands: {}",
+            args.dir.join(report::FILE).display()
+        );
+    }
     let _ = writeln!(out, "Ctrl-C stops the cluster.");
 }
 

@@ -1,12 +1,14 @@
 //! What every Tern daemon and command shares, and nothing else: the default ports, the Spark
-//! plugin's class names, sizes with units, durations, the layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
-//! admin endpoint, retry backoff, logging and shutdown signals, percentiles, the out-of-memory
-//! contract between task code and the executor, and the file layer of durable state (`durable`,
-//! with a power-cut simulation for tests).
+//! plugin's class names, sizes with units, durations, the layered config loader and the
+//! listen/admin/TLS block of every daemon's config, the Prometheus admin endpoint, retry backoff,
+//! the lock on a state directory (`dirlock`), logging and shutdown signals, percentiles, the
+//! contract between task code and the executor (`task_error`), and the file layer of durable
+//! state (`durable`, with a power-cut simulation for tests).
 
 pub mod admin;
 pub mod backoff;
 pub mod config;
+pub mod dirlock;
 pub mod durable;
 pub mod duration;
 pub mod ports;

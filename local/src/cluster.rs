@@ -52,6 +52,9 @@ impl EmbeddedCluster {
             .serving(metadata)
             .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &ports.metadata().to_string()])
             .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
+            // A measurement or a sort must fail with the daemon that died, not go on against a
+            // restarted one that lost its DRAM tier.
+            .args(["--exit-on-failure"])
             .args(nvme.map(|size| ["--nvme-size", size]).into_iter().flatten())
             .args(extra)
             .spawn()?];

@@ -7,6 +7,7 @@
 //! - [`ready`]: waiting with a deadline and a bounded backoff, never a fixed sleep;
 //! - [`probe`]: the readiness checks a cluster's daemons answer;
 //! - [`netns`]: hosts as network namespaces on a bridge, with links to cut, heal and slow;
+//! - [`supervise`]: keeping daemons running: restarts with a backoff and a limit (`tern up`);
 //! - [`cluster`]: a throwaway `tern up` cluster in a temp dir, for benchmarks and `tern terasort`.
 
 pub mod cluster;
@@ -20,6 +21,7 @@ pub mod probe;
 #[allow(unsafe_code)]
 pub mod process;
 pub mod ready;
+pub mod supervise;
 
 pub use host::Host;
 pub use netns::Network;
@@ -27,3 +29,4 @@ pub use ports::{free_port, free_port_range, PortLayout};
 pub use probe::{cluster_ready, metadata_answers, storage_registered};
 pub use process::{first_exit, first_exited, stop_together, Daemon, DaemonSpec, Stopped};
 pub use ready::{poll_until, wait_ready, Deadline};
+pub use supervise::{DaemonReport, DaemonState, Event, RestartLimits, Supervisor};

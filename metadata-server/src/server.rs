@@ -47,7 +47,7 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         let tls = tern_transport::tls::TlsMaterial::load(dir)?;
         grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
     }
-    let lock = DirLock::acquire(&config.dir)?;
+    let lock = DirLock::acquire(&config.dir, "metadata server")?;
     let (state, wal) = recover(&config)?;
     let state = Arc::new(Mutex::new(state));
     let wal = Arc::new(wal);

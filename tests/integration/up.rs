@@ -12,11 +12,21 @@ use bytes::Bytes;
 
 /// Starts `tern up` with `extra` flags and waits for its banner.
 fn start_up(dir: &std::path::Path, port: u16, extra: &[&str]) -> (std::process::Child, String) {
+    start_up_with_stderr(dir, port, extra, Stdio::null())
+}
+
+/// [`start_up`], its stderr (where it says what happens to its daemons) going to `stderr`.
+fn start_up_with_stderr(
+    dir: &std::path::Path,
+    port: u16,
+    extra: &[&str],
+    stderr: impl Into<Stdio>,
+) -> (std::process::Child, String) {
     let mut up = Command::new(common::TERN)
         .args(["up", "--dir", dir.to_str().unwrap(), "--port", &port.to_string(), "--dram", "64MiB"])
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     // Ready is when `tern up` says so: its banner ends with how to stop it.
@@ -177,4 +187,275 @@ async fn up_gives_storage_servers_an_nvme_tier_unless_told_not_to() {
     let out = Command::new(common::TERN).args(["up", "--nvme-size", "lots"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("auto, or off"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// `tern up`'s `DIR/daemons.json`: how each of its daemons stands.
+fn daemons_file(dir: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("daemons.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Daemon `name`'s entry in `DIR/daemons.json`.
+fn daemon_entry(dir: &std::path::Path, name: &str) -> serde_json::Value {
+    let file = daemons_file(dir);
+    let found = file["daemons"].as_array().unwrap().iter().find(|d| d["name"] == name).cloned();
+    found.unwrap_or_else(|| panic!("no {name} in {file:#}"))
+}
+
+/// Polls `check` every 100 ms until it holds, for at most `timeout`.
+async fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every file under `dir` but the lock, with its length and modification time: what a refused
+/// `tern up` must leave as it was.
+fn snapshot(dir: &std::path::Path) -> Vec<(std::path::PathBuf, u64, std::time::SystemTime)> {
+    let mut files = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(at) = todo.pop() {
+        for entry in std::fs::read_dir(&at).unwrap() {
+            let entry = entry.unwrap();
+            let meta = entry.metadata().unwrap();
+            if meta.is_dir() {
+                todo.push(entry.path());
+            } else if entry.file_name() != "LOCK" {
+                files.push((entry.path(), meta.len(), meta.modified().unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// `tern up` run to its end with `args`, killed if it runs past `timeout`; its output and how
+/// long it ran.
+fn up_refused(args: &[&str], timeout: Duration) -> (std::process::Output, Duration) {
+    let started = Instant::now();
+    let mut child = Command::new(common::TERN)
+        .arg("up")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > timeout {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!("tern up {args:?} still ran after {timeout:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (child.wait_with_output().unwrap(), started.elapsed())
+}
+
+const TWO_COPIES: tern_client::CreateOptions =
+    tern_client::CreateOptions { class: tern_client::StorageClass::Any, replicas: 2 };
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_restarts_a_killed_storage_server_and_a_two_copy_file_stays_readable() {
+    let (dir, out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let port = tern_local::free_port_range(14).unwrap();
+    let stderr_path = out.path().join("up.stderr");
+    let stderr = std::fs::File::create(&stderr_path).unwrap();
+    let (up, banner) = start_up_with_stderr(dir.path(), port, &[], stderr);
+    let mut up = Up(Some(up));
+    assert!(banner.contains("restarted") && banner.contains("daemons.json"), "the banner says so:\n{banner}");
+    let client = tern_client::Client::connect(&format!("127.0.0.1:{port}")).await.unwrap();
+    let data = Bytes::from(common::random_bytes((3 << 20) + 123));
+    client.put_with_options("/two", data.clone(), TWO_COPIES).await.unwrap();
+    let before = daemon_entry(dir.path(), "storage-0");
+    assert_eq!((before["state"].as_str(), before["restarts"].as_u64()), (Some("running"), Some(0)), "{before}");
+    let pid = before["pid"].as_u64().unwrap();
+
+    // SAFETY: kill(2) on a daemon of our own `tern up`, by the pid it reported.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    // Readable from the other copy while the victim is down or just back.
+    assert_eq!(client.open("/two").await.unwrap().read_to_end().await.unwrap(), data);
+    let dir_path = dir.path().to_path_buf();
+    wait_until("storage-0 to be restarted", Duration::from_secs(30), || {
+        let now = daemon_entry(&dir_path, "storage-0");
+        now["state"] == "running" && now["restarts"] == 1 && now["pid"].as_u64() != Some(pid)
+    })
+    .await;
+    wait_until("both storage servers to be alive", Duration::from_secs(30), || live_storage_servers(port) == 2).await;
+    // The cluster still serves: the old file, and a new two-copy one, which needs both servers
+    // (tried again, under a new name each time, until the metadata server has seen the restarted
+    // one register).
+    assert_eq!(client.open("/two").await.unwrap().read_to_end().await.unwrap(), data);
+    let more = Bytes::from(common::random_bytes((2 << 20) + 7));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempt = 0;
+    let path = loop {
+        let path = format!("/two-after-{attempt}");
+        match client.put_with_options(&path, more.clone(), TWO_COPIES).await {
+            Ok(_) => break path,
+            Err(e) if Instant::now() < deadline => println!("put {path}: {e}; trying again"),
+            Err(e) => panic!("no two-copy put within 30 s of the restart: {e}"),
+        }
+        attempt += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(client.open(&path).await.unwrap().read_to_end().await.unwrap(), more);
+    assert!(up.0.as_mut().unwrap().try_wait().unwrap().is_none(), "tern up stopped the cluster");
+    for other in ["metadata", "storage-1"] {
+        assert_eq!(daemon_entry(dir.path(), other)["restarts"], 0, "{other} was restarted too");
+    }
+    let said = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(said.contains("storage-0 exited unexpectedly (signal: 9 (SIGKILL)); restart 1 in 500ms"), "{said}");
+    assert!(said.contains("storage-0 restarted (restart 1, pid"), "{said}");
+    assert!(!said.contains("stopping the cluster"), "{said}");
+    up.interrupt();
+    assert!(!dir.path().join("daemons.json").exists(), "nothing runs: the daemons file goes");
+}
+
+/// Live storage servers, as `tern status` counts them (a blocking call, for `wait_until`).
+fn live_storage_servers(port: u16) -> usize {
+    let out = Command::new(common::TERN)
+        .args(["status", "--json", "--metadata", &format!("127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    status["servers"].as_array().map_or(0, |servers| servers.iter().filter(|s| s["alive"] == true).count())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_exit_on_failure_stops_the_cluster_when_a_daemon_dies() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let (up, banner) = start_up(dir.path(), port, &["--exit-on-failure"]);
+    let mut up = Up(Some(up));
+    assert!(banner.contains("--exit-on-failure"), "{banner}");
+    let pid = daemon_entry(dir.path(), "storage-1")["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) on a daemon of our own `tern up`, by the pid it reported.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    let mut child = up.0.take().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "tern up --exit-on-failure kept running after a daemon died");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!status.success(), "tern up exited with {status}");
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the metadata server was stopped too");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_storage_server_is_not_restarted_and_the_rest_keep_running() {
+    let (dir, out) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let port = tern_local::free_port_range(14).unwrap();
+    let stderr_path = out.path().join("up.stderr");
+    let (up, _) = start_up_with_stderr(dir.path(), port, &[], std::fs::File::create(&stderr_path).unwrap());
+    let mut up = Up(Some(up));
+    let metadata = format!("127.0.0.1:{port}");
+    let storage_1 = format!("127.0.0.1:{}", port + 12);
+    let drained = Command::new(common::TERN)
+        .args(["admin", "drain", &storage_1, "--wait", "--timeout", "30s", "--metadata", &metadata])
+        .output()
+        .unwrap();
+    assert!(drained.status.success(), "drain --wait: {}", String::from_utf8_lossy(&drained.stderr));
+    let dir_path = dir.path().to_path_buf();
+    wait_until("storage-1 to exit", Duration::from_secs(30), || {
+        daemon_entry(&dir_path, "storage-1")["state"] == "stopped"
+    })
+    .await;
+    // Longer than the first restart's pause: it stays stopped.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let entry = daemon_entry(dir.path(), "storage-1");
+    assert_eq!((entry["state"].as_str(), entry["restarts"].as_u64()), (Some("stopped"), Some(0)), "{entry}");
+    assert!(up.0.as_mut().unwrap().try_wait().unwrap().is_none(), "tern up stopped the cluster");
+    let client = tern_client::Client::connect(&metadata).await.unwrap();
+    client.put("/after-drain", Bytes::from_static(b"still served")).await.unwrap();
+    assert_eq!(client.open("/after-drain").await.unwrap().read_to_end().await.unwrap(), b"still served");
+    let said = std::fs::read_to_string(&stderr_path).unwrap();
+    assert!(said.contains("storage-1 exited cleanly") && said.contains("not restarted"), "{said}");
+    assert!(!said.contains("storage-1 restarted"), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_up_on_a_live_dir_touches_none_of_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let up = Up(Some(start_up(dir.path(), port, &[]).0));
+    let log = dir.path().join("logs/metadata.log");
+    let spark = dir.path().join("spark/spark-defaults.conf");
+    let (log_before, spark_before) = (std::fs::read(&log).unwrap(), std::fs::read_to_string(&spark).unwrap());
+    assert!(!log_before.is_empty() && spark_before.contains(&port.to_string()), "{spark_before}");
+
+    let other = tern_local::free_port_range(14).unwrap();
+    let (out, _) = up_refused(
+        &["--dir", dir.path().to_str().unwrap(), "--port", &other.to_string(), "--dram", "64MiB"],
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a second tern up ran on a live dir");
+    assert!(stderr.contains("in use by another tern up") && stderr.trim().lines().count() == 1, "{stderr}");
+    // The running cluster's log goes on from where it was (not cut, not zeroed), and its Spark
+    // configuration still names its own port.
+    let log_after = std::fs::read(&log).unwrap();
+    assert!(log_after.starts_with(&log_before), "metadata.log was rewritten");
+    assert_eq!(std::fs::read_to_string(&spark).unwrap(), spark_before);
+    let client = tern_client::Client::connect(&format!("127.0.0.1:{port}")).await.unwrap();
+    client.put("/still", Bytes::from_static(b"up")).await.unwrap();
+    up.interrupt();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_refuses_dram_beyond_this_machines_memory_at_once_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let (out, took) = up_refused(
+        &["--dir", dir.path().to_str().unwrap(), "--port", &port.to_string(), "--dram", "64TiB"],
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "tern up started 64 TiB of DRAM tiers");
+    assert!(took < Duration::from_secs(10), "it took {took:?} to refuse");
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.contains("--dram 64TiB") && stderr.contains("pass --dram"), "{stderr}");
+    assert!(!dir.path().join("logs").exists() && !dir.path().join("spark").exists(), "it wrote before refusing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_gives_new_storage_servers_tiers_and_refuses_fewer_or_resized_without_writing() {
+    // On the real disk, for NVMe tiers (auto).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let up = Up(Some(start_up(dir.path(), port, &["--storage-servers", "1"]).0));
+    let tiers = nvme_tiers(&addr).await;
+    let size = tiers[0].expect("an NVMe tier by default");
+    up.interrupt();
+    // Two servers on a directory one server made: the new one gets a tier of the same size.
+    let up = Up(Some(start_up(dir.path(), port, &[]).0));
+    assert_eq!(nvme_tiers(&addr).await, vec![Some(size); 2]);
+    up.interrupt();
+
+    let before = snapshot(dir.path());
+    let (dir_arg, port_arg) = (dir.path().to_str().unwrap(), port.to_string());
+    let other = if size == 128 << 20 { "256MiB" } else { "128MiB" };
+    for (flags, fix) in [
+        (vec!["--storage-servers", "1"], "pass --storage-servers 2"),
+        (vec!["--nvme-size", other], "pass --nvme-size auto"),
+        (vec!["--nvme-size", "off"], "leave out --nvme-size"),
+    ] {
+        let mut args = vec!["--dir", dir_arg, "--port", &port_arg, "--dram", "64MiB"];
+        args.extend(flags.iter().copied());
+        let (out, _) = up_refused(&args, Duration::from_secs(30));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} started");
+        assert!(stderr.contains(fix) && stderr.trim().lines().count() == 1, "{flags:?}: {stderr}");
+        assert_eq!(snapshot(dir.path()), before, "{flags:?} wrote in the directory before refusing");
+    }
 }
