@@ -251,7 +251,8 @@ pub(crate) struct Shuffles {
     nvme_bytes: AtomicU64,
     /// Shuffles whose tenant is at a tier's quota, as the last heartbeat reply listed them.
     quota_stops: Mutex<HashMap<ShuffleId, QuotaStop>>,
-    /// Bytes of NVMe spans read ahead and not yet taken, bounded by [`readahead::READ_AHEAD_BYTES`].
+    /// Bytes of NVMe spans read ahead and not yet taken, bounded by `READ_AHEAD_BYTES` (see
+    /// [`readahead`]).
     read_ahead_bytes: Arc<AtomicUsize>,
     /// The NVMe shuffle index, once [`Shuffles::restore`] opened it; without it nothing is
     /// sealed (and a restart loses every segment).
