@@ -38,7 +38,13 @@ impl Executor {
 
 impl Policy {
     /// Adds an executor; returns its slot (the server maps its own ids to slots).
-    pub fn add_executor(&mut self, host: &str, capacity: Res, gpu_addresses: &[String], operators: &[Operator]) -> usize {
+    pub fn add_executor(
+        &mut self,
+        host: &str,
+        capacity: Res,
+        gpu_addresses: &[String],
+        operators: &[Operator],
+    ) -> usize {
         let executor = Executor {
             host: host.to_string(),
             capacity: Res { gpu_milli: gpu_addresses.len() as u64 * MILLI, ..capacity },
