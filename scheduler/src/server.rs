@@ -18,11 +18,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use parking_lot::Mutex;
 use tern_client::{JobSession, ShuffleOptions};
+use tern_common::unix_ms;
 use tern_proto::sched as pb;
 use tern_proto::sched::scheduler_server::{Scheduler, SchedulerServer as SchedulerService};
 use tern_proto::ErrorKind;
@@ -184,10 +185,6 @@ struct Shared {
     /// The wall clock at `started`: stage times are kept relative to it.
     started_unix_ms: u64,
     tern: OnceCell<tern_client::Client>,
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Shared {
