@@ -1,14 +1,15 @@
 //! What every Tern daemon and command shares, and nothing else: sizes with units, durations, the
 //! layered config loader and the listen/admin/TLS block of every daemon's config, the Prometheus
 //! admin endpoint, retry backoff, logging and shutdown signals, percentiles, the out-of-memory
-//! contract between task code and the executor, and the file layer of durable state (`durable`,
-//! with a power-cut simulation for tests).
+//! contract between task code and the executor, the file layer of durable state (`durable`,
+//! with a power-cut simulation for tests), and the time passed into state machines (`now`).
 
 pub mod admin;
 pub mod backoff;
 pub mod config;
 pub mod durable;
 pub mod duration;
+pub mod now;
 pub mod oom;
 mod process_metrics;
 pub mod rng;
@@ -18,6 +19,7 @@ pub mod systemd;
 
 pub use backoff::Backoff;
 pub use duration::parse_duration;
+pub use now::Now;
 pub use oom::OutOfMemory;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
@@ -81,7 +83,8 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Milliseconds since the Unix epoch, for timestamps shown to users.
+/// Milliseconds since the Unix epoch, for timestamps shown to users. State machines take the
+/// time from their caller instead ([`Now`]).
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
