@@ -2,8 +2,9 @@
 //! plugin's class names, sizes with units, durations, the layered config loader and the
 //! listen/admin/TLS block of every daemon's config, the Prometheus admin endpoint, retry backoff,
 //! the lock on a state directory (`dirlock`), logging and shutdown signals, percentiles, the
-//! contract between task code and the executor (`task_error`), and the file layer of durable
-//! state (`durable`, with a power-cut simulation for tests).
+//! contract between task code and the executor (`task_error`), the file layer of durable state
+//! (`durable`, with a power-cut simulation for tests), and the time passed into state machines
+//! (`now`).
 
 pub mod admin;
 pub mod backoff;
@@ -11,6 +12,7 @@ pub mod config;
 pub mod dirlock;
 pub mod durable;
 pub mod duration;
+pub mod now;
 pub mod ports;
 mod process_metrics;
 pub mod rng;
@@ -22,6 +24,7 @@ pub mod task_error;
 
 pub use backoff::Backoff;
 pub use duration::parse_duration;
+pub use now::Now;
 pub use rng::SplitMix64;
 pub use size::ByteSize;
 pub use stats::{median, percentile, percentile_if_supported, rotation, Spread};
@@ -85,7 +88,8 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Milliseconds since the Unix epoch, for timestamps shown to users.
+/// Milliseconds since the Unix epoch, for timestamps shown to users. State machines take the
+/// time from their caller instead ([`Now`]).
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }

@@ -378,6 +378,7 @@ impl Copies {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod tests {
     use super::*;
     use tern_proto::BlockId;

@@ -11,9 +11,10 @@
 //!
 //! Not part of the server's API: hidden from its docs, used by tests and fuzzing only.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prost::Message;
+use tern_common::Now;
 use tern_proto::error::KIND_METADATA_KEY;
 use tern_proto::v1::*;
 use tonic::Status;
@@ -58,8 +59,8 @@ pub fn method_name(index: u8) -> &'static str {
 pub struct Harness {
     state: State,
     replica: State,
-    start: Instant,
-    now: Instant,
+    start: Now,
+    now: Now,
     /// Jobs and shuffles registered, by order: see [`Harness::call`].
     jobs: Vec<String>,
     shuffles: Vec<u64>,
@@ -82,6 +83,7 @@ impl Default for Harness {
 }
 
 impl Harness {
+    #[expect(clippy::disallowed_methods, reason = "the harness starts its clock here; it moves on only by `advance`")]
     pub fn new() -> Harness {
         let config = Config {
             block_size: tern_common::ByteSize::kib(64),
@@ -90,10 +92,10 @@ impl Harness {
             max_entries: 512,
             ..Config::default()
         };
-        let start = Instant::now();
+        let start = Now::read();
         let mut harness = Harness {
-            state: State::new(&config),
-            replica: State::new(&config),
+            state: State::new(&config, start),
+            replica: State::new(&config, start),
             start,
             now: start,
             jobs: Vec::new(),
@@ -117,7 +119,7 @@ impl Harness {
     /// Moves the clock on (leases lapse, servers go silent) and runs the reaper as the server does.
     pub fn advance(&mut self, by: Duration) {
         // Bounded so that an Instant never overflows, whatever a fuzzer asks for.
-        if self.now.duration_since(self.start) < Duration::from_secs(1 << 30) {
+        if self.now.instant.duration_since(self.start.instant) < Duration::from_secs(1 << 30) {
             self.now += by;
         }
         self.state.reap(self.now);

@@ -408,6 +408,7 @@ fn validate_name(name: &str) -> Result<(), Refusal> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod tests {
     use super::*;
 

@@ -4,7 +4,11 @@
 //! Clients call the `Metadata` gRPC service; storage servers register and heartbeat on the
 //! `Registry` service, and learn on each heartbeat which blocks and shuffles to free. All state is
 //! in memory, behind one mutex (see `state` for the rules, and the modules it draws on for the
-//! details); every change is logged and synced before it is acknowledged (see `wal`).
+//! details); every change is logged and synced before it is acknowledged (see `wal`). Time is
+//! passed in: the state and everything under it take a `tern_common::Now` from the edge (the
+//! gRPC service reads the clock once per call, the server's loops once per pass), so a replayed
+//! log record never depends on the replaying host's clock; `clippy.toml` forbids reading it
+//! anywhere else.
 //!
 //! Modules: `config` (the typed configuration), `path` (path normalisation and the `/jobs` tree),
 //! `namespace` (the directory tree), `servers` (the storage-server registry, liveness and frees),

@@ -8,6 +8,7 @@ use anyhow::Context;
 use parking_lot::Mutex;
 use tern_common::admin::Readiness;
 use tern_common::durable::RealFs;
+use tern_common::Now;
 use tern_proto::v1::admin_server::{self, AdminServer as AdminService};
 use tern_proto::v1::metadata_server::{self, MetadataServer as MetadataService};
 use tern_proto::v1::registry_server::{self, RegistryServer as RegistryService};
@@ -125,6 +126,7 @@ impl MetadataServer {
 
     /// Stops accepting RPCs, lets in-flight ones finish (for a bounded time), stops the reaper,
     /// and releases the directory lock.
+    #[expect(clippy::disallowed_methods, reason = "the edge: shutdown's grace period is timed here, not in the state")]
     pub async fn shutdown(self) {
         self.readiness.not_ready("shutting down");
         let _ = self.stop.send(true);
@@ -191,15 +193,17 @@ async fn watch_log(wal: Arc<Wal>, readiness: Readiness, mut stopped: watch::Rece
 
 /// Rebuilds the state from `config.dir` (snapshot, then log), writes a fresh snapshot of it (so
 /// the log files read are no longer needed), and starts a new log file.
+#[expect(clippy::disallowed_methods, reason = "the edge: recovery reads the clock once and passes it in")]
 fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
-    let started = Instant::now();
+    let now = Now::read();
     let fs = RealFs::shared();
     let recovered = wal::recover(&*fs, &config.dir)
         .with_context(|| format!("recovering the metadata state in {}", config.dir.display()))?;
-    let mut state = State::new(config);
+    let mut state = State::new(config, now);
     state.set_key(crate::keyfile::load_or_create(&config.dir)?);
-    state.restore(&recovered.records, Instant::now())?;
-    let snapshot = state.snapshot();
+    // Every record replays at this one time: what each needs of the wall clock it carries.
+    state.restore(&recovered.records, now)?;
+    let snapshot = state.snapshot(now);
     let bytes = wal::write_snapshot(&*fs, &config.dir, recovered.next_seq, &snapshot)?;
     if !recovered.records.is_empty() {
         info!(
@@ -209,7 +213,7 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
             recovered.snapshot_records,
             recovered.records.len() - recovered.snapshot_records,
             recovered.wal_files,
-            started.elapsed()
+            now.instant.elapsed()
         );
     }
     if !config.fsync {
@@ -220,6 +224,7 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
 }
 
 /// Ends lapsed jobs and declares silent servers dead, every `period`.
+#[expect(clippy::disallowed_methods, reason = "the edge: each reap pass reads the clock once and passes it in")]
 async fn reap(state: Arc<Mutex<State>>, wal: Arc<Wal>, period: Duration, mut stopped: watch::Receiver<bool>) {
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -227,7 +232,7 @@ async fn reap(state: Arc<Mutex<State>>, wal: Arc<Wal>, period: Duration, mut sto
         tokio::select! {
             _ = ticks.tick() => {
                 let mut state = state.lock();
-                state.reap(Instant::now());
+                state.reap(Now::read());
                 wal.append(&state.take_journal());
             }
             _ = stopped.wait_for(|&stop| stop) => return,
@@ -244,6 +249,7 @@ struct Snapshots {
 /// Snapshots the state when the log has grown past `log_bytes`, or every `interval` when it grew
 /// at all. The state is copied out as records under the lock (and the log moves on to a new file
 /// at that point); the file is written outside it.
+#[expect(clippy::disallowed_methods, reason = "the edge: the loop times snapshots and passes the time into the state")]
 async fn snapshot_loop(
     state: Arc<Mutex<State>>,
     wal: Arc<Wal>,
@@ -262,11 +268,12 @@ async fn snapshot_loop(
         if grown == 0 || (grown < snapshots.log_bytes && last.elapsed() < snapshots.interval) {
             continue;
         }
-        last = Instant::now();
+        let now = Now::read();
+        last = now.instant;
         let (records, seq) = {
             let mut state = state.lock();
             wal.append(&state.take_journal());
-            (state.snapshot(), wal.rotate())
+            (state.snapshot(now), wal.rotate())
         };
         let dir = snapshots.dir.clone();
         let started = Instant::now();

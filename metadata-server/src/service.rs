@@ -1,7 +1,8 @@
 //! The gRPC services (Metadata for clients, Registry for storage servers, Admin for operators)
 //! over the shared state.
 //!
-//! Every RPC goes through [`Service::call`]: lock the state, run the state's method for it, hand
+//! Every RPC goes through [`Service::call`]: read the clock (once: the state takes the time from
+//! here, see [`Now`]), lock the state, run the state's method for it, hand
 //! the changes it made to the write-ahead log, unlock, wait until the log is durable that far,
 //! record metrics. The lock is never held across an await; the state's methods do no I/O.
 //!
@@ -10,9 +11,9 @@
 //! nothing.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use parking_lot::Mutex;
+use tern_common::Now;
 use tern_proto::v1::admin_server::Admin;
 use tern_proto::v1::metadata_server::Metadata;
 use tern_proto::v1::registry_server::Registry;
@@ -38,12 +39,13 @@ impl Service {
     async fn call<T>(
         &self,
         method: &'static str,
-        op: impl FnOnce(&mut State, Instant) -> Result<T, Status>,
+        op: impl FnOnce(&mut State, Now) -> Result<T, Status>,
     ) -> Result<Response<T>, Status> {
-        let started = Instant::now();
+        #[expect(clippy::disallowed_methods, reason = "the edge: each call reads the clock once and passes it in")]
+        let now = Now::read();
         let (mut result, lsn) = {
             let mut state = self.state.lock();
-            let result = op(&mut state, started);
+            let result = op(&mut state, now);
             let changes = state.take_journal();
             (result, self.wal.append(&changes))
         };
@@ -51,7 +53,7 @@ impl Service {
             result = Err(ErrorKind::Internal
                 .status(format!("{method}: the metadata log cannot be written, so nothing is acknowledged: {why}")));
         }
-        self.metrics.record(method, started.elapsed(), result.as_ref().err());
+        self.metrics.record(method, now.instant.elapsed(), result.as_ref().err());
         if let Err(status) = &result {
             // Refusals are the caller's business; only our own failures deserve an error line.
             match ErrorKind::of_status(status) {

@@ -8,13 +8,15 @@
 //! their own invariants; this module enforces the rules that span them (a job's files live under
 //! its directory and die with it, as do its shuffles; deleted files free their blocks, reads fail
 //! with DataLost when a block's server is gone, a dead server's shuffle partitions move on) and
-//! turns refusals into statuses that name the operation. Methods take the time as an
-//! argument so tests can move it; they never block, so the service can call them under one mutex.
+//! turns refusals into statuses that name the operation. Methods take the time as an argument
+//! ([`Now`], read once per call by the service or the reaper) and never read the clock, so tests
+//! can move it and a replay never depends on the replaying host's clock; they never block, so
+//! the service can call them under one mutex.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use tern_common::unix_ms;
+use tern_common::Now;
 use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
@@ -61,8 +63,8 @@ pub struct State {
 }
 
 impl State {
-    /// A fresh state for a validated `config`.
-    pub fn new(config: &Config) -> State {
+    /// A fresh state for a validated `config`, made at `now`.
+    pub fn new(config: &Config, now: Now) -> State {
         State {
             block_size: config.block_size_bytes(),
             heartbeat_interval: config.heartbeat_interval(),
@@ -83,10 +85,10 @@ impl State {
             // Shuffle ids start from the clock, so they stay unique across restarts of this server
             // (a stale client's shuffle id cannot name a new shuffle) unless a run registered more
             // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
-            shuffles: Shuffles::new(unix_ms().saturating_mul(1024)),
+            shuffles: Shuffles::new(now.unix_ms.saturating_mul(1024)),
             journal: Vec::new(),
             shuffle_usage: HashMap::new(),
-            copies: Copies::new(config.copy_rate.0, Instant::now()),
+            copies: Copies::new(config.copy_rate.0, now.instant),
         }
     }
 
@@ -112,11 +114,11 @@ impl State {
     }
 
     /// A fresh token for a registered job, expiring when its lease does.
-    fn token_for(&self, job: &str, now: Instant) -> String {
-        let Some((serial, lease, left)) = self.jobs.lease_of(job, now) else {
+    fn token_for(&self, job: &str, now: Now) -> String {
+        let Some((serial, lease, left)) = self.jobs.lease_of(job, now.instant) else {
             return String::new();
         };
-        let expires = unix_ms().saturating_add(left.as_millis() as u64);
+        let expires = now.unix_ms.saturating_add(left.as_millis() as u64);
         self.key.issue(job, serial, expires, lease.as_millis() as u64).to_text()
     }
 
@@ -143,12 +145,12 @@ impl State {
     }
 
     /// A fresh token for the holder of a valid one whose job is live; the lease is not renewed.
-    pub fn refresh_token(&mut self, req: RefreshTokenRequest, now: Instant) -> Result<RefreshTokenResponse, Status> {
+    pub fn refresh_token(&mut self, req: RefreshTokenRequest, now: Now) -> Result<RefreshTokenResponse, Status> {
         let token = JobToken::from_text(&req.token)
             .map_err(|e| Refusal::new(e.kind(), e.to_string()).status("refresh a job token"))?;
         let job = token.job.clone();
         self.check_job_token(&job, &req.token, "refresh the token of")?;
-        self.jobs.check_live(&job, now).context(format_args!("refresh the token of job {job}"))?;
+        self.jobs.check_live(&job, now.instant).context(format_args!("refresh the token of job {job}"))?;
         Ok(RefreshTokenResponse { token: self.token_for(&job, now) })
     }
 
@@ -157,7 +159,7 @@ impl State {
         std::mem::take(&mut self.journal)
     }
 
-    pub fn mkdir(&mut self, req: MkdirRequest, now: Instant) -> Result<MkdirResponse, Status> {
+    pub fn mkdir(&mut self, req: MkdirRequest, now: Now) -> Result<MkdirResponse, Status> {
         let context = format!("mkdir {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, true, req.parents, now).context(&context)?;
@@ -165,7 +167,7 @@ impl State {
         Ok(MkdirResponse {})
     }
 
-    pub fn create(&mut self, req: CreateRequest, now: Instant) -> Result<CreateResponse, Status> {
+    pub fn create(&mut self, req: CreateRequest, now: Now) -> Result<CreateResponse, Status> {
         let context = format!("create {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
@@ -183,11 +185,7 @@ impl State {
         Ok(CreateResponse { file_id, block_size: self.block_size, job, writer_lease_ms })
     }
 
-    pub fn allocate_blocks(
-        &mut self,
-        req: AllocateBlocksRequest,
-        now: Instant,
-    ) -> Result<AllocateBlocksResponse, Status> {
+    pub fn allocate_blocks(&mut self, req: AllocateBlocksRequest, now: Now) -> Result<AllocateBlocksResponse, Status> {
         let path =
             self.namespace.file_path(req.file_id).context(format_args!("allocate blocks for file {}", req.file_id))?;
         let context = format!("allocate {} blocks for {path}", req.count);
@@ -223,7 +221,7 @@ impl State {
         Ok(AllocateBlocksResponse { blocks: self.with_grants(locations, serial) })
     }
 
-    pub fn seal(&mut self, req: SealRequest, now: Instant) -> Result<SealResponse, Status> {
+    pub fn seal(&mut self, req: SealRequest, now: Now) -> Result<SealResponse, Status> {
         let path = self.namespace.file_path(req.file_id).context(format_args!("seal file {}", req.file_id))?;
         let context = format!("seal {path}");
         let file_id = req.file_id;
@@ -233,17 +231,17 @@ impl State {
     }
 
     /// Keeps an unsealed file's writer lease from lapsing.
-    pub fn renew_writer(&mut self, req: RenewWriterRequest, now: Instant) -> Result<RenewWriterResponse, Status> {
+    pub fn renew_writer(&mut self, req: RenewWriterRequest, now: Now) -> Result<RenewWriterResponse, Status> {
         let context = format!("renew the writer of file {}", req.file_id);
         let file = self.namespace.file_mut(req.file_id).context(&context)?;
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
-        self.writers.insert(req.file_id, now);
+        self.writers.insert(req.file_id, now.instant);
         Ok(RenewWriterResponse {})
     }
 
-    pub fn open(&mut self, req: OpenRequest, _now: Instant) -> Result<OpenResponse, Status> {
+    pub fn open(&mut self, req: OpenRequest, _now: Now) -> Result<OpenResponse, Status> {
         let context = format!("open {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let (info, meta) = self.namespace.stat(&path).context(&context)?;
@@ -278,7 +276,7 @@ impl State {
         Ok(OpenResponse { info: Some(info), blocks, block_size: self.block_size })
     }
 
-    pub fn stat(&mut self, req: StatRequest, _now: Instant) -> Result<StatResponse, Status> {
+    pub fn stat(&mut self, req: StatRequest, _now: Now) -> Result<StatResponse, Status> {
         let context = format!("stat {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let (info, meta) = self.namespace.stat(&path).context(&context)?;
@@ -290,7 +288,7 @@ impl State {
         Ok(response)
     }
 
-    pub fn list(&mut self, req: ListRequest, _now: Instant) -> Result<ListResponse, Status> {
+    pub fn list(&mut self, req: ListRequest, _now: Now) -> Result<ListResponse, Status> {
         let context = format!("list {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let limit = if req.limit == 0 { self.max_list_entries } else { req.limit.min(self.max_list_entries) };
@@ -298,7 +296,7 @@ impl State {
         Ok(ListResponse { entries, truncated })
     }
 
-    pub fn delete(&mut self, req: DeleteRequest, now: Instant) -> Result<DeleteResponse, Status> {
+    pub fn delete(&mut self, req: DeleteRequest, now: Now) -> Result<DeleteResponse, Status> {
         let context = format!("delete {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         match Place::of(&path) {
@@ -315,7 +313,7 @@ impl State {
         Ok(DeleteResponse { files_deleted: applied.files_deleted, blocks_freed: applied.blocks_freed })
     }
 
-    pub fn rename(&mut self, req: RenameRequest, now: Instant) -> Result<RenameResponse, Status> {
+    pub fn rename(&mut self, req: RenameRequest, now: Now) -> Result<RenameResponse, Status> {
         let context = format!("rename {} to {}", req.from, req.to);
         let from = path::normalize(&req.from).context(&context)?;
         let to = path::normalize(&req.to).context(&context)?;
@@ -335,10 +333,10 @@ impl State {
         Ok(RenameResponse {})
     }
 
-    pub fn register_job(&mut self, req: RegisterJobRequest, now: Instant) -> Result<RegisterJobResponse, Status> {
+    pub fn register_job(&mut self, req: RegisterJobRequest, now: Now) -> Result<RegisterJobResponse, Status> {
         let context = format!("register job {:?}", req.name);
         // A lapsed job the reaper has not reached yet still holds its name: end it now.
-        if self.jobs.is_registered(&req.name) && self.jobs.check_live(&req.name, now).is_err() {
+        if self.jobs.is_registered(&req.name) && self.jobs.check_live(&req.name, now.instant).is_err() {
             self.end(&req.name, "lease lapsed", now).context(&context)?;
         }
         let (name, serial) = self.jobs.prepare(&req.name, &req.tenant).context(&context)?;
@@ -346,17 +344,17 @@ impl State {
         let change =
             Change::RegisterJob(RegisterJobRequest { name: name.clone(), lease_ms: req.lease_ms, tenant, serial });
         self.commit(change, now).context(&context)?;
-        let lease = self.jobs.lease_of(&name, now).map_or(0, |(_, lease, _)| lease.as_millis() as u64);
+        let lease = self.jobs.lease_of(&name, now.instant).map_or(0, |(_, lease, _)| lease.as_millis() as u64);
         let token = self.token_for(&name, now);
         Ok(RegisterJobResponse { root: path::job_root(&name), job_id: name, lease_ms: lease, token })
     }
 
-    pub fn renew_job(&mut self, req: RenewJobRequest, now: Instant) -> Result<RenewJobResponse, Status> {
-        let lease = self.jobs.renew(&req.job_id, now).context(format_args!("renew job {}", req.job_id))?;
+    pub fn renew_job(&mut self, req: RenewJobRequest, now: Now) -> Result<RenewJobResponse, Status> {
+        let lease = self.jobs.renew(&req.job_id, now.instant).context(format_args!("renew job {}", req.job_id))?;
         Ok(RenewJobResponse { lease_ms: lease.as_millis() as u64, token: self.token_for(&req.job_id, now) })
     }
 
-    pub fn end_job(&mut self, req: EndJobRequest, now: Instant) -> Result<EndJobResponse, Status> {
+    pub fn end_job(&mut self, req: EndJobRequest, now: Now) -> Result<EndJobResponse, Status> {
         let context = format!("end job {}", req.job_id);
         if !self.jobs.is_registered(&req.job_id) {
             let refusal = not_found(format!("job {} is not registered (ended or lease lapsed)", req.job_id));
@@ -367,16 +365,12 @@ impl State {
     }
 
     /// An operator ends a job (no token: the caller passed the control plane's authentication).
-    pub fn admin_end_job(&mut self, req: AdminEndJobRequest, now: Instant) -> Result<EndJobResponse, Status> {
+    pub fn admin_end_job(&mut self, req: AdminEndJobRequest, now: Now) -> Result<EndJobResponse, Status> {
         self.end_job(EndJobRequest { job_id: req.job_id, token: String::new() }, now)
     }
 
     /// Cordons, uncordons or drains a storage server.
-    pub fn set_server_mode(
-        &mut self,
-        req: SetServerModeRequest,
-        now: Instant,
-    ) -> Result<SetServerModeResponse, Status> {
+    pub fn set_server_mode(&mut self, req: SetServerModeRequest, now: Now) -> Result<SetServerModeResponse, Status> {
         let Ok(mode) = ServerMode::try_from(req.mode) else {
             let context = format!("set the mode of storage server {}", req.server);
             return Err(invalid(format!("unknown server mode {}", req.mode)).status(context));
@@ -396,13 +390,13 @@ impl State {
             ms => Duration::from_millis(ms),
         };
         let drain_deadline_unix_ms =
-            if mode == ServerMode::Draining { unix_ms().saturating_add(timeout.as_millis() as u64) } else { 0 };
+            if mode == ServerMode::Draining { now.unix_ms.saturating_add(timeout.as_millis() as u64) } else { 0 };
         let change =
             Change::ServerMode(LogServerMode { server_id: server_id.get(), mode: mode as i32, drain_deadline_unix_ms });
         self.commit(change, now).context(&context)?;
         info!("storage server {server_id} ({}): {verb}", self.servers.address(server_id));
         self.check_drains(now);
-        let server = self.servers.status_of(server_id, now);
+        let server = self.servers.status_of(server_id, now.instant);
         Ok(SetServerModeResponse { server })
     }
 
@@ -412,9 +406,10 @@ impl State {
     pub fn report_unreachable(
         &mut self,
         req: ReportUnreachableRequest,
-        now: Instant,
+        now: Now,
     ) -> Result<ReportUnreachableResponse, Status> {
-        let Some((server_id, alive)) = self.servers.report_unreachable(&req.address, now + self.server_timeout) else {
+        let Some((server_id, alive)) = self.servers.report_unreachable(&req.address, now.instant + self.server_timeout)
+        else {
             return Err(not_found(format!("no storage server at {}", req.address)).status("report unreachable"));
         };
         if alive {
@@ -426,15 +421,15 @@ impl State {
         Ok(ReportUnreachableResponse { alive })
     }
 
-    pub fn status(&mut self, _req: StatusRequest, now: Instant) -> Result<StatusResponse, Status> {
+    pub fn status(&mut self, _req: StatusRequest, now: Now) -> Result<StatusResponse, Status> {
         Ok(StatusResponse {
             block_size: self.block_size,
-            servers: self.servers.status(now),
-            jobs: self.jobs.status(now),
+            servers: self.servers.status(now.instant),
+            jobs: self.jobs.status(now.instant),
             files: self.namespace.files(),
             directories: self.namespace.directories(),
             tenants: self.jobs.tenants(),
-            copies: Some(self.copies.status(now)),
+            copies: Some(self.copies.status(now.instant)),
         })
         .map(|mut status| {
             for server in &mut status.servers {
@@ -447,10 +442,10 @@ impl State {
     pub fn register_shuffle(
         &mut self,
         req: RegisterShuffleRequest,
-        now: Instant,
+        now: Now,
     ) -> Result<RegisterShuffleResponse, Status> {
         let context = format!("register a shuffle of {} partitions for job {}", req.partitions, req.job_id);
-        self.jobs.check_live(&req.job_id, now).context(&context)?;
+        self.jobs.check_live(&req.job_id, now.instant).context(&context)?;
         let registration = self.shuffles.check_register(&req, self.block_size).context(&context)?;
         self.check_shuffle_quota(&req.job_id, registration.storage_class).context(&context)?;
         let loads = self.servers.segment_loads(registration.storage_class);
@@ -464,11 +459,7 @@ impl State {
         Ok(response)
     }
 
-    pub fn advance_segment(
-        &mut self,
-        req: AdvanceSegmentRequest,
-        now: Instant,
-    ) -> Result<AdvanceSegmentResponse, Status> {
+    pub fn advance_segment(&mut self, req: AdvanceSegmentRequest, now: Now) -> Result<AdvanceSegmentResponse, Status> {
         let context = format!(
             "advance past segment {} of partition {} of shuffle {}",
             req.full_segment, req.partition, req.shuffle_id
@@ -492,7 +483,7 @@ impl State {
         Ok(AdvanceSegmentResponse { segment: Some(segment) })
     }
 
-    pub fn commit_map(&mut self, req: CommitMapRequest, now: Instant) -> Result<CommitMapResponse, Status> {
+    pub fn commit_map(&mut self, req: CommitMapRequest, now: Now) -> Result<CommitMapResponse, Status> {
         let context = format!("commit map {} attempt {} of shuffle {}", req.map_index, req.attempt, req.shuffle_id);
         // A map committed already (a winner's retry, or another attempt) changes nothing.
         if let Some(answer) = self.shuffles.check_commit(&req).context(&context)? {
@@ -503,11 +494,7 @@ impl State {
         Ok(CommitMapResponse { committed: true, winning_attempt: attempt })
     }
 
-    pub fn locate_shuffle(
-        &mut self,
-        req: LocateShuffleRequest,
-        _now: Instant,
-    ) -> Result<LocateShuffleResponse, Status> {
+    pub fn locate_shuffle(&mut self, req: LocateShuffleRequest, _now: Now) -> Result<LocateShuffleResponse, Status> {
         let context = format!("locate shuffle {}", req.shuffle_id);
         let mut response = self.shuffles.locate(&req, &self.servers).context(context)?;
         let serial = self.jobs.serial(&response.job_id).unwrap_or(u64::MAX);
@@ -515,11 +502,7 @@ impl State {
         Ok(response)
     }
 
-    pub fn invalidate_maps(
-        &mut self,
-        req: InvalidateMapsRequest,
-        now: Instant,
-    ) -> Result<InvalidateMapsResponse, Status> {
+    pub fn invalidate_maps(&mut self, req: InvalidateMapsRequest, now: Now) -> Result<InvalidateMapsResponse, Status> {
         let context = format!("invalidate {} maps of shuffle {}", req.map_indexes.len(), req.shuffle_id);
         let invalidated = self.shuffles.check_invalidate(&req).context(&context)?;
         if invalidated > 0 {
@@ -531,7 +514,7 @@ impl State {
     pub fn unregister_shuffle(
         &mut self,
         req: UnregisterShuffleRequest,
-        now: Instant,
+        now: Now,
     ) -> Result<UnregisterShuffleResponse, Status> {
         let context = format!("unregister shuffle {}", req.shuffle_id);
         self.shuffles.check_registered(ShuffleId(req.shuffle_id)).context(&context)?;
@@ -539,11 +522,7 @@ impl State {
         Ok(UnregisterShuffleResponse {})
     }
 
-    pub fn register_server(
-        &mut self,
-        req: RegisterServerRequest,
-        now: Instant,
-    ) -> Result<RegisterServerResponse, Status> {
+    pub fn register_server(&mut self, req: RegisterServerRequest, now: Now) -> Result<RegisterServerResponse, Status> {
         let context = format!("register storage server {}", req.address);
         // A server registering at start-up names its tiers in bytes (it learns the block size from
         // this reply); count their blocks here, so status and placement are right before its
@@ -563,7 +542,7 @@ impl State {
             instance_id: req.instance_id,
         });
         self.commit(change, now).context(&context)?;
-        self.servers.take_registration(server_id, tiers, previous != Some(req.instance_id), now);
+        self.servers.take_registration(server_id, tiers, previous != Some(req.instance_id), now.instant);
         match previous {
             Some(old) if old != req.instance_id => {
                 warn!(
@@ -590,7 +569,7 @@ impl State {
     pub fn report_inventory(
         &mut self,
         req: ReportInventoryRequest,
-        now: Instant,
+        now: Now,
     ) -> Result<ReportInventoryResponse, Status> {
         let context = format!("inventory of storage server {}", req.server_id);
         let server_id = ServerId(req.server_id);
@@ -634,9 +613,9 @@ impl State {
         Ok(ReportInventoryResponse { blocks_unreferenced: done.unreferenced, blocks_lost: done.lost })
     }
 
-    pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Instant) -> Result<HeartbeatResponse, Status> {
+    pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Now) -> Result<HeartbeatResponse, Status> {
         let server_id = ServerId(req.server_id);
-        let mut response = self.servers.heartbeat(server_id, req.tiers, req.freed_through_seq, now);
+        let mut response = self.servers.heartbeat(server_id, req.tiers, req.freed_through_seq, now.instant);
         if !response.reregister {
             let context = format!("heartbeat of storage server {server_id}");
             self.take_shuffle_usage(server_id, &req.shuffles).context(context)?;
@@ -648,14 +627,14 @@ impl State {
     }
 
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
-    pub fn reap(&mut self, now: Instant) {
+    pub fn reap(&mut self, now: Now) {
         self.reap_writers(now);
-        for job in self.jobs.lapsed(now) {
+        for job in self.jobs.lapsed(now.instant) {
             if let Err(refusal) = self.end(&job, "lease lapsed", now) {
                 error!("ending job {job}, whose lease lapsed: {} ({:?})", refusal.reason, refusal.kind);
             }
         }
-        for (server_id, dead) in self.servers.expire(now, self.server_timeout) {
+        for (server_id, dead) in self.servers.expire(now.instant, self.server_timeout) {
             warn!("{dead}; its blocks are lost");
             self.lose_server(server_id, now);
         }
@@ -667,12 +646,12 @@ impl State {
 
     /// Deletes unsealed files whose writer's lease lapsed: the writer died (a killed process
     /// cannot delete what it left), and the blocks it held go back.
-    fn reap_writers(&mut self, now: Instant) {
+    fn reap_writers(&mut self, now: Now) {
         let lease = self.writer_lease;
         let lapsed: Vec<u64> = self
             .writers
             .iter()
-            .filter(|(_, &renewed)| now.saturating_duration_since(renewed) > lease)
+            .filter(|(_, &renewed)| now.instant.saturating_duration_since(renewed) > lease)
             .map(|(&file_id, _)| file_id)
             .collect();
         for file_id in lapsed {
@@ -701,8 +680,8 @@ impl State {
     /// closed shuffle segments off); the rest keeps the server until its owner frees it (jobs
     /// end; files are deleted; shuffles are unregistered) or the deadline. While a drain is under way this
     /// is one pass over every block each reap period; with none, nothing.
-    fn check_drains(&mut self, now: Instant) {
-        let drains = self.servers.drains();
+    fn check_drains(&mut self, now: Now) {
+        let drains = self.servers.drains(now.instant);
         if drains.is_empty() {
             return;
         }
@@ -744,7 +723,7 @@ impl State {
                 waiting.push(format!("{segments} segments of registered shuffles{moving}"));
             }
             let waiting_for = waiting.join(", ");
-            let expired = now >= drain.deadline;
+            let expired = now.instant >= drain.deadline;
             self.servers.set_sole_copy_blocks(drain.server_id, blocks);
             if self.servers.settle_drain(drain.server_id, waiting_for.clone(), waiting_for.is_empty() || expired) {
                 let address = self.servers.address(drain.server_id);
@@ -781,7 +760,7 @@ impl State {
     /// last segment was there get a new one on a live server, so map attempts can push again.
     /// (Readers see a dead server's segments as lost; a restarted server's inventory says which
     /// of its segments came back, and the rest are marked lost then.)
-    fn lose_server(&mut self, server_id: ServerId, now: Instant) {
+    fn lose_server(&mut self, server_id: ServerId, now: Now) {
         self.forget_shuffle_usage(server_id);
         // Its blocks' other copies are copied again (and copies from or to it are given up).
         self.copies.wake();
@@ -807,14 +786,14 @@ impl State {
 
     /// Commits a change the state chose itself (not a request's), which its own checks allow:
     /// a refusal is a bug, logged rather than answered.
-    fn commit_own(&mut self, change: Change, now: Instant) {
+    fn commit_own(&mut self, change: Change, now: Now) {
         if let Err(refusal) = self.commit(change.clone(), now) {
             error!("an internal change was refused: {change:?}: {} ({:?})", refusal.reason, refusal.kind);
         }
     }
 
     /// Ends a registered job: forgets it, deletes its directory, frees its blocks and shuffles.
-    fn end(&mut self, job: &str, why: &str, now: Instant) -> Result<Applied, Refusal> {
+    fn end(&mut self, job: &str, why: &str, now: Now) -> Result<Applied, Refusal> {
         let change = Change::EndJob(EndJobRequest { job_id: job.to_string(), ..Default::default() });
         let released = self.commit(change, now)?;
         info!(
@@ -826,15 +805,15 @@ impl State {
 
     /// Rules for new entries under `/jobs`, which belongs to the jobs: `/jobs/<job>` is made only
     /// by RegisterJob, and entries below it only while the job is live.
-    fn check_new_entry(&self, path: &str, directory: bool, parents: bool, now: Instant) -> Result<(), Refusal> {
+    fn check_new_entry(&self, path: &str, directory: bool, parents: bool, now: Now) -> Result<(), Refusal> {
         match Place::of(path) {
             Place::Outside => Ok(()),
             Place::JobsDir if directory => Ok(()),
             Place::JobsDir => Err(invalid(format!("{JOBS_DIR} is reserved for job directories"))),
             // `mkdir -p` of a live job's existing directory is a harmless no-op.
-            Place::JobRoot(job) if directory && parents && self.jobs.check_live(job, now).is_ok() => Ok(()),
+            Place::JobRoot(job) if directory && parents && self.jobs.check_live(job, now.instant).is_ok() => Ok(()),
             Place::JobRoot(_) => Err(invalid("job directories are made by RegisterJob")),
-            Place::InJob(job) => self.jobs.check_live(job, now),
+            Place::InJob(job) => self.jobs.check_live(job, now.instant),
         }
     }
 
@@ -875,8 +854,11 @@ mod durable;
 mod quota;
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod copy_tests;
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod shuffle_tests;
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod tests;

@@ -173,4 +173,5 @@ impl Servers {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod tests;

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use tern_common::Now;
 use tern_proto::v1::{LogServerMode, ServerMode};
 use tern_proto::ServerId;
 
@@ -17,8 +18,9 @@ pub struct Drain {
 }
 
 impl Servers {
-    /// The servers not active (cordoned or draining), as the log records them.
-    pub fn modes(&self) -> Vec<LogServerMode> {
+    /// The servers not active (cordoned or draining), as the log records them at `now` (a
+    /// drain's deadline as wall-clock time, so a replay at any later time counts it down).
+    pub fn modes(&self, now: Now) -> Vec<LogServerMode> {
         self.servers
             .iter()
             .filter(|(_, s)| s.mode != ServerMode::Active)
@@ -26,8 +28,8 @@ impl Servers {
                 server_id: id.get(),
                 mode: s.mode as i32,
                 drain_deadline_unix_ms: s.drain_deadline.map_or(0, |deadline| {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    tern_common::unix_ms().saturating_add(left.as_millis() as u64)
+                    let left = deadline.saturating_duration_since(now.instant);
+                    now.unix_ms.saturating_add(left.as_millis() as u64)
                 }),
             })
             .collect()
@@ -41,12 +43,22 @@ impl Servers {
         }
     }
 
-    /// Servers draining and still up, with their deadlines.
-    pub fn drains(&self) -> Vec<Drain> {
+    /// Servers draining and still up.
+    pub fn draining(&self) -> Vec<ServerId> {
         self.servers
             .iter()
             .filter(|(_, s)| s.mode == ServerMode::Draining && s.readable())
-            .map(|(&server_id, s)| Drain { server_id, deadline: s.drain_deadline.unwrap_or_else(Instant::now) })
+            .map(|(&server_id, _)| server_id)
+            .collect()
+    }
+
+    /// Servers draining and still up, with their deadlines (`now` for a drain without one: it
+    /// is due).
+    pub fn drains(&self, now: Instant) -> Vec<Drain> {
+        self.servers
+            .iter()
+            .filter(|(_, s)| s.mode == ServerMode::Draining && s.readable())
+            .map(|(&server_id, s)| Drain { server_id, deadline: s.drain_deadline.unwrap_or(now) })
             .collect()
     }
 

@@ -11,9 +11,7 @@
 //! jobs come back with fresh leases counted from `now`, storage servers come back restored,
 //! awaiting their registration and inventory.
 
-use std::time::Instant;
-
-use tern_common::unix_ms;
+use tern_common::Now;
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{LogRecord, ServerMode};
 use tern_proto::{BlockId, ServerId, ShuffleId};
@@ -37,16 +35,19 @@ pub struct Applied {
 impl State {
     /// Applies a change a live call prepared and journals it for the log; on a refusal nothing
     /// changed and nothing is journaled.
-    pub(super) fn commit(&mut self, change: Change, now: Instant) -> Result<Applied, Refusal> {
-        let unix_ms = unix_ms();
+    pub(super) fn commit(&mut self, change: Change, now: Now) -> Result<Applied, Refusal> {
+        // The change is made at the call's time; the record carries it, so a replay uses the
+        // same creation times whenever it runs.
+        let unix_ms = now.unix_ms;
         let applied = self.apply(&change, unix_ms, now)?;
         self.journal.push(LogRecord { unix_ms, change: Some(change) });
         Ok(applied)
     }
 
-    /// Carries out one change, made at `unix_ms` (creation times) and applied at `now` (leases).
+    /// Carries out one change, made at `unix_ms` (creation times: the record's time, not the
+    /// clock) and applied at `now` (leases start, deadlines are counted down from it).
     /// Checks come before the first mutation, so a refusal changes nothing.
-    pub fn apply(&mut self, change: &Change, unix_ms: u64, now: Instant) -> Result<Applied, Refusal> {
+    pub fn apply(&mut self, change: &Change, unix_ms: u64, now: Now) -> Result<Applied, Refusal> {
         let mut applied = Applied::default();
         match change {
             Change::Mkdir(req) => self.namespace.mkdir(&req.path, req.parents, unix_ms)?,
@@ -58,7 +59,7 @@ impl State {
                 file.sealed = req.sealed;
                 file.replicas = req.replicas.max(1);
                 if !req.sealed {
-                    self.writers.insert(log.file_id, now);
+                    self.writers.insert(log.file_id, now.instant);
                 }
                 if let Some(job) = Place::of(&req.path).job() {
                     self.jobs.add_usage(job, 1, 0);
@@ -80,7 +81,7 @@ impl State {
                 let path = self.namespace.file_path(log.file_id)?;
                 self.namespace.file_mut(log.file_id)?.blocks.extend(blocks.iter().copied());
                 // Allocating is the writer at work: its lease starts again.
-                self.writers.insert(log.file_id, now);
+                self.writers.insert(log.file_id, now.instant);
                 self.servers.count_placed(&blocks);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.count_blocks(job, blocks.iter().map(|b| b.block_id), 1);
@@ -128,7 +129,7 @@ impl State {
                 // Logs from before serials (0) get a new one: their tokens no longer verify. The
                 // live call checked the tenant's quota; a replay does not (it may have been
                 // lowered since).
-                self.jobs.register(&req.name, req.lease_ms, &req.tenant, req.serial, Quota::Skip, now)?;
+                self.jobs.register(&req.name, req.lease_ms, &req.tenant, req.serial, Quota::Skip, now.instant)?;
             }
             // Ending a job that is gone already (a replayed end of a lapsed job) changes nothing.
             Change::EndJob(req) if !self.jobs.is_registered(&req.job_id) => {}
@@ -162,15 +163,15 @@ impl State {
             }
             Change::Server(log) => {
                 let server_id = ServerId(log.server_id);
-                self.servers.record(server_id, &log.address, &log.quic_address, log.instance_id, now)
+                self.servers.record(server_id, &log.address, &log.quic_address, log.instance_id, now.instant)
             }
             Change::LostSegments(log) => self.shuffles.mark_lost(log),
             Change::ServerMode(log) => {
                 let mode =
                     ServerMode::try_from(log.mode).map_err(|_| invalid(format!("unknown server mode {}", log.mode)))?;
                 // The deadline is wall-clock in the log; a replay after it counts it as passed.
-                let left = log.drain_deadline_unix_ms.saturating_sub(tern_common::unix_ms());
-                let deadline = now.checked_add(std::time::Duration::from_millis(left)).unwrap_or(now);
+                let left = log.drain_deadline_unix_ms.saturating_sub(now.unix_ms);
+                let deadline = now.instant.checked_add(std::time::Duration::from_millis(left)).unwrap_or(now.instant);
                 self.servers.set_mode(ServerId(log.server_id), mode, Some(deadline));
             }
             Change::MoveBlock(log) => {

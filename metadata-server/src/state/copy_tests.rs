@@ -6,17 +6,17 @@ use std::time::Duration;
 use super::tests::{add_server, allocate, config, create, state, BLOCK};
 use super::*;
 
-fn beat(state: &mut State, server_id: u64, done: Vec<CopyDone>, now: Instant) -> HeartbeatResponse {
+fn beat(state: &mut State, server_id: u64, done: Vec<CopyDone>, now: Now) -> HeartbeatResponse {
     state.heartbeat(HeartbeatRequest { server_id, copies_done: done, ..Default::default() }, now).unwrap()
 }
 
-fn placed(state: &mut State, path: &str, now: Instant) -> Vec<(u64, u64)> {
+fn placed(state: &mut State, path: &str, now: Now) -> Vec<(u64, u64)> {
     let opened = state.open(OpenRequest { path: path.into() }, now).unwrap();
     opened.blocks.iter().map(|b| (b.block_id, b.server_id)).collect()
 }
 
 /// A sealed 2-copy file of 3 blocks on servers a and b, with c empty: returns (a, b, c, file).
-fn two_copies_on_a_and_b(state: &mut State, now: Instant) -> (u64, u64, u64, u64) {
+fn two_copies_on_a_and_b(state: &mut State, now: Now) -> (u64, u64, u64, u64) {
     let a = add_server(state, "10.0.0.1:7000", 100, now);
     let b = add_server(state, "10.0.0.2:7000", 100, now);
     let request = CreateRequest { path: "/r/f".into(), parents: true, replicas: 2, ..Default::default() };
@@ -80,7 +80,7 @@ fn a_restart_replays_stored_copies_and_forgets_the_rest() {
     let copies = beat(&mut state, b, vec![], later).copy_blocks;
     beat(&mut state, b, vec![CopyDone { copy_id: copies[0].copy_id, error: String::new(), bytes: 0 }], later);
     let mut before = placed(&mut state, "/r/f", later);
-    let mut rebuilt = State::new(&config());
+    let mut rebuilt = State::new(&config(), Now::read());
     for record in state.take_journal() {
         rebuilt.replay(&record, later).unwrap();
     }
@@ -131,7 +131,7 @@ fn a_drain_copies_sole_copies_off_and_a_report_of_a_deleted_file_frees_the_copy(
 
 /// The copies of each segment of `shuffle_id`, as locate lists them: (partition, index) → the two
 /// servers (sorted) and whether either copy is lost.
-fn segment_copies(state: &mut State, shuffle_id: u64, now: Instant) -> Vec<((u32, u32), [u64; 2], bool)> {
+fn segment_copies(state: &mut State, shuffle_id: u64, now: Now) -> Vec<((u32, u32), [u64; 2], bool)> {
     let request = LocateShuffleRequest { shuffle_id, end_partition: u32::MAX, end_map: u32::MAX, ..Default::default() };
     let located = state.locate_shuffle(request, now).unwrap();
     let mut out: Vec<_> = located
@@ -149,7 +149,7 @@ fn segment_copies(state: &mut State, shuffle_id: u64, now: Instant) -> Vec<((u32
 
 /// A 2-copy shuffle of 2 partitions with both first segments on servers a and b, a map committed
 /// (100 and 200 bytes), and c empty: returns (a, b, c, shuffle id).
-fn two_copy_shuffle_on_a_and_b(state: &mut State, now: Instant) -> (u64, u64, u64, u64) {
+fn two_copy_shuffle_on_a_and_b(state: &mut State, now: Now) -> (u64, u64, u64, u64) {
     let a = add_server(state, "10.0.0.1:7000", 100, now);
     let b = add_server(state, "10.0.0.2:7000", 100, now);
     super::tests::register_job(state, "j", 100_000, now);
@@ -245,15 +245,15 @@ fn a_restart_replays_moved_segments_and_a_returning_server_frees_its_old_copies(
     let done = copies.iter().map(|copy| CopyDone { copy_id: copy.copy_id, error: String::new(), bytes: 1 }).collect();
     beat(&mut state, b, done, later);
     let before = segment_copies(&mut state, shuffle_id, later);
-    let mut rebuilt = State::new(&config());
+    let mut rebuilt = State::new(&config(), Now::read());
     for record in state.take_journal() {
         rebuilt.replay(&record, later).unwrap();
     }
     assert_eq!(segment_copies(&mut rebuilt, shuffle_id, later), before);
     assert_eq!(before[..2], [((0, 0), [b, c], false), ((0, 1), [b, c], false)]);
     // A snapshot of the replayed state says the same.
-    let mut from_snapshot = State::new(&config());
-    from_snapshot.restore(&rebuilt.snapshot(), later).unwrap();
+    let mut from_snapshot = State::new(&config(), Now::read());
+    from_snapshot.restore(&rebuilt.snapshot(later), later).unwrap();
     assert_eq!(segment_copies(&mut from_snapshot, shuffle_id, later), before);
     // a comes back with its old copies: the chains no longer name them there, so they are freed
     // (segments the chains do name stay).

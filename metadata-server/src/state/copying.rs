@@ -3,8 +3,8 @@
 //! copies the storage servers report.
 
 use std::collections::HashMap;
-use std::time::Instant;
 
+use tern_common::Now;
 use tern_proto::token::{GrantKind, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{CopyBlock, CopyDone, CopySegment, LogCounters, LogMoveBlock, LogMoveSegment};
@@ -25,9 +25,9 @@ impl State {
     /// (`plan_segment_copies`). Runs at each reap after something changed, every 10 s while
     /// copies wait for room, and at every reap while a drain is under way: one pass over the
     /// files and the shuffles' segments.
-    pub(super) fn plan_copies(&mut self, now: Instant) {
-        let draining: Vec<ServerId> = self.servers.drains().iter().map(|d| d.server_id).collect();
-        if !self.copies.take_wake(now) && draining.is_empty() {
+    pub(super) fn plan_copies(&mut self, now: Now) {
+        let draining: Vec<ServerId> = self.servers.draining();
+        if !self.copies.take_wake(now.instant) && draining.is_empty() {
             return;
         }
         let servers = &self.servers;
@@ -120,7 +120,7 @@ impl State {
         self.copies.unplaceable = unplaceable;
         if unplaceable > 0 {
             // Look again later (or when a server registers): room may come.
-            self.copies.retry_later(now);
+            self.copies.retry_later(now.instant);
         }
         if chosen.is_empty() {
             return;
@@ -164,7 +164,7 @@ impl State {
         }
         let servers = &self.servers;
         let copies = &self.copies;
-        let draining: Vec<ServerId> = servers.drains().iter().map(|d| d.server_id).collect();
+        let draining: Vec<ServerId> = servers.draining();
         let needs = self.shuffles.segments_to_copy(
             |server| servers.is_alive(server),
             |server| draining.contains(&server),
@@ -221,10 +221,10 @@ impl State {
     /// Settles the copies a storage server reports: a stored copy replaces the old one in its
     /// file or segment chain (logged), unless that changed meanwhile; a failed one frees what it
     /// left on the target and is chosen again at the next reap.
-    pub(super) fn take_copies_done(&mut self, server_id: ServerId, done: &[CopyDone], now: Instant) {
+    pub(super) fn take_copies_done(&mut self, server_id: ServerId, done: &[CopyDone], now: Now) {
         for report in done {
             let ok = report.error.is_empty();
-            let Some(task) = self.copies.finish(report.copy_id, server_id, ok, report.bytes, now) else {
+            let Some(task) = self.copies.finish(report.copy_id, server_id, ok, report.bytes, now.instant) else {
                 continue;
             };
             if !ok {
@@ -282,13 +282,13 @@ impl State {
     /// The copies to hand to `server_id` in its heartbeat reply: blocks, each with the target
     /// block's grant and its file owner's token, and segments, each with its shuffle's grant and
     /// its job's token.
-    pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Instant) -> (Vec<CopyBlock>, Vec<CopySegment>) {
+    pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Now) -> (Vec<CopyBlock>, Vec<CopySegment>) {
         let (servers, namespace, jobs, key, shuffles) =
             (&self.servers, &self.namespace, &self.jobs, &self.key, &self.shuffles);
         // The owner's serial and a fresh token: a job's, or the volume principal's (no token).
-        let credentials = |job: Option<&str>| match job.and_then(|job| Some((job, jobs.lease_of(job, now)?))) {
+        let credentials = |job: Option<&str>| match job.and_then(|job| Some((job, jobs.lease_of(job, now.instant)?))) {
             Some((job, (serial, lease, left))) => {
-                let expires = tern_common::unix_ms().saturating_add(left.as_millis() as u64);
+                let expires = now.unix_ms.saturating_add(left.as_millis() as u64);
                 (serial, key.issue(job, serial, expires, lease.as_millis() as u64).encode())
             }
             // A job that is gone: a serial no token carries (the copy fails and is dropped
@@ -296,7 +296,7 @@ impl State {
             None if job.is_some() => (u64::MAX, Vec::new()),
             None => (VOLUME_SERIAL, Vec::new()),
         };
-        let wires = self.copies.hand_out(server_id, now, |copy_id, task| match task.what {
+        let wires = self.copies.hand_out(server_id, now.instant, |copy_id, task| match task.what {
             What::Block { file_id, source, target, .. } => {
                 let job = namespace.file_path(file_id).ok().and_then(|path| Place::of(&path).job().map(str::to_string));
                 let (serial, token) = credentials(job.as_deref());

@@ -6,8 +6,7 @@
 //! placements, a generated job name), so a replay makes the same changes without choosing
 //! anything.
 
-use std::time::Instant;
-
+use tern_common::Now;
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
 
@@ -15,8 +14,9 @@ use super::State;
 use crate::error::{invalid, Refusal};
 
 impl State {
-    /// Replays one logged change.
-    pub fn replay(&mut self, record: &LogRecord, now: Instant) -> Result<(), Refusal> {
+    /// Replays one logged change: made at the time the record carries, applied at `now` (the
+    /// replay's time, passed in: leases and deadlines count from it).
+    pub fn replay(&mut self, record: &LogRecord, now: Now) -> Result<(), Refusal> {
         let Some(change) = &record.change else {
             return Err(invalid("a log record without a change"));
         };
@@ -24,7 +24,7 @@ impl State {
     }
 
     /// Replays `records` into this (fresh) state, naming the first that does not apply.
-    pub fn restore(&mut self, records: &[LogRecord], now: Instant) -> anyhow::Result<()> {
+    pub fn restore(&mut self, records: &[LogRecord], now: Now) -> anyhow::Result<()> {
         for (index, record) in records.iter().enumerate() {
             if let Err(refusal) = self.replay(record, now) {
                 anyhow::bail!(
@@ -38,9 +38,9 @@ impl State {
         Ok(())
     }
 
-    /// The records that rebuild this state: counters, servers, jobs, the namespace (parents
-    /// first), then the shuffles.
-    pub fn snapshot(&self) -> Vec<LogRecord> {
+    /// The records that rebuild this state, taken at `now`: counters, servers, jobs, the
+    /// namespace (parents first), then the shuffles.
+    pub fn snapshot(&self, now: Now) -> Vec<LogRecord> {
         let mut changes = Vec::new();
         let (next_server_id, next_block_id) = self.servers.counters();
         changes.push(Change::Counters(LogCounters {
@@ -50,7 +50,7 @@ impl State {
             next_shuffle_id: self.shuffles.next_shuffle_id(),
         }));
         changes.extend(self.servers.identities().into_iter().map(Change::Server));
-        changes.extend(self.servers.modes().into_iter().map(Change::ServerMode));
+        changes.extend(self.servers.modes(now).into_iter().map(Change::ServerMode));
         let mut records: Vec<LogRecord> =
             changes.drain(..).map(|change| LogRecord { unix_ms: 0, change: Some(change) }).collect();
         // Directories first (with their creation times), then the jobs (whose directories exist
@@ -97,9 +97,39 @@ impl State {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods, reason = "tests may read the clock")]
 mod tests {
-    use super::super::tests::{add_server, state, BLOCK};
+    use std::time::Duration;
+
+    use super::super::tests::{add_server, config, state, BLOCK};
     use super::*;
+
+    /// A replay takes its time from the records and from the `now` it is given, never from the
+    /// clock: creation times are the records', and a drain's deadline (wall-clock in its record)
+    /// counts down from the replay's time, so an hour later it has passed.
+    #[test]
+    fn a_replay_takes_its_time_from_the_records_and_its_caller() {
+        let (mut state, now) = state();
+        add_server(&mut state, "10.0.0.1:7000", 64, now);
+        state.mkdir(MkdirRequest { path: "/d".into(), parents: false }, now).unwrap();
+        let drain = SetServerModeRequest {
+            server: "10.0.0.1:7000".into(),
+            mode: ServerMode::Draining as i32,
+            drain_timeout_ms: 60_000,
+        };
+        state.set_server_mode(drain, now).unwrap();
+        let journal = state.take_journal();
+        for later in [Duration::ZERO, Duration::from_secs(30), Duration::from_secs(3600)] {
+            let at = now + later;
+            let mut replayed = State::new(&config(), at);
+            replayed.restore(&journal, at).unwrap();
+            let stat = replayed.stat(StatRequest { path: "/d".into(), ..Default::default() }, at).unwrap();
+            assert_eq!(stat.info.unwrap().created_unix_ms, now.unix_ms, "replayed {later:?} later");
+            let servers = replayed.status(StatusRequest {}, at).unwrap().servers;
+            let left_ms = 60_000u64.saturating_sub(later.as_millis() as u64);
+            assert_eq!(servers[0].drain_deadline_ms, left_ms, "replayed {later:?} later");
+        }
+    }
 
     /// The changes a mix of every kind of call made, replayed into a fresh state, rebuild it:
     /// the same snapshot, the same answers.
@@ -158,13 +188,13 @@ mod tests {
         state.end_job(EndJobRequest { job_id: other.job_id, ..Default::default() }, now).unwrap();
 
         let journal = state.take_journal();
-        let expected = state.snapshot();
-        let mut replayed = State::new(&super::super::tests::config());
+        let expected = state.snapshot(now);
+        let mut replayed = State::new(&super::super::tests::config(), Now::read());
         replayed.restore(&journal, now).unwrap();
         // The counters come first; a later start may only raise the shuffle id's (it starts from
         // the clock).
         let same = |rebuilt: &State| {
-            let snapshot = rebuilt.snapshot();
+            let snapshot = rebuilt.snapshot(now);
             assert_eq!(snapshot[1..], expected[1..]);
             let counters = |records: &[LogRecord]| match &records[0].change {
                 Some(Change::Counters(c)) => *c,
@@ -178,7 +208,7 @@ mod tests {
             assert!(now.next_shuffle_id >= then.next_shuffle_id);
         };
         same(&replayed);
-        let mut from_snapshot = State::new(&super::super::tests::config());
+        let mut from_snapshot = State::new(&super::super::tests::config(), Now::read());
         from_snapshot.restore(&expected, now).unwrap();
         same(&from_snapshot);
 

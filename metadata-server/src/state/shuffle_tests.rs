@@ -11,11 +11,11 @@ fn register_request(job: &str, partitions: u32, maps: u32) -> RegisterShuffleReq
     RegisterShuffleRequest { job_id: job.into(), partitions, maps, ..RegisterShuffleRequest::default() }
 }
 
-fn register(state: &mut State, job: &str, partitions: u32, maps: u32, now: Instant) -> RegisterShuffleResponse {
+fn register(state: &mut State, job: &str, partitions: u32, maps: u32, now: Now) -> RegisterShuffleResponse {
     state.register_shuffle(register_request(job, partitions, maps), now).unwrap()
 }
 
-fn advance(state: &mut State, shuffle_id: u64, partition: u32, full_segment: u32, now: Instant) -> Segment {
+fn advance(state: &mut State, shuffle_id: u64, partition: u32, full_segment: u32, now: Now) -> Segment {
     let request = AdvanceSegmentRequest { shuffle_id, partition, full_segment };
     state.advance_segment(request, now).unwrap().segment.unwrap()
 }
@@ -25,7 +25,7 @@ fn commit_request(shuffle_id: u64, map_index: u32, attempt: u32, partition_bytes
 }
 
 /// Commits a map attempt; returns (committed, winning attempt).
-fn commit(state: &mut State, shuffle_id: u64, map: u32, attempt: u32, bytes: Vec<u64>, now: Instant) -> (bool, u32) {
+fn commit(state: &mut State, shuffle_id: u64, map: u32, attempt: u32, bytes: Vec<u64>, now: Now) -> (bool, u32) {
     let reply = state.commit_map(commit_request(shuffle_id, map, attempt, bytes), now).unwrap();
     (reply.committed, reply.winning_attempt)
 }
@@ -35,7 +35,7 @@ fn locate(
     shuffle_id: u64,
     partitions: (u32, u32),
     maps: (u32, u32),
-    now: Instant,
+    now: Now,
 ) -> LocateShuffleResponse {
     let request = LocateShuffleRequest {
         shuffle_id,
@@ -53,7 +53,7 @@ fn outputs(reply: &LocateShuffleResponse) -> Vec<(u32, u32, Vec<u64>)> {
 }
 
 /// Heartbeats as `server_id`, acknowledging through `freed_through_seq`.
-fn beat(state: &mut State, server_id: u64, freed_through_seq: u64, now: Instant) -> HeartbeatResponse {
+fn beat(state: &mut State, server_id: u64, freed_through_seq: u64, now: Now) -> HeartbeatResponse {
     state.heartbeat(HeartbeatRequest { server_id, freed_through_seq, ..Default::default() }, now).unwrap()
 }
 
@@ -572,7 +572,7 @@ fn replicated_segments_survive_a_log_replay() {
     let shuffle = state.register_shuffle(two, now).unwrap().shuffle_id;
     advance(&mut state, shuffle, 1, 0, now);
     let before = locate(&mut state, shuffle, (0, 2), (0, 1), now);
-    let mut rebuilt = State::new(&super::tests::config());
+    let mut rebuilt = State::new(&super::tests::config(), Now::read());
     for record in state.take_journal() {
         rebuilt.replay(&record, now).unwrap();
     }
@@ -582,7 +582,7 @@ fn replicated_segments_survive_a_log_replay() {
 }
 
 /// Heartbeats as `server_id` reporting one shuffle's bytes (DRAM, NVMe).
-fn report(state: &mut State, server_id: u64, shuffle_id: u64, bytes: (u64, u64), now: Instant) -> HeartbeatResponse {
+fn report(state: &mut State, server_id: u64, shuffle_id: u64, bytes: (u64, u64), now: Now) -> HeartbeatResponse {
     let shuffles = vec![ShuffleUsage { shuffle_id, dram_bytes: bytes.0, nvme_bytes: bytes.1 }];
     state.heartbeat(HeartbeatRequest { server_id, shuffles, ..Default::default() }, now).unwrap()
 }
@@ -591,7 +591,8 @@ fn report(state: &mut State, server_id: u64, shuffle_id: u64, bytes: (u64, u64),
 fn shuffle_bytes_count_against_the_tenants_quotas_per_tier() {
     let quota = crate::config::TenantQuota { dram_bytes: tern_common::ByteSize(10 * BLOCK), ..Default::default() };
     let config = Config { tenants: BTreeMap::from([("etl".to_string(), quota)]), ..super::tests::config() };
-    let (mut state, now) = (State::new(&config), Instant::now());
+    let now = Now::read();
+    let mut state = State::new(&config, now);
     let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
     let other = add_server(&mut state, "10.0.0.2:7000", 100, now);
     state

@@ -13,8 +13,9 @@ pub(super) fn config() -> Config {
     Config { block_size: ByteSize(BLOCK), max_list_entries: 3, ..Config::default() }
 }
 
-pub(super) fn state() -> (State, Instant) {
-    (State::new(&config()), Instant::now())
+pub(super) fn state() -> (State, Now) {
+    let now = Now::read();
+    (State::new(&config(), now), now)
 }
 
 /// The kind and message of a refused call.
@@ -25,7 +26,7 @@ pub(super) fn refused<T: Debug>(result: Result<T, Status>) -> (ErrorKind, String
 
 /// Registers a storage server process (each call a new one: registering an address again is a
 /// restart) with an empty inventory.
-pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Instant) -> u64 {
+pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64, now: Now) -> u64 {
     static INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let instance_id = INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tiers = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks, ..TierUsage::default() }];
@@ -37,21 +38,21 @@ pub(super) fn add_server(state: &mut State, address: &str, capacity_blocks: u64,
     reply.server_id
 }
 
-pub(super) fn create(state: &mut State, path: &str, now: Instant) -> u64 {
+pub(super) fn create(state: &mut State, path: &str, now: Now) -> u64 {
     state.create(CreateRequest { path: path.into(), parents: true, ..Default::default() }, now).unwrap().file_id
 }
 
-pub(super) fn allocate(state: &mut State, file_id: u64, count: u32, now: Instant) -> Vec<BlockLocation> {
+pub(super) fn allocate(state: &mut State, file_id: u64, count: u32, now: Now) -> Vec<BlockLocation> {
     let request = AllocateBlocksRequest { file_id, count, client_host: String::new() };
     state.allocate_blocks(request, now).unwrap().blocks
 }
 
-fn seal(state: &mut State, file_id: u64, length: u64, now: Instant) -> FileInfo {
+fn seal(state: &mut State, file_id: u64, length: u64, now: Now) -> FileInfo {
     state.seal(SealRequest { file_id, length }, now).unwrap().info.unwrap()
 }
 
 /// Creates, fills and seals a file of `length` bytes; returns its file id.
-fn write(state: &mut State, path: &str, length: u64, now: Instant) -> u64 {
+fn write(state: &mut State, path: &str, length: u64, now: Now) -> u64 {
     let file_id = create(state, path, now);
     let blocks = length.div_ceil(BLOCK) as u32;
     if blocks > 0 {
@@ -61,33 +62,33 @@ fn write(state: &mut State, path: &str, length: u64, now: Instant) -> u64 {
     file_id
 }
 
-fn open(state: &mut State, path: &str, now: Instant) -> Result<OpenResponse, Status> {
+fn open(state: &mut State, path: &str, now: Now) -> Result<OpenResponse, Status> {
     state.open(OpenRequest { path: path.into() }, now)
 }
 
-fn delete(state: &mut State, path: &str, recursive: bool, now: Instant) -> Result<DeleteResponse, Status> {
+fn delete(state: &mut State, path: &str, recursive: bool, now: Now) -> Result<DeleteResponse, Status> {
     state.delete(DeleteRequest { path: path.into(), recursive }, now)
 }
 
-fn rename(state: &mut State, from: &str, to: &str, now: Instant) -> Result<RenameResponse, Status> {
+fn rename(state: &mut State, from: &str, to: &str, now: Now) -> Result<RenameResponse, Status> {
     state.rename(RenameRequest { from: from.into(), to: to.into() }, now)
 }
 
-fn list(state: &mut State, path: &str, start_after: &str, limit: u32, now: Instant) -> (Vec<String>, bool) {
+fn list(state: &mut State, path: &str, start_after: &str, limit: u32, now: Now) -> (Vec<String>, bool) {
     let request = ListRequest { path: path.into(), start_after: start_after.into(), limit };
     let reply = state.list(request, now).unwrap();
     (reply.entries.into_iter().map(|e| e.path).collect(), reply.truncated)
 }
 
 /// The frees a server is told about on its next heartbeat (acknowledging none).
-fn frees(state: &mut State, server_id: u64, now: Instant) -> Vec<u64> {
+fn frees(state: &mut State, server_id: u64, now: Now) -> Vec<u64> {
     let request = HeartbeatRequest { server_id, ..Default::default() };
     let mut ids = state.heartbeat(request, now).unwrap().free_block_ids;
     ids.sort_unstable();
     ids
 }
 
-pub(super) fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Instant) -> RegisterJobResponse {
+pub(super) fn register_job(state: &mut State, name: &str, lease_ms: u64, now: Now) -> RegisterJobResponse {
     state.register_job(RegisterJobRequest { name: name.into(), lease_ms, ..Default::default() }, now).unwrap()
 }
 
@@ -516,7 +517,7 @@ fn storage_classes_steer_placement() {
 }
 
 /// Creates a file with `replicas` copies of each block.
-fn create_replicated(state: &mut State, path: &str, replicas: u32, now: Instant) -> Result<u64, Status> {
+fn create_replicated(state: &mut State, path: &str, replicas: u32, now: Now) -> Result<u64, Status> {
     let request = CreateRequest { path: path.into(), parents: true, replicas, ..Default::default() };
     state.create(request, now).map(|r| r.file_id)
 }
@@ -604,7 +605,7 @@ fn replicas_survive_a_log_replay() {
     allocate(&mut state, file_id, 4, now);
     seal(&mut state, file_id, BLOCK + 5, now);
     let before = open(&mut state, "/r/f", now).unwrap();
-    let mut rebuilt = State::new(&config());
+    let mut rebuilt = State::new(&config(), Now::read());
     for record in state.take_journal() {
         rebuilt.replay(&record, now).unwrap();
     }
@@ -655,12 +656,12 @@ fn tokens_and_grants_name_the_job_and_its_registration() {
     assert_eq!(kind, ErrorKind::PermissionDenied);
 }
 
-fn set_mode(state: &mut State, server: &str, mode: ServerMode, timeout_ms: u64, now: Instant) -> ServerStatus {
+fn set_mode(state: &mut State, server: &str, mode: ServerMode, timeout_ms: u64, now: Now) -> ServerStatus {
     let request = SetServerModeRequest { server: server.into(), mode: mode as i32, drain_timeout_ms: timeout_ms };
     state.set_server_mode(request, now).unwrap().server.unwrap()
 }
 
-fn heartbeat_says_drained(state: &mut State, server_id: u64, now: Instant) -> bool {
+fn heartbeat_says_drained(state: &mut State, server_id: u64, now: Now) -> bool {
     state.heartbeat(HeartbeatRequest { server_id, ..Default::default() }, now).unwrap().drained
 }
 
@@ -674,10 +675,10 @@ fn cordoned_and_draining_servers_take_no_placements_and_the_modes_replay() {
     let file = create(&mut state, "/f", now);
     assert!(allocate(&mut state, file, 8, now).iter().all(|block| block.server_id == b));
     // The mode is logged: a replay of the journal, and a snapshot, bring it back.
-    let mut replayed = State::new(&config());
+    let mut replayed = State::new(&config(), Now::read());
     replayed.restore(&state.take_journal(), now).unwrap();
-    let mut from_snapshot = State::new(&config());
-    from_snapshot.restore(&replayed.snapshot(), now).unwrap();
+    let mut from_snapshot = State::new(&config(), Now::read());
+    from_snapshot.restore(&replayed.snapshot(now), now).unwrap();
     for restored in [&mut replayed, &mut from_snapshot] {
         let servers = restored.status(StatusRequest {}, now).unwrap().servers;
         assert_eq!(servers.iter().find(|s| s.server_id == a).unwrap().state, "cordoned");
