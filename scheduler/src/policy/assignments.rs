@@ -11,7 +11,8 @@ use tern_proto::cut_message;
 use tern_proto::sched as pb;
 
 use super::fit::take;
-use super::{Event, Policy, Res, TaskState};
+use super::ids::JobKey;
+use super::{Event, ExecutorSlot, Policy, Res, TaskState};
 
 /// Bytes of one task error kept.
 const MAX_ERROR_BYTES: usize = 4096;
@@ -19,8 +20,8 @@ const MAX_ERROR_BYTES: usize = 4096;
 /// A running assignment.
 #[derive(Debug, Clone)]
 pub(super) struct Running {
-    pub(super) executor: usize,
-    pub(super) job: u64,
+    pub(super) executor: ExecutorSlot,
+    pub(super) job: JobKey,
     pub(super) stage: usize,
     pub(super) task: u32,
     pub(super) res: Res,
@@ -43,16 +44,16 @@ impl Policy {
     /// Records task `t` as running on `slot` and builds its assignment.
     pub(super) fn launch(
         &mut self,
-        key: u64,
+        key: JobKey,
         s: usize,
         t: u32,
-        slot: usize,
+        slot: ExecutorSlot,
         res: Res,
         gpus: Vec<(usize, u32)>,
     ) -> pb::Assignment {
         let id = self.next_assignment;
         self.next_assignment += 1;
-        let executor = self.executors[slot].as_mut().expect("live");
+        let executor = self.executors[slot.index()].as_mut().expect("live");
         take(executor, res, &gpus);
         let grants: Vec<pb::GpuGrant> = gpus
             .iter()
@@ -115,7 +116,7 @@ impl Policy {
 
     /// Applies an executor's report of one assignment. Unknown ids (a cancelled or re-queued
     /// attempt reporting late) are ignored; returns false for them.
-    pub fn report(&mut self, slot: usize, result: &pb::TaskResult, now_ms: u64, now_unix_ms: u64) -> bool {
+    pub fn report(&mut self, slot: ExecutorSlot, result: &pb::TaskResult, now_ms: u64, now_unix_ms: u64) -> bool {
         let Some(run) = self.running.get(&result.assignment_id) else {
             return false;
         };
@@ -194,7 +195,7 @@ impl Policy {
     /// Sends Cancel events for running assignments (by executor) and frees their resources.
     pub(super) fn cancel_assignments(&mut self, mut ids: Vec<u64>) {
         ids.sort_unstable();
-        let mut by_executor: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        let mut by_executor: BTreeMap<ExecutorSlot, Vec<u64>> = BTreeMap::new();
         for id in ids {
             if let Some(run) = self.running.remove(&id) {
                 self.release(&run);
@@ -207,7 +208,7 @@ impl Policy {
     }
 
     fn release(&mut self, run: &Running) {
-        if let Some(executor) = self.executors.get_mut(run.executor).and_then(Option::as_mut) {
+        if let Some(executor) = self.executors.get_mut(run.executor.index()).and_then(Option::as_mut) {
             executor.free_cpu += run.res.cpu_milli;
             executor.free_memory += run.res.memory_bytes;
             for &(g, milli) in &run.gpus {

@@ -7,12 +7,13 @@ use std::cmp::Reverse;
 use tern_proto::sched as pb;
 
 use super::assignments::Running;
+use super::ids::JobKey;
 use super::jobs::cancel_unfinished;
 use super::queues::enqueue;
 use super::{Policy, TaskState};
 
 impl Policy {
-    pub(super) fn start_stage(&mut self, key: u64, s: usize, now_ms: u64) {
+    pub(super) fn start_stage(&mut self, key: JobKey, s: usize, now_ms: u64) {
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = pb::JobState::Running;
         let stage = &mut job.stages[s];
@@ -33,7 +34,7 @@ impl Policy {
 
     pub(super) fn finish_stage(
         &mut self,
-        key: u64,
+        key: JobKey,
         s: usize,
         succeeded: bool,
         error: String,

@@ -6,6 +6,7 @@
 use tern_proto::sched as pb;
 
 use super::assignments::{Outcome, Running};
+use super::ids::JobKey;
 use super::jobs::{Task, MAX_STAGE_ERRORS};
 use super::{Policy, ScaleError, ScaleOutcome, StageInfo, TaskState};
 
@@ -167,7 +168,7 @@ impl Policy {
     /// Cancels jobs whose elastic stage's owner stopped calling ScaleStage for its lease.
     /// Returns how many. Cost: one look per leased job (few: one per running Spark application).
     pub fn expire_leases(&mut self, now_ms: u64, now_unix_ms: u64) -> u32 {
-        let expired: Vec<(u64, u64)> =
+        let expired: Vec<(JobKey, u64)> =
             self.leases.iter().filter(|(_, &(_, deadline))| deadline <= now_ms).map(|(&k, &(l, _))| (k, l)).collect();
         for &(key, lease) in &expired {
             let error = format!("its owner did not renew its lease for {lease} ms (the Spark driver is gone?)");

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use tern_proto::sched as pb;
 use tern_scheduler_api::Operator;
 
+use super::ids::JobKey;
 use super::{Event, JobInfo, Policy, Res, StageInfo, TaskState};
 use crate::spec::Dag;
 
@@ -16,7 +17,8 @@ pub(super) const MAX_STAGE_ERRORS: usize = 8;
 #[derive(Debug)]
 pub(super) struct Job {
     pub(super) info: JobInfo,
-    pub(super) seq: u64,
+    /// Its place in submission order (its key), the tie-break within a priority.
+    pub(super) seq: JobKey,
     pub(super) queue: usize,
     pub(super) state: pb::JobState,
     pub(super) error: String,
@@ -113,7 +115,7 @@ impl Policy {
             if info.queue.is_empty() { crate::spec::DEFAULT_QUEUE.to_string() } else { info.queue.clone() };
         let queue = self.queue_of(&queue_name);
         let key = self.next_job;
-        self.next_job += 1;
+        self.next_job = key.next();
         let mut built: Vec<Stage> = stages.into_iter().map(|info| self.new_stage(info)).collect();
         for (stage, &producer) in built.iter_mut().zip(&dag.producer) {
             stage.producer = producer;
@@ -220,7 +222,14 @@ impl Policy {
         }
     }
 
-    pub(super) fn finish_job(&mut self, key: u64, state: pb::JobState, error: String, now_ms: u64, now_unix_ms: u64) {
+    pub(super) fn finish_job(
+        &mut self,
+        key: JobKey,
+        state: pb::JobState,
+        error: String,
+        now_ms: u64,
+        now_unix_ms: u64,
+    ) {
         self.leases.remove(&key);
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = state;
