@@ -37,7 +37,7 @@ use tern_scheduler_api::Operator;
 
 use crate::config::Config;
 use crate::metrics::{Metrics, OutcomeLabel};
-use crate::policy::{Event, ExecutorSlot, JobInfo, Policy, PolicyConfig, Res, StageInfo};
+use crate::policy::{AssignmentId, Event, ExecutorSlot, JobInfo, Policy, PolicyConfig, Res, StageInfo};
 
 /// How often the ticker ends backoffs, reaps silent executors and refreshes gauges.
 const TICK: Duration = Duration::from_millis(10);
@@ -267,7 +267,7 @@ impl Shared {
                 }
                 Event::Cancel { executor, assignments } => {
                     if let Some(entry) = state.slots.get(&executor).and_then(|id| state.executors.get_mut(id)) {
-                        entry.cancels.extend(assignments);
+                        entry.cancels.extend(assignments.into_iter().map(AssignmentId::to_wire));
                         entry.wake.notify_one();
                     }
                 }

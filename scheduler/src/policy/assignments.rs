@@ -12,7 +12,7 @@ use tern_proto::sched as pb;
 
 use super::fit::take;
 use super::ids::JobKey;
-use super::{Event, ExecutorSlot, Policy, Res, TaskState};
+use super::{AssignmentId, Event, ExecutorSlot, Policy, Res, TaskState};
 
 /// Bytes of one task error kept.
 const MAX_ERROR_BYTES: usize = 4096;
@@ -52,7 +52,7 @@ impl Policy {
         gpus: Vec<(usize, u32)>,
     ) -> pb::Assignment {
         let id = self.next_assignment;
-        self.next_assignment += 1;
+        self.next_assignment = id.next();
         let executor = self.executors[slot.index()].as_mut().expect("live");
         take(executor, res, &gpus);
         let grants: Vec<pb::GpuGrant> = gpus
@@ -67,7 +67,7 @@ impl Policy {
         let attempt = task.runs;
         task.runs += 1;
         task.state = TaskState::Running;
-        task.assignment = id;
+        task.assignment = Some(id);
         stage.counts.queued -= 1;
         stage.counts.running += 1;
         stage.attempts += 1;
@@ -78,7 +78,7 @@ impl Policy {
             _ => String::new(),
         };
         let assignment = pb::Assignment {
-            assignment_id: id,
+            assignment_id: id.to_wire(),
             job_id: job.info.job_id.clone(),
             stage: spec.name.clone(),
             task_index: t,
@@ -117,7 +117,8 @@ impl Policy {
     /// Applies an executor's report of one assignment. Unknown ids (a cancelled or re-queued
     /// attempt reporting late) are ignored; returns false for them.
     pub fn report(&mut self, slot: ExecutorSlot, result: &pb::TaskResult, now_ms: u64, now_unix_ms: u64) -> bool {
-        let Some(run) = self.running.get(&result.assignment_id) else {
+        let id = AssignmentId::from_wire(result.assignment_id);
+        let Some(run) = self.running.get(&id) else {
             return false;
         };
         if run.executor != slot {
@@ -131,7 +132,7 @@ impl Policy {
             pb::TaskOutcome::Failed | pb::TaskOutcome::Unspecified => Outcome::Failed,
         };
         let message = cut_message(&result.message, MAX_ERROR_BYTES).to_string();
-        self.finish_assignment(result.assignment_id, outcome, &message, &result.path, now_ms, now_unix_ms);
+        self.finish_assignment(id, outcome, &message, &result.path, now_ms, now_unix_ms);
         true
     }
 
@@ -139,7 +140,7 @@ impl Policy {
     /// decides what becomes of its task (the stage may finish, the task may run again).
     pub(super) fn finish_assignment(
         &mut self,
-        id: u64,
+        id: AssignmentId,
         outcome: Outcome,
         message: &str,
         path: &str,
@@ -193,9 +194,9 @@ impl Policy {
     }
 
     /// Sends Cancel events for running assignments (by executor) and frees their resources.
-    pub(super) fn cancel_assignments(&mut self, mut ids: Vec<u64>) {
+    pub(super) fn cancel_assignments(&mut self, mut ids: Vec<AssignmentId>) {
         ids.sort_unstable();
-        let mut by_executor: BTreeMap<ExecutorSlot, Vec<u64>> = BTreeMap::new();
+        let mut by_executor: BTreeMap<ExecutorSlot, Vec<AssignmentId>> = BTreeMap::new();
         for id in ids {
             if let Some(run) = self.running.remove(&id) {
                 self.release(&run);

@@ -134,8 +134,13 @@ mod tests {
         p.report(e, &result(&got[2], pb::TaskOutcome::Succeeded), 0, 1);
         assert_eq!(p.job_state("j"), Some(pb::JobState::Succeeded));
         let events = p.take_events();
-        assert!(events
-            .contains(&Event::Cancel { executor: e, assignments: vec![got[3].assignment_id, got[4].assignment_id] }));
+        assert!(events.contains(&Event::Cancel {
+            executor: e,
+            assignments: vec![
+                AssignmentId::from_wire(got[3].assignment_id),
+                AssignmentId::from_wire(got[4].assignment_id)
+            ]
+        }));
         assert!(events.contains(&Event::JobFinished { job_id: "j".into(), state: pb::JobState::Succeeded }));
         assert_eq!(p.executor_running(e), 0, "cancelled tasks free their resources");
         assert!(!p.report(e, &result(&got[3], pb::TaskOutcome::Succeeded), 0, 1), "late results are ignored");

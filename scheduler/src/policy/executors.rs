@@ -3,7 +3,7 @@
 //! without counting a failure; its slot is reused by the next executor to join.
 
 use super::assignments::Outcome;
-use super::{ExecutorSlot, Policy, Res};
+use super::{AssignmentId, ExecutorSlot, Policy, Res};
 use crate::spec::MILLI;
 use tern_proto::sched as pb;
 use tern_scheduler_api::Operator;
@@ -89,7 +89,8 @@ impl Policy {
             }
         }
         // Its outbox and running tasks: collect the assignments placed there.
-        let mine: Vec<u64> = self.running.iter().filter(|(_, r)| r.executor == slot).map(|(&id, _)| id).collect();
+        let mine: Vec<AssignmentId> =
+            self.running.iter().filter(|(_, r)| r.executor == slot).map(|(&id, _)| id).collect();
         let count = mine.len() as u32;
         let mut sorted = mine;
         sorted.sort_unstable();

@@ -1,7 +1,8 @@
-//! The ids the policy mints for its own bookkeeping: job keys and executor slots. Each is a
-//! newtype with a private field, so a job key cannot be passed where a slot is meant, and only the
-//! policy makes one (a job key when a job is added, a slot when an executor joins); the server
-//! holds slots as opaque handles and maps its executor ids to them.
+//! The ids the policy mints: job keys, executor slots and assignment ids. Each is a newtype with
+//! a private field, so one cannot be passed where another is meant, and only the policy makes one
+//! (a job key when a job is added, a slot when an executor joins, an assignment id when a task is
+//! launched); the server holds slots as opaque handles and maps its executor ids to them. An
+//! assignment id crosses the wire, and is taken back from it at one named edge.
 
 /// A job as the policy keys it: minted in submission order by [`Policy::add_job`], so ordering
 /// keys orders jobs by submission (the tie-break within a priority, and the order of listings).
@@ -38,6 +39,33 @@ impl ExecutorSlot {
 
     /// Its index in the policy's executor table.
     pub(super) fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// One run of a task on an executor: minted by the policy when it launches the task (never 0, and
+/// never reused while the policy lives), sent to the executor as `assignment_id`, named back in the
+/// executor's report and in the cancels the server sends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AssignmentId(u64);
+
+impl AssignmentId {
+    /// The first id a policy hands out (0 is left unused on the wire).
+    pub(super) const FIRST: AssignmentId = AssignmentId(1);
+
+    /// The id minted after this one.
+    pub(super) fn next(self) -> AssignmentId {
+        AssignmentId(self.0 + 1)
+    }
+
+    /// The id an executor names in a report (the wire edge); unknown ids are ignored by the
+    /// policy, so any number is safe here.
+    pub fn from_wire(id: u64) -> AssignmentId {
+        AssignmentId(id)
+    }
+
+    /// The id as the wire carries it.
+    pub fn to_wire(self) -> u64 {
         self.0
     }
 }

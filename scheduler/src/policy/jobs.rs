@@ -8,7 +8,7 @@ use tern_proto::sched as pb;
 use tern_scheduler_api::Operator;
 
 use super::ids::JobKey;
-use super::{Event, JobInfo, Policy, Res, StageInfo, TaskState};
+use super::{AssignmentId, Event, JobInfo, Policy, Res, StageInfo, TaskState};
 use crate::spec::Dag;
 
 /// Task errors kept per stage.
@@ -79,8 +79,8 @@ pub(super) struct Task {
     pub(super) memory_bytes: u64,
     /// When it last became queued (for the locality wait).
     pub(super) queued_at_ms: u64,
-    /// Its running assignment, if running.
-    pub(super) assignment: u64,
+    /// Its running assignment, if running (set at launch; read only while it runs).
+    pub(super) assignment: Option<AssignmentId>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -175,7 +175,7 @@ impl Policy {
                     failures: 0,
                     memory_bytes: needs.memory_bytes,
                     queued_at_ms: 0,
-                    assignment: 0
+                    assignment: None
                 };
                 n as usize
             ],
@@ -255,12 +255,17 @@ impl Policy {
 }
 
 /// Queued and backoff tasks become cancelled; running ones are collected to be told to stop.
-pub(super) fn cancel_unfinished(stage: &mut Stage, running: &mut Vec<u64>, backlog: &mut u64, backoff: &mut u64) {
+pub(super) fn cancel_unfinished(
+    stage: &mut Stage,
+    running: &mut Vec<AssignmentId>,
+    backlog: &mut u64,
+    backoff: &mut u64,
+) {
     for task in &mut stage.tasks {
         match task.state {
             TaskState::Queued => *backlog -= 1,
             TaskState::Backoff => *backoff -= 1,
-            TaskState::Running => running.push(task.assignment),
+            TaskState::Running => running.extend(task.assignment),
             TaskState::Waiting => {}
             TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled => continue,
         }

@@ -22,7 +22,7 @@
 
 //!
 //! Where each decision lives (each file adds an `impl Policy` block for its concern):
-//! - `ids`: the ids the policy mints: job keys and executor slots.
+//! - `ids`: the ids the policy mints: job keys, executor slots, assignment ids.
 //! - `executors`: the executor registry: executors join with their capacity, leave or are lost.
 //! - `queues`: which queue, job and stage an executor's next task comes from (fair share,
 //!   priority, submission), and the ready lists that keep that cheap.
@@ -47,8 +47,8 @@ use tern_proto::sched as pb;
 
 use assignments::Running;
 use executors::Executor;
-pub use ids::ExecutorSlot;
 use ids::JobKey;
+pub use ids::{AssignmentId, ExecutorSlot};
 use jobs::Job;
 use queues::Queue;
 
@@ -181,7 +181,7 @@ pub enum Event {
     /// The job finished (succeeded, failed or cancelled): end its Tern job.
     JobFinished { job_id: String, state: pb::JobState },
     /// Tell this executor to stop these assignments.
-    Cancel { executor: ExecutorSlot, assignments: Vec<u64> },
+    Cancel { executor: ExecutorSlot, assignments: Vec<AssignmentId> },
 }
 
 /// Counts for PoolStatus and metrics.
@@ -223,8 +223,8 @@ pub struct Policy {
     jobs: HashMap<JobKey, Job>,
     job_keys: HashMap<String, JobKey>,
     next_job: JobKey,
-    running: HashMap<u64, Running>,
-    next_assignment: u64,
+    running: HashMap<AssignmentId, Running>,
+    next_assignment: AssignmentId,
     /// (due ms, job, stage, task) of tasks in backoff.
     backoff: BinaryHeap<Reverse<(u64, JobKey, usize, u32)>>,
     backlog: u64,
@@ -252,7 +252,7 @@ impl Policy {
             job_keys: HashMap::new(),
             next_job: JobKey::FIRST,
             running: HashMap::new(),
-            next_assignment: 1,
+            next_assignment: AssignmentId::FIRST,
             backoff: BinaryHeap::new(),
             backlog: 0,
             backoff_count: 0,

@@ -3,7 +3,7 @@
 
 pub(super) use tern_proto::sched as pb;
 
-pub(super) use super::{Event, ExecutorSlot, Policy, PolicyConfig, ScaleError};
+pub(super) use super::{AssignmentId, Event, ExecutorSlot, Policy, PolicyConfig, ScaleError};
 use super::{JobInfo, Res, StageInfo};
 pub(super) use crate::spec::MILLI;
 use crate::spec::{validate, SpecLimits};
