@@ -4,6 +4,8 @@
 //! ones), and random bytes. Every case must decode to the frame sent or be refused with the right
 //! error, never panic, never read past a refused header's length.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{batches, BatchHeader, FetchRequest, PushHeader, SegmentAddress, MAX_FETCH_MAPS};

@@ -3,6 +3,7 @@
 //! the black-box tests' business (tests/ at the root).
 
 #![expect(clippy::disallowed_methods, reason = "a black-box test times real waits on a real server")]
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
 
 use std::time::{Duration, Instant};
 

@@ -6,6 +6,8 @@
 //! case gets whole reply frames (errors with a kind and a message) or a clean close, and the
 //! server serves a good request afterwards.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::time::Duration;
 
 use bytes::Bytes;

@@ -1,6 +1,8 @@
 //! The block service over real TCP on loopback, without a metadata server: a store served by
 //! `serve_blocks`, spoken to with real frames.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 

@@ -1,5 +1,7 @@
 //! The block service over QUIC and TCP at once: the same frames on both, one connection limit.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::sync::Arc;
 use std::time::Duration;
 

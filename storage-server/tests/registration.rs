@@ -2,6 +2,8 @@
 //! retries, heartbeats carrying frees (of blocks and shuffles) and their acknowledgement,
 //! re-registration, metrics, shutdown.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

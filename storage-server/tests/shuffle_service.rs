@@ -1,6 +1,8 @@
 //! Push and Fetch over real TCP on loopback, without a metadata server: a store served by
 //! `serve_blocks`, spoken to with real frames.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
 use tern_proto::shuffle::{batches, FetchRequest, FETCH_DONE, PUSH_HEADER_LEN};
