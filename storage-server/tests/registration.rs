@@ -164,7 +164,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let registry = serve_registry(TcpListener::bind(metadata_port).await.unwrap()).await;
     let server = starting.await.unwrap().unwrap();
-    assert_eq!(server.server_id(), tern_proto::ServerId(1));
+    assert_eq!(server.server_id(), tern_proto::ServerId::from_wire(1));
     {
         let state = registry.0.lock();
         let registration = &state.registrations[0];
@@ -223,7 +223,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     // from the same process, and reports what it holds; nothing is dropped before the metadata
     // server says so.
     registry.0.lock().reregister_next = true;
-    eventually("the server registers again", || server.server_id() == tern_proto::ServerId(2)).await;
+    eventually("the server registers again", || server.server_id() == tern_proto::ServerId::from_wire(2)).await;
     assert_eq!(&call(&mut s, &Frame::read(12, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
     call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap();
     eventually("heartbeats come from the new id", || {

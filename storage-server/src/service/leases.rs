@@ -253,7 +253,7 @@ pub(super) async fn lease(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
             format!("{h}: Lease is served only to clients on the server's own host (its local socket) or over RDMA");
         return refuse(rd, h, ErrorKind::Invalid, &message).await;
     }
-    let block = BlockId::from(h.block_id);
+    let block = BlockId::from_wire(h.block_id);
     let view = match conn.store.tier(block) {
         Ok(TierRef::Dram(dram)) => dram.read_published(block, conn.store.server_id()),
         Ok(TierRef::Nvme(_)) => {

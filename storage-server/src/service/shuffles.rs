@@ -16,7 +16,7 @@ use crate::shuffle::{SegmentId, ShuffleError};
 pub(super) const MAX_FETCH_REQUEST_BYTES: u32 = 8 + 8 * MAX_FETCH_MAPS as u32;
 
 fn segment_of(h: &Header) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(h.block_id), partition: h.offset, index: h.length }
+    SegmentId { shuffle: ShuffleId::from_wire(h.block_id), partition: h.offset, index: h.length }
 }
 
 fn shuffle_error(h: &Header, e: &ShuffleError) -> Frame {

@@ -68,7 +68,7 @@ impl ExtentRecord {
             return None;
         }
         let record = ExtentRecord {
-            segment: SegmentId { shuffle: ShuffleId(u64_at(0)), partition: u32_at(8), index: u32_at(12) },
+            segment: SegmentId { shuffle: ShuffleId::from_wire(u64_at(0)), partition: u32_at(8), index: u32_at(12) },
             class: StorageClass::from_code(entry[36])?,
             ordinal: u32_at(16),
             extents: u32_at(20),

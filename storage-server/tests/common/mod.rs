@@ -32,7 +32,7 @@ impl Drop for Server {
 /// A block service of `blocks` blocks of `BS` bytes, as storage server 3.
 pub async fn serve(blocks: u64, limits: Limits) -> Server {
     let store = Arc::new(BlockStore::new(BS, blocks * BS as u64).unwrap());
-    store.set_server_id(tern_proto::ServerId(3));
+    store.set_server_id(tern_proto::ServerId::from_wire(3));
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
