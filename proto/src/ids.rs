@@ -144,9 +144,64 @@ impl fmt::Display for BlockId {
     }
 }
 
+// Shuffle indexes: where a map's output sits in a shuffle. Kept apart from the u64 ids above:
+// they are u32 on the wire, and name a place within one shuffle rather than a thing in the
+// cluster.
+
+/// Plain shuffle indexes: a newtype over the wire's `u32`, printed as the number. There is no
+/// `From<u32>`: a bare number becomes an index only where it is read off the wire (or given by
+/// the application), through `from_wire`.
+macro_rules! shuffle_index {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(u32);
+
+        impl $name {
+            /// The index a frame, payload or gRPC message carries (or an application names).
+            pub const fn from_wire(raw: u32) -> Self {
+                $name(raw)
+            }
+
+            /// The index as the wire carries it.
+            pub const fn get(self) -> u32 {
+                self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(&self.0, f)
+            }
+        }
+    };
+}
+
+shuffle_index!(
+    /// A reduce partition of a shuffle, 0 up to the partitions it was registered with.
+    PartitionIndex
+);
+shuffle_index!(
+    /// A map task of a shuffle: whose output a batch is. Reads ask for maps in ascending order.
+    MapIndex
+);
+shuffle_index!(
+    /// One run of a map task: several may push (retries, speculative copies); the first to
+    /// commit is the map's output, and readers ask for exactly that attempt's batches.
+    MapAttempt
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shuffle_indexes_round_trip_the_wire() {
+        assert_eq!(PartitionIndex::from_wire(7).get(), 7);
+        assert_eq!(MapIndex::from_wire(u32::MAX).get(), u32::MAX);
+        assert!(MapIndex::from_wire(2) < MapIndex::from_wire(10), "maps order as their numbers");
+        assert_eq!(MapAttempt::from_wire(3).to_string(), "3");
+    }
 
     #[test]
     fn block_ids_name_their_tier() {

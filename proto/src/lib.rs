@@ -31,6 +31,8 @@ pub use error::{cut_message, ErrorKind};
 pub use ids::{BlockId, FileId, ServerId, ShuffleId, NVME_BLOCK_BIT};
 pub use tier::{StorageClass, Tier};
 
+pub use ids::{MapAttempt, MapIndex, PartitionIndex};
+
 /// Default cluster block size: 1 MiB.
 pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
 /// Largest block size a cluster may choose (and so the largest data frame).

@@ -34,7 +34,7 @@ use tern_proto::frame::{self, Frame, MAX_SLOT};
 use tern_proto::shuffle::{PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::token::Grant;
 use tern_proto::v1::{CopyBlock, CopyDone, CopySegment};
-use tern_proto::{BlockId, ShuffleId, StorageClass};
+use tern_proto::{BlockId, PartitionIndex, ShuffleId, StorageClass};
 use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{Notify, Semaphore};
@@ -226,8 +226,8 @@ impl Copier {
 
     /// Copies a segment whole (see the module docs); returns the bytes of its batches.
     async fn copy_segment(&self, task: &CopySegment) -> anyhow::Result<u64> {
-        let id =
-            SegmentId { shuffle: ShuffleId::from_wire(task.shuffle_id), partition: task.partition, index: task.index };
+        let partition = PartitionIndex::from_wire(task.partition);
+        let id = SegmentId { shuffle: ShuffleId::from_wire(task.shuffle_id), partition, index: task.index };
         let class: StorageClass = task.storage_class.parse().map_err(|e| anyhow!("{e}"))?;
         let grant: Grant =
             task.grant.as_slice().try_into().map_err(|_| anyhow!("a grant of {} bytes", task.grant.len()))?;
@@ -244,7 +244,7 @@ impl Copier {
                 payload.put_slice(&PushHeader { map: header.map, attempt: header.attempt, class }.encode());
                 payload.put_slice(&bytes);
                 let request = conn.take_id();
-                let push = Frame::push(request, task.shuffle_id, task.partition, task.index, payload.freeze());
+                let push = Frame::push(request, id, payload.freeze());
                 let reply = conn.call(push.authorized(slot, grant), max_payload).await?;
                 copied += bytes.len() as u64;
                 let size = u64::from(reply.header.length);

@@ -26,8 +26,8 @@ use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, HeldSegment, RegisterServerRequest, RegisterServerResponse,
     ReportInventoryRequest, TierUsage,
 };
-use tern_proto::ErrorKind;
 use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
+use tern_proto::{ErrorKind, PartitionIndex};
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
 
@@ -105,7 +105,7 @@ fn inventory_pages(server_id: u64, inventory: Inventory) -> Vec<ReportInventoryR
     let mut blocks = inventory.blocks.into_iter().map(u64::from).peekable();
     let mut shuffles = inventory.shuffles.into_iter().map(u64::from).peekable();
     let mut segments = (inventory.segments.into_iter())
-        .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition, index: s.index })
+        .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition.get(), index: s.index })
         .peekable();
     let mut pages = Vec::new();
     loop {
@@ -247,7 +247,7 @@ impl Session {
         let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId::from_wire(id)));
         let single = reply.free_segments.iter().map(|s| SegmentId {
             shuffle: ShuffleId::from_wire(s.shuffle_id),
-            partition: s.partition,
+            partition: PartitionIndex::from_wire(s.partition),
             index: s.index,
         });
         let segments = segments + store.free_segments(single);
@@ -497,8 +497,9 @@ impl Heartbeater {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shuffle::test_wire::{pushed_by, wanted};
     use crate::shuffle::SegmentId;
-    use tern_proto::shuffle::{FetchRequest, PushHeader};
+    use tern_proto::shuffle::FetchRequest;
     use tern_proto::StorageClass;
 
     fn store_with(ids: &[u64]) -> BlockStore {
@@ -525,13 +526,12 @@ mod tests {
     }
 
     fn push(store: &BlockStore, shuffle: u64, partition: u32) {
-        let segment = SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition, index: 0 };
-        futures::executor::block_on(store.push(
-            segment,
-            PushHeader { map: 0, attempt: 0, class: StorageClass::Any },
-            b"batch",
-        ))
-        .unwrap();
+        let segment = SegmentId {
+            shuffle: ShuffleId::from_wire(shuffle),
+            partition: PartitionIndex::from_wire(partition),
+            index: 0,
+        };
+        futures::executor::block_on(store.push(segment, pushed_by(0, 0, StorageClass::Any), b"batch")).unwrap();
     }
 
     #[test]
@@ -579,11 +579,12 @@ mod tests {
         assert_eq!(store.shuffle_segments(), 1);
         // Resent (the ack was lost): nothing more to do, nothing comes back.
         assert_eq!(session.apply(&both, &store), freed(0, 0));
-        let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
+        let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: wanted(&[(0, 0)]) };
         let fetch_of = |shuffle| {
-            futures::executor::block_on(
-                store.fetch(SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: 0, index: 0 }, &fetch),
-            )
+            futures::executor::block_on(store.fetch(
+                SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(0), index: 0 },
+                &fetch,
+            ))
         };
         assert!(fetch_of(10).is_err());
         assert!(fetch_of(11).is_ok());
@@ -600,7 +601,7 @@ mod tests {
         // The metadata server decides what goes, from the inventory.
         let mut inventory = store.inventory();
         inventory.blocks.sort_unstable();
-        let segment = SegmentId { shuffle: ShuffleId::from_wire(4), partition: 0, index: 0 };
+        let segment = SegmentId { shuffle: ShuffleId::from_wire(4), partition: PartitionIndex::from_wire(0), index: 0 };
         let want = Inventory {
             blocks: vec![BlockId::from_wire(2), BlockId::from_wire(3)],
             shuffles: vec![ShuffleId::from_wire(4)],
@@ -621,7 +622,11 @@ mod tests {
             blocks: (1..=page as u64 + 1).map(BlockId::from_wire).collect(),
             shuffles: vec![ShuffleId::from_wire(9)],
             segments: (0..page as u32)
-                .map(|partition| SegmentId { shuffle: ShuffleId::from_wire(9), partition, index: 2 })
+                .map(|p| SegmentId {
+                    shuffle: ShuffleId::from_wire(9),
+                    partition: PartitionIndex::from_wire(p),
+                    index: 2,
+                })
                 .collect(),
         };
         let pages = inventory_pages(3, inventory);

@@ -11,14 +11,14 @@ use parking_lot::Mutex;
 use tern_common::config::Serve;
 use tern_common::ByteSize;
 use tern_proto::frame::{self, Frame, Op, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{FetchRequest, PushHeader};
+use tern_proto::shuffle::{FetchRequest, PushHeader, SegmentAddress};
 use tern_proto::token::{GrantKind, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::registry_server::{Registry, RegistryServer};
 use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
     ReportInventoryResponse,
 };
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 use tern_storage::{start, Config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -113,8 +113,12 @@ fn config(metadata: SocketAddr) -> Config {
 async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
     let key = TokenKey::from_bytes(&KEY).unwrap();
     let h = request.header;
-    let kind = if matches!(h.op, Op::Push | Op::Fetch) { GrantKind::Shuffle } else { GrantKind::Block };
-    let request = request.clone().authorized(0, key.grant(kind, h.block_id, VOLUME_SERIAL));
+    let (kind, id) = if matches!(h.op, Op::Push | Op::Fetch) {
+        (GrantKind::Shuffle, h.segment_address().shuffle.get())
+    } else {
+        (GrantKind::Block, h.block_id)
+    };
+    let request = request.clone().authorized(0, key.grant(kind, id, VOLUME_SERIAL));
     call_raw(stream, &request).await
 }
 
@@ -124,14 +128,21 @@ async fn call_raw(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (Err
 }
 
 fn push(id: u64, segment: (u64, u32, u32), batch: &[u8]) -> Frame {
-    let mut payload = PushHeader { map: 0, attempt: 0, class: StorageClass::Any }.encode().to_vec();
+    let (map, attempt) = (MapIndex::from_wire(0), MapAttempt::from_wire(0));
+    let mut payload = PushHeader { map, attempt, class: StorageClass::Any }.encode().to_vec();
     payload.extend_from_slice(batch);
-    Frame::push(id, segment.0, segment.1, segment.2, Bytes::from(payload))
+    Frame::push(id, address(segment), Bytes::from(payload))
 }
 
 fn fetch(id: u64, segment: (u64, u32, u32)) -> Frame {
-    let request = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
-    Frame::fetch(id, segment.0, segment.1, segment.2, request.encode())
+    let maps = vec![(MapIndex::from_wire(0), MapAttempt::from_wire(0))];
+    let request = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps };
+    Frame::fetch(id, address(segment), request.encode())
+}
+
+/// Segment `index` of partition `partition` of shuffle `shuffle`, as Push and Fetch address it.
+fn address((shuffle, partition, index): (u64, u32, u32)) -> SegmentAddress {
+    SegmentAddress { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 /// Polls `check` until it holds, for up to 10 s.

@@ -5,18 +5,19 @@
 use std::sync::Arc;
 
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
-use tern_proto::shuffle::{batches, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
-use tern_proto::{ErrorKind, ServerId, ShuffleId, StorageClass};
+use tern_proto::shuffle::{batches, FetchRequest, BATCH_HEADER_LEN, FETCH_DONE};
+use tern_proto::{ErrorKind, MapIndex, PartitionIndex, ServerId, ShuffleId, StorageClass};
 
 use super::free::FREED_REMEMBERED;
 use super::push::MIN_BYTES_PER_BATCH;
+use super::test_wire::{pushed_by, wanted, written_by};
 use super::{max_batch_bytes, FetchPage, PageLayout, SegmentId, ShuffleError};
 use crate::store::BlockStore;
 
 const BS: u32 = 4096;
 
 fn seg(shuffle: u64, partition: u32, index: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition, index }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
@@ -24,7 +25,7 @@ fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
 }
 
 fn push(store: &BlockStore, id: SegmentId, map: u32, attempt: u32, batch: &[u8]) -> Result<u64, ShuffleError> {
-    futures::executor::block_on(store.push(id, PushHeader { map, attempt, class: StorageClass::Any }, batch))
+    futures::executor::block_on(store.push(id, pushed_by(map, attempt, StorageClass::Any), batch))
 }
 
 fn fetch(store: &BlockStore, id: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
@@ -32,7 +33,7 @@ fn fetch(store: &BlockStore, id: SegmentId, request: &FetchRequest) -> Result<Fe
 }
 
 fn request(cursor: u32, max_bytes: u32, maps: &[(u32, u32)]) -> FetchRequest {
-    FetchRequest { cursor, max_bytes, maps: maps.to_vec() }
+    FetchRequest { cursor, max_bytes, maps: wanted(maps) }
 }
 
 /// Every batch of a page, checked against its crc.
@@ -42,7 +43,8 @@ fn parse(page: &FetchPage) -> Vec<(u32, u32, Vec<u8>)> {
             let (header, bytes) = batch.unwrap();
             assert_eq!(header.crc, crc32c::crc32c(&bytes));
             assert_eq!(header.len as usize, bytes.len());
-            (header.map, header.attempt, bytes.to_vec())
+            let (map, attempt) = written_by(&header);
+            (map, attempt, bytes.to_vec())
         })
         .collect();
     assert_eq!(parsed.len(), page.batches as usize);
@@ -330,10 +332,10 @@ fn corruption_at_rest_names_the_map() {
     push(&store, id, 0, 0, b"map zero").unwrap();
     push(&store, id, 1, 3, b"map one").unwrap();
     push(&store, id, 2, 0, b"map two").unwrap();
-    store.shuffles().corrupt(id, 1);
+    store.shuffles().corrupt(id, MapIndex::from_wire(1));
     let err = fetch(&store, id, &request(0, u32::MAX, &[(0, 0), (1, 3), (2, 0)])).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt);
-    assert!(matches!(err, ShuffleError::Corrupt { map: 1, attempt: 3, .. }), "{err}");
+    assert!(matches!(err, ShuffleError::Corrupt { map, attempt, .. } if (map.get(), attempt.get()) == (1, 3)), "{err}");
     let message = err.to_string();
     assert!(message.contains("shuffle 6 partition 2 segment 0") && message.contains("recompute map 1"), "{message}");
     // The rest of the segment is still served.
