@@ -170,7 +170,7 @@ impl Client {
         let block_size = self.block_size().await?;
         Ok(Shuffle {
             client: self.clone(),
-            id: ShuffleId::from(reply.shuffle_id),
+            id: ShuffleId::from_wire(reply.shuffle_id),
             job: job_id.to_string(),
             grant: reply.grant,
             partitions,

@@ -148,7 +148,7 @@ impl Header {
     pub fn segment_address(&self) -> SegmentAddress {
         debug_assert!(matches!(self.op, Op::Push | Op::Fetch), "{:?} frames address no segment", self.op);
         SegmentAddress {
-            shuffle: ShuffleId::from(self.block_id),
+            shuffle: ShuffleId::from_wire(self.block_id),
             partition: PartitionIndex::from_wire(self.offset),
             index: self.length,
         }
@@ -719,7 +719,7 @@ mod tests {
     #[tokio::test]
     async fn segment_addresses_round_trip_in_the_block_header_fields() {
         let segment =
-            SegmentAddress { shuffle: ShuffleId::from(42), partition: PartitionIndex::from_wire(7), index: 3 };
+            SegmentAddress { shuffle: ShuffleId::from_wire(42), partition: PartitionIndex::from_wire(7), index: 3 };
         let push = round_trip(&Frame::push(1, segment, Bytes::from_static(b"batch"))).await;
         let fetch = round_trip(&Frame::fetch(2, segment, Bytes::from_static(b"request"))).await;
         assert_eq!((push.header.op, push.header.segment_address()), (Op::Push, segment));

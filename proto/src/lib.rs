@@ -28,7 +28,7 @@ pub mod sched {
 }
 
 pub use error::{cut_message, ErrorKind};
-pub use ids::{BlockId, ServerId, ShuffleId, NVME_BLOCK_BIT};
+pub use ids::{BlockId, FileId, ServerId, ShuffleId, NVME_BLOCK_BIT};
 pub use tier::{StorageClass, Tier};
 
 pub use ids::{MapAttempt, MapIndex, PartitionIndex};

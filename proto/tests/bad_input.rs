@@ -30,7 +30,7 @@ impl Draw for Rng {
 /// A segment of shuffle `block`, its partition and index drawn in that order.
 fn segment(rng: &mut Rng, block: u64) -> SegmentAddress {
     let partition = PartitionIndex::from_wire(rng.next_u64() as u32);
-    SegmentAddress { shuffle: ShuffleId::from(block), partition, index: rng.next_u64() as u32 }
+    SegmentAddress { shuffle: ShuffleId::from_wire(block), partition, index: rng.next_u64() as u32 }
 }
 
 /// `(map, attempt)` pairs drawn as plain numbers, typed as a Fetch lists them.

@@ -207,7 +207,7 @@ impl Copier {
     }
 
     async fn copy(&self, task: &CopyBlock) -> anyhow::Result<u64> {
-        let block = BlockId::from(task.block_id);
+        let block = BlockId::from_wire(task.block_id);
         let server = self.store.server_id();
         let (data, _) = match self.store.tier(block)? {
             TierRef::Dram(tier) => tier.read(block, 0, task.length, server)?,
@@ -227,7 +227,7 @@ impl Copier {
     /// Copies a segment whole (see the module docs); returns the bytes of its batches.
     async fn copy_segment(&self, task: &CopySegment) -> anyhow::Result<u64> {
         let partition = PartitionIndex::from_wire(task.partition);
-        let id = SegmentId { shuffle: ShuffleId(task.shuffle_id), partition, index: task.index };
+        let id = SegmentId { shuffle: ShuffleId::from_wire(task.shuffle_id), partition, index: task.index };
         let class: StorageClass = task.storage_class.parse().map_err(|e| anyhow!("{e}"))?;
         let grant: Grant =
             task.grant.as_slice().try_into().map_err(|_| anyhow!("a grant of {} bytes", task.grant.len()))?;

@@ -127,7 +127,7 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
 /// and index each 0 or 1, read in that order.
 fn segment(s: &mut Script<'_>, block: u64) -> SegmentAddress {
     let partition = PartitionIndex::from_wire(u32::from(s.byte() % 2));
-    SegmentAddress { shuffle: ShuffleId::from(block), partition, index: u32::from(s.byte() % 2) }
+    SegmentAddress { shuffle: ShuffleId::from_wire(block), partition, index: u32::from(s.byte() % 2) }
 }
 
 fn reseal(raw: &mut [u8]) {
@@ -237,7 +237,7 @@ pub struct Exchange {
 /// Panics with the reason when a check of the module doc fails. Runs on the caller's runtime.
 pub async fn serve_script(wire: &[u8]) -> Exchange {
     let store = Arc::new(BlockStore::new(FUZZ_BLOCK_SIZE, FUZZ_BLOCKS * u64::from(FUZZ_BLOCK_SIZE)).expect("a store"));
-    store.set_server_id(tern_proto::ServerId(1));
+    store.set_server_id(tern_proto::ServerId::from_wire(1));
     let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
     let (connect, incoming) = mpsc::channel(2);
     let limits = Limits { max_connections: 4, max_in_flight_per_connection: 4 };

@@ -243,10 +243,10 @@ impl Session {
         if reply.reregister {
             return Outcome::Reregister;
         }
-        let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from(id)));
-        let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId(id)));
+        let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from_wire(id)));
+        let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId::from_wire(id)));
         let single = reply.free_segments.iter().map(|s| SegmentId {
-            shuffle: ShuffleId(s.shuffle_id),
+            shuffle: ShuffleId::from_wire(s.shuffle_id),
             partition: PartitionIndex::from_wire(s.partition),
             index: s.index,
         });
@@ -334,7 +334,7 @@ impl Heartbeater {
         readiness: Readiness,
         copier: Arc<Copier>,
     ) -> Heartbeater {
-        store.set_server_id(ServerId(registered.server_id));
+        store.set_server_id(ServerId::from_wire(registered.server_id));
         Heartbeater {
             client,
             metadata,
@@ -482,7 +482,7 @@ impl Heartbeater {
                 self.store.block_size()
             );
         }
-        self.store.set_server_id(ServerId(registered.server_id));
+        self.store.set_server_id(ServerId::from_wire(registered.server_id));
         // A metadata server that lost its directory signs with a new key.
         if let Err(e) = take_key(&self.store, &registered) {
             tracing::error!("{e:#}");
@@ -505,7 +505,7 @@ mod tests {
     fn store_with(ids: &[u64]) -> BlockStore {
         let store = BlockStore::new(4096, 16 * 4096).unwrap();
         for id in ids {
-            let mut pending = store.dram().begin_write(BlockId::from(*id), 0, 1).unwrap();
+            let mut pending = store.dram().begin_write(BlockId::from_wire(*id), 0, 1).unwrap();
             pending.buf()[0] = 1;
             pending.commit(crc32c::crc32c(&[1])).unwrap();
         }
@@ -522,12 +522,15 @@ mod tests {
 
     /// The first byte of a DRAM block.
     fn read(store: &BlockStore, block: u64) -> Result<(bytes::Bytes, u32), crate::StoreError> {
-        store.dram().read(BlockId::from(block), 0, 1, ServerId(0))
+        store.dram().read(BlockId::from_wire(block), 0, 1, ServerId::from_wire(0))
     }
 
     fn push(store: &BlockStore, shuffle: u64, partition: u32) {
-        let segment =
-            SegmentId { shuffle: ShuffleId(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 };
+        let segment = SegmentId {
+            shuffle: ShuffleId::from_wire(shuffle),
+            partition: PartitionIndex::from_wire(partition),
+            index: 0,
+        };
         futures::executor::block_on(store.push(segment, pushed_by(0, 0, StorageClass::Any), b"batch")).unwrap();
     }
 
@@ -579,7 +582,7 @@ mod tests {
         let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: wanted(&[(0, 0)]) };
         let fetch_of = |shuffle| {
             futures::executor::block_on(store.fetch(
-                SegmentId { shuffle: ShuffleId(shuffle), partition: PartitionIndex::from_wire(0), index: 0 },
+                SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(0), index: 0 },
                 &fetch,
             ))
         };
@@ -598,10 +601,10 @@ mod tests {
         // The metadata server decides what goes, from the inventory.
         let mut inventory = store.inventory();
         inventory.blocks.sort_unstable();
-        let segment = SegmentId { shuffle: ShuffleId(4), partition: PartitionIndex::from_wire(0), index: 0 };
+        let segment = SegmentId { shuffle: ShuffleId::from_wire(4), partition: PartitionIndex::from_wire(0), index: 0 };
         let want = Inventory {
-            blocks: vec![BlockId::from(2), BlockId::from(3)],
-            shuffles: vec![ShuffleId(4)],
+            blocks: vec![BlockId::from_wire(2), BlockId::from_wire(3)],
+            shuffles: vec![ShuffleId::from_wire(4)],
             segments: vec![segment],
         };
         assert_eq!(inventory, want);
@@ -616,10 +619,14 @@ mod tests {
             vec![ReportInventoryRequest { server_id: 3, last: true, ..Default::default() }]
         );
         let inventory = Inventory {
-            blocks: (1..=page as u64 + 1).map(BlockId::from).collect(),
-            shuffles: vec![ShuffleId(9)],
+            blocks: (1..=page as u64 + 1).map(BlockId::from_wire).collect(),
+            shuffles: vec![ShuffleId::from_wire(9)],
             segments: (0..page as u32)
-                .map(|p| SegmentId { shuffle: ShuffleId(9), partition: PartitionIndex::from_wire(p), index: 2 })
+                .map(|p| SegmentId {
+                    shuffle: ShuffleId::from_wire(9),
+                    partition: PartitionIndex::from_wire(p),
+                    index: 2,
+                })
                 .collect(),
         };
         let pages = inventory_pages(3, inventory);

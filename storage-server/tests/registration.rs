@@ -144,7 +144,7 @@ fn fetch(id: u64, segment: (u64, u32, u32)) -> Frame {
 
 /// Segment `index` of partition `partition` of shuffle `shuffle`, as Push and Fetch address it.
 fn address((shuffle, partition, index): (u64, u32, u32)) -> SegmentAddress {
-    SegmentAddress { shuffle: ShuffleId::from(shuffle), partition: PartitionIndex::from_wire(partition), index }
+    SegmentAddress { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 /// Polls `check` until it holds, for up to 10 s.
@@ -177,7 +177,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let registry = serve_registry(TcpListener::bind(metadata_port).await.unwrap()).await;
     let server = starting.await.unwrap().unwrap();
-    assert_eq!(server.server_id(), tern_proto::ServerId(1));
+    assert_eq!(server.server_id(), tern_proto::ServerId::from_wire(1));
     {
         let state = registry.0.lock();
         let registration = &state.registrations[0];
@@ -236,7 +236,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     // from the same process, and reports what it holds; nothing is dropped before the metadata
     // server says so.
     registry.0.lock().reregister_next = true;
-    eventually("the server registers again", || server.server_id() == tern_proto::ServerId(2)).await;
+    eventually("the server registers again", || server.server_id() == tern_proto::ServerId::from_wire(2)).await;
     assert_eq!(&call(&mut s, &Frame::read(12, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
     call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap();
     eventually("heartbeats come from the new id", || {

@@ -14,7 +14,7 @@ impl Shuffles {
     /// Checks a map attempt's commit; changes nothing. The answer when the map is committed
     /// already, `None` when this commit would record it (see [`Shuffles::commit`]).
     pub fn check_commit(&self, req: &CommitMapRequest) -> Result<Option<CommitMapResponse>, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let map_bound = if shuffle.maps > 0 { shuffle.maps } else { MAX_MAPS };
         if req.map_index >= map_bound {
             let what = if shuffle.maps > 0 { "the shuffle's declared maps" } else { "the most map indexes" };
@@ -74,8 +74,8 @@ impl Shuffles {
         if let Some(answer) = self.check_commit(req)? {
             return Ok(answer);
         }
-        let shuffle =
-            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
+        let shuffle_id = ShuffleId::from_wire(req.shuffle_id);
+        let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let attempt = MapAttempt::from_wire(req.attempt);
         let commit = MapCommit {
             attempt,
@@ -90,7 +90,7 @@ impl Shuffles {
 
     /// How many of `req.map_indexes` have a commit to forget; changes nothing.
     pub fn check_invalidate(&self, req: &InvalidateMapsRequest) -> Result<u32, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let maps: BTreeSet<MapIndex> = req
             .map_indexes
             .iter()
@@ -102,8 +102,8 @@ impl Shuffles {
 
     /// Forgets the commits of `req.map_indexes` (their data was lost), so new attempts can commit.
     pub fn invalidate(&mut self, req: &InvalidateMapsRequest) -> Result<InvalidateMapsResponse, Refusal> {
-        let shuffle =
-            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
+        let shuffle_id = ShuffleId::from_wire(req.shuffle_id);
+        let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let mut invalidated = 0u32;
         for map in &req.map_indexes {
             if shuffle.commits.remove(&MapIndex::from_wire(*map)).is_some() {

@@ -16,7 +16,7 @@ use crate::servers::Servers;
 impl Shuffles {
     /// The segments of a partition range and the committed outputs of a map range.
     pub fn locate(&self, req: &LocateShuffleRequest, servers: &Servers) -> Result<LocateShuffleResponse, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let partitions = shuffle.partitions.len() as u32;
         if req.start_partition > req.end_partition || req.start_map > req.end_map {
             return Err(invalid(format!(

@@ -69,7 +69,7 @@ impl ExtentRecord {
         }
         let record = ExtentRecord {
             segment: SegmentId {
-                shuffle: ShuffleId(u64_at(0)),
+                shuffle: ShuffleId::from_wire(u64_at(0)),
                 partition: PartitionIndex::from_wire(u32_at(8)),
                 index: u32_at(12),
             },

@@ -27,7 +27,7 @@ const BS: u32 = 4096;
 const BATCH: usize = 1000;
 
 fn seg(shuffle: u64, partition: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
 }
 
 fn data(id: SegmentId, n: u32) -> Vec<u8> {
@@ -113,7 +113,7 @@ async fn segments_wholly_on_nvme_come_back_after_a_restart_and_the_rest_do_not()
     }
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(store.inventory().segments, vec![whole]);
-    assert_eq!(store.inventory().shuffles, vec![ShuffleId(1)]);
+    assert_eq!(store.inventory().shuffles, vec![ShuffleId::from_wire(1)]);
     assert_eq!(fetch_all(&store, whole).await.unwrap(), expected(whole, 10), "byte for byte, in the same order");
     for lost in [dram, any, half] {
         assert_eq!(fetch_all(&store, lost).await, None, "{lost} had a part in DRAM");
@@ -127,7 +127,7 @@ async fn segments_wholly_on_nvme_come_back_after_a_restart_and_the_rest_do_not()
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(fetch_all(&store, whole).await.unwrap(), expected(whole, 11));
     // Freed, it is gone for good, and so are its slots.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 1);
     drop(store);
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(store.inventory().segments, vec![]);
@@ -290,7 +290,7 @@ async fn a_power_cut_at_any_point_never_brings_back_a_segment_short_of_an_acknow
         }
         if step == 4 {
             let begun = fs.ops();
-            assert_eq!(store.free_shuffles([ShuffleId(2)]), 1);
+            assert_eq!(store.free_shuffles([ShuffleId::from_wire(2)]), 1);
             answers.frees.push((begun, fs.ops(), 2));
         }
     }

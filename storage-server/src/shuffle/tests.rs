@@ -17,7 +17,7 @@ use crate::store::BlockStore;
 const BS: u32 = 4096;
 
 fn seg(shuffle: u64, partition: u32, index: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition: PartitionIndex::from_wire(partition), index }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
@@ -249,14 +249,14 @@ fn a_full_tier_refuses_pushes_naming_the_segment() {
     assert!(matches!(err, ShuffleError::Full { in_use: 2, total: 2, .. }), "{err}");
     assert_eq!(store.shuffle_segments(), 1);
     // File blocks and shuffles share the arena.
-    assert!(store.dram().begin_write(tern_proto::BlockId::from(1), 0, 1).is_err());
+    assert!(store.dram().begin_write(tern_proto::BlockId::from_wire(1), 0, 1).is_err());
     assert_eq!(fetch_all(&store, id, &[(0, 0)], u32::MAX).len(), 3);
 }
 
 #[test]
 fn freeing_a_shuffle_returns_its_slots() {
     let store = BlockStore::new(BS, 5 * BS as u64).unwrap();
-    store.set_server_id(ServerId(5));
+    store.set_server_id(ServerId::from_wire(5));
     for partition in 0..2 {
         push(&store, seg(1, partition, 0), 0, 0, &[7; 3000]).unwrap();
         push(&store, seg(1, partition, 0), 1, 0, &[8; 3000]).unwrap();
@@ -266,7 +266,7 @@ fn freeing_a_shuffle_returns_its_slots() {
     assert_eq!(store.dram().usage().used_blocks, 5);
     assert_eq!(store.dram().usage().used_bytes, 12013 + 5 * 16);
     assert_eq!(store.shuffle_segments(), 3);
-    assert_eq!(store.free_shuffles([1, 99].map(ShuffleId)), 2);
+    assert_eq!(store.free_shuffles([1, 99].map(ShuffleId::from_wire)), 2);
     assert_eq!(store.shuffle_segments(), 1);
     assert_eq!(store.dram().usage().used_blocks, 1);
     assert_eq!(store.dram().usage().used_bytes, 13 + 16);
@@ -275,13 +275,13 @@ fn freeing_a_shuffle_returns_its_slots() {
     assert_eq!(err.kind(), ErrorKind::NotFound);
     // A straggler's push cannot bring a freed shuffle back.
     let err = push(&store, seg(1, 0, 0), 2, 0, b"late").unwrap_err();
-    assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: ServerId(5) });
+    assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: ServerId::from_wire(5) });
     assert_eq!(err.kind(), ErrorKind::NotFound);
     let err = push(&store, seg(99, 0, 0), 0, 0, b"freed before its first push").unwrap_err();
     assert!(matches!(err, ShuffleError::Freed { .. }), "{err}");
     assert_eq!(fetch_all(&store, seg(2, 0, 0), &[(0, 0)], u32::MAX), vec![(0, 0, b"other shuffle".to_vec())]);
     // Freeing again is a no-op.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 0);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 0);
     // A re-registration drops everything and forgets the freed ids.
     assert_eq!(store.clear(), (0, 1));
     assert_eq!(
@@ -294,7 +294,7 @@ fn freeing_a_shuffle_returns_its_slots() {
 #[test]
 fn freed_ids_are_remembered_within_a_bound() {
     let store = BlockStore::new(BS, BS as u64).unwrap();
-    let ids: Vec<ShuffleId> = (0..FREED_REMEMBERED as u64 + 1).map(ShuffleId).collect();
+    let ids: Vec<ShuffleId> = (0..FREED_REMEMBERED as u64 + 1).map(ShuffleId::from_wire).collect();
     store.free_shuffles(ids.iter().copied());
     store.free_shuffles(ids[1..].iter().copied());
     // Shuffle 0 was forgotten first.

@@ -35,7 +35,7 @@ async fn store_of(block: u32, dram_blocks: u64, nvme_blocks: u64) -> (tempfile::
 }
 
 fn seg(shuffle: u64, partition: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
 }
 
 fn data(map: u32, n: u32) -> Vec<u8> {
@@ -105,7 +105,7 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
     assert_eq!(page.layout, crate::shuffle::PageLayout::Disk, "a page read from NVMe is never lent");
 
     // Freeing gives both tiers their slots back, once the reads ahead still under way are done.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 1);
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
     for _ in 0..100 {
         if blocks(&store) == (0, 0) {
@@ -164,7 +164,7 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
         }
         assert_eq!(fetch_all(&store, seg(1, p), 1, u32::MAX).await, want, "partition {p}");
     }
-    let all = [1, 2, 3, 4].map(ShuffleId);
+    let all = [1, 2, 3, 4].map(ShuffleId::from_wire);
     assert_eq!(store.free_shuffles(all), 200 + 1 + 24 + 1, "segments freed");
     assert_eq!(blocks(&store), (0, 0));
 }
@@ -258,7 +258,7 @@ async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_
     assert!(err.to_string().contains("both tiers are full: dram 2 of 2 blocks in use, nvme 2 of 2"), "{err}");
     assert!(pushed >= 9, "{pushed} batches before the refusal");
     assert_eq!(blocks(&store), (2, 2));
-    store.free_shuffles([ShuffleId(5)]);
+    store.free_shuffles([ShuffleId::from_wire(5)]);
     assert_eq!(blocks(&store), (0, 0));
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
     push(&store, seg(6, 0), StorageClass::Any, 0, 0).await.unwrap();
@@ -293,7 +293,7 @@ async fn a_file_block_written_while_any_shuffle_data_fills_dram_makes_room_on_nv
     }
     // Only `dram` shuffle data left in DRAM, beside the blocks: nothing may move, the write is
     // refused, naming the tier.
-    store.free_shuffles([ShuffleId(8)]);
+    store.free_shuffles([ShuffleId::from_wire(8)]);
     while store.dram().usage().used_blocks < 4 {
         push(&store, seg(9, 0), StorageClass::Dram, 0, pushed).await.unwrap();
         pushed += 1;
@@ -307,7 +307,7 @@ async fn a_file_block_written_while_any_shuffle_data_fills_dram_makes_room_on_nv
 async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
     let (_dir, store) = store(4, 8).await;
     for block in 0..4 {
-        let mut write = store.dram().begin_write(tern_proto::BlockId::from(block), 0, 10).unwrap();
+        let mut write = store.dram().begin_write(tern_proto::BlockId::from_wire(block), 0, 10).unwrap();
         write.buf().copy_from_slice(b"file bytes");
         write.commit(crc32c::crc32c(b"file bytes")).unwrap();
     }
@@ -332,7 +332,7 @@ async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
         assert_eq!(fetch_all(&store, seg(7, 1), 3, max_bytes).await, want, "pages of {max_bytes} bytes");
     }
     // Freed DRAM takes pushes again; the segment goes on in both tiers.
-    store.free((0..4).map(tern_proto::BlockId::from));
+    store.free((0..4).map(tern_proto::BlockId::from_wire));
     push(&store, seg(7, 1), StorageClass::Any, 0, 99).await.unwrap();
     assert_eq!(store.dram().usage().used_blocks, 1);
     want.insert(want.iter().position(|(map, _)| *map == 1).unwrap(), (0, data(0, 99)));

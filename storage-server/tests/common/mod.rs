@@ -19,7 +19,7 @@ pub const BS: u32 = 64 << 10;
 
 /// Segment `index` of partition `partition` of shuffle `shuffle`, as Push and Fetch address it.
 pub fn segment((shuffle, partition, index): (u64, u32, u32)) -> SegmentAddress {
-    SegmentAddress { shuffle: ShuffleId::from(shuffle), partition: PartitionIndex::from_wire(partition), index }
+    SegmentAddress { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 /// The header of a batch that attempt `attempt` of map `map` pushes to an `any` shuffle.
@@ -48,7 +48,7 @@ impl Drop for Server {
 /// A block service of `blocks` blocks of `BS` bytes, as storage server 3.
 pub async fn serve(blocks: u64, limits: Limits) -> Server {
     let store = Arc::new(BlockStore::new(BS, blocks * BS as u64).unwrap());
-    store.set_server_id(tern_proto::ServerId(3));
+    store.set_server_id(tern_proto::ServerId::from_wire(3));
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
