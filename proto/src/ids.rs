@@ -38,12 +38,6 @@ macro_rules! numeric_id {
             }
         }
 
-        impl From<$name> for u64 {
-            fn from(id: $name) -> u64 {
-                id.0
-            }
-        }
-
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 fmt::Display::fmt(&self.0, f)
@@ -130,12 +124,6 @@ impl BlockId {
     }
 }
 
-impl From<BlockId> for u64 {
-    fn from(id: BlockId) -> u64 {
-        id.0
-    }
-}
-
 impl fmt::Display for BlockId {
     /// `nvme:17` or `dram:17`: the tier and the index, so logs never show the tier bit as a
     /// 19-digit number.
@@ -219,7 +207,7 @@ mod tests {
     #[test]
     fn numeric_ids_round_trip_the_wire() {
         assert_eq!(ServerId::from_wire(7).get(), 7);
-        assert_eq!(u64::from(ShuffleId::from_wire(9)), 9);
+        assert_eq!(ShuffleId::from_wire(9).get(), 9);
         assert_eq!(ServerId::from_wire(3).to_string(), "3");
         assert_eq!(FileId::FIRST.next(), FileId::from_wire(2));
     }

@@ -102,8 +102,8 @@ pub(crate) async fn report_inventory(
 /// within the bound; the last one says so (an empty inventory is one empty last page).
 fn inventory_pages(server_id: u64, inventory: Inventory) -> Vec<ReportInventoryRequest> {
     let page = tern_proto::MAX_INVENTORY_PAGE;
-    let mut blocks = inventory.blocks.into_iter().map(u64::from).peekable();
-    let mut shuffles = inventory.shuffles.into_iter().map(u64::from).peekable();
+    let mut blocks = inventory.blocks.into_iter().map(BlockId::get).peekable();
+    let mut shuffles = inventory.shuffles.into_iter().map(ShuffleId::get).peekable();
     let mut segments = (inventory.segments.into_iter())
         .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition.get(), index: s.index })
         .peekable();
