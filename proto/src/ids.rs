@@ -9,38 +9,48 @@ use std::fmt;
 
 use crate::tier::Tier;
 
-/// Plain numeric ids: a newtype over the wire's `u64`, printed as the number.
-macro_rules! numeric_id {
-    ($(#[$doc:meta])* $name:ident) => {
+/// A newtype over the number the wire carries (`u64` ids, `u32` shuffle indexes), printed as the
+/// number. There is no `From`: a bare number becomes one only through `from_wire`, at an edge.
+macro_rules! wire_number {
+    ($(#[$doc:meta])* $name:ident($raw:ty)) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub struct $name(u64);
+        pub struct $name($raw);
 
         impl $name {
-            /// The first id the allocator hands out: ids start at 1, so 0 on the wire never
-            /// names one.
-            pub const FIRST: $name = $name(1);
-
-            /// The id a gRPC field, frame header or log record carries. The one way a number
-            /// becomes this id outside its allocator.
-            pub const fn from_wire(raw: u64) -> $name {
+            /// The number a gRPC field, frame header, payload or log record carries. The one way a
+            /// number becomes this type outside an allocator.
+            pub const fn from_wire(raw: $raw) -> $name {
                 $name(raw)
             }
 
-            /// The id as the wire carries it.
-            pub const fn get(self) -> u64 {
+            /// The number as the wire carries it.
+            pub const fn get(self) -> $raw {
                 self.0
-            }
-
-            /// The id the allocator hands out after this one.
-            pub const fn next(self) -> $name {
-                $name(self.0 + 1)
             }
         }
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 fmt::Display::fmt(&self.0, f)
+            }
+        }
+    };
+}
+
+/// Plain numeric ids, minted by an allocator: a `wire_number!` over `u64` that starts at 1.
+macro_rules! numeric_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        wire_number!($(#[$doc])* $name(u64));
+
+        impl $name {
+            /// The first id the allocator hands out: ids start at 1, so 0 on the wire never
+            /// names one.
+            pub const FIRST: $name = $name(1);
+
+            /// The id the allocator hands out after this one.
+            pub const fn next(self) -> $name {
+                $name(self.0 + 1)
             }
         }
     };
@@ -136,47 +146,18 @@ impl fmt::Display for BlockId {
 // they are u32 on the wire, and name a place within one shuffle rather than a thing in the
 // cluster.
 
-/// Plain shuffle indexes: a newtype over the wire's `u32`, printed as the number. There is no
-/// `From<u32>`: a bare number becomes an index only where it is read off the wire (or given by
-/// the application), through `from_wire`.
-macro_rules! shuffle_index {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub struct $name(u32);
-
-        impl $name {
-            /// The index a frame, payload or gRPC message carries (or an application names).
-            pub const fn from_wire(raw: u32) -> Self {
-                $name(raw)
-            }
-
-            /// The index as the wire carries it.
-            pub const fn get(self) -> u32 {
-                self.0
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                fmt::Display::fmt(&self.0, f)
-            }
-        }
-    };
-}
-
-shuffle_index!(
+wire_number!(
     /// A reduce partition of a shuffle, 0 up to the partitions it was registered with.
-    PartitionIndex
+    PartitionIndex(u32)
 );
-shuffle_index!(
+wire_number!(
     /// A map task of a shuffle: whose output a batch is. Reads ask for maps in ascending order.
-    MapIndex
+    MapIndex(u32)
 );
-shuffle_index!(
+wire_number!(
     /// One run of a map task: several may push (retries, speculative copies); the first to
     /// commit is the map's output, and readers ask for exactly that attempt's batches.
-    MapAttempt
+    MapAttempt(u32)
 );
 
 #[cfg(test)]
