@@ -6,8 +6,8 @@
 //! the grant and job token the metadata server gave, so the target checks it as it checks a
 //! client's write (crc, write-once, grant). A segment copy first closes the segment here to
 //! pushes (its partition has moved on; a writer that has not seen that yet is refused as by a
-//! full segment and moves on too),
-//! so the copy holds everything the segment ever will; then it reads the segment a page
+//! full segment and moves on too), so the copy holds everything the segment ever will; a segment
+//! no push ever reached is closed the same way and copied as what it is, empty. Then it reads the segment a page
 //! ([`SEGMENT_PAGE_BYTES`]) at a time, every batch of every map and attempt in the order a Fetch
 //! serves them, each checked against its stored crc, and pushes each batch to the target as a
 //! Push frame with its map and attempt, one at a time (the target appends in arrival order, so
@@ -231,7 +231,10 @@ impl Copier {
         let class: StorageClass = task.storage_class.parse().map_err(|e| anyhow!("{e}"))?;
         let grant: Grant =
             task.grant.as_slice().try_into().map_err(|_| anyhow!("a grant of {} bytes", task.grant.len()))?;
-        self.store.close_segment_for_copy(id).await?;
+        if !self.store.close_segment_for_copy(id).await? {
+            // Never pushed to: the target holding nothing of it is the same segment.
+            return Ok(0);
+        }
         let max_payload = self.store.block_size();
         let mut conn = self.checkout(&task.target_address).await?;
         let slot = conn.slot_for(&task.token, max_payload).await?;

@@ -223,8 +223,8 @@ impl BlockStore {
     }
 
     /// Closes a segment to pushes before it is copied to another server (see
-    /// [`crate::copier`]).
-    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<(), ShuffleError> {
+    /// [`crate::copier`]); returns whether it is held (one no push reached is empty).
+    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<bool, ShuffleError> {
         self.shuffles.close_for_copy(self.server_id(), segment).await
     }
 

@@ -65,6 +65,8 @@ impl Shuffles {
                     map.shuffles.remove(&id)
                 })
                 .collect();
+            let SegmentMap { freed, closed_unheld, .. } = &mut *map;
+            closed_unheld.retain(|segment| !freed.contains(&segment.shuffle));
             map.segments -= removed.iter().map(HashMap::len).sum::<usize>();
             removed
         };

@@ -216,6 +216,10 @@ struct SegmentMap {
     freed: HashSet<ShuffleId>,
     /// `freed` in the order remembered, oldest first, to forget past [`free::FREED_REMEMBERED`].
     freed_order: VecDeque<ShuffleId>,
+    /// Segments closed for a copy before any push reached them (see [`copy`]): a late push is
+    /// refused as by a closed segment. Kept until their shuffle is freed; there are no more of
+    /// them than the metadata server has segments to copy.
+    closed_unheld: HashSet<SegmentId>,
 }
 
 impl SegmentMap {

@@ -69,6 +69,24 @@ fn fetch_all(store: &BlockStore, id: SegmentId, maps: &[(u32, u32)], max_bytes: 
     panic!("fetch never finished");
 }
 
+/// A segment whose partition moved on before any push reached it (its placement was replaced
+/// when a server was lost) is copied as what it is, empty: closing it succeeds and says nothing
+/// is held, and a late push is refused as by a closed segment, so the empty copy stays the same
+/// segment.
+#[test]
+fn a_segment_never_pushed_to_closes_empty_and_refuses_late_pushes() {
+    let store = BlockStore::new(BS, 8 * BS as u64).unwrap();
+    let id = seg(4, 1, 0);
+    assert!(!futures::executor::block_on(store.close_segment_for_copy(id)).unwrap(), "nothing was pushed");
+    let refused = push(&store, id, 0, 0, &data(0, 0, 1, 10)).unwrap_err();
+    assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
+    // Other segments of the shuffle take pushes as before.
+    push(&store, seg(4, 1, 1), 0, 0, &data(0, 0, 1, 10)).unwrap();
+    store.free_shuffles([ShuffleId::from_wire(4)]);
+    let err = futures::executor::block_on(store.close_segment_for_copy(id)).unwrap_err();
+    assert!(matches!(err, ShuffleError::NotHeld { .. }), "a freed shuffle's segment is not closed anew: {err}");
+}
+
 /// What a segment copy does (see `crate::copier`), in process: close, page through every
 /// batch, push each to another server's segment. The copy serves the same pages at the same
 /// cursors for any committed attempts, and freeing the original drops only that segment.
@@ -80,7 +98,7 @@ fn a_closed_segment_refuses_pushes_and_its_copy_serves_the_same_pages() {
         push(&source, id, map, attempt, &data(map, attempt, n as u32, 700 + n * 10)).unwrap();
     }
     push(&source, other, 0, 0, &data(0, 0, 9, 10)).unwrap();
-    futures::executor::block_on(source.close_segment_for_copy(id)).unwrap();
+    assert!(futures::executor::block_on(source.close_segment_for_copy(id)).unwrap(), "the segment is held");
     let refused = push(&source, id, 1, 0, &data(1, 0, 9, 10)).unwrap_err();
     assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
     let mut cursor = 0;
