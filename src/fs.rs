@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tern_client::{Client, CreateOptions, EntryKind, ErrorKind, StorageClass, Tier};
+use tern_client::{Client, CreateOptions, EntryKind, ErrorKind, FileWriter, StorageClass, Tier};
 
 use crate::cli::MetadataAddr;
 use crate::show;
@@ -128,6 +128,28 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
     };
     let mut writer = client.create_with_options(&remote, true, options).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
+    let sent = send(&mut writer, whole, chunks, local, &progress).await;
+    progress.finish_and_clear();
+    if let Err(e) = sent {
+        // A failed put leaves nothing behind: the file is given up now, so a retry can write it.
+        if let Err(abort) = writer.abort().await {
+            tracing::warn!("{abort}");
+        }
+        return Err(e);
+    }
+    let info = writer.close().await?;
+    report("put", &remote, info.length, started, json);
+    Ok(())
+}
+
+/// Hands `put`'s bytes to the writer: a mapped file's slices, or the chunks a reader thread sends.
+async fn send(
+    writer: &mut FileWriter,
+    whole: Option<Bytes>,
+    chunks: Option<tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>>,
+    local: &Path,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
     if let Some(whole) = whole {
         // A regular file goes out straight from the page cache: the writer slices blocks off
         // the mapping without a copy.
@@ -146,9 +168,6 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
             writer.write_bytes(chunk).await?;
         }
     }
-    let info = writer.close().await?;
-    progress.finish_and_clear();
-    report("put", &remote, info.length, started, json);
     Ok(())
 }
 
@@ -164,6 +183,9 @@ enum LocalSource {
 
 impl LocalSource {
     fn open(local: &Path) -> anyhow::Result<LocalSource> {
+        if local.is_dir() {
+            anyhow::bail!("{} is a directory; put uploads one file (name a file, or - for stdin)", local.display());
+        }
         if local_len(local) == Some(0) {
             return Ok(LocalSource::Empty);
         }

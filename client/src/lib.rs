@@ -493,7 +493,12 @@ impl Client {
             return self.create_empty(path, true).await;
         }
         let mut writer = self.create_with_options(path, true, options).await?;
-        writer.write_bytes(data).await?;
+        if let Err(e) = writer.write_bytes(data).await {
+            if let Err(abort) = writer.abort().await {
+                tracing::warn!("{abort}");
+            }
+            return Err(e);
+        }
         writer.close().await.map(|_| ())
     }
 }

@@ -241,6 +241,20 @@ impl State {
         Ok(RenewWriterResponse {})
     }
 
+    /// Deletes an unsealed file for its writer, which failed: its blocks go back now, not when
+    /// its lease lapses. A file already gone or sealed is left alone (the call is idempotent).
+    pub fn abort(&mut self, req: AbortRequest, now: Now) -> Result<AbortResponse, Status> {
+        let file_id = FileId::from_wire(req.file_id);
+        let unsealed = self.namespace.file_mut(file_id).is_ok_and(|file| !file.sealed);
+        let Some(path) = self.namespace.file_path(file_id).ok().filter(|_| unsealed) else {
+            return Ok(AbortResponse { aborted: false, blocks_freed: 0 });
+        };
+        let context = format!("abort the write of {path}");
+        let applied = self.commit(Change::Delete(DeleteRequest { path, recursive: false }), now).context(&context)?;
+        self.writers.remove(&file_id);
+        Ok(AbortResponse { aborted: true, blocks_freed: applied.blocks_freed })
+    }
+
     pub fn open(&mut self, req: OpenRequest, _now: Now) -> Result<OpenResponse, Status> {
         let context = format!("open {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;

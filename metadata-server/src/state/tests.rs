@@ -234,6 +234,26 @@ fn delete_frees_blocks_and_refuses_non_empty_directories() {
     assert_eq!((status.files, status.directories), (0, 0));
 }
 
+/// A writer that failed gives its file up: the unsealed file goes at once with its blocks (the
+/// path is free for a retry), and asking again, or for a sealed file, does nothing.
+#[test]
+fn abort_deletes_an_unsealed_file_at_once_and_only_that() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let failed = create(&mut state, "/d/f", now);
+    allocate(&mut state, failed, 2, now);
+    let abort = |state: &mut State, file_id| state.abort(AbortRequest { file_id }, now).unwrap();
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: true, blocks_freed: 2 });
+    assert_eq!(frees(&mut state, server, now), [1, 2]);
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: false, blocks_freed: 0 }, "asked twice");
+    // The retry writes the same path; the first writer's late abort cannot touch it.
+    let retry = write(&mut state, "/d/f", BLOCK, now);
+    assert_ne!(retry, failed);
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: false, blocks_freed: 0 });
+    assert_eq!(abort(&mut state, retry), AbortResponse { aborted: false, blocks_freed: 0 }, "sealed files stay");
+    assert!(open(&mut state, "/d/f", now).is_ok());
+}
+
 #[test]
 fn rename_moves_subtrees_within_bounds() {
     let (mut state, now) = state();
