@@ -49,9 +49,10 @@ enum AdminCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Cordon SERVER, and have it exit once it holds nothing a live job or file still needs (jobs
-    /// end; files are deleted), or when the timeout passes. Nothing is copied off it: data held
-    /// only there and still needed at the timeout is lost.
+    /// Cordon SERVER, copy the blocks of sealed files and the closed shuffle segments that no other
+    /// copy backs to other servers, and have it exit once it holds nothing a live job or file still
+    /// needs, or when the timeout passes: what is still held only there then (unsealed files, open
+    /// segments) is lost.
     Drain {
         /// Its id or its address host:port.
         server: String,
@@ -158,7 +159,11 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                     "blocks_freed": ended.blocks_freed,
                 }));
             } else {
-                outln!("job {job} ended: {} files deleted, {} blocks freed", ended.files_deleted, ended.blocks_freed);
+                outln!(
+                    "job {job} ended: {} deleted, {} freed",
+                    tern_common::text::count(ended.files_deleted, "file"),
+                    tern_common::text::count(ended.blocks_freed, "block")
+                );
             }
         }
         AdminCommand::UnregisterShuffle { shuffle, json } => {

@@ -55,7 +55,7 @@ enum FsCommand {
         /// Long format: kind, size, blocks, creation time.
         #[arg(short, long)]
         long: bool,
-        /// One JSON object per entry.
+        /// One JSON array on one line: an object per entry (path, kind, length, ...).
         #[arg(long)]
         json: bool,
     },

@@ -88,10 +88,15 @@ enum JobCommand {
 }
 
 pub async fn run(args: JobArgs) -> anyhow::Result<()> {
+    // A job file that cannot be read is said before the scheduler is asked for anything.
+    let file_spec = match &args.command {
+        JobCommand::Submit { file, .. } => Some(tern_scheduler_api::spec::load(file)?),
+        _ => None,
+    };
     let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref()).await?;
     match args.command {
-        JobCommand::Submit { file, wait, json, tenant } => {
-            let mut spec = tern_scheduler_api::spec::load(&file)?;
+        JobCommand::Submit { wait, json, tenant, .. } => {
+            let mut spec = file_spec.unwrap_or_default();
             if let Some(tenant) = tenant.filter(|t| !t.is_empty()) {
                 spec.queue = tenant;
             }

@@ -465,8 +465,10 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
-        args.storage_servers, args.dram, args.block_size
+        "Tern is up: metadata server {metadata_addr}, {} with {} of DRAM each, {} blocks.",
+        tern_common::text::count(u64::from(args.storage_servers), "storage server"),
+        args.dram,
+        args.block_size
     );
     let _ = writeln!(out);
     let _ = writeln!(out, "In another shell:");

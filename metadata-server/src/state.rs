@@ -187,7 +187,7 @@ impl State {
     pub fn allocate_blocks(&mut self, req: AllocateBlocksRequest, now: Now) -> Result<AllocateBlocksResponse, Status> {
         let file_id = FileId::from_wire(req.file_id);
         let path = self.namespace.file_path(file_id).context(format_args!("allocate blocks for file {file_id}"))?;
-        let context = format!("allocate {} blocks for {path}", req.count);
+        let context = format!("allocate {} for {path}", tern_common::text::count(u64::from(req.count), "block"));
         if req.count == 0 || req.count > tern_proto::MAX_ALLOCATE_BLOCKS {
             return Err(invalid(format!("count must be 1 to {}", tern_proto::MAX_ALLOCATE_BLOCKS)).status(context));
         }
@@ -315,7 +315,9 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         match Place::of(&path) {
             Place::JobsDir if !self.jobs.is_empty() => {
-                return Err(invalid("holds the directories of live jobs; end them with EndJob").status(context));
+                return Err(
+                    invalid("holds the directories of live jobs; end them first (tern admin end-job)").status(context)
+                );
             }
             Place::JobRoot(job) if self.jobs.is_registered(job) => {
                 return Err(invalid(format!("is the directory of live job {job}; end the job instead")).status(context));
@@ -333,7 +335,7 @@ impl State {
         let to = path::normalize(&req.to).context(&context)?;
         for path in [&from, &to] {
             if matches!(Place::of(path), Place::JobsDir | Place::JobRoot(_)) {
-                let why = format!("{path} is a job directory, made and removed only by RegisterJob and EndJob");
+                let why = format!("{path} is a job directory, made when its job starts and removed when it ends");
                 return Err(invalid(why).status(context));
             }
         }
@@ -830,7 +832,7 @@ impl State {
             Place::JobsDir => Err(invalid(format!("{JOBS_DIR} is reserved for job directories"))),
             // `mkdir -p` of a live job's existing directory is a harmless no-op.
             Place::JobRoot(job) if directory && parents && self.jobs.check_live(job, now.instant).is_ok() => Ok(()),
-            Place::JobRoot(_) => Err(invalid("job directories are made by RegisterJob")),
+            Place::JobRoot(_) => Err(invalid("job directories are made when their job starts")),
             Place::InJob(job) => self.jobs.check_live(job, now.instant),
         }
     }

@@ -1,7 +1,7 @@
 //! The command line's edges, each a bug once: a failed put leaves no file and its retry succeeds
 //! at once, a killed writer's file is reaped while a live writer's is kept, output into a closed
 //! pipe ends quietly, `tern up` checks its ports first, unresolvable hosts and admin ports are
-//! named, ids in JSON are strings, and shell completions exist.
+//! named, errors say what failed once, ids in JSON are strings, and shell completions exist.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -178,6 +178,25 @@ async fn unresolvable_hosts_and_admin_ports_are_named() {
         "{}",
         stderr(&out)
     );
+}
+
+/// Errors say what failed once, naming the server or file: a refused connection is not "tcp
+/// connect error: tcp connect error", a job file that is missing is not "cannot reach the
+/// scheduler", and counts agree with their nouns.
+#[tokio::test]
+async fn errors_name_what_failed_once() {
+    let cluster = Cluster::start(1, "16MiB").await;
+    let closed = format!("127.0.0.1:{}", tern_local::free_port_range(1).unwrap());
+    let out = cluster.tern(&["fs", "ls", "--metadata", &closed, "/"]);
+    let said = stderr(&out);
+    assert!(said.contains(&format!("cannot reach the metadata server at {closed}: tcp connect error: ")), "{said}");
+    assert!(!said.contains("tcp connect error: tcp connect error") && !said.contains("transport error"), "{said}");
+    let out = cluster.tern(&["job", "submit", "--scheduler", &closed, "/no/such/job.toml"]);
+    let said = stderr(&out);
+    assert!(said.contains("reading job file /no/such/job.toml"), "{said}");
+    assert!(!said.contains("scheduler"), "the scheduler was asked before the file was read: {said}");
+    let status = cluster.tern_ok(&["status"]);
+    assert!(status.contains(", 1 storage server (1 alive), 0 files, 0 directories, 0 jobs"), "{status}");
 }
 
 #[tokio::test]

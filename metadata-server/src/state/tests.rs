@@ -163,7 +163,7 @@ fn allocation_checks_its_arguments_and_the_servers() {
     let file_id = create(&mut state, "/f", now);
     let ask = |count| AllocateBlocksRequest { file_id, count, client_host: String::new() };
     let (kind, message) = refused(state.allocate_blocks(ask(1), now));
-    assert_eq!((kind, message.as_str()), (ErrorKind::Unavailable, "allocate 1 blocks for /f: no live storage servers"));
+    assert_eq!((kind, message.as_str()), (ErrorKind::Unavailable, "allocate 1 block for /f: no live storage server takes new data (dead, cordoned and draining ones take none: see tern admin servers)"));
     add_server(&mut state, "10.0.0.1:7000", 2048, now);
     add_server(&mut state, "10.0.0.2:7000", 2048, now);
     assert_eq!(refused(state.allocate_blocks(ask(0), now)).0, ErrorKind::Invalid);
