@@ -26,7 +26,9 @@ pub struct FsArgs {
 enum FsCommand {
     /// Upload a local file ("-" for stdin). REMOTE may be a directory (ending in '/' or existing).
     Put {
+        /// The local file, or "-" for stdin.
         local: PathBuf,
+        /// The path in the store (a directory: the local file's name in it).
         remote: String,
         /// Storage class: dram, nvme, or any (DRAM first, NVMe when no server has DRAM room).
         #[arg(long, default_value = "any")]
@@ -41,16 +43,22 @@ enum FsCommand {
     },
     /// Download a file. LOCAL may be a directory, or "-" for stdout.
     Get {
+        /// The file in the store.
         remote: String,
+        /// Where to write it: a file, a directory (the remote name in it), or "-" for stdout.
         local: PathBuf,
         /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Write a file to stdout.
-    Cat { remote: String },
+    Cat {
+        /// The file in the store.
+        remote: String,
+    },
     /// List a directory (or show one file).
     Ls {
+        /// A directory, or a file.
         path: String,
         /// Long format: kind, size, blocks, creation time.
         #[arg(short, long)]
@@ -61,25 +69,35 @@ enum FsCommand {
     },
     /// Show a file or directory, with the blocks of a file and where they live.
     Stat {
+        /// A file or directory.
         path: String,
+        /// Print one JSON object: the entry, and a file's blocks with where each lives.
         #[arg(long)]
         json: bool,
     },
     /// Delete a file, or a directory with -r.
     Rm {
+        /// A file, or a directory (empty, or with -r).
         path: String,
+        /// Delete a directory with everything in it.
         #[arg(short, long)]
         recursive: bool,
     },
     /// Create a directory.
     Mkdir {
+        /// The directory to create.
         path: String,
         /// Create missing parents; no error if it exists.
         #[arg(short, long)]
         parents: bool,
     },
     /// Rename a file or directory.
-    Mv { from: String, to: String },
+    Mv {
+        /// The file or directory to rename.
+        from: String,
+        /// Its new path (not across jobs' directories).
+        to: String,
+    },
 }
 
 /// Bytes handed to the writer per call: several blocks, so whole blocks pass without copying.
