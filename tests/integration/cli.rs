@@ -182,7 +182,8 @@ async fn unresolvable_hosts_and_admin_ports_are_named() {
 
 /// Errors say what failed once, naming the server or file: a refused connection is not "tcp
 /// connect error: tcp connect error", a job file that is missing is not "cannot reach the
-/// scheduler", and counts agree with their nouns.
+/// scheduler", a refused configuration comes without the dump of the rest, and counts agree
+/// with their nouns.
 #[tokio::test]
 async fn errors_name_what_failed_once() {
     let cluster = Cluster::start(1, "16MiB").await;
@@ -197,6 +198,15 @@ async fn errors_name_what_failed_once() {
     assert!(!said.contains("scheduler"), "the scheduler was asked before the file was read: {said}");
     let status = cluster.tern_ok(&["status"]);
     assert!(status.contains(", 1 storage server (1 alive), 0 files, 0 directories, 0 jobs"), "{status}");
+    // A refused configuration is one line, not the end of a dump of the rest.
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path().to_str().unwrap();
+    let out = cluster.tern(&["metadata-server", "--dir", dir, "--listen", &closed, "--set", "block_size=3MiB"]);
+    assert!(!out.status.success());
+    assert_eq!(
+        stderr(&out).trim(),
+        "tern: invalid metadata server configuration: block_size = 3MiB is not a power of two from 4KiB to 64MiB"
+    );
 }
 
 #[tokio::test]
