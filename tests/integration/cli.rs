@@ -1,7 +1,8 @@
 //! The command line's edges, each a bug once: a failed put leaves no file and its retry succeeds
 //! at once, a killed writer's file is reaped while a live writer's is kept, output into a closed
-//! pipe ends quietly, `tern up` checks its ports first, unresolvable hosts and admin ports are
-//! named, errors say what failed once, ids in JSON are strings, and shell completions exist.
+//! pipe ends quietly, `tern up` checks its ports first, unresolvable hosts, admin ports and
+//! storage ports are named, errors say what failed once, ids in JSON are strings, and shell
+//! completions exist.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -164,7 +165,7 @@ async fn up_on_a_busy_port_fails_before_saying_it_is_up() {
 }
 
 #[tokio::test]
-async fn unresolvable_hosts_and_admin_ports_are_named() {
+async fn unresolvable_hosts_admin_ports_and_storage_ports_are_named() {
     let cluster = Cluster::start(1, "16MiB").await;
     let out = cluster.tern(&["status", "--metadata", "nonexistent.invalid:9060"]);
     assert!(stderr(&out).contains("cannot resolve host nonexistent.invalid"), "{}", stderr(&out));
@@ -178,6 +179,10 @@ async fn unresolvable_hosts_and_admin_ports_are_named() {
         "{}",
         stderr(&out)
     );
+    let out = cluster.tern(&["fs", "ls", "--metadata", &cluster.storage_addrs[0], "/"]);
+    assert!(!out.status.success());
+    let said = stderr(&out);
+    assert!(said.contains("(is it a storage server's block port?)"), "{said}");
 }
 
 /// Errors say what failed once, naming the server or file: a refused connection is not "tcp
