@@ -398,7 +398,7 @@ async fn ls(client: &Client, path: &str, long: bool, json: bool) -> anyhow::Resu
             writeln!(
                 out,
                 "{:<7} {:>10} {:>6} {}  {name}{slash}",
-                show::kind_name(entry),
+                show::listed_kind(entry),
                 show::size(entry.length),
                 entry.block_count,
                 show::utc_time(entry.created_unix_ms)
@@ -437,6 +437,14 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
         outln!("blocks:   {}", info.block_count);
         outln!("class:    {}", info.storage_class);
         outln!("replicas: {}", info.replicas.max(1));
+        if info.lost_blocks > 0 {
+            outln!(
+                "lost:     {} of {}: every copy's server is dead or restarted without it; reads fail with \
+                 data-lost, and `tern fs rm` removes the file",
+                info.lost_blocks,
+                tern_common::text::count(info.block_count, "block")
+            );
+        }
     }
     outln!("created:  {} UTC", show::utc_time(info.created_unix_ms));
     if !info.job.is_empty() {

@@ -374,7 +374,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                     Some(supervisor) => report.write(&supervisor.report()),
                     None => report.write(&daemons.iter().map(DaemonReport::running).collect::<Vec<_>>()),
                 }
-                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark_conf.banner(&spark_conf_dir));
+                let spark = spark_conf.banner(&spark_conf_dir);
+                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark, nvme_sizes.is_some());
                 match supervisor {
                     Some(mut supervisor) => {
                         let outcome = supervise(&mut supervisor, &mut report, &mut shutdown, &mut pool).await;
@@ -459,8 +460,26 @@ async fn stop_all(daemons: &mut [Daemon]) {
     }
 }
 
+/// What the banner says survives a restart of `tern up` on the same directory.
+fn restart_line(nvme: bool) -> String {
+    match nvme {
+        true => "Restarts: the namespace and blocks on NVMe survive a restart on this --dir; blocks in DRAM \
+                 (class any while DRAM has room, and dram) do not: `tern fs put --class nvme` keeps a file.\n"
+            .to_string(),
+        false => "Restarts: no NVMe tier, so no file's blocks survive a restart (the namespace does).\n".to_string(),
+    }
+}
+
 /// The banner goes to stdout; a stdout that went away costs the banner, not the cluster.
-fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path, spark: &str) {
+fn print_banner(
+    args: &UpArgs,
+    ports: &PortLayout,
+    metadata_addr: &str,
+    tls_dir: &Path,
+    logs: &Path,
+    spark: &str,
+    nvme: bool,
+) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
@@ -513,6 +532,7 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
         let _ = writeln!(out, "  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
     let _ = write!(out, "{spark}");
+    let _ = write!(out, "{}", restart_line(nvme));
     let _ = writeln!(out, "Logs:    {}", logs.display());
     if args.exit_on_failure {
         let _ = writeln!(out, "Daemons: --exit-on-failure: the cluster stops when any daemon exits.");

@@ -293,7 +293,10 @@ impl State {
     pub fn stat(&mut self, req: StatRequest, _now: Now) -> Result<StatResponse, Status> {
         let context = format!("stat {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
-        let (info, meta) = self.namespace.stat(&path).context(&context)?;
+        let (mut info, meta) = self.namespace.stat(&path).context(&context)?;
+        if let Some(file) = meta {
+            info.lost_blocks = self.lost_blocks(file);
+        }
         let mut response = StatResponse { info: Some(info), ..StatResponse::default() };
         if let Some(file) = meta.filter(|_| req.with_blocks) {
             response.blocks = self.with_grants(self.locations(file), self.serial_of_path(&path));
@@ -306,7 +309,13 @@ impl State {
         let context = format!("list {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let limit = if req.limit == 0 { self.max_list_entries } else { req.limit.min(self.max_list_entries) };
-        let (entries, truncated) = self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
+        let (mut entries, truncated) =
+            self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
+        for entry in entries.iter_mut().filter(|entry| entry.kind() == EntryKind::File) {
+            if let Ok(file) = self.namespace.file(FileId::from_wire(entry.file_id)) {
+                entry.lost_blocks = self.lost_blocks(file);
+            }
+        }
         Ok(ListResponse { entries, truncated })
     }
 
@@ -446,6 +455,7 @@ impl State {
             directories: self.namespace.directories(),
             tenants: self.jobs.tenants(),
             copies: Some(self.copies.status(now.instant)),
+            lost_files: self.lost_files(),
         })
         .map(|mut status| {
             for server in &mut status.servers {
@@ -453,6 +463,19 @@ impl State {
             }
             status
         })
+    }
+
+    /// Blocks of `file` every copy of which is lost.
+    fn lost_blocks(&self, file: &FileMeta) -> u64 {
+        file.copies().filter(|copies| !copies.iter().any(|block| self.servers.block_readable(block))).count() as u64
+    }
+
+    /// Files with a lost block: a pass over every block, only when some block may be lost.
+    fn lost_files(&self) -> u64 {
+        if self.servers.all_blocks_readable() {
+            return 0;
+        }
+        self.namespace.file_metas().filter(|file| self.lost_blocks(file) > 0).count() as u64
     }
 
     pub fn register_shuffle(

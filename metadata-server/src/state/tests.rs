@@ -284,7 +284,7 @@ fn rename_moves_subtrees_within_bounds() {
 }
 
 #[test]
-fn a_dead_server_loses_its_blocks_but_not_the_files() {
+fn a_dead_server_loses_its_blocks_but_not_the_files_which_say_so() {
     let (mut state, start) = state();
     let doomed = add_server(&mut state, "10.0.0.1:7000", 100, start);
     let healthy = add_server(&mut state, "10.0.0.2:7000", 100, start);
@@ -301,6 +301,11 @@ fn a_dead_server_loses_its_blocks_but_not_the_files() {
     );
     let stat = state.stat(StatRequest { path: "/jobless/spread".into(), with_blocks: true }, later).unwrap();
     assert_eq!(stat.blocks_alive, [false, true]);
+    // Lost is visible: in stat, in listings and in the status's count.
+    assert_eq!(stat.info.unwrap().lost_blocks, 1);
+    let listed = state.list(ListRequest { path: "/jobless".into(), ..Default::default() }, later).unwrap();
+    assert_eq!(listed.entries.iter().map(|e| e.lost_blocks).collect::<Vec<_>>(), [1]);
+    assert_eq!(state.status(StatusRequest {}, later).unwrap().lost_files, 1);
     // New files go to the live server only, and open.
     write(&mut state, "/jobless/after", 3 * BLOCK, later);
     let opened = open(&mut state, "/jobless/after", later).unwrap();
@@ -308,9 +313,11 @@ fn a_dead_server_loses_its_blocks_but_not_the_files() {
     // The dead server is told to re-register; deleting the lost file queues frees only on the live one.
     let reply = state.heartbeat(HeartbeatRequest { server_id: doomed, ..Default::default() }, later).unwrap();
     assert!(reply.reregister);
+    assert_eq!(state.status(StatusRequest {}, later).unwrap().lost_files, 1, "the new file is whole");
     delete(&mut state, "/jobless/spread", false, later).unwrap();
     assert_eq!(frees(&mut state, healthy, later), [2]);
     let status = state.status(StatusRequest {}, later).unwrap();
+    assert_eq!(status.lost_files, 0, "the lost file is removed");
     assert_eq!(
         status.servers.iter().map(|s| (s.alive, s.allocated_blocks)).collect::<Vec<_>>(),
         [(false, 0), (true, 4)]
