@@ -245,7 +245,7 @@ impl State {
     /// its lease lapses. A file already gone or sealed is left alone (the call is idempotent).
     pub fn abort(&mut self, req: AbortRequest, now: Now) -> Result<AbortResponse, Status> {
         let file_id = FileId::from_wire(req.file_id);
-        let unsealed = self.namespace.file_mut(file_id).is_ok_and(|file| !file.sealed);
+        let unsealed = self.namespace.file(file_id).is_ok_and(|file| !file.sealed);
         let Some(path) = self.namespace.file_path(file_id).ok().filter(|_| unsealed) else {
             return Ok(AbortResponse { aborted: false, blocks_freed: 0 });
         };
