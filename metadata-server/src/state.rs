@@ -245,14 +245,24 @@ impl State {
     /// its lease lapses. A file already gone or sealed is left alone (the call is idempotent).
     pub fn abort(&mut self, req: AbortRequest, now: Now) -> Result<AbortResponse, Status> {
         let file_id = FileId::from_wire(req.file_id);
+        let context = format!("abort the write of file {file_id}");
+        match self.delete_unsealed(file_id, now).context(&context)? {
+            Some((_, applied)) => Ok(AbortResponse { aborted: true, blocks_freed: applied.blocks_freed }),
+            None => Ok(AbortResponse { aborted: false, blocks_freed: 0 }),
+        }
+    }
+
+    /// Deletes file `file_id` (a logged Delete) if it is still unsealed, and forgets its writer;
+    /// its path and what the delete freed, or `None` when it is gone or sealed already. What a
+    /// failed writer's Abort and the reaper of dead writers both do.
+    fn delete_unsealed(&mut self, file_id: FileId, now: Now) -> Result<Option<(String, Applied)>, Refusal> {
+        self.writers.remove(&file_id);
         let unsealed = self.namespace.file(file_id).is_ok_and(|file| !file.sealed);
         let Some(path) = self.namespace.file_path(file_id).ok().filter(|_| unsealed) else {
-            return Ok(AbortResponse { aborted: false, blocks_freed: 0 });
+            return Ok(None);
         };
-        let context = format!("abort the write of {path}");
-        let applied = self.commit(Change::Delete(DeleteRequest { path, recursive: false }), now).context(&context)?;
-        self.writers.remove(&file_id);
-        Ok(AbortResponse { aborted: true, blocks_freed: applied.blocks_freed })
+        let applied = self.commit(Change::Delete(DeleteRequest { path: path.clone(), recursive: false }), now)?;
+        Ok(Some((path, applied)))
     }
 
     pub fn open(&mut self, req: OpenRequest, _now: Now) -> Result<OpenResponse, Status> {
@@ -311,9 +321,12 @@ impl State {
         let limit = if req.limit == 0 { self.max_list_entries } else { req.limit.min(self.max_list_entries) };
         let (mut entries, truncated) =
             self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
-        for entry in entries.iter_mut().filter(|entry| entry.kind() == EntryKind::File) {
-            if let Ok(file) = self.namespace.file(FileId::from_wire(entry.file_id)) {
-                entry.lost_blocks = self.lost_blocks(file);
+        // Each file's blocks are looked at only when some block may be lost.
+        if !self.servers.all_blocks_readable() {
+            for entry in entries.iter_mut().filter(|entry| entry.kind() == EntryKind::File) {
+                if let Ok(file) = self.namespace.file(FileId::from_wire(entry.file_id)) {
+                    entry.lost_blocks = self.lost_blocks(file);
+                }
             }
         }
         Ok(ListResponse { entries, truncated })
@@ -698,20 +711,15 @@ impl State {
             .map(|(&file_id, _)| file_id)
             .collect();
         for file_id in lapsed {
-            self.writers.remove(&file_id);
             // Gone or sealed already (deleted, or its job ended): nothing to reap.
-            let Ok(path) = self.namespace.file_path(file_id) else { continue };
-            if self.namespace.file_mut(file_id).map_or(true, |file| file.sealed) {
-                continue;
-            }
-            let change = Change::Delete(DeleteRequest { path: path.clone(), recursive: false });
-            match self.commit(change, now) {
-                Ok(applied) => warn!(
+            match self.delete_unsealed(file_id, now) {
+                Ok(Some((path, applied))) => warn!(
                     "deleted unsealed {path}: its writer neither wrote nor renewed for {lease:?} (it died); {} blocks \
                      freed",
                     applied.blocks_freed
                 ),
-                Err(refusal) => error!("reaping unsealed {path}: {} ({:?})", refusal.reason, refusal.kind),
+                Ok(None) => {}
+                Err(refusal) => error!("reaping unsealed file {file_id}: {} ({:?})", refusal.reason, refusal.kind),
             }
         }
     }
