@@ -478,19 +478,6 @@ impl State {
         })
     }
 
-    /// Blocks of `file` every copy of which is lost.
-    fn lost_blocks(&self, file: &FileMeta) -> u64 {
-        file.copies().filter(|copies| !copies.iter().any(|block| self.servers.block_readable(block))).count() as u64
-    }
-
-    /// Files with a lost block: a pass over every block, only when some block may be lost.
-    fn lost_files(&self) -> u64 {
-        if self.servers.all_blocks_readable() {
-            return 0;
-        }
-        self.namespace.file_metas().filter(|file| self.lost_blocks(file) > 0).count() as u64
-    }
-
     pub fn register_shuffle(
         &mut self,
         req: RegisterShuffleRequest,
@@ -902,6 +889,7 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
 mod commit;
 mod copying;
 mod durable;
+mod lost;
 mod quota;
 
 #[cfg(test)]
