@@ -64,6 +64,11 @@ pub struct UpArgs {
     /// when it is there].
     #[arg(long, env = "TERN_SPARK_JAR")]
     spark_jar: Option<PathBuf>,
+    /// Keep files across restarts: files of the default class `any` are written to the NVMe
+    /// tiers (as class `nvme`) instead of DRAM first, so they survive a restart of `tern up`
+    /// or of a storage server. `dram` files and shuffles stay in DRAM. Needs NVMe tiers.
+    #[arg(long)]
+    durable: bool,
     /// Stop the whole cluster when any daemon exits, and exit non-zero, instead of restarting
     /// it (for scripts and tests that want a failure to end the run).
     #[arg(long)]
@@ -217,6 +222,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let disk = preflight::NvmeDisk::read(&nvme_dir, &args.dir)?;
     let (nvme_sizes, no_nvme) =
         preflight::plan_nvme(args.nvme_size, args.storage_servers, args.block_size.bytes(), &disk)?;
+    if args.durable && nvme_sizes.is_none() {
+        match &no_nvme {
+            Some(note) => bail!("--durable keeps files on NVMe tiers, and there would be none ({note}): put --dir on a disk with room, or leave out --durable"),
+            None => bail!("--durable keeps files on NVMe tiers, and --nvme-size off gives none: pass --nvme-size auto (or a size), or leave out --durable"),
+        }
+    }
     let logs = args.dir.join("logs");
     let tls_dir = args.dir.join("tls");
     let tls_dir_arg = tls_dir.to_string_lossy().to_string();
@@ -267,6 +278,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     ];
     if args.tls {
         metadata_args.extend(["--tls-dir", &tls_dir_arg]);
+    }
+    if args.durable {
+        metadata_args.extend(["--set", "durable_files=true"]);
     }
     let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     if nvme_sizes.is_some() {
@@ -461,10 +475,16 @@ async fn stop_all(daemons: &mut [Daemon]) {
 }
 
 /// What the banner says survives a restart of `tern up` on the same directory.
-fn restart_line(nvme: bool) -> String {
+fn restart_line(nvme: bool, durable: bool) -> String {
     match nvme {
+        true if durable => {
+            "Restarts: --durable: files (class any, and nvme) are on NVMe and survive a restart on this \
+                            --dir, with the namespace; `dram` files and shuffles in DRAM do not.\n"
+                .to_string()
+        }
         true => "Restarts: the namespace and blocks on NVMe survive a restart on this --dir; blocks in DRAM \
-                 (class any while DRAM has room, and dram) do not: `tern fs put --class nvme` keeps a file.\n"
+                 (class any while DRAM has room, and dram) do not: `tern fs put --class nvme` keeps a file, \
+                 `tern up --durable` every file.\n"
             .to_string(),
         false => "Restarts: no NVMe tier, so no file's blocks survive a restart (the namespace does).\n".to_string(),
     }
@@ -532,7 +552,7 @@ fn print_banner(
         let _ = writeln!(out, "  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
     let _ = write!(out, "{spark}");
-    let _ = write!(out, "{}", restart_line(nvme));
+    let _ = write!(out, "{}", restart_line(nvme, args.durable));
     let _ = writeln!(out, "Logs:    {}", logs.display());
     if args.exit_on_failure {
         let _ = writeln!(out, "Daemons: --exit-on-failure: the cluster stops when any daemon exits.");

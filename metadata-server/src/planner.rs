@@ -27,6 +27,15 @@ pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
     name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
 }
 
+/// The class a new file gets when `asked` for one: with `durable_files`, `any` becomes `nvme`
+/// (logged so, so a replay and every later run place its blocks alike).
+pub fn file_class(asked: StorageClass, durable_files: bool) -> StorageClass {
+    match asked {
+        StorageClass::Any if durable_files => StorageClass::Nvme,
+        asked => asked,
+    }
+}
+
 /// One tier of one server, as placement sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierRoom {

@@ -43,6 +43,8 @@ pub struct State {
     server_timeout: Duration,
     writer_lease: Duration,
     drain_timeout: Duration,
+    /// `durable_files`: files of class `any` are created as `nvme`.
+    durable_files: bool,
     /// Unsealed files and when their writer last allocated or renewed (not logged: after a
     /// restart every writer's lease starts again).
     writers: HashMap<FileId, Instant>,
@@ -71,6 +73,7 @@ impl State {
             server_timeout: config.server_timeout(),
             writer_lease: config.writer_lease(),
             drain_timeout: config.drain_timeout(),
+            durable_files: config.durable_files,
             writers: HashMap::new(),
             max_list_entries: config.max_list_entries,
             namespace: Namespace::new(config.max_entries),
@@ -168,7 +171,8 @@ impl State {
     pub fn create(&mut self, req: CreateRequest, now: Now) -> Result<CreateResponse, Status> {
         let context = format!("create {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
-        let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
+        let asked = parse_storage_class(&req.storage_class).context(&context)?;
+        let storage_class = planner::file_class(asked, self.durable_files);
         let replicas = parse_replicas(req.replicas).context(&context)?;
         if replicas > 1 && !req.sealed {
             planner::enough_live_for_copies(self.servers.rooms().len() as u64, replicas).context(&context)?;
