@@ -48,7 +48,10 @@ work=$(mktemp -d /tmp/tern-rdma-test.XXXXXX)
 if [ -z "${RDMA_TEST_KEEP:-}" ]; then trap 'rm -rf "$work"' EXIT; else echo "rdma-test: work dir $work" >&2; fi
 
 echo "rdma-test: building tern and rdma_check with --features rdma" >&2
-cargo build --features rdma --bin tern --example rdma_check || fail "cargo build --features rdma"
+# With --workspace, features unify across the workspace as in the test build (scripts/test.sh), so
+# only rdma-sys, tern-rdma and these two are built here; `-p tern` alone would resolve tokio and
+# everything above it with fewer features and build them all again.
+cargo build --workspace --features tern/rdma --bin tern --example rdma_check || fail "cargo build --features rdma"
 # Taken at once: another build in this target dir (without the feature) may replace target/debug/tern.
 objcopy --strip-debug target/debug/tern "$work/tern"
 objcopy --strip-debug target/debug/examples/rdma_check "$work/rdma_check"

@@ -4,6 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step's time, printed as it ends and all together when the script exits (passed or not):
+# where CI's time goes (budget: 45 minutes on 2 cores).
+step_name="" step_started=$SECONDS steps=""
+step() {
+    if [ -n "$step_name" ]; then
+        local took=$((SECONDS - step_started))
+        steps+=$(printf '  %-10s %3dm%02ds' "$step_name" $((took / 60)) $((took % 60)))$'\n'
+        echo "test.sh: $step_name took $((took / 60))m$((took % 60))s" >&2
+    fi
+    step_name=$1 step_started=$SECONDS
+}
+trap 'step ""; printf "test.sh: steps (%dm%02ds in all):\n%s" $((SECONDS / 60)) $((SECONDS % 60)) "$steps" >&2' EXIT
+
+step setup
+
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "installing cargo-nextest..." >&2
     cargo install cargo-nextest --locked
@@ -29,6 +44,7 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
     $sudo apt-get install -y iproute2
 fi
 
+step lint
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
 bash scripts/check-layout.sh
@@ -36,10 +52,12 @@ bash scripts/check-layout.sh
 # Every test binary and `tern` itself, built once with the whole workspace's features (a plain
 # `cargo build --bin tern` unifies fewer features, so the test build would then rebuild tokio and
 # everything above it: 5 minutes in CI).
+step build
 cargo nextest run --workspace --profile ci --no-run
 
 # deploy/: manifests rendered and validated, systemd units verified, and the container image
 # built from that debug binary and smoke-tested.
+step deploy
 bash deploy/check.sh
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -48,15 +66,19 @@ $sudo bash deploy/image/build.sh --profile debug
 # RDMA over soft-RoCE in a QEMU guest: builds `tern` with --features rdma (installing the verbs
 # and rdma_cm headers, QEMU and a Debian kernel when missing), runs the RDMA checks in the guest
 # (hard limit 420 s), and prints `rdma-test: PASS` or FAIL; about 4 minutes on a fresh machine.
-# The RDMA crate is lint-checked here too: the workspace clippy above builds it empty.
+# The RDMA crate is lint-checked here too (the workspace clippy above builds it empty), with the
+# workspace's features so that only it and its dependents are checked again.
+step rdma
 bash scripts/rdma-test.sh
-cargo clippy -p tern-rdma --all-targets --features verbs -- -D warnings
+cargo clippy --workspace --all-targets --features tern/rdma -- -D warnings
 
 # The Spark plugin jar (its native library for x86_64 and aarch64 on glibc 2.17, with
 # cargo-zigbuild): built here, so the Spark tests' own call of build.sh finds it done instead of
 # spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars.
+step spark-jar
 python3 -c 'import pyspark, sys; sys.exit(pyspark.__version__ != "3.5.3")' 2>/dev/null \
     || python3 -m pip install --user --quiet pyspark==3.5.3 py4j==0.10.9.7
 bash spark-shuffle/build.sh >/dev/null
 
+step tests
 cargo nextest run --workspace --profile ci
