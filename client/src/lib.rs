@@ -46,7 +46,7 @@ pub use shuffle::{
     SpaceWaitHook,
 };
 pub use tern_proto::v1::{BlockLocation, EntryKind, FileInfo, JobStatus, ServerMode, ServerStatus, StatusResponse};
-pub use tern_proto::{BlockId, ServerId, ShuffleId, StorageClass, Tier};
+pub use tern_proto::{BlockId, FileId, ServerId, ShuffleId, StorageClass, Tier};
 pub use tern_transport::tls::{PemOrigin, TlsMaterial};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
@@ -343,7 +343,7 @@ impl Client {
             self.clone(),
             path.to_string(),
             created.job,
-            created.file_id,
+            FileId::from_wire(created.file_id),
             created.block_size,
             options.replicas,
             Duration::from_millis(created.writer_lease_ms),

@@ -27,9 +27,9 @@ pub(crate) struct BlockCopy {
 impl From<BlockLocation> for BlockCopy {
     fn from(location: BlockLocation) -> BlockCopy {
         BlockCopy {
-            block: BlockId::from(location.block_id),
+            block: BlockId::from_wire(location.block_id),
             holder: Holder {
-                id: ServerId::from(location.server_id),
+                id: ServerId::from_wire(location.server_id),
                 address: location.address,
                 quic_address: location.quic_address,
             },
@@ -42,14 +42,14 @@ impl From<BlockLocation> for BlockCopy {
 /// The readable copies of a shuffle segment, the first to try first.
 pub(crate) fn segment_holders(segment: &Segment) -> Vec<Holder> {
     let mut holders = vec![Holder {
-        id: ServerId::from(segment.server_id),
+        id: ServerId::from_wire(segment.server_id),
         address: segment.address.clone(),
         quic_address: segment.quic_address.clone(),
     }];
     // Server id 0 is the wire's "no second copy".
     if segment.replica_server_id != 0 && !segment.replica_lost {
         holders.push(Holder {
-            id: ServerId::from(segment.replica_server_id),
+            id: ServerId::from_wire(segment.replica_server_id),
             address: segment.replica_address.clone(),
             quic_address: segment.replica_quic_address.clone(),
         });

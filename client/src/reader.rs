@@ -180,7 +180,7 @@ async fn fetch_copy(client: &Client, path: &str, block: &BlockCopy, offset: u32,
 async fn diagnose(client: &Client, path: &str, failures: Vec<(BlockCopy, Error)>) -> Error {
     let dead: Option<Vec<BlockId>> = match client.stat_with_blocks(path, true).await {
         Ok((_, blocks)) => {
-            Some(blocks.iter().filter(|(_, alive)| !alive).map(|(b, _)| BlockId::from(b.block_id)).collect())
+            Some(blocks.iter().filter(|(_, alive)| !alive).map(|(b, _)| BlockId::from_wire(b.block_id)).collect())
         }
         // Every copy of some block is gone.
         Err(e) if e.kind() == ErrorKind::DataLost => None,

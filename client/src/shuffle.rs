@@ -31,9 +31,9 @@ use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use parking_lot::Mutex;
 use tern_proto::frame::Frame;
-use tern_proto::shuffle::{self as wire, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
+use tern_proto::shuffle::{self as wire, FetchRequest, PushHeader, SegmentAddress, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::v1::{self as pb, LocateShuffleResponse, MapOutput, Segment};
-use tern_proto::{ShuffleId, StorageClass};
+use tern_proto::{MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -170,7 +170,7 @@ impl Client {
         let block_size = self.block_size().await?;
         Ok(Shuffle {
             client: self.clone(),
-            id: ShuffleId::from(reply.shuffle_id),
+            id: ShuffleId::from_wire(reply.shuffle_id),
             job: job_id.to_string(),
             grant: reply.grant,
             partitions,
@@ -266,8 +266,8 @@ impl Shuffle {
         let batch_bytes = options.batch_bytes.clamp(1, self.block_size as usize - wire::BATCH_HEADER_LEN);
         MapWriter {
             shuffle: self.clone(),
-            map,
-            attempt,
+            map: MapIndex::from_wire(map),
+            attempt: MapAttempt::from_wire(attempt),
             buffer_limit: options.buffer_bytes.max(batch_bytes),
             batch_bytes,
             max_in_flight: options.pushes_in_flight.max(1),
@@ -366,8 +366,8 @@ impl Shuffle {
 /// freed with the shuffle.
 pub struct MapWriter {
     shuffle: Shuffle,
-    map: u32,
-    attempt: u32,
+    map: MapIndex,
+    attempt: MapAttempt,
     buffer_limit: usize,
     batch_bytes: usize,
     max_in_flight: usize,
@@ -479,8 +479,8 @@ impl MapWriter {
         let (first_segment, last_segment) = self.segments.iter().map(|r| r.unwrap_or((0, 0))).unzip();
         let request = pb::CommitMapRequest {
             shuffle_id: self.shuffle.id.get(),
-            map_index: self.map,
-            attempt: self.attempt,
+            map_index: self.map.get(),
+            attempt: self.attempt.get(),
             partition_bytes: std::mem::take(&mut self.bytes),
             first_segment,
             last_segment,
@@ -563,11 +563,11 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
             segment = shuffle.advance(partition, segment.index).await?;
             continue;
         }
-        let index = segment.index;
+        let (index, address) = (segment.index, address_of(shuffle.id, &segment));
         let access = shuffle.client.access(&shuffle.job, &shuffle.grant).await?;
         let pushes = conns.iter().map(|conn| {
             let sent = payload.clone();
-            conn.call_as(&access, move |id| Frame::push(id, shuffle.id.get(), partition, index, sent))
+            conn.call_as(&access, move |id| Frame::push(id, address, sent))
         });
         let results = futures::future::join_all(pushes).await;
         if results.iter().all(|r| matches!(r, Err(e) if e.kind() == ErrorKind::OutOfSpace)) {
@@ -605,6 +605,12 @@ async fn push_to_segments(shuffle: &Shuffle, partition: u32, payload: &Bytes, mo
     }
     let last = why_moved.message();
     Err(Error::new(why_moved.kind(), format!("no segment took the batch after {moves} move(s) (last: {last})")))
+}
+
+/// What Push and Fetch frames call `segment` (a segment as the metadata server's messages
+/// describe it) of shuffle `shuffle`.
+fn address_of(shuffle: ShuffleId, segment: &Segment) -> SegmentAddress {
+    SegmentAddress { shuffle, partition: PartitionIndex::from_wire(segment.partition), index: segment.index }
 }
 
 /// Per partition in range, the committed maps with bytes on a lost segment.
@@ -664,7 +670,7 @@ const PAGES_AHEAD: usize = 1;
 /// concatenate to the segment's batches by map, then push order.
 struct FetchStream {
     segment: Segment,
-    maps: Vec<(u32, u32)>,
+    maps: Vec<(MapIndex, MapAttempt)>,
 }
 
 /// Cuts each segment's committed maps into streams of about one page each (by the maps'
@@ -677,7 +683,7 @@ fn plan_streams(located: &LocateShuffleResponse) -> VecDeque<FetchStream> {
         let mut run_bytes = 0u64;
         for output in located.outputs.iter().filter(|o| holds(o, offset, segment.index)) {
             let spread = u64::from(output.last_segment[offset] - output.first_segment[offset]) + 1;
-            run.push((output.map_index, output.attempt));
+            run.push((MapIndex::from_wire(output.map_index), MapAttempt::from_wire(output.attempt)));
             run_bytes += output.partition_bytes[offset] / spread;
             if run_bytes >= u64::from(FETCH_PAGE_BYTES) {
                 streams.push_back(FetchStream { segment: segment.clone(), maps: std::mem::take(&mut run) });
@@ -848,9 +854,10 @@ async fn fetch_page(
     request: &FetchRequest,
 ) -> Result<(Vec<ShuffleBatch>, Option<u32>)> {
     let address = &holder.address;
-    let place = format!("shuffle {shuffle_id} partition {} segment {}", segment.partition, segment.index);
+    let fetched = address_of(shuffle_id, segment);
+    let place = fetched.to_string();
     let lost = |e: Error| {
-        let maps: Vec<u32> = request.maps.iter().map(|(m, _)| *m).collect();
+        let maps: Vec<u32> = request.maps.iter().map(|(m, _)| m.get()).collect();
         Error::new(
             ErrorKind::DataLost,
             format!("{place} on {address} is unreadable; recompute maps {maps:?}: {}", e.message()),
@@ -862,7 +869,7 @@ async fn fetch_page(
         Err(e) => return Err(lost(e)),
     };
     let payload = request.encode();
-    let fetch = |id| Frame::fetch(id, shuffle_id.get(), segment.partition, segment.index, payload);
+    let fetch = |id| Frame::fetch(id, fetched, payload);
     let reply = match conn.call_as(access, fetch).await {
         Ok(reply) => reply,
         Err(e) if e.kind() == ErrorKind::Unavailable => return Err(lost(e)),
@@ -882,7 +889,7 @@ async fn fetch_page(
         // took at push time, and the reply's frame crc (checked on receipt) is built from those
         // checked crcs, so the chain from pusher to this reader is unbroken. A batch damaged at
         // rest comes back as a Corrupt error naming its map.
-        batches.push(ShuffleBatch { partition: segment.partition, map: header.map, data });
+        batches.push(ShuffleBatch { partition: segment.partition, map: header.map.get(), data });
     }
     Ok((batches, next))
 }

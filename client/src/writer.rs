@@ -16,6 +16,7 @@ use futures::StreamExt;
 use tern_common::Backoff;
 use tern_proto::frame::Frame;
 use tern_proto::v1::{self as pb, FileInfo};
+use tern_proto::FileId;
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -40,7 +41,7 @@ pub struct FileWriter {
     path: String,
     /// The job owning the file ("" outside `/jobs`): whose token its block frames carry.
     job: String,
-    file_id: u64,
+    file_id: FileId,
     block_size: usize,
     buffer: BytesMut,
     /// Copies of each block (1 or 2).
@@ -66,7 +67,7 @@ impl FileWriter {
         client: Client,
         path: String,
         job: String,
-        file_id: u64,
+        file_id: FileId,
         block_size: u32,
         replicas: u32,
         writer_lease: std::time::Duration,
@@ -228,8 +229,11 @@ impl FileWriter {
             None => self.next_batch,
         };
         loop {
-            let request =
-                pb::AllocateBlocksRequest { file_id: self.file_id, count, client_host: self.client.inner.host.clone() };
+            let request = pb::AllocateBlocksRequest {
+                file_id: self.file_id.get(),
+                count,
+                client_host: self.client.inner.host.clone(),
+            };
             match self.client.metadata().allocate_blocks(request).await {
                 Ok(reply) => return Ok(reply.into_inner()),
                 Err(status) if count > 1 && ErrorKind::of_status(&status) == ErrorKind::QuotaExceeded => {
@@ -272,7 +276,7 @@ impl FileWriter {
         let reply = self
             .client
             .metadata()
-            .seal(pb::SealRequest { file_id: self.file_id, length: self.written })
+            .seal(pb::SealRequest { file_id: self.file_id.get(), length: self.written })
             .await
             .map_err(|s| Error::from(s).context(format_args!("close {}", self.path)))?
             .into_inner();
@@ -304,13 +308,13 @@ impl Drop for FileWriter {
 
 /// Renews a writer's lease every third of it until aborted. A renewal that fails is retried at
 /// the next tick: the lease has two more in it.
-async fn renew_lease(client: Client, file_id: u64, lease: std::time::Duration) {
+async fn renew_lease(client: Client, file_id: FileId, lease: std::time::Duration) {
     let period = lease / 3;
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        match client.metadata().renew_writer(pb::RenewWriterRequest { file_id }).await {
+        match client.metadata().renew_writer(pb::RenewWriterRequest { file_id: file_id.get() }).await {
             Ok(_) => {}
             // Sealed or deleted: nothing left to keep.
             Err(status) if matches!(ErrorKind::of_status(&status), ErrorKind::NotFound | ErrorKind::Invalid) => return,

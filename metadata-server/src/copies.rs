@@ -31,7 +31,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use tern_proto::v1::{CopyBlock, CopySegment, CopyStatus};
-use tern_proto::{ServerId, StorageClass};
+use tern_proto::{FileId, ServerId, StorageClass};
 
 use crate::namespace::BlockRef;
 use crate::shuffles::SegmentCopy;
@@ -62,7 +62,7 @@ pub enum Why {
 pub enum What {
     /// The file's copy at `copy` (index in `FileMeta::blocks`), now `old`, is replaced by `target`
     /// once `source` (another copy, or `old` itself when draining) was copied there.
-    Block { file_id: u64, copy: u32, old: BlockRef, source: BlockRef, target: BlockRef },
+    Block { file_id: FileId, copy: u32, old: BlockRef, source: BlockRef, target: BlockRef },
     /// The segment's copy on `old` (a dead server) is replaced by one on `target`, copied from
     /// its copy on `source`.
     Segment { segment: SegmentCopy, old: ServerId, source: ServerId, target: ServerId, class: StorageClass },
@@ -71,7 +71,7 @@ pub enum What {
 /// What a task is keyed by, so no copy has two tasks at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Key {
-    Block(u64, u32),
+    Block(FileId, u32),
     Segment(SegmentCopy),
 }
 
@@ -206,7 +206,7 @@ impl Copies {
         self.retry_at = Some(now + RETRY_UNPLACEABLE);
     }
 
-    pub fn is_busy(&self, file_id: u64, copy: u32) -> bool {
+    pub fn is_busy(&self, file_id: FileId, copy: u32) -> bool {
         self.busy.contains(&Key::Block(file_id, copy))
     }
 
@@ -384,12 +384,12 @@ mod tests {
     use tern_proto::BlockId;
 
     fn block(server: u64, id: u64) -> BlockRef {
-        BlockRef { block_id: BlockId::from(id), server_id: ServerId(server) }
+        BlockRef { block_id: BlockId::from_wire(id), server_id: ServerId::from_wire(server) }
     }
 
     fn task(file: u64, length: u32) -> Task {
         let what = What::Block {
-            file_id: file,
+            file_id: FileId::from_wire(file),
             copy: 1,
             old: block(2, file),
             source: block(1, file),
@@ -406,12 +406,12 @@ mod tests {
     }
 
     fn segment_task(partition: u32, bytes: u64) -> Task {
-        let segment = SegmentCopy { shuffle_id: tern_proto::ShuffleId(9), partition, index: 0 };
+        let segment = SegmentCopy { shuffle_id: tern_proto::ShuffleId::from_wire(9), partition, index: 0 };
         let what = What::Segment {
             segment,
-            old: ServerId(2),
-            source: ServerId(1),
-            target: ServerId(3),
+            old: ServerId::from_wire(2),
+            source: ServerId::from_wire(1),
+            target: ServerId::from_wire(3),
             class: StorageClass::Any,
         };
         Task::new(what, bytes, Why::Rereplicate)
@@ -424,28 +424,30 @@ mod tests {
         for file in 0..8 {
             copies.add(task(file, 1 << 20));
         }
-        let first =
-            copies.hand_out(ServerId(1), now, |id, _| Wire::Block(CopyBlock { copy_id: id, ..Default::default() }));
+        let first = copies.hand_out(ServerId::from_wire(1), now, |id, _| {
+            Wire::Block(CopyBlock { copy_id: id, ..Default::default() })
+        });
         assert_eq!(first.len(), 3, "one second's budget of 3 MiB");
         assert!(
-            copies.hand_out(ServerId(2), now, |_, _| Wire::Block(CopyBlock::default())).is_empty(),
+            copies.hand_out(ServerId::from_wire(2), now, |_, _| Wire::Block(CopyBlock::default())).is_empty(),
             "not its source"
         );
         let later = now + Duration::from_millis(500);
-        let second =
-            copies.hand_out(ServerId(1), later, |id, _| Wire::Block(CopyBlock { copy_id: id, ..Default::default() }));
+        let second = copies.hand_out(ServerId::from_wire(1), later, |id, _| {
+            Wire::Block(CopyBlock { copy_id: id, ..Default::default() })
+        });
         assert_eq!(second.len(), 1, "half a second refills 1.5 MiB");
-        assert!(copies.finish(id_of(&first[0]), ServerId(1), true, 0, later).is_some());
-        assert!(copies.finish(id_of(&first[0]), ServerId(1), true, 0, later).is_none(), "reported twice");
-        assert!(copies.finish(id_of(&first[1]), ServerId(2), true, 0, later).is_none(), "not its source");
-        let resent = copies.hand_out(ServerId(1), now + RESEND_AFTER + Duration::from_secs(1), |id, _| {
+        assert!(copies.finish(id_of(&first[0]), ServerId::from_wire(1), true, 0, later).is_some());
+        assert!(copies.finish(id_of(&first[0]), ServerId::from_wire(1), true, 0, later).is_none(), "reported twice");
+        assert!(copies.finish(id_of(&first[1]), ServerId::from_wire(2), true, 0, later).is_none(), "not its source");
+        let resent = copies.hand_out(ServerId::from_wire(1), now + RESEND_AFTER + Duration::from_secs(1), |id, _| {
             Wire::Block(CopyBlock { copy_id: id, ..Default::default() })
         });
         let ids: Vec<u64> = resent.iter().map(id_of).collect();
         assert!(ids.contains(&id_of(&first[1])) && !ids.contains(&id_of(&first[0])), "{ids:?}");
         let status = copies.status(later);
         assert_eq!((status.copied_blocks, status.copied_bytes, status.pending_blocks), (1, 1 << 20, 7));
-        assert!(copies.is_busy(1, 1) && !copies.is_busy(0, 1));
+        assert!(copies.is_busy(FileId::from_wire(1), 1) && !copies.is_busy(FileId::from_wire(0), 1));
     }
 
     #[test]
@@ -454,9 +456,9 @@ mod tests {
         let mut copies = Copies::new(0, now);
         copies.add(task(1, 10));
         copies.add(task(2, 10));
-        let dropped = copies.drop_where(|task| !matches!(task.what, What::Block { file_id: 1, .. }));
+        let dropped = copies.drop_where(|task| !matches!(task.what, What::Block { file_id, .. } if file_id.get() == 1));
         assert_eq!(dropped.len(), 1);
-        assert!(!copies.is_busy(1, 1) && copies.is_busy(2, 1));
+        assert!(!copies.is_busy(FileId::from_wire(1), 1) && copies.is_busy(FileId::from_wire(2), 1));
         assert_eq!(copies.status(now).failed_blocks, 1);
         assert!(copies.take_wake(now) && !copies.take_wake(now));
         copies.retry_later(now);
@@ -470,14 +472,20 @@ mod tests {
         copies.add(segment_task(0, 10 << 20));
         copies.add(segment_task(1, 1 << 20));
         let wire = |id, _: &Task| Wire::Segment(CopySegment { copy_id: id, ..Default::default() });
-        let first = copies.hand_out(ServerId(1), now, wire);
+        let first = copies.hand_out(ServerId::from_wire(1), now, wire);
         assert_eq!(first.len(), 1, "a full bucket hands out the 10 MiB segment, and is then in debt");
-        assert!(copies.is_segment_busy(SegmentCopy { shuffle_id: tern_proto::ShuffleId(9), partition: 0, index: 0 }));
+        assert!(copies.is_segment_busy(SegmentCopy {
+            shuffle_id: tern_proto::ShuffleId::from_wire(9),
+            partition: 0,
+            index: 0
+        }));
         // 10 MiB charged against 4 MiB: 1.5 s later the bucket is still below the next 1 MiB.
-        assert!(copies.hand_out(ServerId(1), now + Duration::from_millis(1500), wire).is_empty());
+        assert!(copies.hand_out(ServerId::from_wire(1), now + Duration::from_millis(1500), wire).is_empty());
         // Reported 2 MiB copied: the debt shrinks by the 8 MiB not copied.
-        copies.finish(id_of(&first[0]), ServerId(1), true, 2 << 20, now + Duration::from_millis(1500)).unwrap();
-        assert_eq!(copies.hand_out(ServerId(1), now + Duration::from_millis(1500), wire).len(), 1);
+        copies
+            .finish(id_of(&first[0]), ServerId::from_wire(1), true, 2 << 20, now + Duration::from_millis(1500))
+            .unwrap();
+        assert_eq!(copies.hand_out(ServerId::from_wire(1), now + Duration::from_millis(1500), wire).len(), 1);
         let status = copies.status(now + Duration::from_millis(1500));
         assert_eq!(
             (status.copied_segments, status.copied_bytes, status.pending_segments, status.pending_blocks),

@@ -480,7 +480,7 @@ mod tests {
         // A replay is not refused, and keeps its serial; other tenants are unlimited.
         assert_eq!(jobs.register("c", 0, "etl", 77, Quota::Skip, now).unwrap().2, 77);
         jobs.register("d", 0, "", 0, Quota::Enforce, now).unwrap();
-        jobs.count_blocks("a", [BlockId::from(1), BlockId::from(2)], 1);
+        jobs.count_blocks("a", [BlockId::from_wire(1), BlockId::from_wire(2)], 1);
         jobs.check_blocks("b", Tier::Dram, 1).unwrap();
         let err = jobs.check_blocks("b", Tier::Dram, 2).unwrap_err();
         assert_eq!(err.kind, ErrorKind::QuotaExceeded);
@@ -489,7 +489,7 @@ mod tests {
         jobs.check_blocks("d", Tier::Dram, 1000).unwrap();
         let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
         assert_eq!((etl.jobs, etl.dram_bytes, etl.dram_limit_bytes), (3, 8192, 12288));
-        jobs.count_blocks("a", [BlockId::from(1)], -1);
+        jobs.count_blocks("a", [BlockId::from_wire(1)], -1);
         jobs.remove("a").unwrap();
         let etl = jobs.tenants().into_iter().find(|t| t.tenant == "etl").unwrap();
         assert_eq!((etl.jobs, etl.dram_bytes), (2, 0));

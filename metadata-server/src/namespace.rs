@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
 
 use tern_proto::v1::{EntryKind, FileInfo};
-use tern_proto::{BlockId, ErrorKind, ServerId, StorageClass};
+use tern_proto::{BlockId, ErrorKind, FileId, ServerId, StorageClass};
 
 use crate::error::{already_exists, invalid, not_found, Refusal};
 use crate::path::{self, Place};
@@ -34,7 +34,7 @@ pub struct BlockRef {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileMeta {
     /// Unique for the life of the server, never reused, so a stale id cannot reach a new file.
-    pub file_id: u64,
+    pub file_id: FileId,
     pub sealed: bool,
     /// Bytes; 0 until sealed.
     pub length: u64,
@@ -84,9 +84,9 @@ pub struct Removed {
 #[derive(Debug)]
 pub struct Namespace {
     nodes: HashMap<NodeId, Node>,
-    file_nodes: HashMap<u64, NodeId>,
+    file_nodes: HashMap<FileId, NodeId>,
     next_node: NodeId,
-    next_file_id: u64,
+    next_file_id: FileId,
     files: u64,
     /// Not counting the root.
     directories: u64,
@@ -101,7 +101,7 @@ impl Namespace {
             nodes: HashMap::from([(ROOT, root)]),
             file_nodes: HashMap::new(),
             next_node: ROOT + 1,
-            next_file_id: 1,
+            next_file_id: FileId::FIRST,
             files: 0,
             directories: 0,
             max_entries,
@@ -138,7 +138,7 @@ impl Namespace {
         parents: bool,
         storage_class: StorageClass,
         now_unix_ms: u64,
-    ) -> Result<u64, Refusal> {
+    ) -> Result<FileId, Refusal> {
         if self.lookup(path).is_some() {
             return Err(already_exists("already exists"));
         }
@@ -146,7 +146,7 @@ impl Namespace {
         let file_id = self.next_file_id;
         let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new(), storage_class, replicas: 1 };
         let node = self.insert(parent, name, Body::File(meta), now_unix_ms)?;
-        self.next_file_id += 1;
+        self.next_file_id = file_id.next();
         self.file_nodes.insert(file_id, node);
         Ok(file_id)
     }
@@ -154,7 +154,7 @@ impl Namespace {
     /// Creates a file as [`Namespace::create_file`] does, under a given id (replaying the log).
     pub fn create_file_as(
         &mut self,
-        file_id: u64,
+        file_id: FileId,
         path: &str,
         parents: bool,
         storage_class: StorageClass,
@@ -163,17 +163,17 @@ impl Namespace {
         let next = self.next_file_id;
         self.next_file_id = file_id;
         let created = self.create_file(path, parents, storage_class, now_unix_ms);
-        self.next_file_id = next.max(file_id + 1);
+        self.next_file_id = next.max(file_id.next());
         created.map(|_| ())
     }
 
     /// The next file id to hand out.
-    pub fn next_file_id(&self) -> u64 {
+    pub fn next_file_id(&self) -> FileId {
         self.next_file_id
     }
 
     /// Raises the next file id to at least `next` (ids are never reused, across restarts too).
-    pub fn raise_next_file_id(&mut self, next: u64) {
+    pub fn raise_next_file_id(&mut self, next: FileId) {
         self.next_file_id = self.next_file_id.max(next);
     }
 
@@ -226,13 +226,13 @@ impl Namespace {
     }
 
     /// The path of file `file_id`, or NotFound when no such file exists (any more).
-    pub fn file_path(&self, file_id: u64) -> Result<String, Refusal> {
+    pub fn file_path(&self, file_id: FileId) -> Result<String, Refusal> {
         let id = self.file_node(file_id)?;
         Ok(self.path_of(id))
     }
 
     /// File `file_id`'s metadata, for appending blocks and sealing.
-    pub fn file_mut(&mut self, file_id: u64) -> Result<&mut FileMeta, Refusal> {
+    pub fn file_mut(&mut self, file_id: FileId) -> Result<&mut FileMeta, Refusal> {
         let id = self.file_node(file_id)?;
         match &mut self.node_mut(id).body {
             Body::File(meta) => Ok(meta),
@@ -241,7 +241,7 @@ impl Namespace {
     }
 
     /// The info of file `file_id` at its current path.
-    pub fn file_info(&self, file_id: u64) -> Result<FileInfo, Refusal> {
+    pub fn file_info(&self, file_id: FileId) -> Result<FileInfo, Refusal> {
         let id = self.file_node(file_id)?;
         Ok(self.info(id, self.path_of(id)))
     }
@@ -425,7 +425,7 @@ impl Namespace {
                 info.kind = EntryKind::File as i32;
                 info.sealed = meta.sealed;
                 info.length = meta.length;
-                info.file_id = meta.file_id;
+                info.file_id = meta.file_id.get();
                 info.block_count = meta.block_count();
                 info.storage_class = meta.storage_class.name().to_string();
                 info.replicas = meta.replicas;
@@ -434,7 +434,7 @@ impl Namespace {
         info
     }
 
-    fn file_node(&self, file_id: u64) -> Result<NodeId, Refusal> {
+    fn file_node(&self, file_id: FileId) -> Result<NodeId, Refusal> {
         self.file_nodes
             .get(&file_id)
             .copied()
@@ -514,7 +514,7 @@ mod tests {
         let a = ns.create_file("/d/a", true, StorageClass::Any, 0).unwrap();
         ns.create_file("/d/sub/b", true, StorageClass::Any, 0).unwrap();
         let meta = ns.file_mut(a).unwrap();
-        let block = |id| BlockRef { block_id: BlockId::from(id), server_id: ServerId(id) };
+        let block = |id| BlockRef { block_id: BlockId::from_wire(id), server_id: ServerId::from_wire(id) };
         meta.blocks = vec![block(1), block(2)];
         meta.sealed = true;
         meta.length = 10;

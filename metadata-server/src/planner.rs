@@ -229,7 +229,7 @@ pub struct Copies {
 impl Copies {
     /// From the wire's pair, where a second server of 0 means no second copy.
     pub fn from_wire(first: u64, second: u64) -> Copies {
-        Copies { first: ServerId(first), second: (second != 0).then_some(ServerId(second)) }
+        Copies { first: ServerId::from_wire(first), second: (second != 0).then_some(ServerId::from_wire(second)) }
     }
 
     /// The second copy's server as the wire carries it (0 = none).
@@ -300,7 +300,7 @@ mod tests {
 
     fn room(server_id: u64, host: &str, dram: u64, nvme: u64) -> Room {
         let tier = |capacity_blocks| TierRoom { capacity_blocks, ..TierRoom::default() };
-        Room { server_id: ServerId(server_id), host: host.into(), dram: tier(dram), nvme: tier(nvme) }
+        Room { server_id: ServerId::from_wire(server_id), host: host.into(), dram: tier(dram), nvme: tier(nvme) }
     }
 
     #[test]
@@ -330,13 +330,13 @@ mod tests {
 
     #[test]
     fn segments_skip_full_servers_and_avoided_ones() {
-        let load = |full, load, id| SegmentLoad { full, load, server_id: ServerId(id) };
+        let load = |full, load, id| SegmentLoad { full, load, server_id: ServerId::from_wire(id) };
         let loads = [load(true, 0, 1), load(false, 5, 2), load(false, 1, 3)];
         let firsts = |plan: Vec<Copies>| plan.iter().map(|c| c.first.get()).collect::<Vec<_>>();
         assert_eq!(firsts(place_segments(&loads, 4, &[], 1).unwrap()), [3, 2, 1, 3]);
-        assert_eq!(firsts(place_segments(&loads, 1, &[ServerId(3)], 1).unwrap()), [2]);
+        assert_eq!(firsts(place_segments(&loads, 1, &[ServerId::from_wire(3)], 1).unwrap()), [2]);
         let pair = place_segments(&loads, 1, &[], 2).unwrap()[0];
         assert_eq!(pair, Copies::from_wire(3, 2));
-        assert!(pair.on(ServerId(2)) && !pair.on(ServerId(1)));
+        assert!(pair.on(ServerId::from_wire(2)) && !pair.on(ServerId::from_wire(1)));
     }
 }

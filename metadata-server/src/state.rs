@@ -20,7 +20,7 @@ use tern_common::Now;
 use tern_proto::token::{GrantKind, JobToken, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::*;
-use tern_proto::{BlockId, ErrorKind, ServerId, ShuffleId, Tier};
+use tern_proto::{BlockId, ErrorKind, FileId, ServerId, ShuffleId, Tier};
 use tonic::Status;
 use tracing::{error, info, warn};
 
@@ -45,7 +45,7 @@ pub struct State {
     drain_timeout: Duration,
     /// Unsealed files and when their writer last allocated or renewed (not logged: after a
     /// restart every writer's lease starts again).
-    writers: HashMap<u64, Instant>,
+    writers: HashMap<FileId, Instant>,
     max_list_entries: u32,
     namespace: Namespace,
     servers: Servers,
@@ -82,10 +82,8 @@ impl State {
             )
             .with_quotas(config.tenants.clone(), config.block_size_bytes()),
             key: TokenKey::generate(),
-            // Shuffle ids start from the clock, so they stay unique across restarts of this server
-            // (a stale client's shuffle id cannot name a new shuffle) unless a run registered more
-            // than 1024 shuffles per millisecond it ran, far beyond what RPCs can reach.
-            shuffles: Shuffles::new(now.unix_ms.saturating_mul(1024)),
+            // Shuffle ids start from the clock, so they stay unique across restarts of this server.
+            shuffles: Shuffles::new(ShuffleId::first_at(now.unix_ms)),
             journal: Vec::new(),
             shuffle_usage: HashMap::new(),
             copies: Copies::new(config.copy_rate.0, now.instant),
@@ -180,19 +178,20 @@ impl State {
         let job = Place::of(&path).job().unwrap_or_default().to_string();
         let request = CreateRequest { path, storage_class: storage_class.to_string(), replicas, ..req };
         let sealed = request.sealed;
-        self.commit(Change::Create(LogCreate { request: Some(request), file_id }), now).context(&context)?;
+        self.commit(Change::Create(LogCreate { request: Some(request), file_id: file_id.get() }), now)
+            .context(&context)?;
         let writer_lease_ms = if sealed { 0 } else { self.writer_lease.as_millis() as u64 };
-        Ok(CreateResponse { file_id, block_size: self.block_size, job, writer_lease_ms })
+        Ok(CreateResponse { file_id: file_id.get(), block_size: self.block_size, job, writer_lease_ms })
     }
 
     pub fn allocate_blocks(&mut self, req: AllocateBlocksRequest, now: Now) -> Result<AllocateBlocksResponse, Status> {
-        let path =
-            self.namespace.file_path(req.file_id).context(format_args!("allocate blocks for file {}", req.file_id))?;
+        let file_id = FileId::from_wire(req.file_id);
+        let path = self.namespace.file_path(file_id).context(format_args!("allocate blocks for file {file_id}"))?;
         let context = format!("allocate {} blocks for {path}", req.count);
         if req.count == 0 || req.count > tern_proto::MAX_ALLOCATE_BLOCKS {
             return Err(invalid(format!("count must be 1 to {}", tern_proto::MAX_ALLOCATE_BLOCKS)).status(context));
         }
-        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        let file = self.namespace.file_mut(file_id).context(&context)?;
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
@@ -222,9 +221,9 @@ impl State {
     }
 
     pub fn seal(&mut self, req: SealRequest, now: Now) -> Result<SealResponse, Status> {
-        let path = self.namespace.file_path(req.file_id).context(format_args!("seal file {}", req.file_id))?;
+        let file_id = FileId::from_wire(req.file_id);
+        let path = self.namespace.file_path(file_id).context(format_args!("seal file {file_id}"))?;
         let context = format!("seal {path}");
-        let file_id = req.file_id;
         self.commit(Change::Seal(req), now).context(&context)?;
         let info = self.namespace.file_info(file_id).context(&context)?;
         Ok(SealResponse { info: Some(info) })
@@ -232,12 +231,13 @@ impl State {
 
     /// Keeps an unsealed file's writer lease from lapsing.
     pub fn renew_writer(&mut self, req: RenewWriterRequest, now: Now) -> Result<RenewWriterResponse, Status> {
-        let context = format!("renew the writer of file {}", req.file_id);
-        let file = self.namespace.file_mut(req.file_id).context(&context)?;
+        let file_id = FileId::from_wire(req.file_id);
+        let context = format!("renew the writer of file {file_id}");
+        let file = self.namespace.file_mut(file_id).context(&context)?;
         if file.sealed {
             return Err(invalid("the file is already sealed").status(context));
         }
-        self.writers.insert(req.file_id, now.instant);
+        self.writers.insert(file_id, now.instant);
         Ok(RenewWriterResponse {})
     }
 
@@ -433,7 +433,7 @@ impl State {
         })
         .map(|mut status| {
             for server in &mut status.servers {
-                server.copies_pending = self.copies.pending_from(ServerId(server.server_id));
+                server.copies_pending = self.copies.pending_from(ServerId::from_wire(server.server_id));
             }
             status
         })
@@ -464,7 +464,7 @@ impl State {
             "advance past segment {} of partition {} of shuffle {}",
             req.full_segment, req.partition, req.shuffle_id
         );
-        let shuffle_id = ShuffleId(req.shuffle_id);
+        let shuffle_id = ShuffleId::from_wire(req.shuffle_id);
         // Many writers report the same full segment at once: all get the one successor.
         if let Some(next) = self.shuffles.check_advance(&req).context(&context)? {
             if let Some(job) = self.shuffles.job_of(shuffle_id) {
@@ -517,7 +517,7 @@ impl State {
         now: Now,
     ) -> Result<UnregisterShuffleResponse, Status> {
         let context = format!("unregister shuffle {}", req.shuffle_id);
-        self.shuffles.check_registered(ShuffleId(req.shuffle_id)).context(&context)?;
+        self.shuffles.check_registered(ShuffleId::from_wire(req.shuffle_id)).context(&context)?;
         self.commit(Change::UnregisterShuffle(req), now).context(&context)?;
         Ok(UnregisterShuffleResponse {})
     }
@@ -572,11 +572,15 @@ impl State {
         now: Now,
     ) -> Result<ReportInventoryResponse, Status> {
         let context = format!("inventory of storage server {}", req.server_id);
-        let server_id = ServerId(req.server_id);
-        let blocks: Vec<BlockId> = req.block_ids.iter().map(|&id| BlockId::from(id)).collect();
-        let shuffles: Vec<ShuffleId> = req.shuffle_ids.iter().map(|&id| ShuffleId(id)).collect();
+        let server_id = ServerId::from_wire(req.server_id);
+        let blocks: Vec<BlockId> = req.block_ids.iter().map(|&id| BlockId::from_wire(id)).collect();
+        let shuffles: Vec<ShuffleId> = req.shuffle_ids.iter().map(|&id| ShuffleId::from_wire(id)).collect();
         let segments: Vec<SegmentCopy> = (req.segments.iter())
-            .map(|s| SegmentCopy { shuffle_id: ShuffleId(s.shuffle_id), partition: s.partition, index: s.index })
+            .map(|s| SegmentCopy {
+                shuffle_id: ShuffleId::from_wire(s.shuffle_id),
+                partition: s.partition,
+                index: s.index,
+            })
             .collect();
         self.servers.inventory_page(server_id, &blocks, &shuffles, &segments, self.block_size).context(&context)?;
         if !req.last {
@@ -614,7 +618,7 @@ impl State {
     }
 
     pub fn heartbeat(&mut self, req: HeartbeatRequest, now: Now) -> Result<HeartbeatResponse, Status> {
-        let server_id = ServerId(req.server_id);
+        let server_id = ServerId::from_wire(req.server_id);
         let mut response = self.servers.heartbeat(server_id, req.tiers, req.freed_through_seq, now.instant);
         if !response.reregister {
             let context = format!("heartbeat of storage server {server_id}");
@@ -648,7 +652,7 @@ impl State {
     /// cannot delete what it left), and the blocks it held go back.
     fn reap_writers(&mut self, now: Now) {
         let lease = self.writer_lease;
-        let lapsed: Vec<u64> = self
+        let lapsed: Vec<FileId> = self
             .writers
             .iter()
             .filter(|(_, &renewed)| now.instant.saturating_duration_since(renewed) > lease)

@@ -6,6 +6,8 @@
 //! refusal names its kind and reason, and every accepted change replays as the log would). A
 //! shorter run goes over real gRPC to a running server, which must still serve afterwards.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::time::Duration;
 
 use prost::Message;

@@ -31,7 +31,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{cut_message, ErrorKind};
+use crate::shuffle::SegmentAddress;
 use crate::token::{Grant, GRANT_LEN, MAX_TOKEN_BYTES};
+use crate::{PartitionIndex, ShuffleId};
 
 pub const MAGIC: [u8; 2] = *b"TB";
 pub const VERSION: u8 = 3;
@@ -74,11 +76,14 @@ pub enum Op {
     /// skipped. The reply's `length` is the number freed.
     Free = 4,
     /// Append a batch to a shuffle partition's segment (push-merge); see [`crate::shuffle`].
-    /// `block_id` = shuffle id, `offset` = partition, `length` = segment index. The reply's
-    /// `length` is the segment's size in bytes after the append.
+    /// The request names its segment with a [`SegmentAddress`], carried in the block-header
+    /// fields (`block_id` = shuffle id, `offset` = partition, `length` = segment index): build it
+    /// with [`Frame::push`], read it with [`Header::segment_address`]. The reply's `length` is
+    /// the segment's size in bytes after the append.
     Push = 5,
     /// Read committed batches of a shuffle partition's segment, a page at a time; see
-    /// [`crate::shuffle`]. Same addressing as Push; the reply's `length` is the next cursor.
+    /// [`crate::shuffle`]. Addressed as Push ([`Frame::fetch`]); the reply's `length` is the next
+    /// cursor.
     Fetch = 6,
     /// Bind the job token in the payload (a `JobToken` message, at most
     /// [`MAX_TOKEN_BYTES`]) to slot `offset` (1 to [`MAX_SLOT`]) of this connection; later frames
@@ -138,6 +143,17 @@ pub struct Header {
 }
 
 impl Header {
+    /// The segment a Push or Fetch request addresses (meaningless for other ops, and for replies,
+    /// whose `length` is a size or a cursor).
+    pub fn segment_address(&self) -> SegmentAddress {
+        debug_assert!(matches!(self.op, Op::Push | Op::Fetch), "{:?} frames address no segment", self.op);
+        SegmentAddress {
+            shuffle: ShuffleId::from_wire(self.block_id),
+            partition: PartitionIndex::from_wire(self.offset),
+            index: self.length,
+        }
+    }
+
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut out = [0u8; HEADER_LEN];
         let mut buf = &mut out[..];
@@ -301,13 +317,20 @@ impl Frame {
     }
 
     /// A Push of `payload` (which starts with a [`crate::shuffle::PushHeader`]) to a segment.
-    pub fn push(request_id: u64, shuffle_id: u64, partition: u32, segment: u32, payload: Bytes) -> Frame {
-        Frame::new(Op::Push, false, request_id, shuffle_id, partition, segment, payload)
+    pub fn push(request_id: u64, segment: SegmentAddress, payload: Bytes) -> Frame {
+        Frame::segment_request(Op::Push, request_id, segment, payload)
     }
 
     /// A Fetch of a segment's committed batches; `request` from [`crate::shuffle::FetchRequest`].
-    pub fn fetch(request_id: u64, shuffle_id: u64, partition: u32, segment: u32, request: Bytes) -> Frame {
-        Frame::new(Op::Fetch, false, request_id, shuffle_id, partition, segment, request)
+    pub fn fetch(request_id: u64, segment: SegmentAddress, request: Bytes) -> Frame {
+        Frame::segment_request(Op::Fetch, request_id, segment, request)
+    }
+
+    /// A Push or Fetch: the segment's address goes in the block-header fields (see [`Op::Push`]),
+    /// the one place besides [`Header::segment_address`] that knows which carries what.
+    fn segment_request(op: Op, request_id: u64, segment: SegmentAddress, payload: Bytes) -> Frame {
+        let SegmentAddress { shuffle, partition, index } = segment;
+        Frame::new(op, false, request_id, shuffle.get(), partition.get(), index, payload)
     }
 
     /// A successful reply to `request`.
@@ -691,6 +714,22 @@ mod tests {
         // Replies carry neither.
         let reply = Frame::reply(&authorized.header, 0, Bytes::new());
         assert_eq!((reply.header.slot, reply.header.grant), (0, [0; GRANT_LEN]));
+    }
+
+    #[tokio::test]
+    async fn segment_addresses_round_trip_in_the_block_header_fields() {
+        let segment =
+            SegmentAddress { shuffle: ShuffleId::from_wire(42), partition: PartitionIndex::from_wire(7), index: 3 };
+        let push = round_trip(&Frame::push(1, segment, Bytes::from_static(b"batch"))).await;
+        let fetch = round_trip(&Frame::fetch(2, segment, Bytes::from_static(b"request"))).await;
+        assert_eq!((push.header.op, push.header.segment_address()), (Op::Push, segment));
+        assert_eq!((fetch.header.op, fetch.header.segment_address()), (Op::Fetch, segment));
+        // The wire is the block header's, unchanged: shuffle in block_id, partition in offset,
+        // segment index in length.
+        let raw = push.header.encode();
+        assert_eq!(raw[16..24], 42u64.to_le_bytes());
+        assert_eq!(raw[24..28], 7u32.to_le_bytes());
+        assert_eq!(raw[28..32], 3u32.to_le_bytes());
     }
 
     #[tokio::test]

@@ -28,8 +28,10 @@ pub mod sched {
 }
 
 pub use error::{cut_message, ErrorKind};
-pub use ids::{BlockId, ServerId, ShuffleId, NVME_BLOCK_BIT};
+pub use ids::{BlockId, FileId, ServerId, ShuffleId, NVME_BLOCK_BIT};
 pub use tier::{StorageClass, Tier};
+
+pub use ids::{MapAttempt, MapIndex, PartitionIndex};
 
 /// Default cluster block size: 1 MiB.
 pub const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;

@@ -1,10 +1,17 @@
-//! The payloads of the shuffle frames, Push and Fetch (one definition for servers and clients).
+//! What the shuffle frames, Push and Fetch, address and carry (one definition for servers and
+//! clients).
 //!
 //! A shuffle partition is a chain of segments; each segment lives on one storage server, which
 //! appends the batches map writers push to it. Every batch is stored whole, with the map index and
 //! attempt that wrote it and a crc32c of its bytes, so a reader can ask for exactly the committed
 //! attempts and check every byte it gets.
 //!
+//! - **Address**: a Push or Fetch request names its segment with a [`SegmentAddress`] (shuffle,
+//!   partition, segment index). The frame header has no fields of its own for it: it travels in
+//!   the block-header fields (`block_id` = shuffle id, `offset` = partition, `length` = segment
+//!   index), which only [`Frame::push`](crate::frame::Frame::push),
+//!   [`Frame::fetch`](crate::frame::Frame::fetch) and
+//!   [`Header::segment_address`](crate::frame::Header::segment_address) read or write.
 //! - **Push** payload: [`PushHeader`] (12 bytes: map index u32, attempt u32, the shuffle's storage
 //!   class u8 (see [`StorageClass::code`]), 3 zero bytes), then the batch. The class tells the
 //!   server where the segment may live; the first push of a segment fixes it.
@@ -17,10 +24,12 @@
 //!
 //! All integers are little-endian; every count and length is bounded on decode.
 
+use std::fmt;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::frame::FrameError;
-use crate::StorageClass;
+use crate::{MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 
 pub const PUSH_HEADER_LEN: usize = 12;
 pub const BATCH_HEADER_LEN: usize = 16;
@@ -29,11 +38,27 @@ pub const FETCH_DONE: u32 = u32::MAX;
 /// Most `(map, attempt)` pairs one Fetch may list.
 pub const MAX_FETCH_MAPS: usize = 1 << 17;
 
+/// The segment a Push or Fetch request is about: the `index`th segment in the chain of
+/// `partition` of `shuffle`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SegmentAddress {
+    pub shuffle: ShuffleId,
+    pub partition: PartitionIndex,
+    /// The segment's place in the partition's chain, 0 first.
+    pub index: u32,
+}
+
+impl fmt::Display for SegmentAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shuffle {} partition {} segment {}", self.shuffle, self.partition, self.index)
+    }
+}
+
 /// Who wrote a pushed batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PushHeader {
-    pub map: u32,
-    pub attempt: u32,
+    pub map: MapIndex,
+    pub attempt: MapAttempt,
     /// The shuffle's storage class: which tiers its segments may use on the server.
     pub class: StorageClass,
 }
@@ -41,8 +66,8 @@ pub struct PushHeader {
 impl PushHeader {
     pub fn encode(&self) -> [u8; PUSH_HEADER_LEN] {
         let mut out = [0u8; PUSH_HEADER_LEN];
-        out[..4].copy_from_slice(&self.map.to_le_bytes());
-        out[4..8].copy_from_slice(&self.attempt.to_le_bytes());
+        out[..4].copy_from_slice(&self.map.get().to_le_bytes());
+        out[4..8].copy_from_slice(&self.attempt.get().to_le_bytes());
         out[8] = self.class.code();
         out
     }
@@ -56,7 +81,7 @@ impl PushHeader {
             )));
         }
         let (mut head, batch) = payload.split_at(PUSH_HEADER_LEN);
-        let (map, attempt) = (head.get_u32_le(), head.get_u32_le());
+        let (map, attempt) = (MapIndex::from_wire(head.get_u32_le()), MapAttempt::from_wire(head.get_u32_le()));
         let class = StorageClass::from_code(head[0]).filter(|_| head[1..] == [0; 3]).ok_or_else(|| {
             FrameError::BadShufflePayload(format!(
                 "Push header's storage class bytes {:02x?} are not a class code (0 any, 1 dram, 2 nvme) and 3 zero bytes",
@@ -75,7 +100,7 @@ pub struct FetchRequest {
     /// A page holds whole batches up to about this many bytes (always at least one batch).
     pub max_bytes: u32,
     /// The committed attempt of each wanted map, ascending by map.
-    pub maps: Vec<(u32, u32)>,
+    pub maps: Vec<(MapIndex, MapAttempt)>,
 }
 
 impl FetchRequest {
@@ -85,8 +110,8 @@ impl FetchRequest {
         out.put_u32_le(self.cursor);
         out.put_u32_le(self.max_bytes);
         for (map, attempt) in &self.maps {
-            out.put_u32_le(*map);
-            out.put_u32_le(*attempt);
+            out.put_u32_le(map.get());
+            out.put_u32_le(attempt.get());
         }
         out.freeze()
     }
@@ -104,7 +129,7 @@ impl FetchRequest {
         let max_bytes = payload.get_u32_le();
         let mut maps = Vec::with_capacity(count);
         for _ in 0..count {
-            maps.push((payload.get_u32_le(), payload.get_u32_le()));
+            maps.push((MapIndex::from_wire(payload.get_u32_le()), MapAttempt::from_wire(payload.get_u32_le())));
         }
         if maps.windows(2).any(|w| w[0].0 >= w[1].0) {
             return Err(bad("maps are not strictly ascending".to_string()));
@@ -113,7 +138,7 @@ impl FetchRequest {
     }
 
     /// The attempt wanted for `map`, if it is listed.
-    pub fn attempt_of(&self, map: u32) -> Option<u32> {
+    pub fn attempt_of(&self, map: MapIndex) -> Option<MapAttempt> {
         self.maps.binary_search_by_key(&map, |(m, _)| *m).ok().map(|i| self.maps[i].1)
     }
 }
@@ -121,8 +146,8 @@ impl FetchRequest {
 /// The header of one batch in a Fetch reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchHeader {
-    pub map: u32,
-    pub attempt: u32,
+    pub map: MapIndex,
+    pub attempt: MapAttempt,
     pub len: u32,
     /// crc32c of the batch's bytes, taken when it was pushed.
     pub crc: u32,
@@ -132,8 +157,8 @@ impl BatchHeader {
     pub fn encode(&self) -> [u8; BATCH_HEADER_LEN] {
         let mut out = [0u8; BATCH_HEADER_LEN];
         let mut buf = &mut out[..];
-        buf.put_u32_le(self.map);
-        buf.put_u32_le(self.attempt);
+        buf.put_u32_le(self.map.get());
+        buf.put_u32_le(self.attempt.get());
         buf.put_u32_le(self.len);
         buf.put_u32_le(self.crc);
         out
@@ -141,7 +166,12 @@ impl BatchHeader {
 
     pub fn decode(bytes: &[u8; BATCH_HEADER_LEN]) -> BatchHeader {
         let mut buf = &bytes[..];
-        BatchHeader { map: buf.get_u32_le(), attempt: buf.get_u32_le(), len: buf.get_u32_le(), crc: buf.get_u32_le() }
+        BatchHeader {
+            map: MapIndex::from_wire(buf.get_u32_le()),
+            attempt: MapAttempt::from_wire(buf.get_u32_le()),
+            len: buf.get_u32_le(),
+            crc: buf.get_u32_le(),
+        }
     }
 }
 
@@ -180,13 +210,19 @@ pub fn batches(payload: Bytes) -> impl Iterator<Item = Result<(BatchHeader, Byte
 mod tests {
     use super::*;
 
+    /// A `(map, attempt)` pair from plain numbers.
+    fn entry(index: u32, attempt: u32) -> (MapIndex, MapAttempt) {
+        (MapIndex::from_wire(index), MapAttempt::from_wire(attempt))
+    }
+
     #[test]
     fn push_headers_round_trip() {
         for class in [StorageClass::Any, StorageClass::Dram, StorageClass::Nvme] {
-            let mut payload = PushHeader { map: 7, attempt: 2, class }.encode().to_vec();
+            let (map, attempt) = entry(7, 2);
+            let mut payload = PushHeader { map, attempt, class }.encode().to_vec();
             payload.extend_from_slice(b"records");
             let (header, batch) = PushHeader::decode(&payload).unwrap();
-            assert_eq!((header, batch), (PushHeader { map: 7, attempt: 2, class }, &b"records"[..]));
+            assert_eq!((header, batch), (PushHeader { map, attempt, class }, &b"records"[..]));
             assert!(PushHeader::decode(&payload[..PUSH_HEADER_LEN]).is_err(), "an empty batch is refused");
             for (at, bad) in [(8, 3), (9, 1), (11, 1)] {
                 let mut wrong = payload.clone();
@@ -199,26 +235,28 @@ mod tests {
 
     #[test]
     fn fetch_requests_round_trip_and_are_checked() {
-        let request = FetchRequest { cursor: 3, max_bytes: 1 << 20, maps: vec![(0, 1), (4, 0), (9, 2)] };
+        let request = FetchRequest { cursor: 3, max_bytes: 1 << 20, maps: vec![entry(0, 1), entry(4, 0), entry(9, 2)] };
         let decoded = FetchRequest::decode(&request.encode()).unwrap();
         assert_eq!(decoded, request);
-        assert_eq!((decoded.attempt_of(4), decoded.attempt_of(5)), (Some(0), None));
+        let attempt_of = |index| decoded.attempt_of(MapIndex::from_wire(index)).map(MapAttempt::get);
+        assert_eq!((attempt_of(4), attempt_of(5)), (Some(0), None));
         assert!(FetchRequest::decode(&request.encode()[..11]).is_err());
-        let unsorted = FetchRequest { cursor: 0, max_bytes: 1, maps: vec![(4, 0), (4, 1)] };
+        let unsorted = FetchRequest { cursor: 0, max_bytes: 1, maps: vec![entry(4, 0), entry(4, 1)] };
         assert!(FetchRequest::decode(&unsorted.encode()).is_err());
     }
 
     #[test]
     fn batches_parse_and_bounds_are_checked() {
         let mut payload = BytesMut::new();
-        for (map, data) in [(1u32, &b"abc"[..]), (2, &b""[..]), (3, &b"xyz!"[..])] {
-            let header = BatchHeader { map, attempt: 0, len: data.len() as u32, crc: crc32c::crc32c(data) };
+        for (index, data) in [(1u32, &b"abc"[..]), (2, &b""[..]), (3, &b"xyz!"[..])] {
+            let (map, attempt) = entry(index, 0);
+            let header = BatchHeader { map, attempt, len: data.len() as u32, crc: crc32c::crc32c(data) };
             payload.extend_from_slice(&header.encode());
             payload.extend_from_slice(data);
         }
         let parsed: Vec<_> = batches(payload.clone().freeze()).collect::<Result<_, _>>().unwrap();
         assert_eq!(parsed.len(), 3);
-        assert_eq!((parsed[2].0.map, &parsed[2].1[..]), (3, &b"xyz!"[..]));
+        assert_eq!((parsed[2].0.map.get(), &parsed[2].1[..]), (3, &b"xyz!"[..]));
         let cut = payload.len() - 2;
         let results: Vec<_> = batches(payload.freeze().slice(..cut)).collect();
         assert!(results.last().unwrap().is_err());

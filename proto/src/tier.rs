@@ -17,7 +17,7 @@ pub enum Tier {
 impl Tier {
     /// The tier a wire block id names (see [`BlockId::tier`]).
     pub fn of_block(block_id: u64) -> Tier {
-        BlockId::from(block_id).tier()
+        BlockId::from_wire(block_id).tier()
     }
 
     /// The name used in registrations, heartbeats, metrics and `tern status`: the one definition

@@ -4,10 +4,12 @@
 //! ones), and random bytes. Every case must decode to the frame sent or be refused with the right
 //! error, never panic, never read past a refused header's length.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, FrameError, Header, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{batches, BatchHeader, FetchRequest, PushHeader, MAX_FETCH_MAPS};
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::shuffle::{batches, BatchHeader, FetchRequest, PushHeader, SegmentAddress, MAX_FETCH_MAPS};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 
 /// Cases per property: seconds in all, on a slow machine.
 const CASES: u64 = 20_000;
@@ -25,6 +27,17 @@ impl Draw for Rng {
     }
 }
 
+/// A segment of shuffle `block`, its partition and index drawn in that order.
+fn segment(rng: &mut Rng, block: u64) -> SegmentAddress {
+    let partition = PartitionIndex::from_wire(rng.next_u64() as u32);
+    SegmentAddress { shuffle: ShuffleId::from_wire(block), partition, index: rng.next_u64() as u32 }
+}
+
+/// `(map, attempt)` pairs drawn as plain numbers, typed as a Fetch lists them.
+fn typed(maps: Vec<(u32, u32)>) -> Vec<(MapIndex, MapAttempt)> {
+    maps.into_iter().map(|(map, attempt)| (MapIndex::from_wire(map), MapAttempt::from_wire(attempt))).collect()
+}
+
 fn valid_frame(rng: &mut Rng) -> Frame {
     let id = rng.next_u64();
     let block = rng.next_u64();
@@ -36,20 +49,20 @@ fn valid_frame(rng: &mut Rng) -> Frame {
         2 => Frame::read(id, block, rng.next_u64() as u32, rng.next_u64() as u32),
         3 => Frame::free(id, &(0..rng.below(20)).map(|_| rng.next_u64()).collect::<Vec<_>>()),
         4 => {
-            let mut p = BytesMut::from(
-                &PushHeader { map: rng.next_u64() as u32, attempt: rng.next_u64() as u32, class: StorageClass::Any }
-                    .encode()[..],
-            );
+            let map = MapIndex::from_wire(rng.next_u64() as u32);
+            let attempt = MapAttempt::from_wire(rng.next_u64() as u32);
+            let mut p = BytesMut::from(&PushHeader { map, attempt, class: StorageClass::Any }.encode()[..]);
             p.put_slice(&payload);
-            Frame::push(id, block, rng.next_u64() as u32, rng.next_u64() as u32, p.freeze())
+            Frame::push(id, segment(rng, block), p.freeze())
         }
         5 => {
             let mut maps: Vec<(u32, u32)> =
                 (0..rng.below(10)).map(|_| (rng.next_u64() as u32, rng.next_u64() as u32)).collect();
             maps.sort_unstable();
             maps.dedup_by_key(|m| m.0);
-            let request = FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps };
-            Frame::fetch(id, block, rng.next_u64() as u32, rng.next_u64() as u32, request.encode())
+            let request =
+                FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps: typed(maps) };
+            Frame::fetch(id, segment(rng, block), request.encode())
         }
         6 => Frame::reply(&Frame::read(id, block, 0, 5).header, rng.next_u64() as u32, payload),
         _ => Frame::error(id, Op::Write, block, ErrorKind::OutOfSpace, &String::from_utf8_lossy(&payload)),
@@ -172,7 +185,8 @@ fn shuffle_payloads_mutated_are_refused_with_a_reason() {
             (0..rng.below(16)).map(|_| (rng.next_u64() as u32, rng.next_u64() as u32)).collect();
         maps.sort_unstable();
         maps.dedup_by_key(|m| m.0);
-        let request = FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps };
+        let request =
+            FetchRequest { cursor: rng.next_u64() as u32, max_bytes: rng.next_u64() as u32, maps: typed(maps) };
         let mut bytes = request.encode().to_vec();
         assert_eq!(FetchRequest::decode(&bytes).unwrap(), request, "case {case}");
         match rng.below(3) {
@@ -197,7 +211,12 @@ fn shuffle_payloads_mutated_are_refused_with_a_reason() {
             _ => {
                 let len = 1 + rng.below(64) as usize;
                 let data = rng.bytes(len);
-                let header = BatchHeader { map: 1, attempt: 0, len: data.len() as u32 + 1, crc: 0 };
+                let header = BatchHeader {
+                    map: MapIndex::from_wire(1),
+                    attempt: MapAttempt::from_wire(0),
+                    len: data.len() as u32 + 1,
+                    crc: 0,
+                };
                 let mut page = header.encode().to_vec();
                 page.extend_from_slice(&data);
                 let results: Vec<_> = batches(Bytes::from(page)).collect();

@@ -37,7 +37,7 @@ use tern_scheduler_api::Operator;
 
 use crate::config::Config;
 use crate::metrics::{Metrics, OutcomeLabel};
-use crate::policy::{Event, JobInfo, Policy, PolicyConfig, Res, StageInfo};
+use crate::policy::{AssignmentId, Event, ExecutorSlot, JobInfo, Policy, PolicyConfig, Res, StageInfo};
 
 /// How often the ticker ends backoffs, reaps silent executors and refreshes gauges.
 const TICK: Duration = Duration::from_millis(10);
@@ -148,7 +148,7 @@ impl SchedulerServer {
 }
 
 struct ExecutorEntry {
-    slot: usize,
+    slot: ExecutorSlot,
     name: String,
     last_seen: Instant,
     /// Assignments it must stop, sent with its next poll or heartbeat.
@@ -161,7 +161,7 @@ struct State {
     policy: Policy,
     executors: HashMap<String, ExecutorEntry>,
     /// Executor id by policy slot.
-    slots: HashMap<usize, String>,
+    slots: HashMap<ExecutorSlot, String>,
     next_executor: u64,
     next_job: u64,
     /// Tern jobs of unfinished scheduler jobs.
@@ -267,7 +267,7 @@ impl Shared {
                 }
                 Event::Cancel { executor, assignments } => {
                     if let Some(entry) = state.slots.get(&executor).and_then(|id| state.executors.get_mut(id)) {
-                        entry.cancels.extend(assignments);
+                        entry.cancels.extend(assignments.into_iter().map(AssignmentId::to_wire));
                         entry.wake.notify_one();
                     }
                 }
@@ -442,7 +442,12 @@ impl Service {
     }
 
     /// Applies results and cancels of `executor`; returns its slot.
-    fn apply_results(&self, state: &mut State, executor: &str, results: &[pb::TaskResult]) -> Result<usize, Status> {
+    fn apply_results(
+        &self,
+        state: &mut State,
+        executor: &str,
+        results: &[pb::TaskResult],
+    ) -> Result<ExecutorSlot, Status> {
         let now_ms = self.shared.now_ms();
         let entry = state.executors.get_mut(executor).ok_or_else(|| unknown_executor(executor))?;
         entry.last_seen = Instant::now();

@@ -3,6 +3,7 @@
 //! the black-box tests' business (tests/ at the root).
 
 #![expect(clippy::disallowed_methods, reason = "a black-box test times real waits on a real server")]
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
 
 use std::time::{Duration, Instant};
 
@@ -127,7 +128,7 @@ async fn a_job_runs_its_stages_over_its_own_tern_job_and_shuffles() {
 
     // The shuffle exists on the metadata server while the job runs.
     let tern = tern_client::Client::connect(&c.metadata_addr).await.unwrap();
-    tern.open_shuffle(shuffle.into()).await.unwrap();
+    tern.open_shuffle(tern_client::ShuffleId::from_wire(shuffle)).await.unwrap();
 
     // Results ride on the next poll, which also hands out the reduce tasks (the map stage is done).
     let reduces = take(&c.client, &e, 3, maps.iter().map(ok).collect()).await;
@@ -143,7 +144,7 @@ async fn a_job_runs_its_stages_over_its_own_tern_job_and_shuffles() {
 
     // Its Tern job was ended: the shuffle is gone.
     let started = Instant::now();
-    while tern.open_shuffle(shuffle.into()).await.is_ok() {
+    while tern.open_shuffle(tern_client::ShuffleId::from_wire(shuffle)).await.is_ok() {
         assert!(started.elapsed() < Duration::from_secs(5), "the job's shuffle outlived it");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -455,7 +455,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_openShuffle<'l>(
     entry(&mut env, |_| {
         // SAFETY: a live client handle.
         let client = unsafe { shared::<Client>(client)? }.clone();
-        let shuffle = runtime().block_on(client.open_shuffle(ShuffleId::from(shuffle_id as u64)))?;
+        let shuffle = runtime().block_on(client.open_shuffle(ShuffleId::from_wire(shuffle_id as u64)))?;
         Ok(into_handle(shuffle))
     })
 }

@@ -158,7 +158,7 @@ impl Principal<'_> {
 pub fn covered(h: &Header) -> Option<(GrantKind, u64)> {
     match h.op {
         Op::Read | Op::Write | Op::Lease => Some((GrantKind::Block, h.block_id)),
-        Op::Push | Op::Fetch => Some((GrantKind::Shuffle, h.block_id)),
+        Op::Push | Op::Fetch => Some((GrantKind::Shuffle, h.segment_address().shuffle.get())),
         _ => None,
     }
 }

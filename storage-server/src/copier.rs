@@ -6,8 +6,8 @@
 //! the grant and job token the metadata server gave, so the target checks it as it checks a
 //! client's write (crc, write-once, grant). A segment copy first closes the segment here to
 //! pushes (its partition has moved on; a writer that has not seen that yet is refused as by a
-//! full segment and moves on too),
-//! so the copy holds everything the segment ever will; then it reads the segment a page
+//! full segment and moves on too), so the copy holds everything the segment ever will; a segment
+//! no push ever reached is closed the same way and copied as what it is, empty. Then it reads the segment a page
 //! ([`SEGMENT_PAGE_BYTES`]) at a time, every batch of every map and attempt in the order a Fetch
 //! serves them, each checked against its stored crc, and pushes each batch to the target as a
 //! Push frame with its map and attempt, one at a time (the target appends in arrival order, so
@@ -34,7 +34,7 @@ use tern_proto::frame::{self, Frame, MAX_SLOT};
 use tern_proto::shuffle::{PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
 use tern_proto::token::Grant;
 use tern_proto::v1::{CopyBlock, CopyDone, CopySegment};
-use tern_proto::{BlockId, ShuffleId, StorageClass};
+use tern_proto::{BlockId, PartitionIndex, ShuffleId, StorageClass};
 use tern_transport::{BoxRead, BoxWrite, Connector};
 use tokio::io::{AsyncWriteExt, BufWriter};
 use tokio::sync::{Notify, Semaphore};
@@ -207,7 +207,7 @@ impl Copier {
     }
 
     async fn copy(&self, task: &CopyBlock) -> anyhow::Result<u64> {
-        let block = BlockId::from(task.block_id);
+        let block = BlockId::from_wire(task.block_id);
         let server = self.store.server_id();
         let (data, _) = match self.store.tier(block)? {
             TierRef::Dram(tier) => tier.read(block, 0, task.length, server)?,
@@ -226,11 +226,15 @@ impl Copier {
 
     /// Copies a segment whole (see the module docs); returns the bytes of its batches.
     async fn copy_segment(&self, task: &CopySegment) -> anyhow::Result<u64> {
-        let id = SegmentId { shuffle: ShuffleId(task.shuffle_id), partition: task.partition, index: task.index };
+        let partition = PartitionIndex::from_wire(task.partition);
+        let id = SegmentId { shuffle: ShuffleId::from_wire(task.shuffle_id), partition, index: task.index };
         let class: StorageClass = task.storage_class.parse().map_err(|e| anyhow!("{e}"))?;
         let grant: Grant =
             task.grant.as_slice().try_into().map_err(|_| anyhow!("a grant of {} bytes", task.grant.len()))?;
-        self.store.close_segment_for_copy(id).await?;
+        if !self.store.close_segment_for_copy(id).await? {
+            // Never pushed to: the target holding nothing of it is the same segment.
+            return Ok(0);
+        }
         let max_payload = self.store.block_size();
         let mut conn = self.checkout(&task.target_address).await?;
         let slot = conn.slot_for(&task.token, max_payload).await?;
@@ -243,7 +247,7 @@ impl Copier {
                 payload.put_slice(&PushHeader { map: header.map, attempt: header.attempt, class }.encode());
                 payload.put_slice(&bytes);
                 let request = conn.take_id();
-                let push = Frame::push(request, task.shuffle_id, task.partition, task.index, payload.freeze());
+                let push = Frame::push(request, id, payload.freeze());
                 let reply = conn.call(push.authorized(slot, grant), max_payload).await?;
                 copied += bytes.len() as u64;
                 let size = u64::from(reply.header.length);

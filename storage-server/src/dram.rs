@@ -312,10 +312,10 @@ mod tests {
 
     const BS: u32 = 4096;
     /// The server named in not-held errors.
-    const SERVER: ServerId = ServerId(42);
+    const SERVER: ServerId = ServerId::from_wire(42);
 
     fn id(block: u64) -> BlockId {
-        BlockId::from(block)
+        BlockId::from_wire(block)
     }
 
     fn get(store: &DramTier, block: u64, offset: u32, len: u32) -> Result<(Bytes, u32), StoreError> {

@@ -22,8 +22,8 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use futures::future::BoxFuture;
 use tern_proto::frame::{self, Frame, Header, Op, HEADER_LEN, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{FetchRequest, PushHeader};
-use tern_proto::{ErrorKind, StorageClass, NVME_BLOCK_BIT};
+use tern_proto::shuffle::{FetchRequest, PushHeader, SegmentAddress};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass, NVME_BLOCK_BIT};
 use tern_transport::{Listener, Stream};
 use tokio::io::{AsyncWriteExt, DuplexStream};
 use tokio::sync::mpsc;
@@ -92,15 +92,17 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
         }
         5 => {
             let class = StorageClass::from_code(s.byte() % 3).expect("codes 0 to 2 are classes");
-            let header = PushHeader { map: u32::from(s.byte() % 4), attempt: u32::from(s.byte() % 2), class };
+            let map = MapIndex::from_wire(u32::from(s.byte() % 4));
+            let header = PushHeader { map, attempt: MapAttempt::from_wire(u32::from(s.byte() % 2)), class };
             let mut payload = BytesMut::from(&header.encode()[..]);
             payload.put_slice(&data()[..len.min(FUZZ_BLOCK_SIZE as usize / 2)]);
-            Frame::push(request_id, block, u32::from(s.byte() % 2), u32::from(s.byte() % 2), payload.freeze())
+            Frame::push(request_id, segment(s, block), payload.freeze())
         }
         6 => {
             let mut maps = Vec::new();
             for _ in 0..s.byte() % 5 {
-                maps.push((u32::from(s.byte() % 8), u32::from(s.byte() % 2)));
+                let map = MapIndex::from_wire(u32::from(s.byte() % 8));
+                maps.push((map, MapAttempt::from_wire(u32::from(s.byte() % 2))));
             }
             // Mostly ascending (valid), sometimes not.
             if !s.byte().is_multiple_of(4) {
@@ -108,7 +110,7 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
                 maps.dedup_by_key(|m| m.0);
             }
             let request = FetchRequest { cursor: s.u32() % 64, max_bytes: s.u32(), maps }.encode();
-            Frame::fetch(request_id, block, u32::from(s.byte() % 2), u32::from(s.byte() % 2), request)
+            Frame::fetch(request_id, segment(s, block), request)
         }
         _ => {
             // Any op byte, response bit included, with a payload.
@@ -121,6 +123,13 @@ fn request(s: &mut Script<'_>, request_id: u64) -> Frame {
 }
 
 /// Recomputes a raw header's crc, so that a field changed after encoding still passes the check.
+/// A segment of shuffle `block` (the script's block number doubles as the shuffle): partition
+/// and index each 0 or 1, read in that order.
+fn segment(s: &mut Script<'_>, block: u64) -> SegmentAddress {
+    let partition = PartitionIndex::from_wire(u32::from(s.byte() % 2));
+    SegmentAddress { shuffle: ShuffleId::from_wire(block), partition, index: u32::from(s.byte() % 2) }
+}
+
 fn reseal(raw: &mut [u8]) {
     let crc = crc32c::crc32c(&raw[..HEADER_LEN - 4]);
     raw[HEADER_LEN - 4..HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
@@ -228,7 +237,7 @@ pub struct Exchange {
 /// Panics with the reason when a check of the module doc fails. Runs on the caller's runtime.
 pub async fn serve_script(wire: &[u8]) -> Exchange {
     let store = Arc::new(BlockStore::new(FUZZ_BLOCK_SIZE, FUZZ_BLOCKS * u64::from(FUZZ_BLOCK_SIZE)).expect("a store"));
-    store.set_server_id(tern_proto::ServerId(1));
+    store.set_server_id(tern_proto::ServerId::from_wire(1));
     let metrics = Metrics::register(&mut prometheus_client::registry::Registry::default());
     let (connect, incoming) = mpsc::channel(2);
     let limits = Limits { max_connections: 4, max_in_flight_per_connection: 4 };

@@ -26,8 +26,8 @@ use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, HeldSegment, RegisterServerRequest, RegisterServerResponse,
     ReportInventoryRequest, TierUsage,
 };
-use tern_proto::ErrorKind;
 use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
+use tern_proto::{ErrorKind, PartitionIndex};
 use tokio::time::{Instant, MissedTickBehavior};
 use tonic::transport::Channel;
 
@@ -102,10 +102,10 @@ pub(crate) async fn report_inventory(
 /// within the bound; the last one says so (an empty inventory is one empty last page).
 fn inventory_pages(server_id: u64, inventory: Inventory) -> Vec<ReportInventoryRequest> {
     let page = tern_proto::MAX_INVENTORY_PAGE;
-    let mut blocks = inventory.blocks.into_iter().map(u64::from).peekable();
-    let mut shuffles = inventory.shuffles.into_iter().map(u64::from).peekable();
+    let mut blocks = inventory.blocks.into_iter().map(BlockId::get).peekable();
+    let mut shuffles = inventory.shuffles.into_iter().map(ShuffleId::get).peekable();
     let mut segments = (inventory.segments.into_iter())
-        .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition, index: s.index })
+        .map(|s| HeldSegment { shuffle_id: s.shuffle.get(), partition: s.partition.get(), index: s.index })
         .peekable();
     let mut pages = Vec::new();
     loop {
@@ -243,11 +243,11 @@ impl Session {
         if reply.reregister {
             return Outcome::Reregister;
         }
-        let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from(id)));
-        let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId(id)));
+        let blocks = store.free(reply.free_block_ids.iter().map(|&id| BlockId::from_wire(id)));
+        let segments = store.free_shuffles(reply.free_shuffle_ids.iter().map(|&id| ShuffleId::from_wire(id)));
         let single = reply.free_segments.iter().map(|s| SegmentId {
-            shuffle: ShuffleId(s.shuffle_id),
-            partition: s.partition,
+            shuffle: ShuffleId::from_wire(s.shuffle_id),
+            partition: PartitionIndex::from_wire(s.partition),
             index: s.index,
         });
         let segments = segments + store.free_segments(single);
@@ -334,7 +334,7 @@ impl Heartbeater {
         readiness: Readiness,
         copier: Arc<Copier>,
     ) -> Heartbeater {
-        store.set_server_id(ServerId(registered.server_id));
+        store.set_server_id(ServerId::from_wire(registered.server_id));
         Heartbeater {
             client,
             metadata,
@@ -482,7 +482,7 @@ impl Heartbeater {
                 self.store.block_size()
             );
         }
-        self.store.set_server_id(ServerId(registered.server_id));
+        self.store.set_server_id(ServerId::from_wire(registered.server_id));
         // A metadata server that lost its directory signs with a new key.
         if let Err(e) = take_key(&self.store, &registered) {
             tracing::error!("{e:#}");
@@ -497,14 +497,15 @@ impl Heartbeater {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::shuffle::test_wire::{pushed_by, wanted};
     use crate::shuffle::SegmentId;
-    use tern_proto::shuffle::{FetchRequest, PushHeader};
+    use tern_proto::shuffle::FetchRequest;
     use tern_proto::StorageClass;
 
     fn store_with(ids: &[u64]) -> BlockStore {
         let store = BlockStore::new(4096, 16 * 4096).unwrap();
         for id in ids {
-            let mut pending = store.dram().begin_write(BlockId::from(*id), 0, 1).unwrap();
+            let mut pending = store.dram().begin_write(BlockId::from_wire(*id), 0, 1).unwrap();
             pending.buf()[0] = 1;
             pending.commit(crc32c::crc32c(&[1])).unwrap();
         }
@@ -521,17 +522,16 @@ mod tests {
 
     /// The first byte of a DRAM block.
     fn read(store: &BlockStore, block: u64) -> Result<(bytes::Bytes, u32), crate::StoreError> {
-        store.dram().read(BlockId::from(block), 0, 1, ServerId(0))
+        store.dram().read(BlockId::from_wire(block), 0, 1, ServerId::from_wire(0))
     }
 
     fn push(store: &BlockStore, shuffle: u64, partition: u32) {
-        let segment = SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 };
-        futures::executor::block_on(store.push(
-            segment,
-            PushHeader { map: 0, attempt: 0, class: StorageClass::Any },
-            b"batch",
-        ))
-        .unwrap();
+        let segment = SegmentId {
+            shuffle: ShuffleId::from_wire(shuffle),
+            partition: PartitionIndex::from_wire(partition),
+            index: 0,
+        };
+        futures::executor::block_on(store.push(segment, pushed_by(0, 0, StorageClass::Any), b"batch")).unwrap();
     }
 
     #[test]
@@ -579,11 +579,12 @@ mod tests {
         assert_eq!(store.shuffle_segments(), 1);
         // Resent (the ack was lost): nothing more to do, nothing comes back.
         assert_eq!(session.apply(&both, &store), freed(0, 0));
-        let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
+        let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: wanted(&[(0, 0)]) };
         let fetch_of = |shuffle| {
-            futures::executor::block_on(
-                store.fetch(SegmentId { shuffle: ShuffleId(shuffle), partition: 0, index: 0 }, &fetch),
-            )
+            futures::executor::block_on(store.fetch(
+                SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(0), index: 0 },
+                &fetch,
+            ))
         };
         assert!(fetch_of(10).is_err());
         assert!(fetch_of(11).is_ok());
@@ -600,10 +601,10 @@ mod tests {
         // The metadata server decides what goes, from the inventory.
         let mut inventory = store.inventory();
         inventory.blocks.sort_unstable();
-        let segment = SegmentId { shuffle: ShuffleId(4), partition: 0, index: 0 };
+        let segment = SegmentId { shuffle: ShuffleId::from_wire(4), partition: PartitionIndex::from_wire(0), index: 0 };
         let want = Inventory {
-            blocks: vec![BlockId::from(2), BlockId::from(3)],
-            shuffles: vec![ShuffleId(4)],
+            blocks: vec![BlockId::from_wire(2), BlockId::from_wire(3)],
+            shuffles: vec![ShuffleId::from_wire(4)],
             segments: vec![segment],
         };
         assert_eq!(inventory, want);
@@ -618,10 +619,14 @@ mod tests {
             vec![ReportInventoryRequest { server_id: 3, last: true, ..Default::default() }]
         );
         let inventory = Inventory {
-            blocks: (1..=page as u64 + 1).map(BlockId::from).collect(),
-            shuffles: vec![ShuffleId(9)],
+            blocks: (1..=page as u64 + 1).map(BlockId::from_wire).collect(),
+            shuffles: vec![ShuffleId::from_wire(9)],
             segments: (0..page as u32)
-                .map(|partition| SegmentId { shuffle: ShuffleId(9), partition, index: 2 })
+                .map(|p| SegmentId {
+                    shuffle: ShuffleId::from_wire(9),
+                    partition: PartitionIndex::from_wire(p),
+                    index: 2,
+                })
                 .collect(),
         };
         let pages = inventory_pages(3, inventory);

@@ -41,7 +41,8 @@ pub struct BlockStore {
     dram: DramTier,
     nvme: Option<Arc<NvmeTier>>,
     shuffles: Shuffles,
-    /// The id the metadata server gave this server, named in not-held errors.
+    /// The id the metadata server gave this server, named in not-held errors, as the wire
+    /// carries it: 0 (the wire's "no server") until the first registration.
     server_id: AtomicU64,
     /// Job tokens and grants: how data frames are checked.
     authority: crate::auth::Authority,
@@ -101,7 +102,7 @@ impl BlockStore {
     }
 
     pub fn server_id(&self) -> ServerId {
-        ServerId(self.server_id.load(Ordering::Relaxed))
+        ServerId::from_wire(self.server_id.load(Ordering::Relaxed))
     }
 
     pub fn set_server_id(&self, id: ServerId) {
@@ -222,8 +223,8 @@ impl BlockStore {
     }
 
     /// Closes a segment to pushes before it is copied to another server (see
-    /// [`crate::copier`]).
-    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<(), ShuffleError> {
+    /// [`crate::copier`]); returns whether it is held (one no push reached is empty).
+    pub async fn close_segment_for_copy(&self, segment: SegmentId) -> Result<bool, ShuffleError> {
         self.shuffles.close_for_copy(self.server_id(), segment).await
     }
 
@@ -311,23 +312,26 @@ mod tests {
     fn clear_drops_every_block() {
         let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
         for id in 0..4 {
-            write(&store, BlockId::from(id), b"x");
+            write(&store, BlockId::from_wire(id), b"x");
         }
         assert_eq!(store.clear(), (4, 0));
         assert_eq!(store.dram().usage().used_blocks, 0);
         assert_eq!(store.dram().usage().used_bytes, 0);
-        assert!(matches!(store.dram().read(BlockId::from(0), 0, 1, ServerId(0)), Err(StoreError::NotHeld { .. })));
+        assert!(matches!(
+            store.dram().read(BlockId::from_wire(0), 0, 1, ServerId::from_wire(0)),
+            Err(StoreError::NotHeld { .. })
+        ));
     }
 
     #[test]
     fn ops_go_to_the_tier_their_block_names() {
         let store = BlockStore::new(BS, 4 * BS as u64).unwrap();
-        store.set_server_id(ServerId(7));
+        store.set_server_id(ServerId::from_wire(7));
         let dram = BlockId::new(Tier::Dram, 3);
         let nvme = BlockId::new(Tier::Nvme, 3);
         assert!(matches!(store.tier(dram), Ok(TierRef::Dram(_))));
         let err = store.tier(nvme).err().unwrap();
-        assert_eq!(err, StoreError::NoNvmeTier { block: nvme, server: ServerId(7) });
+        assert_eq!(err, StoreError::NoNvmeTier { block: nvme, server: ServerId::from_wire(7) });
         assert!(err.to_string().contains(&format!("block {} is an NVMe block", nvme.get())), "{err}");
         write(&store, dram, b"x");
         // A free names blocks of either tier; those of a tier the server lacks are not held.

@@ -6,12 +6,14 @@
 //! case gets whole reply frames (errors with a kind and a message) or a clean close, and the
 //! server serves a good request afterwards.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{FetchRequest, PushHeader};
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::shuffle::FetchRequest;
+use tern_proto::ErrorKind;
 use tern_storage::fuzzing::{script_to_wire, serve_script};
 use tern_storage::Limits;
 use tokio::io::AsyncWriteExt;
@@ -19,7 +21,7 @@ use tokio::net::TcpStream;
 
 mod common;
 
-use common::{call, call_ok, serve};
+use common::{call, call_ok, pushed_by, segment, serve, wanted};
 
 use tern_common::SplitMix64 as Rng;
 
@@ -99,9 +101,9 @@ async fn random_scripts_over_tcp_leave_the_server_serving() {
 async fn out_of_order_requests_are_refused_and_the_connection_goes_on() {
     let server = serve(4, Limits::default()).await;
     let mut s = TcpStream::connect(server.addr).await.unwrap();
-    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
+    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: wanted(&[(0, 0)]) }.encode();
     let push = {
-        let mut p = PushHeader { map: 0, attempt: 0, class: StorageClass::Any }.encode().to_vec();
+        let mut p = pushed_by(0, 0).encode().to_vec();
         p.extend_from_slice(b"batch");
         Bytes::from(p)
     };
@@ -109,13 +111,13 @@ async fn out_of_order_requests_are_refused_and_the_connection_goes_on() {
     let cases: Vec<(Frame, Option<ErrorKind>)> = vec![
         (Frame::read(1, 5, 0, 1), Some(ErrorKind::NotFound)),
         (Frame::write(2, 5, 7, Bytes::from_static(b"gap")), Some(ErrorKind::Invalid)),
-        (Frame::fetch(3, 42, 0, 0, fetch.clone()), Some(ErrorKind::NotFound)),
+        (Frame::fetch(3, segment((42, 0, 0)), fetch.clone()), Some(ErrorKind::NotFound)),
         (Frame::free(4, &[1, 2, 3, u64::MAX]), None),
         (Frame::write(5, 5, 0, Bytes::from_static(b"0123")), None),
         (Frame::read(6, 5, 2, 10), Some(ErrorKind::Invalid)),
         (Frame::write(7, 5, 2, Bytes::from_static(b"again")), Some(ErrorKind::Invalid)),
-        (Frame::push(8, 42, 0, 0, push), None),
-        (Frame::fetch(9, 42, 0, 1, fetch), Some(ErrorKind::NotFound)),
+        (Frame::push(8, segment((42, 0, 0)), push), None),
+        (Frame::fetch(9, segment((42, 0, 1)), fetch), Some(ErrorKind::NotFound)),
         (Frame::ping(10), None),
     ];
     for (request, expected) in cases {

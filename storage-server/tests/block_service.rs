@@ -1,6 +1,8 @@
 //! The block service over real TCP on loopback, without a metadata server: a store served by
 //! `serve_blocks`, spoken to with real frames.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -218,7 +220,7 @@ async fn truncated_frames_get_a_truncated_error() {
     assert!(message.contains("truncated frame") && message.contains("block 6"), "{message}");
     assert_closed(&mut s).await;
     assert!(
-        server.store.dram().read(BlockId::from(6), 0, 0, ServerId(3)).is_err(),
+        server.store.dram().read(BlockId::from_wire(6), 0, 0, ServerId::from_wire(3)).is_err(),
         "an unfinished first write must not leave a block"
     );
     assert_eq!(server.store.dram().usage().used_blocks, 0);
@@ -316,7 +318,7 @@ async fn a_freed_block_being_read_is_not_reused_until_sent() {
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     let data = pattern(1, 0, BS as usize);
     call_ok(&mut s, &Frame::write(1, 1, 0, data.clone())).await;
-    let (view, _) = server.store.dram().read(BlockId::from(1), 0, BS, ServerId(3)).unwrap();
+    let (view, _) = server.store.dram().read(BlockId::from_wire(1), 0, BS, ServerId::from_wire(3)).unwrap();
     assert_eq!(call_ok(&mut s, &Frame::free(2, &[1])).await.header.length, 1);
     assert_eq!(call_err(&mut s, &Frame::write(3, 2, 0, Bytes::from_static(b"x"))).await.0, ErrorKind::OutOfSpace);
     assert_eq!(view, data);

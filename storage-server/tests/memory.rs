@@ -1,6 +1,8 @@
 //! Open connections must stay cheap: beyond the arena, 100 connections that have each done some
 //! work cost well under 64 MiB. A test binary of its own, so no other test's memory is counted.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::sync::Arc;
 
 use bytes::Bytes;

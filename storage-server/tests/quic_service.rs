@@ -1,5 +1,7 @@
 //! The block service over QUIC and TCP at once: the same frames on both, one connection limit.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +34,7 @@ async fn blocks_written_over_quic_read_back_over_both_and_the_limit_is_shared() 
     tls::init(dir.path(), &tls::InitOptions::default()).unwrap();
     let material = TlsMaterial::load(dir.path()).unwrap();
     let store = Arc::new(BlockStore::new(BS, 8 * BS as u64).unwrap());
-    store.set_server_id(tern_proto::ServerId(1));
+    store.set_server_id(tern_proto::ServerId::from_wire(1));
     let metrics = Metrics::register(&mut Registry::default());
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let tcp_addr = tcp.local_addr().unwrap().to_string();

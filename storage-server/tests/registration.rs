@@ -2,6 +2,8 @@
 //! retries, heartbeats carrying frees (of blocks and shuffles) and their acknowledgement,
 //! re-registration, metrics, shutdown.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,14 +13,14 @@ use parking_lot::Mutex;
 use tern_common::config::Serve;
 use tern_common::ByteSize;
 use tern_proto::frame::{self, Frame, Op, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{FetchRequest, PushHeader};
+use tern_proto::shuffle::{FetchRequest, PushHeader, SegmentAddress};
 use tern_proto::token::{GrantKind, TokenKey, VOLUME_SERIAL};
 use tern_proto::v1::registry_server::{Registry, RegistryServer};
 use tern_proto::v1::{
     HeartbeatRequest, HeartbeatResponse, RegisterServerRequest, RegisterServerResponse, ReportInventoryRequest,
     ReportInventoryResponse,
 };
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 use tern_storage::{start, Config};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -113,8 +115,12 @@ fn config(metadata: SocketAddr) -> Config {
 async fn call(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (ErrorKind, String)> {
     let key = TokenKey::from_bytes(&KEY).unwrap();
     let h = request.header;
-    let kind = if matches!(h.op, Op::Push | Op::Fetch) { GrantKind::Shuffle } else { GrantKind::Block };
-    let request = request.clone().authorized(0, key.grant(kind, h.block_id, VOLUME_SERIAL));
+    let (kind, id) = if matches!(h.op, Op::Push | Op::Fetch) {
+        (GrantKind::Shuffle, h.segment_address().shuffle.get())
+    } else {
+        (GrantKind::Block, h.block_id)
+    };
+    let request = request.clone().authorized(0, key.grant(kind, id, VOLUME_SERIAL));
     call_raw(stream, &request).await
 }
 
@@ -124,14 +130,21 @@ async fn call_raw(stream: &mut TcpStream, request: &Frame) -> Result<Frame, (Err
 }
 
 fn push(id: u64, segment: (u64, u32, u32), batch: &[u8]) -> Frame {
-    let mut payload = PushHeader { map: 0, attempt: 0, class: StorageClass::Any }.encode().to_vec();
+    let (map, attempt) = (MapIndex::from_wire(0), MapAttempt::from_wire(0));
+    let mut payload = PushHeader { map, attempt, class: StorageClass::Any }.encode().to_vec();
     payload.extend_from_slice(batch);
-    Frame::push(id, segment.0, segment.1, segment.2, Bytes::from(payload))
+    Frame::push(id, address(segment), Bytes::from(payload))
 }
 
 fn fetch(id: u64, segment: (u64, u32, u32)) -> Frame {
-    let request = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] };
-    Frame::fetch(id, segment.0, segment.1, segment.2, request.encode())
+    let maps = vec![(MapIndex::from_wire(0), MapAttempt::from_wire(0))];
+    let request = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps };
+    Frame::fetch(id, address(segment), request.encode())
+}
+
+/// Segment `index` of partition `partition` of shuffle `shuffle`, as Push and Fetch address it.
+fn address((shuffle, partition, index): (u64, u32, u32)) -> SegmentAddress {
+    SegmentAddress { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 /// Polls `check` until it holds, for up to 10 s.
@@ -164,7 +177,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let registry = serve_registry(TcpListener::bind(metadata_port).await.unwrap()).await;
     let server = starting.await.unwrap().unwrap();
-    assert_eq!(server.server_id(), tern_proto::ServerId(1));
+    assert_eq!(server.server_id(), tern_proto::ServerId::from_wire(1));
     {
         let state = registry.0.lock();
         let registration = &state.registrations[0];
@@ -223,7 +236,7 @@ async fn registers_heartbeats_frees_and_reregisters() {
     // from the same process, and reports what it holds; nothing is dropped before the metadata
     // server says so.
     registry.0.lock().reregister_next = true;
-    eventually("the server registers again", || server.server_id() == tern_proto::ServerId(2)).await;
+    eventually("the server registers again", || server.server_id() == tern_proto::ServerId::from_wire(2)).await;
     assert_eq!(&call(&mut s, &Frame::read(12, 3, 0, 12)).await.unwrap().payload[..], b"shuffle data");
     call(&mut s, &fetch(14, (21, 0, 0))).await.unwrap();
     eventually("heartbeats come from the new id", || {

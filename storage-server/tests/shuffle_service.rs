@@ -1,17 +1,19 @@
 //! Push and Fetch over real TCP on loopback, without a metadata server: a store served by
 //! `serve_blocks`, spoken to with real frames.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 use bytes::{BufMut, Bytes, BytesMut};
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
-use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE, PUSH_HEADER_LEN};
-use tern_proto::{ErrorKind, StorageClass};
+use tern_proto::shuffle::{batches, FetchRequest, FETCH_DONE, PUSH_HEADER_LEN};
+use tern_proto::ErrorKind;
 use tern_storage::Limits;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 mod common;
 
-use common::{call_err, call_ok, connect, Server, BS};
+use common::{call_err, call_ok, connect, pushed_by, segment, wanted, Server, BS};
 
 /// A block service with the default limits.
 async fn serve(blocks: u64) -> Server {
@@ -26,14 +28,14 @@ fn batch(map: u32, attempt: u32, n: u32, len: usize) -> Bytes {
 
 fn push_frame(id: u64, segment: (u64, u32, u32), map: u32, attempt: u32, data: &[u8]) -> Frame {
     let mut payload = BytesMut::with_capacity(PUSH_HEADER_LEN + data.len());
-    payload.put_slice(&PushHeader { map, attempt, class: StorageClass::Any }.encode());
+    payload.put_slice(&pushed_by(map, attempt).encode());
     payload.put_slice(data);
-    Frame::push(id, segment.0, segment.1, segment.2, payload.freeze())
+    Frame::push(id, common::segment(segment), payload.freeze())
 }
 
 fn fetch_frame(id: u64, segment: (u64, u32, u32), cursor: u32, max_bytes: u32, maps: &[(u32, u32)]) -> Frame {
-    let request = FetchRequest { cursor, max_bytes, maps: maps.to_vec() };
-    Frame::fetch(id, segment.0, segment.1, segment.2, request.encode())
+    let request = FetchRequest { cursor, max_bytes, maps: wanted(maps) };
+    Frame::fetch(id, common::segment(segment), request.encode())
 }
 
 /// The batches of a Fetch reply, each checked against its crc32c.
@@ -42,7 +44,7 @@ fn parse(reply: &Frame) -> Vec<(u32, u32, Bytes)> {
         .map(|batch| {
             let (header, bytes) = batch.expect("a well-formed page");
             assert_eq!(header.crc, crc32c::crc32c(&bytes), "batch of map {} fails its crc", header.map);
-            (header.map, header.attempt, bytes)
+            (header.map.get(), header.attempt.get(), bytes)
         })
         .collect()
 }
@@ -144,21 +146,21 @@ async fn refused_shuffle_requests_name_the_problem_and_keep_the_connection() {
     );
 
     // Malformed Fetch payloads: too short, and maps out of order.
-    let mut bad = Frame::fetch(2, 9, 1, 2, Bytes::from_static(b"12345"));
+    let mut bad = Frame::fetch(2, segment((9, 1, 2)), Bytes::from_static(b"12345"));
     let (kind, message) = call_err(&mut s, &bad).await;
     assert_eq!(kind, ErrorKind::Invalid);
     assert!(message.contains("Fetch request") && message.contains("req 2"), "{message}");
     bad = fetch_frame(3, (9, 1, 2), 0, 1, &[]);
     let mut payload = BytesMut::from(&bad.payload[..]);
     payload.put_slice(&[5, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0]);
-    bad = Frame::fetch(3, 9, 1, 2, payload.freeze());
+    bad = Frame::fetch(3, segment((9, 1, 2)), payload.freeze());
     let (kind, message) = call_err(&mut s, &bad).await;
     assert_eq!(kind, ErrorKind::Invalid);
     assert!(message.contains("not strictly ascending"), "{message}");
     call_ok(&mut s, &Frame::ping(4)).await;
 
     // A Push with no batch, and one whose payload was damaged in flight: nothing is stored.
-    let (kind, message) = call_err(&mut s, &Frame::push(5, 9, 1, 2, Bytes::from_static(b"8 bytes!"))).await;
+    let (kind, message) = call_err(&mut s, &Frame::push(5, segment((9, 1, 2)), Bytes::from_static(b"8 bytes!"))).await;
     assert_eq!(kind, ErrorKind::Invalid);
     assert!(message.contains("holds no batch"), "{message}");
     let mut damaged = push_frame(6, (9, 1, 2), 0, 0, b"records");

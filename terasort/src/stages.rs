@@ -21,7 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use indicatif::ProgressBar;
-use tern_client::{Client, CreateOptions, ErrorKind};
+use tern_client::{Client, CreateOptions, ErrorKind, ShuffleId};
 use tern_common::InputLost;
 
 use crate::external::sort_partition_to_store;
@@ -161,7 +161,7 @@ async fn lost_parts(client: &Client, mine: &[(u32, String)], e: anyhow::Error) -
 }
 
 async fn map_parts(task: &StageTask, client: &Client, mine: &[(u32, String)], shuffle: u64) -> anyhow::Result<String> {
-    let shuffle = client.open_shuffle(shuffle.into()).await?;
+    let shuffle = client.open_shuffle(ShuffleId::from_wire(shuffle)).await?;
     if task.attempt > 0 {
         // Run again because this map's committed output was lost: that commit would win over
         // this attempt's (an earlier attempt's commit stands), so it is forgotten first.
@@ -200,7 +200,7 @@ pub async fn reduce<D: DeviceSorter>(
 /// The maps whose output in this reduce's partitions is lost, as [`InputLost`] (or `e` when none
 /// is: the loss was passing, and a plain retry will do).
 async fn lost_maps(client: &Client, task: &StageTask, shuffle: u64, maps: u32, e: anyhow::Error) -> anyhow::Error {
-    let Ok(shuffle) = client.open_shuffle(shuffle.into()).await else { return e };
+    let Ok(shuffle) = client.open_shuffle(ShuffleId::from_wire(shuffle)).await else { return e };
     let mut lost = BTreeSet::new();
     for partition in task.share(shuffle.partitions()) {
         let range = partition..partition + 1;
@@ -233,7 +233,7 @@ async fn sort_partitions<D: DeviceSorter>(
     output: &str,
     device: Option<Arc<D>>,
 ) -> anyhow::Result<String> {
-    let shuffle = client.open_shuffle(shuffle.into()).await?;
+    let shuffle = client.open_shuffle(ShuffleId::from_wire(shuffle)).await?;
     let (mut bytes, mut partitions) = (0u64, 0u32);
     let (mut read_seconds, mut sort_seconds) = (0.0, 0.0);
     for partition in task.share(shuffle.partitions()) {

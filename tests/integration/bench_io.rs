@@ -7,21 +7,7 @@ use std::process::Command;
 
 const TERN: &str = env!("CARGO_BIN_EXE_tern");
 
-const FIELDS: [&str; 13] = [
-    "system",
-    "op",
-    "size_bytes",
-    "concurrency",
-    "ops",
-    "seconds",
-    "runs",
-    "throughput_mib_s",
-    "throughput_min_mib_s",
-    "throughput_max_mib_s",
-    "p50_us",
-    "p99_us",
-    "p999_us",
-];
+const FIELDS: [&str; 13] = tern_bench::io::CellResult::JSON_FIELDS;
 
 fn redis_on_path() -> bool {
     std::env::var_os("PATH")

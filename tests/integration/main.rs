@@ -2,6 +2,8 @@
 //! real `tern` binary as separate processes through [`common`], the harness on `tern-local`.
 //! Run one area with `cargo nextest run --test integration -E 'test(/^files::/)'`.
 
+#![allow(clippy::unwrap_used, reason = "test support: helpers outside #[test] fns unwrap as the tests do")]
+
 mod common;
 
 mod admin;

@@ -289,6 +289,6 @@ async fn second_copies_on_nvme_are_restored_on_nvme_after_a_server_is_killed() {
         .await;
     let (_, blocks) = client.stat_with_blocks("/nvme/two", true).await.unwrap();
     assert_eq!(blocks.iter().filter(|(b, _)| b.address == third).count(), 6, "one copy of each block on the third");
-    assert!(blocks.iter().all(|(b, _)| tern_client::BlockId::from(b.block_id).tier() == tern_client::Tier::Nvme));
+    assert!(blocks.iter().all(|(b, _)| tern_client::BlockId::from_wire(b.block_id).tier() == tern_client::Tier::Nvme));
     assert!(client.open("/nvme/two").await.unwrap().read_to_end().await.unwrap() == data);
 }

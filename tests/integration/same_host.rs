@@ -11,10 +11,11 @@ use bytes::Bytes;
 use common::{random_bytes, Cluster};
 use tern_client::{ErrorKind, TransportKind};
 use tern_proto::frame::{self, Frame, Lease, LentPage};
-use tern_proto::shuffle::FetchRequest;
+use tern_proto::shuffle::{FetchRequest, SegmentAddress};
 use tern_proto::token::JobToken;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::LocateShuffleRequest;
+use tern_proto::{MapAttempt, MapIndex, PartitionIndex};
 use tern_transport::local::LocalConnector;
 use tern_transport::Stream;
 use tokio::io::AsyncWriteExt;
@@ -111,11 +112,11 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
         LocateShuffleRequest { shuffle_id: shuffle.id().get(), end_partition: 1, end_map: 1, ..Default::default() };
     let located = metadata.locate_shuffle(request).await.unwrap().into_inner();
     let shuffle_grant: [u8; 16] = located.grant[..].try_into().unwrap();
-    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
+    let maps = vec![(MapIndex::from_wire(0), MapAttempt::from_wire(0))];
+    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps }.encode();
     let index = located.segments[0].index;
-    let reply = call(&mut local, Frame::fetch(9, shuffle.id().get(), 0, index, fetch).authorized(2, shuffle_grant))
-        .await
-        .unwrap();
+    let address = SegmentAddress { shuffle: shuffle.id(), partition: PartitionIndex::from_wire(0), index };
+    let reply = call(&mut local, Frame::fetch(9, address, fetch).authorized(2, shuffle_grant)).await.unwrap();
     assert!(reply.is_lent(), "a one-batch page on a same-host connection is lent");
     let page = LentPage::decode(&reply.payload).unwrap();
     let bytes = arena.copy_out(page.lease.offset, page.len as usize).unwrap();

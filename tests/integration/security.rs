@@ -11,11 +11,11 @@ use bytes::{Bytes, BytesMut};
 use common::{random_bytes, Cluster, Nvme};
 use tern_client::{Client, ErrorKind, ShuffleOptions};
 use tern_proto::frame::{self, Frame};
-use tern_proto::shuffle::{FetchRequest, PushHeader};
+use tern_proto::shuffle::{FetchRequest, PushHeader, SegmentAddress};
 use tern_proto::token::{JobToken, TokenKey};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{EndJobRequest, LocateShuffleRequest, RenewJobRequest};
-use tern_proto::StorageClass;
+use tern_proto::{MapAttempt, MapIndex, PartitionIndex, StorageClass};
 use tokio::net::TcpStream;
 
 const MIB: usize = 1 << 20;
@@ -105,18 +105,17 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     let shuffle_grant = grant(&located.grant);
     let segment = located.segments.iter().find(|s| s.partition == 1).unwrap().clone();
     let mut push = BytesMut::new();
-    push.extend_from_slice(&PushHeader { map: 1, attempt: 0, class: StorageClass::Any }.encode());
+    let (map, attempt) = (MapIndex::from_wire(1), MapAttempt::from_wire(0));
+    push.extend_from_slice(&PushHeader { map, attempt, class: StorageClass::Any }.encode());
     push.extend_from_slice(b"evil");
     let push = push.freeze();
-    let message = raw
-        .denied("push", |id| Frame::push(id, shuffle_b.id().get(), 1, segment.index, push).authorized(1, shuffle_grant))
-        .await;
+    let address =
+        SegmentAddress { shuffle: shuffle_b.id(), partition: PartitionIndex::from_wire(1), index: segment.index };
+    let message = raw.denied("push", |id| Frame::push(id, address, push).authorized(1, shuffle_grant)).await;
     assert!(message.contains(&format!("shuffle {}", shuffle_b.id())), "{message}");
-    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps: vec![(0, 0)] }.encode();
-    raw.denied("fetch", |id| {
-        Frame::fetch(id, shuffle_b.id().get(), 1, segment.index, fetch).authorized(1, shuffle_grant)
-    })
-    .await;
+    let maps = vec![(MapIndex::from_wire(0), MapAttempt::from_wire(0))];
+    let fetch = FetchRequest { cursor: 0, max_bytes: 1 << 20, maps }.encode();
+    raw.denied("fetch", |id| Frame::fetch(id, address, fetch).authorized(1, shuffle_grant)).await;
     // Without a token (slot 0, the volume principal) and on a slot never bound: refused too.
     raw.denied("read as nobody", |id| Frame::read(id, block.block_id, 0, 16).authorized(0, b_grant)).await;
     let message = raw.denied("unbound slot", |id| Frame::read(id, block.block_id, 0, 16).authorized(9, b_grant)).await;

@@ -63,7 +63,7 @@ async fn serve(mut listener: impl Listener, mib: usize) {
     }
 }
 
-async fn measure(connector: &dyn Connector, addr: &str, streams: usize, mib: usize) -> f64 {
+async fn measure(connector: &dyn Connector, addr: &str, streams: usize, mib: usize) -> anyhow::Result<f64> {
     let mut opened = Vec::new();
     for _ in 0..streams {
         opened.push(connector.connect(addr).await.expect("connect"));
@@ -72,13 +72,13 @@ async fn measure(connector: &dyn Connector, addr: &str, streams: usize, mib: usi
     let mut tasks = Vec::new();
     for mut stream in opened {
         tasks.push(tokio::spawn(async move {
-            stream.writer.write_all(b"!").await.unwrap();
-            stream.writer.flush().await.unwrap();
+            stream.writer.write_all(b"!").await?;
+            stream.writer.flush().await?;
             let mut buf = vec![0u8; MIB];
             let mut total = 0usize;
             loop {
-                match stream.reader.read(&mut buf).await.unwrap() {
-                    0 => break total,
+                match stream.reader.read(&mut buf).await? {
+                    0 => break std::io::Result::Ok(total),
                     n => total += n,
                 }
             }
@@ -86,10 +86,10 @@ async fn measure(connector: &dyn Connector, addr: &str, streams: usize, mib: usi
     }
     let mut total = 0;
     for task in tasks {
-        total += task.await.unwrap();
+        total += task.await??;
     }
     assert_eq!(total, streams * mib * MIB);
-    total as f64 / MIB as f64 / started.elapsed().as_secs_f64()
+    Ok(total as f64 / MIB as f64 / started.elapsed().as_secs_f64())
 }
 
 #[tokio::main]
@@ -104,14 +104,14 @@ async fn main() -> anyhow::Result<()> {
     let tcp = TcpListener::bind("127.0.0.1:0".parse()?).await?;
     let tcp_addr = tcp.local_addr().to_string();
     tokio::spawn(serve(tcp, args.mib));
-    let tcp_rate = measure(&TcpConnector, &tcp_addr, args.streams, args.mib).await;
+    let tcp_rate = measure(&TcpConnector, &tcp_addr, args.streams, args.mib).await?;
     println!("tcp : {:>8.0} MiB/s ({} streams x {} MiB, 1 MiB writes)", tcp_rate, args.streams, args.mib);
 
     let quic = QuicListener::bind("127.0.0.1:0".parse()?, &material, &args.tuning, 1024)?;
     let quic_addr = quic.local_addr().to_string();
     tokio::spawn(serve(quic, args.mib));
     let connector = QuicConnector::new(&material, &args.tuning)?;
-    let quic_rate = measure(&connector, &quic_addr, args.streams, args.mib).await;
+    let quic_rate = measure(&connector, &quic_addr, args.streams, args.mib).await?;
     println!("quic: {:>8.0} MiB/s ({:.0}% of tcp)", quic_rate, 100.0 * quic_rate / tcp_rate);
     Ok(())
 }

@@ -29,6 +29,26 @@ pub struct CellResult {
 }
 
 impl CellResult {
+    /// The keys of each `--json` line, in the order the struct declares them (held to the struct by
+    /// a test here, and to the binary's output by tests/integration/bench_io.rs).
+    pub const JSON_FIELDS: [&'static str; 13] = [
+        "system",
+        "op",
+        "size_bytes",
+        "concurrency",
+        "ops",
+        "seconds",
+        "runs",
+        "throughput_mib_s",
+        "throughput_min_mib_s",
+        "throughput_max_mib_s",
+        "p50_us",
+        "p99_us",
+        "p999_us",
+    ];
+}
+
+impl CellResult {
     /// One run of `cell` on `system`, from its workers' merged samples.
     pub(super) fn of_samples(system: System, cell: Cell, samples: &Samples) -> CellResult {
         let ops = samples.ops();
@@ -96,21 +116,7 @@ mod tests {
         let value: serde_json::Value = serde_json::to_value(&r).unwrap();
         let mut keys: Vec<&str> = value.as_object().unwrap().keys().map(|k| k.as_str()).collect();
         keys.sort_unstable();
-        let mut want = [
-            "system",
-            "op",
-            "size_bytes",
-            "concurrency",
-            "ops",
-            "seconds",
-            "runs",
-            "throughput_mib_s",
-            "throughput_min_mib_s",
-            "throughput_max_mib_s",
-            "p50_us",
-            "p99_us",
-            "p999_us",
-        ];
+        let mut want = CellResult::JSON_FIELDS;
         want.sort_unstable();
         assert_eq!(keys, want);
         assert_eq!(value["op"], "read");

@@ -66,25 +66,25 @@ pub const DRAM_TIER: &str = Tier::Dram.name();
 #[derive(Debug)]
 pub struct Servers {
     servers: BTreeMap<ServerId, Server>,
-    next_server_id: u64,
+    next_server_id: ServerId,
     next_block_id: u64,
 }
 
 impl Default for Servers {
     fn default() -> Servers {
         // Ids start at 1 so that 0 can never name a server or block by accident.
-        Servers { servers: BTreeMap::new(), next_server_id: 1, next_block_id: 1 }
+        Servers { servers: BTreeMap::new(), next_server_id: ServerId::FIRST, next_block_id: 1 }
     }
 }
 
 impl Servers {
     /// The id counters (next server id, next block id), for snapshots.
-    pub fn counters(&self) -> (u64, u64) {
+    pub fn counters(&self) -> (ServerId, u64) {
         (self.next_server_id, self.next_block_id)
     }
 
     /// Raises the id counters to at least the given values.
-    pub fn raise_counters(&mut self, next_server_id: u64, next_block_id: u64) {
+    pub fn raise_counters(&mut self, next_server_id: ServerId, next_block_id: u64) {
         self.next_server_id = self.next_server_id.max(next_server_id);
         self.next_block_id = self.next_block_id.max(next_block_id);
     }
@@ -93,7 +93,8 @@ impl Servers {
     pub fn find(&self, name: &str) -> Result<ServerId, Refusal> {
         let name = name.trim();
         let found = match name.parse::<u64>() {
-            Ok(id) => self.servers.contains_key(&ServerId(id)).then_some(ServerId(id)),
+            // An operator's number names a server as the wire's would.
+            Ok(id) => Some(ServerId::from_wire(id)).filter(|id| self.servers.contains_key(id)),
             Err(_) => self.servers.iter().find(|(_, s)| s.address == name).map(|(&id, _)| id),
         };
         found.ok_or_else(|| {

@@ -25,7 +25,7 @@ impl Servers {
         }
         Ok(match self.servers.iter().find(|(_, s)| s.address == address) {
             Some((&server_id, server)) => (server_id, Some(server.instance_id)),
-            None => (ServerId(self.next_server_id), None),
+            None => (self.next_server_id, None),
         })
     }
 
@@ -51,7 +51,7 @@ impl Servers {
         server.host = host;
         server.quic_address = quic_address.to_string();
         server.instance_id = instance_id;
-        self.next_server_id = self.next_server_id.max(server_id.get() + 1);
+        self.next_server_id = self.next_server_id.max(server_id.next());
     }
 
     /// Every known server's identity, as the log records it.

@@ -64,7 +64,7 @@ impl Placement for Servers {
     }
 
     fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
-        let avoid: Vec<ServerId> = avoid.into_iter().map(ServerId).collect();
+        let avoid: Vec<ServerId> = avoid.into_iter().map(ServerId::from_wire).collect();
         Ok(place_segments(&self.segment_loads(StorageClass::Any), count, &avoid, 1)?
             .into_iter()
             .map(|c| c.first.get())
@@ -143,12 +143,12 @@ fn skips_dead_and_full_servers() {
     servers.allocate(2, "", StorageClass::Any).unwrap();
     // Server 2 keeps heartbeating; server 1 (and 3) go silent.
     let later = start + Duration::from_secs(10);
-    servers.heartbeat(ServerId(2), Vec::new(), 0, later);
+    servers.heartbeat(ServerId::from_wire(2), Vec::new(), 0, later);
     let dead = servers.expire(later, Duration::from_secs(5));
     assert_eq!(dead.len(), 2);
     assert!(dead[0].1.contains("storage server 1 (10.0.0.1:1): server missed heartbeats for 10.0s"), "{dead:?}");
     let blocks = servers.allocate(1, "10.0.0.1", StorageClass::Any).unwrap();
-    assert_eq!(blocks[0].server_id, ServerId(2));
+    assert_eq!(blocks[0].server_id, ServerId::from_wire(2));
     let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
     assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
     assert_eq!((servers.live_count(), servers.dead_count()), (1, 2));
@@ -189,7 +189,7 @@ fn copies_need_as_many_servers_with_room() {
     assert_eq!(servers.allocated_blocks(), 2, "a refusal places nothing");
     assert_eq!(servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap().len(), 2);
     // One live server cannot hold two copies.
-    servers.mark_dead(ServerId(1), "test".into());
+    servers.mark_dead(ServerId::from_wire(1), "test".into());
     let refusal = servers.allocate_copies(1, "", StorageClass::Any, 2).unwrap_err();
     assert_eq!(refusal.kind, ErrorKind::Unavailable);
     assert!(refusal.reason.contains("need 2 live storage servers"), "{}", refusal.reason);
@@ -213,8 +213,8 @@ fn space_being_freed_is_worth_a_retry_not_out_of_space() {
     assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
     assert_eq!(servers.allocate(3, "", StorageClass::Any).unwrap_err().kind, ErrorKind::OutOfSpace);
     // Once the server acknowledges the frees, the space is there.
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
-    servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
+    servers.heartbeat(ServerId::from_wire(1), Vec::new(), reply.free_seq, now);
     assert_eq!(servers.allocate(2, "", StorageClass::Any).unwrap().len(), 2);
 }
 
@@ -223,18 +223,18 @@ fn frees_are_delivered_until_acknowledged() {
     let (mut servers, now) = servers(&["10.0.0.1:1"], 10);
     let blocks = servers.allocate(3, "", StorageClass::Any).unwrap();
     servers.free(&blocks[..2]);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!((reply.free_block_ids.clone(), reply.free_seq, reply.reregister), (vec![1, 2], 2, false));
     // Not acknowledged: sent again, and new frees follow.
     servers.free(&blocks[2..]);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![1, 2, 3], 3));
     assert_eq!(servers.allocated_blocks(), 3);
     // Acknowledged in part, then in full.
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 2, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 2, now);
     assert_eq!((reply.free_block_ids.clone(), reply.free_seq), (vec![3], 3));
     assert_eq!(servers.allocated_blocks(), 1);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 3, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 3, now);
     assert_eq!((reply.free_block_ids.len(), reply.free_seq), (0, 3));
     assert_eq!(servers.allocated_blocks(), 0);
 }
@@ -243,20 +243,23 @@ fn frees_are_delivered_until_acknowledged() {
 fn shuffle_frees_share_the_queue_but_not_the_block_count() {
     let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
     let blocks = servers.allocate(4, "", StorageClass::Any).unwrap();
-    servers.add_segments(&[ServerId(1), ServerId(1), ServerId(2)]);
+    servers.add_segments(&[ServerId::from_wire(1), ServerId::from_wire(1), ServerId::from_wire(2)]);
     servers.free(&blocks[..1]);
-    servers.free_shuffle(ShuffleId(7), &BTreeMap::from([(ServerId(1), 2), (ServerId(2), 1)]));
+    servers.free_shuffle(
+        ShuffleId::from_wire(7),
+        &BTreeMap::from([(ServerId::from_wire(1), 2), (ServerId::from_wire(2), 1)]),
+    );
     servers.free(&blocks[2..3]);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![1, 3], vec![7], 3));
-    assert_eq!(servers.heartbeat(ServerId(2), Vec::new(), 0, now).free_shuffle_ids, [7]);
+    assert_eq!(servers.heartbeat(ServerId::from_wire(2), Vec::new(), 0, now).free_shuffle_ids, [7]);
     // Acknowledging the first two frees gives back one block; the shuffle's space shows in reports.
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 2, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 2, now);
     assert_eq!((reply.free_block_ids, reply.free_shuffle_ids, reply.free_seq), (vec![3], vec![], 3));
     assert_eq!(servers.allocated_blocks(), 3);
     // A server that dies with frees queued drops them, and the freed blocks from its count.
     servers.free(&blocks[1..2]);
-    servers.mark_dead(ServerId(2), "test".into());
+    servers.mark_dead(ServerId::from_wire(2), "test".into());
     assert_eq!(servers.status(now)[1].allocated_blocks, 1);
 }
 
@@ -264,22 +267,22 @@ fn shuffle_frees_share_the_queue_but_not_the_block_count() {
 fn a_server_clients_cannot_reach_takes_no_placements_until_the_report_lapses() {
     let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1"], 10);
     let until = now + Duration::from_secs(5);
-    assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId(2), true)));
+    assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId::from_wire(2), true)));
     assert_eq!(servers.report_unreachable("10.0.0.9:1", until), None);
     assert_eq!(servers.plan_segments(3, None).unwrap(), [1, 1, 1]);
-    assert!(servers.allocate(4, "", StorageClass::Any).unwrap().iter().all(|b| b.server_id == ServerId(1)));
+    assert!(servers.allocate(4, "", StorageClass::Any).unwrap().iter().all(|b| b.server_id == ServerId::from_wire(1)));
     // Still alive (readable), shown as unreachable.
-    assert!(servers.is_alive(ServerId(2)));
-    assert_eq!(servers.servers[&ServerId(2)].state_name(), "unreachable");
+    assert!(servers.is_alive(ServerId::from_wire(2)));
+    assert_eq!(servers.servers[&ServerId::from_wire(2)].state_name(), "unreachable");
     // The report lapses with the reaper's next pass after `until`.
     assert!(servers.expire(until - Duration::from_millis(1), Duration::from_secs(60)).is_empty());
     assert_eq!(servers.plan_segments(1, None).unwrap(), [1]);
     servers.expire(until, Duration::from_secs(60));
-    assert_eq!(servers.servers[&ServerId(2)].state_name(), "alive");
+    assert_eq!(servers.servers[&ServerId::from_wire(2)].state_name(), "alive");
     assert!(servers.plan_segments(2, None).unwrap().contains(&2));
     // A dead server's report changes nothing: it says so.
-    servers.mark_dead(ServerId(2), "test".into());
-    assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId(2), false)));
+    servers.mark_dead(ServerId::from_wire(2), "test".into());
+    assert_eq!(servers.report_unreachable("10.0.0.2:1", until), Some((ServerId::from_wire(2), false)));
 }
 
 #[test]
@@ -287,18 +290,18 @@ fn segments_go_round_robin_by_load_avoiding_a_full_segments_server() {
     let (mut servers, now) = servers(&["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 10);
     servers.allocate(1, "", StorageClass::Any).unwrap();
     assert_eq!(servers.plan_segments(5, None).unwrap(), [2, 3, 1, 2, 3]);
-    servers.add_segments(&[ServerId(2), ServerId(2)]);
+    servers.add_segments(&[ServerId::from_wire(2), ServerId::from_wire(2)]);
     assert_eq!(servers.plan_segments(1, None).unwrap(), [3]);
     assert_eq!(servers.plan_segments(1, Some(3)).unwrap(), [1]);
     // Full servers come last, whatever their segments.
     let full = vec![TierUsage { tier: DRAM_TIER.into(), capacity_blocks: 10, used_blocks: 10, ..TierUsage::default() }];
-    servers.heartbeat(ServerId(3), full, 0, now);
+    servers.heartbeat(ServerId::from_wire(3), full, 0, now);
     assert_eq!(servers.plan_segments(3, None).unwrap(), [1, 2, 3]);
     // The only live server takes even its own full segment's successor.
-    servers.mark_dead(ServerId(1), "test".into());
-    servers.mark_dead(ServerId(2), "test".into());
+    servers.mark_dead(ServerId::from_wire(1), "test".into());
+    servers.mark_dead(ServerId::from_wire(2), "test".into());
     assert_eq!(servers.plan_segments(2, Some(3)).unwrap(), [3, 3]);
-    servers.mark_dead(ServerId(3), "test".into());
+    servers.mark_dead(ServerId::from_wire(3), "test".into());
     assert_eq!(servers.plan_segments(1, None).unwrap_err().kind, ErrorKind::Unavailable);
 }
 
@@ -330,7 +333,7 @@ fn any_fills_dram_cluster_wide_before_nvme() {
     // A batch spans tiers once DRAM is full; NVMe ids carry the tier bit.
     let blocks = servers.allocate(2, "", StorageClass::Any).unwrap();
     assert_eq!(tiers_of(&blocks), [Tier::Nvme; 2]);
-    assert!(blocks.iter().all(|b| b.block_id.get() & NVME_BLOCK_BIT != 0 && b.server_id == ServerId(1)));
+    assert!(blocks.iter().all(|b| b.block_id.get() & NVME_BLOCK_BIT != 0 && b.server_id == ServerId::from_wire(1)));
     assert_eq!(blocks[0].block_id.get() & !NVME_BLOCK_BIT, 4);
     assert_eq!(servers.allocated_blocks(), 5);
     // Only DRAM asked: none left, so OutOfSpace naming the class and free counts.
@@ -374,14 +377,14 @@ fn nvme_frees_count_per_tier() {
     assert_eq!(refusal.kind, ErrorKind::Unavailable, "{}", refusal.reason);
     assert!(refusal.reason.contains("being freed"), "{}", refusal.reason);
     assert_eq!(servers.allocate(1, "", StorageClass::Dram).unwrap_err().kind, ErrorKind::OutOfSpace);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!(reply.free_block_ids, nvme_blocks.iter().map(|b| b.block_id.get()).collect::<Vec<_>>());
-    servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
+    servers.heartbeat(ServerId::from_wire(1), Vec::new(), reply.free_seq, now);
     assert_eq!(servers.allocated_blocks(), 1);
     assert_eq!(servers.allocate(2, "", StorageClass::Nvme).unwrap().len(), 2);
     // A server that dies with NVMe and DRAM frees queued drops both from its counts.
     servers.free(&dram_block);
-    servers.mark_dead(ServerId(1), "test".into());
+    servers.mark_dead(ServerId::from_wire(1), "test".into());
     assert_eq!(servers.status(now)[0].allocated_blocks, 2);
 }
 
@@ -393,10 +396,10 @@ fn caps_frees_per_heartbeat() {
         blocks.extend(servers.allocate(1024, "", StorageClass::Any).unwrap());
     }
     servers.free(&blocks);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!(reply.free_block_ids.len(), MAX_FREES_PER_HEARTBEAT);
     assert_eq!(reply.free_seq, MAX_FREES_PER_HEARTBEAT as u64);
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), reply.free_seq, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), reply.free_seq, now);
     assert_eq!(reply.free_block_ids.len(), 70 * 1024 - MAX_FREES_PER_HEARTBEAT);
 }
 
@@ -407,54 +410,59 @@ fn a_server_registering_again_keeps_its_id_and_its_reported_blocks() {
     // The same process again (the metadata server lost track of it): nothing placed there
     // until its inventory is in.
     let (id, previous) = servers.register("10.0.0.1:1", dram(10), 1, now).unwrap();
-    assert_eq!((id, previous), (ServerId(1), Some(1)));
+    assert_eq!((id, previous), (ServerId::from_wire(1), Some(1)));
     assert!(servers.allocate(1, "", StorageClass::Any).is_err());
-    let page = [blocks[0].block_id, blocks[1].block_id, BlockId::from(99)];
-    servers.inventory_page(ServerId(1), &page, &[ShuffleId(7)], &[], 4096).unwrap();
+    let page = [blocks[0].block_id, blocks[1].block_id, BlockId::from_wire(99)];
+    servers.inventory_page(ServerId::from_wire(1), &page, &[ShuffleId::from_wire(7)], &[], 4096).unwrap();
     // Blocks 1 and 2 belong to sealed files, block 3 to a file still being written.
     let referenced =
         HashMap::from([(blocks[0].block_id, true), (blocks[1].block_id, true), (blocks[2].block_id, false)]);
-    let (done, _) =
-        servers.reconcile(ServerId(1), &referenced, servers.restarted_since_log(ServerId(1)), |_| false, |_| true);
+    let (done, _) = servers.reconcile(
+        ServerId::from_wire(1),
+        &referenced,
+        servers.restarted_since_log(ServerId::from_wire(1)),
+        |_| false,
+        |_| true,
+    );
     assert_eq!(done, Reconciled { unreferenced: 1, lost: 0, unknown_shuffles: 1, unreferenced_segments: 0 });
     assert!(blocks.iter().all(|b| servers.lost(b).is_none()));
-    let reply = servers.heartbeat(ServerId(1), Vec::new(), 0, now);
+    let reply = servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now);
     assert_eq!((reply.free_block_ids, reply.free_shuffle_ids), (vec![99], vec![7]));
-    assert_eq!(servers.allocate(1, "", StorageClass::Any).unwrap()[0].server_id, ServerId(1));
+    assert_eq!(servers.allocate(1, "", StorageClass::Any).unwrap()[0].server_id, ServerId::from_wire(1));
 
     // A new process (it restarted): what it does not report is lost, even unsealed.
     let (id, previous) = servers.register("10.0.0.1:1", dram(10), 2, now).unwrap();
-    assert_eq!((id, previous), (ServerId(1), Some(1)));
-    assert!(servers.restarted_since_log(ServerId(1)));
-    servers.inventory_page(ServerId(1), &[blocks[1].block_id], &[], &[], 4096).unwrap();
-    let (done, _) = servers.reconcile(ServerId(1), &referenced, true, |_| false, |_| true);
+    assert_eq!((id, previous), (ServerId::from_wire(1), Some(1)));
+    assert!(servers.restarted_since_log(ServerId::from_wire(1)));
+    servers.inventory_page(ServerId::from_wire(1), &[blocks[1].block_id], &[], &[], 4096).unwrap();
+    let (done, _) = servers.reconcile(ServerId::from_wire(1), &referenced, true, |_| false, |_| true);
     assert_eq!(done, Reconciled { unreferenced: 0, lost: 2, unknown_shuffles: 0, unreferenced_segments: 0 });
     let lost = servers.lost(&blocks[0]).unwrap();
     assert!(lost.contains("registered again without it"), "{lost}");
     assert!(servers.lost(&blocks[1]).is_none() && servers.lost(&blocks[2]).is_some());
     // Freeing a lost block queues nothing: the server does not have it.
     servers.free(&[blocks[0]]);
-    assert!(servers.heartbeat(ServerId(1), Vec::new(), 0, now).free_block_ids.is_empty());
+    assert!(servers.heartbeat(ServerId::from_wire(1), Vec::new(), 0, now).free_block_ids.is_empty());
     // An inventory is taken once per registration, and bounded.
-    assert!(servers.inventory_page(ServerId(1), &[BlockId::from(1)], &[], &[], 4096).is_err());
-    assert!(servers.heartbeat(ServerId(99), Vec::new(), 0, now).reregister);
+    assert!(servers.inventory_page(ServerId::from_wire(1), &[BlockId::from_wire(1)], &[], &[], 4096).is_err());
+    assert!(servers.heartbeat(ServerId::from_wire(99), Vec::new(), 0, now).reregister);
 }
 
 #[test]
 fn restored_servers_are_readable_until_the_timeout_then_dead() {
     let now = Instant::now();
     let mut servers = Servers::default();
-    servers.record(ServerId(4), "10.0.0.1:1", "", 9, now);
-    let block = BlockRef { block_id: BlockId::from(1), server_id: ServerId(4) };
+    servers.record(ServerId::from_wire(4), "10.0.0.1:1", "", 9, now);
+    let block = BlockRef { block_id: BlockId::from_wire(1), server_id: ServerId::from_wire(4) };
     servers.count_placed(&[block]);
-    assert!(servers.lost(&block).is_none() && servers.is_alive(ServerId(4)));
+    assert!(servers.lost(&block).is_none() && servers.is_alive(ServerId::from_wire(4)));
     assert_eq!(servers.live_count(), 0, "nothing is placed on a server before it registers again");
-    assert!(servers.heartbeat(ServerId(4), Vec::new(), 0, now).reregister);
+    assert!(servers.heartbeat(ServerId::from_wire(4), Vec::new(), 0, now).reregister);
     let dead = servers.expire(now + Duration::from_secs(10), Duration::from_secs(5));
     assert!(dead[0].1.contains("did not register again"), "{dead:?}");
     assert!(servers.lost(&block).is_some());
     // Ids continue past the restored ones.
-    assert_eq!(servers.counters(), (5, 2));
+    assert_eq!(servers.counters(), (ServerId::from_wire(5), 2));
 }
 
 #[test]
@@ -465,6 +473,6 @@ fn forgets_the_oldest_dead_servers() {
     }
     servers.expire(now + Duration::from_secs(10), Duration::from_secs(1));
     assert_eq!((servers.live_count(), servers.dead_count()), (0, MAX_DEAD_SERVERS as u64));
-    let lost = servers.lost(&BlockRef { block_id: BlockId::from(5), server_id: ServerId(1) }).unwrap();
+    let lost = servers.lost(&BlockRef { block_id: BlockId::from_wire(5), server_id: ServerId::from_wire(1) }).unwrap();
     assert!(lost.contains("no longer known"), "{lost}");
 }

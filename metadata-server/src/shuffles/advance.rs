@@ -25,7 +25,7 @@ impl Shuffles {
     /// get the one successor: [`Shuffles::last_segment`]), else what placing the successor needs:
     /// it goes to other live servers when there are enough (with 2 replicas, two).
     pub fn check_advance(&self, req: &AdvanceSegmentRequest) -> Result<Option<NextSegment>, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let partition = shuffle
             .partitions
             .get(req.partition as usize)

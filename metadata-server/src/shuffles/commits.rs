@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use tern_proto::v1::{CommitMapRequest, CommitMapResponse, InvalidateMapsRequest, InvalidateMapsResponse};
-use tern_proto::{ErrorKind, ShuffleId};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, ShuffleId};
 
 use super::shuffle::MapCommit;
 use super::{unknown, Shuffles, MAX_COMMITTED_LENGTHS, MAX_MAPS};
@@ -14,7 +14,7 @@ impl Shuffles {
     /// Checks a map attempt's commit; changes nothing. The answer when the map is committed
     /// already, `None` when this commit would record it (see [`Shuffles::commit`]).
     pub fn check_commit(&self, req: &CommitMapRequest) -> Result<Option<CommitMapResponse>, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let map_bound = if shuffle.maps > 0 { shuffle.maps } else { MAX_MAPS };
         if req.map_index >= map_bound {
             let what = if shuffle.maps > 0 { "the shuffle's declared maps" } else { "the most map indexes" };
@@ -45,8 +45,8 @@ impl Shuffles {
                 )));
             }
         }
-        if let Some(winner) = shuffle.commits.get(&req.map_index) {
-            return Ok(Some(commit_answer(winner.attempt, req.attempt)));
+        if let Some(winner) = shuffle.commits.get(&MapIndex::from_wire(req.map_index)) {
+            return Ok(Some(commit_answer(winner.attempt, MapAttempt::from_wire(req.attempt))));
         }
         if self.committed_lengths + partitions as u64 > MAX_COMMITTED_LENGTHS {
             return Err(Refusal::new(
@@ -74,34 +74,39 @@ impl Shuffles {
         if let Some(answer) = self.check_commit(req)? {
             return Ok(answer);
         }
-        let shuffle =
-            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
+        let shuffle_id = ShuffleId::from_wire(req.shuffle_id);
+        let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
+        let attempt = MapAttempt::from_wire(req.attempt);
         let commit = MapCommit {
-            attempt: req.attempt,
+            attempt,
             partition_bytes: req.partition_bytes.clone(),
             first_segment: unless_all_zero(&req.first_segment),
             last_segment: unless_all_zero(&req.last_segment),
         };
-        shuffle.commits.insert(req.map_index, commit);
+        shuffle.commits.insert(MapIndex::from_wire(req.map_index), commit);
         self.committed_lengths += shuffle.partitions.len() as u64;
-        Ok(commit_answer(req.attempt, req.attempt))
+        Ok(commit_answer(attempt, attempt))
     }
 
     /// How many of `req.map_indexes` have a commit to forget; changes nothing.
     pub fn check_invalidate(&self, req: &InvalidateMapsRequest) -> Result<u32, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
-        let maps: BTreeSet<u32> =
-            req.map_indexes.iter().copied().filter(|map| shuffle.commits.contains_key(map)).collect();
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
+        let maps: BTreeSet<MapIndex> = req
+            .map_indexes
+            .iter()
+            .map(|&map| MapIndex::from_wire(map))
+            .filter(|map| shuffle.commits.contains_key(map))
+            .collect();
         Ok(maps.len() as u32)
     }
 
     /// Forgets the commits of `req.map_indexes` (their data was lost), so new attempts can commit.
     pub fn invalidate(&mut self, req: &InvalidateMapsRequest) -> Result<InvalidateMapsResponse, Refusal> {
-        let shuffle =
-            self.shuffles.get_mut(&ShuffleId(req.shuffle_id)).ok_or_else(|| unknown(ShuffleId(req.shuffle_id)))?;
+        let shuffle_id = ShuffleId::from_wire(req.shuffle_id);
+        let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let mut invalidated = 0u32;
         for map in &req.map_indexes {
-            if shuffle.commits.remove(map).is_some() {
+            if shuffle.commits.remove(&MapIndex::from_wire(*map)).is_some() {
                 invalidated += 1;
             }
         }
@@ -111,8 +116,8 @@ impl Shuffles {
 }
 
 /// The answer to a commit of `attempt` when `winner` holds the map.
-fn commit_answer(winner: u32, attempt: u32) -> CommitMapResponse {
-    CommitMapResponse { committed: winner == attempt, winning_attempt: winner }
+fn commit_answer(winner: MapAttempt, attempt: MapAttempt) -> CommitMapResponse {
+    CommitMapResponse { committed: winner == attempt, winning_attempt: winner.get() }
 }
 
 /// Segment indexes as stored: empty when all are 0.

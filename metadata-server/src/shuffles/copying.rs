@@ -96,8 +96,8 @@ impl Shuffles {
     /// Replaces a segment's copy on `log.old_server_id` by the one stored on `log.new_server_id`
     /// (as logged); the servers' counts are the caller's.
     pub fn move_segment(&mut self, log: &LogMoveSegment) -> Result<(), Refusal> {
-        let shuffle_id = ShuffleId(log.shuffle_id);
-        let (old, new) = (ServerId(log.old_server_id), ServerId(log.new_server_id));
+        let shuffle_id = ShuffleId::from_wire(log.shuffle_id);
+        let (old, new) = (ServerId::from_wire(log.old_server_id), ServerId::from_wire(log.new_server_id));
         let shuffle = self.shuffles.get_mut(&shuffle_id).ok_or_else(|| unknown(shuffle_id))?;
         let partitions = shuffle.partitions.len();
         let partition = shuffle

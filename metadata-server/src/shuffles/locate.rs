@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use prost::Message;
 use tern_proto::v1::{LocateShuffleRequest, LocateShuffleResponse, MapOutput, Segment};
-use tern_proto::{ServerId, ShuffleId};
+use tern_proto::{MapIndex, ServerId, ShuffleId};
 
 use super::{no_partition, Shuffles, MAX_LOCATE_ENTRIES, MAX_LOCATE_SEGMENTS};
 use crate::error::{invalid, Refusal};
@@ -16,7 +16,7 @@ use crate::servers::Servers;
 impl Shuffles {
     /// The segments of a partition range and the committed outputs of a map range.
     pub fn locate(&self, req: &LocateShuffleRequest, servers: &Servers) -> Result<LocateShuffleResponse, Refusal> {
-        let shuffle = self.shuffle(ShuffleId(req.shuffle_id))?;
+        let shuffle = self.shuffle(ShuffleId::from_wire(req.shuffle_id))?;
         let partitions = shuffle.partitions.len() as u32;
         if req.start_partition > req.end_partition || req.start_map > req.end_map {
             return Err(invalid(format!(
@@ -31,14 +31,17 @@ impl Shuffles {
         let start_partition = req.start_partition;
         // Maps beyond the last commit have nothing to show when the count is unknown.
         let end_map = match shuffle.maps {
-            0 => req.end_map.min(shuffle.commits.last_key_value().map_or(0, |(&map, _)| map + 1)),
+            0 => req.end_map.min(shuffle.commits.last_key_value().map_or(0, |(&map, _)| map.get() + 1)),
             maps if req.start_map > maps => {
                 return Err(invalid(format!("map {} is out of range: the shuffle has {maps} maps", req.start_map)))
             }
             maps => req.end_map.min(maps),
         };
         let start_map = req.start_map.min(end_map);
-        let (part_range, map_range) = (start_partition as usize..end_partition as usize, start_map..end_map);
+        let (part_range, map_range) = (
+            start_partition as usize..end_partition as usize,
+            MapIndex::from_wire(start_map)..MapIndex::from_wire(end_map),
+        );
         let entries = u64::from(end_map - start_map) * part_range.len() as u64;
         if entries > MAX_LOCATE_ENTRIES {
             return Err(invalid(format!(
@@ -68,8 +71,8 @@ impl Shuffles {
             .commits
             .range(map_range)
             .map(|(&map_index, commit)| MapOutput {
-                map_index,
-                attempt: commit.attempt,
+                map_index: map_index.get(),
+                attempt: commit.attempt.get(),
                 partition_bytes: commit.partition_bytes[part_range.clone()].to_vec(),
                 first_segment: slice_or_zeros(&commit.first_segment),
                 last_segment: slice_or_zeros(&commit.last_segment),

@@ -46,10 +46,10 @@ impl Shuffles {
     /// Marks segment copies lost as logged (a record without servers names each segment's first
     /// copy, as logs from before replication do).
     pub fn mark_lost(&mut self, log: &LogLostSegments) {
-        if let Some(shuffle) = self.shuffles.get_mut(&ShuffleId(log.shuffle_id)) {
+        if let Some(shuffle) = self.shuffles.get_mut(&ShuffleId::from_wire(log.shuffle_id)) {
             for (i, (&p, &index)) in log.partitions.iter().zip(&log.indexes).enumerate() {
                 let first = || shuffle.partitions.get(p as usize)?.servers().nth(index as usize).map(|c| c.first);
-                if let Some(server_id) = log.server_ids.get(i).map(|&id| ServerId(id)).or_else(first) {
+                if let Some(server_id) = log.server_ids.get(i).map(|&id| ServerId::from_wire(id)).or_else(first) {
                     shuffle.lost.insert((p, index, server_id));
                 }
             }

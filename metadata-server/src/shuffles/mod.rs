@@ -107,7 +107,7 @@ pub struct Shuffles {
     shuffles: BTreeMap<ShuffleId, Shuffle>,
     /// The shuffles of each job, so ending a job frees them all.
     by_job: BTreeMap<String, BTreeSet<ShuffleId>>,
-    next_shuffle_id: u64,
+    next_shuffle_id: ShuffleId,
     /// Segments of all shuffles, bounded by MAX_SEGMENTS.
     segments: u64,
     /// Committed lengths of all shuffles, bounded by MAX_COMMITTED_LENGTHS.
@@ -115,13 +115,12 @@ pub struct Shuffles {
 }
 
 impl Shuffles {
-    /// An empty registry whose ids start at `first_shuffle_id` (at least 1, so 0 never names a
-    /// shuffle by accident).
-    pub fn new(first_shuffle_id: u64) -> Shuffles {
+    /// An empty registry whose ids start at `first_shuffle_id`.
+    pub fn new(first_shuffle_id: ShuffleId) -> Shuffles {
         Shuffles {
             shuffles: BTreeMap::new(),
             by_job: BTreeMap::new(),
-            next_shuffle_id: first_shuffle_id.max(1),
+            next_shuffle_id: first_shuffle_id,
             segments: 0,
             committed_lengths: 0,
         }
@@ -161,11 +160,11 @@ impl Shuffles {
         self.shuffles.keys().copied().collect()
     }
 
-    pub fn next_shuffle_id(&self) -> u64 {
+    pub fn next_shuffle_id(&self) -> ShuffleId {
         self.next_shuffle_id
     }
 
-    pub fn raise_next_shuffle_id(&mut self, next: u64) {
+    pub fn raise_next_shuffle_id(&mut self, next: ShuffleId) {
         self.next_shuffle_id = self.next_shuffle_id.max(next);
     }
 

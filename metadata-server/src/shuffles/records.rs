@@ -42,8 +42,8 @@ impl Shuffles {
             for (&map_index, commit) in &shuffle.commits {
                 out.push(Change::CommitMap(CommitMapRequest {
                     shuffle_id: shuffle_id.get(),
-                    map_index,
-                    attempt: commit.attempt,
+                    map_index: map_index.get(),
+                    attempt: commit.attempt.get(),
                     partition_bytes: commit.partition_bytes.clone(),
                     first_segment: commit.first_segment.clone(),
                     last_segment: commit.last_segment.clone(),

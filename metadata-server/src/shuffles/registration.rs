@@ -54,7 +54,7 @@ impl Shuffles {
             ));
         }
         self.check_room_for_segments(u64::from(req.partitions) * u64::from(replicas))?;
-        Ok(Registration { shuffle_id: ShuffleId(self.next_shuffle_id), replicas, split_size_bytes, storage_class })
+        Ok(Registration { shuffle_id: self.next_shuffle_id, replicas, split_size_bytes, storage_class })
     }
 
     /// The reply to a registration whose partitions' first segments go to `firsts`. The reply
@@ -114,8 +114,8 @@ impl Shuffles {
                 log.first_servers.len()
             )));
         };
-        let shuffle_id = ShuffleId(log.shuffle_id);
-        self.next_shuffle_id = self.next_shuffle_id.max(log.shuffle_id + 1);
+        let shuffle_id = ShuffleId::from_wire(log.shuffle_id);
+        self.next_shuffle_id = self.next_shuffle_id.max(shuffle_id.next());
         let mut shuffle = Shuffle {
             job: req.job_id.clone(),
             maps: req.maps,

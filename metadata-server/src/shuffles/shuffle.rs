@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tern_proto::{ServerId, StorageClass};
+use tern_proto::{MapAttempt, MapIndex, ServerId, StorageClass};
 
 use super::SegmentChanges;
 use crate::planner::Copies;
@@ -44,7 +44,7 @@ impl Partition {
 /// The winning attempt of one map and what it wrote.
 #[derive(Debug)]
 pub(super) struct MapCommit {
-    pub(super) attempt: u32,
+    pub(super) attempt: MapAttempt,
     /// One entry per partition.
     pub(super) partition_bytes: Vec<u64>,
     /// One entry per partition, or empty when every entry is 0 (the map never pushed past a
@@ -67,7 +67,7 @@ pub(super) struct Shuffle {
     pub(super) partitions: Vec<Partition>,
     /// Segments per server, so an unregistration reaches exactly the servers holding some.
     pub(super) holders: BTreeMap<ServerId, u64>,
-    pub(super) commits: BTreeMap<u32, MapCommit>,
+    pub(super) commits: BTreeMap<MapIndex, MapCommit>,
     /// (partition, index, server) of segment copies whose data is gone although their server
     /// lives on: the server restarted and lost its DRAM. Few, so kept aside from the partitions.
     pub(super) lost: BTreeSet<(u32, u32, ServerId)>,

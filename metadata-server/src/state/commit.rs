@@ -14,7 +14,7 @@
 use tern_common::Now;
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{LogRecord, ServerMode};
-use tern_proto::{BlockId, ServerId, ShuffleId};
+use tern_proto::{BlockId, FileId, ServerId, ShuffleId};
 
 use super::State;
 use crate::error::{invalid, Refusal};
@@ -54,12 +54,13 @@ impl State {
             Change::Create(log) => {
                 let req = log.request.as_ref().ok_or_else(|| invalid("a logged create without its request"))?;
                 let class = parse_storage_class(&req.storage_class)?;
-                self.namespace.create_file_as(log.file_id, &req.path, req.parents, class, unix_ms)?;
-                let file = self.namespace.file_mut(log.file_id)?;
+                let file_id = FileId::from_wire(log.file_id);
+                self.namespace.create_file_as(file_id, &req.path, req.parents, class, unix_ms)?;
+                let file = self.namespace.file_mut(file_id)?;
                 file.sealed = req.sealed;
                 file.replicas = req.replicas.max(1);
                 if !req.sealed {
-                    self.writers.insert(log.file_id, now.instant);
+                    self.writers.insert(file_id, now.instant);
                 }
                 if let Some(job) = Place::of(&req.path).job() {
                     self.jobs.add_usage(job, 1, 0);
@@ -74,23 +75,25 @@ impl State {
                     .iter()
                     .zip(&log.server_ids)
                     .map(|(&block_id, &server_id)| BlockRef {
-                        block_id: BlockId::from(block_id),
-                        server_id: ServerId(server_id),
+                        block_id: BlockId::from_wire(block_id),
+                        server_id: ServerId::from_wire(server_id),
                     })
                     .collect();
-                let path = self.namespace.file_path(log.file_id)?;
-                self.namespace.file_mut(log.file_id)?.blocks.extend(blocks.iter().copied());
+                let file_id = FileId::from_wire(log.file_id);
+                let path = self.namespace.file_path(file_id)?;
+                self.namespace.file_mut(file_id)?.blocks.extend(blocks.iter().copied());
                 // Allocating is the writer at work: its lease starts again.
-                self.writers.insert(log.file_id, now.instant);
+                self.writers.insert(file_id, now.instant);
                 self.servers.count_placed(&blocks);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.count_blocks(job, blocks.iter().map(|b| b.block_id), 1);
                 }
             }
             Change::Seal(req) => {
-                let path = self.namespace.file_path(req.file_id)?;
+                let file_id = FileId::from_wire(req.file_id);
+                let path = self.namespace.file_path(file_id)?;
                 let block_size = self.block_size;
-                let file = self.namespace.file_mut(req.file_id)?;
+                let file = self.namespace.file_mut(file_id)?;
                 if file.sealed {
                     return Err(invalid("the file is already sealed"));
                 }
@@ -106,7 +109,7 @@ impl State {
                 let unused = file.blocks.split_off(needed as usize * file.replicas.max(1) as usize);
                 file.sealed = true;
                 file.length = req.length;
-                self.writers.remove(&req.file_id);
+                self.writers.remove(&file_id);
                 self.servers.free(&unused);
                 if let Some(job) = Place::of(&path).job() {
                     self.jobs.add_usage(job, 0, i64::try_from(req.length).unwrap_or(i64::MAX));
@@ -148,7 +151,7 @@ impl State {
             }
             Change::AddSegment(log) => {
                 let copies = Copies::from_wire(log.server_id, log.replica_server_id);
-                let placed = self.shuffles.push_segment(ShuffleId(log.shuffle_id), log.partition, copies)?;
+                let placed = self.shuffles.push_segment(ShuffleId::from_wire(log.shuffle_id), log.partition, copies)?;
                 self.on_servers(placed);
             }
             Change::CommitMap(req) => {
@@ -158,11 +161,11 @@ impl State {
                 self.shuffles.invalidate(req)?;
             }
             Change::UnregisterShuffle(req) => {
-                let freed = self.shuffles.unregister(ShuffleId(req.shuffle_id))?;
+                let freed = self.shuffles.unregister(ShuffleId::from_wire(req.shuffle_id))?;
                 self.on_servers(freed);
             }
             Change::Server(log) => {
-                let server_id = ServerId(log.server_id);
+                let server_id = ServerId::from_wire(log.server_id);
                 self.servers.record(server_id, &log.address, &log.quic_address, log.instance_id, now.instant)
             }
             Change::LostSegments(log) => self.shuffles.mark_lost(log),
@@ -172,10 +175,10 @@ impl State {
                 // The deadline is wall-clock in the log; a replay after it counts it as passed.
                 let left = log.drain_deadline_unix_ms.saturating_sub(now.unix_ms);
                 let deadline = now.instant.checked_add(std::time::Duration::from_millis(left)).unwrap_or(now.instant);
-                self.servers.set_mode(ServerId(log.server_id), mode, Some(deadline));
+                self.servers.set_mode(ServerId::from_wire(log.server_id), mode, Some(deadline));
             }
             Change::MoveBlock(log) => {
-                let file = self.namespace.file_mut(log.file_id)?;
+                let file = self.namespace.file_mut(FileId::from_wire(log.file_id))?;
                 let slot = file
                     .blocks
                     .get_mut(log.copy as usize)
@@ -188,8 +191,10 @@ impl State {
                         log.old_block_id
                     )));
                 }
-                let new =
-                    BlockRef { block_id: BlockId::from(log.new_block_id), server_id: ServerId(log.new_server_id) };
+                let new = BlockRef {
+                    block_id: BlockId::from_wire(log.new_block_id),
+                    server_id: ServerId::from_wire(log.new_server_id),
+                };
                 let old = std::mem::replace(slot, new);
                 self.servers.count_placed(&[new]);
                 // On a live (draining) server it is freed there; a dead server's is gone already.
@@ -197,18 +202,21 @@ impl State {
             }
             Change::MoveSegment(log) => {
                 self.shuffles.move_segment(log)?;
-                let (old, new) = (ServerId(log.old_server_id), ServerId(log.new_server_id));
+                let (old, new) = (ServerId::from_wire(log.old_server_id), ServerId::from_wire(log.new_server_id));
                 self.servers.move_segment(old, new);
                 // On a live server (healed, or draining) the old copy is dropped; a dead one's is
                 // gone, and a server coming back frees it when it reconciles.
-                let segment =
-                    SegmentCopy { shuffle_id: ShuffleId(log.shuffle_id), partition: log.partition, index: log.index };
+                let segment = SegmentCopy {
+                    shuffle_id: ShuffleId::from_wire(log.shuffle_id),
+                    partition: log.partition,
+                    index: log.index,
+                };
                 self.servers.free_segment(old, segment);
             }
             Change::Counters(log) => {
-                self.namespace.raise_next_file_id(log.next_file_id);
-                self.servers.raise_counters(log.next_server_id, log.next_block_id);
-                self.shuffles.raise_next_shuffle_id(log.next_shuffle_id);
+                self.namespace.raise_next_file_id(FileId::from_wire(log.next_file_id));
+                self.servers.raise_counters(ServerId::from_wire(log.next_server_id), log.next_block_id);
+                self.shuffles.raise_next_shuffle_id(ShuffleId::from_wire(log.next_shuffle_id));
             }
         }
         Ok(applied)

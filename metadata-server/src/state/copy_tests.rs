@@ -94,8 +94,8 @@ fn a_restart_replays_stored_copies_and_forgets_the_rest() {
     add_server(&mut rebuilt, "10.0.0.4:7000", 100, later);
     let file_id = create(&mut rebuilt, "/new", later);
     let fresh = allocate(&mut rebuilt, file_id, 1, later);
-    let highest = copies.iter().map(|c| BlockId::from(c.target_block_id).index()).max().unwrap();
-    assert!(BlockId::from(fresh[0].block_id).index() > highest, "{fresh:?} reuses an id of {copies:?}");
+    let highest = copies.iter().map(|c| BlockId::from_wire(c.target_block_id).index()).max().unwrap();
+    assert!(BlockId::from_wire(fresh[0].block_id).index() > highest, "{fresh:?} reuses an id of {copies:?}");
 }
 
 #[test]

@@ -8,7 +8,7 @@ use tern_common::Now;
 use tern_proto::token::{GrantKind, VOLUME_SERIAL};
 use tern_proto::v1::log_record::Change;
 use tern_proto::v1::{CopyBlock, CopyDone, CopySegment, LogCounters, LogMoveBlock, LogMoveSegment};
-use tern_proto::{ServerId, Tier};
+use tern_proto::{FileId, ServerId, Tier};
 use tracing::{info, warn};
 
 use super::State;
@@ -51,7 +51,7 @@ impl State {
             }
         }
         let block_size = u64::from(self.block_size);
-        let mut chosen: Vec<(u64, u32, BlockRef, BlockRef, ServerId, u32, Why)> = Vec::new();
+        let mut chosen: Vec<(FileId, u32, BlockRef, BlockRef, ServerId, u32, Why)> = Vec::new();
         let mut unplaceable = 0u64;
         'files: for file in self.namespace.file_metas() {
             if !file.sealed {
@@ -145,7 +145,7 @@ impl State {
             Change::Counters(LogCounters {
                 next_file_id: 0,
                 next_block_id: highest + 1,
-                next_server_id,
+                next_server_id: next_server_id.get(),
                 next_shuffle_id: 0,
             }),
             now,
@@ -253,7 +253,7 @@ impl State {
                         continue;
                     }
                     Change::MoveBlock(LogMoveBlock {
-                        file_id,
+                        file_id: file_id.get(),
                         copy,
                         old_block_id: old.block_id.get(),
                         new_block_id: target.block_id.get(),

@@ -44,10 +44,10 @@ impl State {
         let mut changes = Vec::new();
         let (next_server_id, next_block_id) = self.servers.counters();
         changes.push(Change::Counters(LogCounters {
-            next_file_id: self.namespace.next_file_id(),
+            next_file_id: self.namespace.next_file_id().get(),
             next_block_id,
-            next_server_id,
-            next_shuffle_id: self.shuffles.next_shuffle_id(),
+            next_server_id: next_server_id.get(),
+            next_shuffle_id: self.shuffles.next_shuffle_id().get(),
         }));
         changes.extend(self.servers.identities().into_iter().map(Change::Server));
         changes.extend(self.servers.modes(now).into_iter().map(Change::ServerMode));
@@ -75,18 +75,18 @@ impl State {
                 storage_class: file.storage_class.to_string(),
                 replicas: file.replicas,
             };
-            let change = Change::Create(LogCreate { request: Some(request), file_id: file.file_id });
+            let change = Change::Create(LogCreate { request: Some(request), file_id: file.file_id.get() });
             records.push(LogRecord { unix_ms, change: Some(change) });
             if !file.blocks.is_empty() {
                 let change = Change::Allocate(LogAllocate {
-                    file_id: file.file_id,
+                    file_id: file.file_id.get(),
                     block_ids: file.blocks.iter().map(|b| b.block_id.get()).collect(),
                     server_ids: file.blocks.iter().map(|b| b.server_id.get()).collect(),
                 });
                 records.push(LogRecord { unix_ms, change: Some(change) });
             }
             if file.sealed {
-                let change = Change::Seal(SealRequest { file_id: file.file_id, length: file.length });
+                let change = Change::Seal(SealRequest { file_id: file.file_id.get(), length: file.length });
                 records.push(LogRecord { unix_ms, change: Some(change) });
             }
         }

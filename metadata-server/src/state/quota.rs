@@ -35,7 +35,7 @@ impl State {
         let mut by_job = UsageByJob::new();
         for usage in report {
             // A shuffle unregistered since the server counted it no longer counts.
-            let Some(job) = self.shuffles.job_of(tern_proto::ShuffleId(usage.shuffle_id)) else { continue };
+            let Some(job) = self.shuffles.job_of(tern_proto::ShuffleId::from_wire(usage.shuffle_id)) else { continue };
             let Some(serial) = self.jobs.serial(job) else { continue };
             let held = by_job.entry((job.to_string(), serial)).or_default();
             held[0] = held[0].saturating_add(usage.dram_bytes);

@@ -11,7 +11,8 @@ use tern_proto::cut_message;
 use tern_proto::sched as pb;
 
 use super::fit::take;
-use super::{Event, Policy, Res, TaskState};
+use super::ids::JobKey;
+use super::{AssignmentId, Event, ExecutorSlot, Policy, Res, TaskState};
 
 /// Bytes of one task error kept.
 const MAX_ERROR_BYTES: usize = 4096;
@@ -19,8 +20,8 @@ const MAX_ERROR_BYTES: usize = 4096;
 /// A running assignment.
 #[derive(Debug, Clone)]
 pub(super) struct Running {
-    pub(super) executor: usize,
-    pub(super) job: u64,
+    pub(super) executor: ExecutorSlot,
+    pub(super) job: JobKey,
     pub(super) stage: usize,
     pub(super) task: u32,
     pub(super) res: Res,
@@ -43,16 +44,16 @@ impl Policy {
     /// Records task `t` as running on `slot` and builds its assignment.
     pub(super) fn launch(
         &mut self,
-        key: u64,
+        key: JobKey,
         s: usize,
         t: u32,
-        slot: usize,
+        slot: ExecutorSlot,
         res: Res,
         gpus: Vec<(usize, u32)>,
     ) -> pb::Assignment {
         let id = self.next_assignment;
-        self.next_assignment += 1;
-        let executor = self.executors[slot].as_mut().expect("live");
+        self.next_assignment = id.next();
+        let executor = self.executors[slot.index()].as_mut().expect("live");
         take(executor, res, &gpus);
         let grants: Vec<pb::GpuGrant> = gpus
             .iter()
@@ -66,7 +67,7 @@ impl Policy {
         let attempt = task.runs;
         task.runs += 1;
         task.state = TaskState::Running;
-        task.assignment = id;
+        task.assignment = Some(id);
         stage.counts.queued -= 1;
         stage.counts.running += 1;
         stage.attempts += 1;
@@ -77,7 +78,7 @@ impl Policy {
             _ => String::new(),
         };
         let assignment = pb::Assignment {
-            assignment_id: id,
+            assignment_id: id.to_wire(),
             job_id: job.info.job_id.clone(),
             stage: spec.name.clone(),
             task_index: t,
@@ -115,8 +116,9 @@ impl Policy {
 
     /// Applies an executor's report of one assignment. Unknown ids (a cancelled or re-queued
     /// attempt reporting late) are ignored; returns false for them.
-    pub fn report(&mut self, slot: usize, result: &pb::TaskResult, now_ms: u64, now_unix_ms: u64) -> bool {
-        let Some(run) = self.running.get(&result.assignment_id) else {
+    pub fn report(&mut self, slot: ExecutorSlot, result: &pb::TaskResult, now_ms: u64, now_unix_ms: u64) -> bool {
+        let id = AssignmentId::from_wire(result.assignment_id);
+        let Some(run) = self.running.get(&id) else {
             return false;
         };
         if run.executor != slot {
@@ -130,7 +132,7 @@ impl Policy {
             pb::TaskOutcome::Failed | pb::TaskOutcome::Unspecified => Outcome::Failed,
         };
         let message = cut_message(&result.message, MAX_ERROR_BYTES).to_string();
-        self.finish_assignment(result.assignment_id, outcome, &message, &result.path, now_ms, now_unix_ms);
+        self.finish_assignment(id, outcome, &message, &result.path, now_ms, now_unix_ms);
         true
     }
 
@@ -138,7 +140,7 @@ impl Policy {
     /// decides what becomes of its task (the stage may finish, the task may run again).
     pub(super) fn finish_assignment(
         &mut self,
-        id: u64,
+        id: AssignmentId,
         outcome: Outcome,
         message: &str,
         path: &str,
@@ -192,9 +194,9 @@ impl Policy {
     }
 
     /// Sends Cancel events for running assignments (by executor) and frees their resources.
-    pub(super) fn cancel_assignments(&mut self, mut ids: Vec<u64>) {
+    pub(super) fn cancel_assignments(&mut self, mut ids: Vec<AssignmentId>) {
         ids.sort_unstable();
-        let mut by_executor: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        let mut by_executor: BTreeMap<ExecutorSlot, Vec<AssignmentId>> = BTreeMap::new();
         for id in ids {
             if let Some(run) = self.running.remove(&id) {
                 self.release(&run);
@@ -207,7 +209,7 @@ impl Policy {
     }
 
     fn release(&mut self, run: &Running) {
-        if let Some(executor) = self.executors.get_mut(run.executor).and_then(Option::as_mut) {
+        if let Some(executor) = self.executors.get_mut(run.executor.index()).and_then(Option::as_mut) {
             executor.free_cpu += run.res.cpu_milli;
             executor.free_memory += run.res.memory_bytes;
             for &(g, milli) in &run.gpus {

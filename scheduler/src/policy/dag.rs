@@ -7,12 +7,13 @@ use std::cmp::Reverse;
 use tern_proto::sched as pb;
 
 use super::assignments::Running;
+use super::ids::JobKey;
 use super::jobs::cancel_unfinished;
 use super::queues::enqueue;
 use super::{Policy, TaskState};
 
 impl Policy {
-    pub(super) fn start_stage(&mut self, key: u64, s: usize, now_ms: u64) {
+    pub(super) fn start_stage(&mut self, key: JobKey, s: usize, now_ms: u64) {
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = pb::JobState::Running;
         let stage = &mut job.stages[s];
@@ -33,7 +34,7 @@ impl Policy {
 
     pub(super) fn finish_stage(
         &mut self,
-        key: u64,
+        key: JobKey,
         s: usize,
         succeeded: bool,
         error: String,
@@ -133,8 +134,13 @@ mod tests {
         p.report(e, &result(&got[2], pb::TaskOutcome::Succeeded), 0, 1);
         assert_eq!(p.job_state("j"), Some(pb::JobState::Succeeded));
         let events = p.take_events();
-        assert!(events
-            .contains(&Event::Cancel { executor: e, assignments: vec![got[3].assignment_id, got[4].assignment_id] }));
+        assert!(events.contains(&Event::Cancel {
+            executor: e,
+            assignments: vec![
+                AssignmentId::from_wire(got[3].assignment_id),
+                AssignmentId::from_wire(got[4].assignment_id)
+            ]
+        }));
         assert!(events.contains(&Event::JobFinished { job_id: "j".into(), state: pb::JobState::Succeeded }));
         assert_eq!(p.executor_running(e), 0, "cancelled tasks free their resources");
         assert!(!p.report(e, &result(&got[3], pb::TaskOutcome::Succeeded), 0, 1), "late results are ignored");

@@ -6,6 +6,7 @@
 use tern_proto::sched as pb;
 
 use super::assignments::{Outcome, Running};
+use super::ids::JobKey;
 use super::jobs::{Task, MAX_STAGE_ERRORS};
 use super::{Policy, ScaleError, ScaleOutcome, StageInfo, TaskState};
 
@@ -117,7 +118,7 @@ impl Policy {
                     failures: 0,
                     memory_bytes: stage.needs.memory_bytes,
                     queued_at_ms: now_ms,
-                    assignment: 0,
+                    assignment: None,
                 });
                 stage.ready.push_back(t);
                 stage.counts.queued += 1;
@@ -129,7 +130,7 @@ impl Policy {
                 let task = &mut stage.tasks[t as usize];
                 match task.state {
                     TaskState::Queued => self.backlog -= 1,
-                    TaskState::Running => stop.push(task.assignment),
+                    TaskState::Running => stop.extend(task.assignment),
                     _ => continue,
                 }
                 *stage.counts.get(task.state) -= 1;
@@ -167,7 +168,7 @@ impl Policy {
     /// Cancels jobs whose elastic stage's owner stopped calling ScaleStage for its lease.
     /// Returns how many. Cost: one look per leased job (few: one per running Spark application).
     pub fn expire_leases(&mut self, now_ms: u64, now_unix_ms: u64) -> u32 {
-        let expired: Vec<(u64, u64)> =
+        let expired: Vec<(JobKey, u64)> =
             self.leases.iter().filter(|(_, &(_, deadline))| deadline <= now_ms).map(|(&k, &(l, _))| (k, l)).collect();
         for &(key, lease) in &expired {
             let error = format!("its owner did not renew its lease for {lease} ms (the Spark driver is gone?)");
@@ -231,7 +232,10 @@ mod tests {
         let out = scale(&mut p, 0, &[2, 0], false, 0);
         assert_eq!((out.queued, out.running, out.ended.len()), (0, 1, 2));
         assert_eq!(p.pool_counts().backlog_tasks, 0);
-        assert!(p.take_events().contains(&Event::Cancel { executor: e0, assignments: vec![placed[0].assignment_id] }));
+        assert!(p.take_events().contains(&Event::Cancel {
+            executor: e0,
+            assignments: vec![AssignmentId::from_wire(placed[0].assignment_id)]
+        }));
         // A task that fails or whose executor is lost is never run again; the owner hears why.
         p.report(e0, &pb::TaskResult { message: "exit 137".into(), ..result(&placed[1], pb::TaskOutcome::Oom) }, 2, 1);
         let out = scale(&mut p, 1, &[], false, 2);
@@ -279,7 +283,10 @@ mod tests {
         let status = p.job_status("app", false).unwrap();
         assert_eq!(status.state(), pb::JobState::Cancelled);
         assert!(status.error.contains("did not renew its lease"), "{}", status.error);
-        assert!(p.take_events().contains(&Event::Cancel { executor: e0, assignments: vec![placed[0].assignment_id] }));
+        assert!(p.take_events().contains(&Event::Cancel {
+            executor: e0,
+            assignments: vec![AssignmentId::from_wire(placed[0].assignment_id)]
+        }));
         assert_eq!(p.expire_leases(u64::MAX, 1), 0, "expired once");
     }
 

@@ -3,7 +3,7 @@
 //! without counting a failure; its slot is reused by the next executor to join.
 
 use super::assignments::Outcome;
-use super::{Policy, Res};
+use super::{AssignmentId, ExecutorSlot, Policy, Res};
 use crate::spec::MILLI;
 use tern_proto::sched as pb;
 use tern_scheduler_api::Operator;
@@ -44,7 +44,7 @@ impl Policy {
         capacity: Res,
         gpu_addresses: &[String],
         operators: &[Operator],
-    ) -> usize {
+    ) -> ExecutorSlot {
         let executor = Executor {
             host: host.to_string(),
             capacity: Res { gpu_milli: gpu_addresses.len() as u64 * MILLI, ..capacity },
@@ -59,12 +59,12 @@ impl Policy {
         self.total_gpu += executor.capacity.gpu_milli;
         let slot = match self.free_slots.pop() {
             Some(slot) => {
-                self.executors[slot] = Some(executor);
+                self.executors[slot.index()] = Some(executor);
                 slot
             }
             None => {
                 self.executors.push(Some(executor));
-                self.executors.len() - 1
+                ExecutorSlot::at_index(self.executors.len() - 1)
             }
         };
         self.hosts.entry(host.to_string()).or_default().push(slot);
@@ -74,8 +74,8 @@ impl Policy {
 
     /// Removes an executor (it left or was lost): its running tasks are queued again without
     /// counting a failure. Returns how many.
-    pub fn remove_executor(&mut self, slot: usize, now_ms: u64) -> u32 {
-        let Some(executor) = self.executors.get_mut(slot).and_then(Option::take) else {
+    pub fn remove_executor(&mut self, slot: ExecutorSlot, now_ms: u64) -> u32 {
+        let Some(executor) = self.executors.get_mut(slot.index()).and_then(Option::take) else {
             return 0;
         };
         self.free_slots.push(slot);
@@ -89,7 +89,8 @@ impl Policy {
             }
         }
         // Its outbox and running tasks: collect the assignments placed there.
-        let mine: Vec<u64> = self.running.iter().filter(|(_, r)| r.executor == slot).map(|(&id, _)| id).collect();
+        let mine: Vec<AssignmentId> =
+            self.running.iter().filter(|(_, r)| r.executor == slot).map(|(&id, _)| id).collect();
         let count = mine.len() as u32;
         let mut sorted = mine;
         sorted.sort_unstable();
@@ -99,8 +100,8 @@ impl Policy {
         count
     }
 
-    pub fn executor_running(&self, slot: usize) -> u32 {
-        self.executors.get(slot).and_then(Option::as_ref).map_or(0, |e| e.running)
+    pub fn executor_running(&self, slot: ExecutorSlot) -> u32 {
+        self.executors.get(slot.index()).and_then(Option::as_ref).map_or(0, |e| e.running)
     }
 }
 

@@ -4,7 +4,8 @@
 //! the status's "why blocked".
 
 use super::executors::{Executor, Gpu};
-use super::{Policy, Res};
+use super::ids::JobKey;
+use super::{ExecutorSlot, Policy, Res};
 use crate::spec::MILLI;
 
 /// GPU devices (by index on the executor) and the milli-units taken on each.
@@ -12,8 +13,8 @@ pub(super) type GpuPicks = Vec<(usize, u32)>;
 
 impl Policy {
     /// Resources for task `t` on executor `slot`, with GPU devices chosen; None if it does not fit.
-    pub(super) fn fit(&self, slot: usize, key: u64, s: usize, t: u32) -> Option<(Res, Vec<(usize, u32)>)> {
-        let executor = self.executors[slot].as_ref()?;
+    pub(super) fn fit(&self, slot: ExecutorSlot, key: JobKey, s: usize, t: u32) -> Option<(Res, Vec<(usize, u32)>)> {
+        let executor = self.executors[slot.index()].as_ref()?;
         let stage = &self.jobs[&key].stages[s];
         if !executor.runs(stage.operator) || executor.running >= self.config.max_tasks_per_executor {
             return None;
@@ -93,7 +94,7 @@ mod tests {
         add(&mut p, "small", "q", 2, vec![stage("s", 2, 100, 400)]);
         let got = p.assign(e, 100, 0);
         assert_eq!(got.len(), 4, "0.6 + 0.4 twice fills two GPUs exactly");
-        let ex = p.executors[e].as_ref().unwrap();
+        let ex = p.executors[e.index()].as_ref().unwrap();
         assert!(ex.gpus.iter().all(|g| g.free_milli == 0), "{:?}", ex.gpus);
         let grants: Vec<(String, u32)> = got.iter().map(|a| (a.gpus[0].address.clone(), a.gpus[0].gpu_milli)).collect();
         assert_eq!(grants, [("0".into(), 600), ("1".into(), 600), ("0".into(), 400), ("1".into(), 400)]);
@@ -107,7 +108,7 @@ mod tests {
         add(&mut p, "quarters", "q", 8, vec![stage("s", 4, 100, 250)]);
         let got = p.assign(e, 100, 0);
         assert_eq!(got.len(), 5, "{got:?}");
-        let ex = p.executors[e].as_ref().unwrap();
+        let ex = p.executors[e.index()].as_ref().unwrap();
         assert!(ex.gpus.iter().all(|g| g.free_milli == 0), "{:?}", ex.gpus);
         assert_eq!(p.pool_counts().backlog_tasks, 1, "the milli-GPU task still waits");
     }

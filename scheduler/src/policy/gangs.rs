@@ -10,18 +10,25 @@ use tern_scheduler_api::Operator;
 
 use super::executors::Executor;
 use super::fit::{fit_on, idle_copy, take, GpuPicks};
+use super::ids::JobKey;
 use super::jobs::Stage;
-use super::{Policy, Res, TaskState};
+use super::{ExecutorSlot, Policy, Res, TaskState};
 
 impl Policy {
     /// Executors that have gang tasks waiting for them in their outboxes, since the last call.
-    pub fn take_gang_wakes(&mut self) -> Vec<usize> {
+    pub fn take_gang_wakes(&mut self) -> Vec<ExecutorSlot> {
         std::mem::take(&mut self.gang_wakes)
     }
 
     /// All-or-nothing: places `min_available` (or all) queued tasks of a gang stage across the
     /// cluster on a trial copy of free resources; commits only if enough fit.
-    pub(super) fn place_gang(&mut self, key: u64, s: usize, slot: usize, out: &mut Vec<pb::Assignment>) -> bool {
+    pub(super) fn place_gang(
+        &mut self,
+        key: JobKey,
+        s: usize,
+        slot: ExecutorSlot,
+        out: &mut Vec<pb::Assignment>,
+    ) -> bool {
         let stage = &self.jobs[&key].stages[s];
         let queued: Vec<u32> =
             (0..stage.tasks.len() as u32).filter(|&t| stage.tasks[t as usize].state == TaskState::Queued).collect();
@@ -31,15 +38,19 @@ impl Policy {
         let op = stage.operator;
         let gpu_optional = stage.info.spec.gpu_optional;
         // Trial copies of the executors' free resources, the polling executor first.
-        let mut order: Vec<usize> = vec![slot];
-        order.extend((0..self.executors.len()).filter(|&e| e != slot && self.executors[e].is_some()));
-        let mut trial: HashMap<usize, Executor> = HashMap::new();
-        let mut plan: Vec<(u32, usize, Res, GpuPicks)> = Vec::new();
+        let mut order: Vec<ExecutorSlot> = vec![slot];
+        order.extend(
+            (0..self.executors.len())
+                .map(ExecutorSlot::at_index)
+                .filter(|&e| e != slot && self.executors[e.index()].is_some()),
+        );
+        let mut trial: HashMap<ExecutorSlot, Executor> = HashMap::new();
+        let mut plan: Vec<(u32, ExecutorSlot, Res, GpuPicks)> = Vec::new();
         for &t in &queued {
             let res = Res { memory_bytes: stage.tasks[t as usize].memory_bytes, ..stage.needs };
             let mut placed = false;
             for &e in &order {
-                let real = self.executors[e].as_ref().expect("live");
+                let real = self.executors[e.index()].as_ref().expect("live");
                 if !real.runs(op) {
                     continue;
                 }
@@ -76,7 +87,7 @@ impl Policy {
             if e == slot {
                 out.push(a);
             } else {
-                self.executors[e].as_mut().expect("live").outbox.push(a);
+                self.executors[e.index()].as_mut().expect("live").outbox.push(a);
                 if !self.gang_wakes.contains(&e) {
                     self.gang_wakes.push(e);
                 }

@@ -7,7 +7,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use tern_proto::sched as pb;
 use tern_scheduler_api::Operator;
 
-use super::{Event, JobInfo, Policy, Res, StageInfo, TaskState};
+use super::ids::JobKey;
+use super::{AssignmentId, Event, JobInfo, Policy, Res, StageInfo, TaskState};
 use crate::spec::Dag;
 
 /// Task errors kept per stage.
@@ -16,7 +17,8 @@ pub(super) const MAX_STAGE_ERRORS: usize = 8;
 #[derive(Debug)]
 pub(super) struct Job {
     pub(super) info: JobInfo,
-    pub(super) seq: u64,
+    /// Its place in submission order (its key), the tie-break within a priority.
+    pub(super) seq: JobKey,
     pub(super) queue: usize,
     pub(super) state: pb::JobState,
     pub(super) error: String,
@@ -77,8 +79,8 @@ pub(super) struct Task {
     pub(super) memory_bytes: u64,
     /// When it last became queued (for the locality wait).
     pub(super) queued_at_ms: u64,
-    /// Its running assignment, if running.
-    pub(super) assignment: u64,
+    /// Its running assignment, if running (set at launch; read only while it runs).
+    pub(super) assignment: Option<AssignmentId>,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -113,7 +115,7 @@ impl Policy {
             if info.queue.is_empty() { crate::spec::DEFAULT_QUEUE.to_string() } else { info.queue.clone() };
         let queue = self.queue_of(&queue_name);
         let key = self.next_job;
-        self.next_job += 1;
+        self.next_job = key.next();
         let mut built: Vec<Stage> = stages.into_iter().map(|info| self.new_stage(info)).collect();
         for (stage, &producer) in built.iter_mut().zip(&dag.producer) {
             stage.producer = producer;
@@ -173,7 +175,7 @@ impl Policy {
                     failures: 0,
                     memory_bytes: needs.memory_bytes,
                     queued_at_ms: 0,
-                    assignment: 0
+                    assignment: None
                 };
                 n as usize
             ],
@@ -220,7 +222,14 @@ impl Policy {
         }
     }
 
-    pub(super) fn finish_job(&mut self, key: u64, state: pb::JobState, error: String, now_ms: u64, now_unix_ms: u64) {
+    pub(super) fn finish_job(
+        &mut self,
+        key: JobKey,
+        state: pb::JobState,
+        error: String,
+        now_ms: u64,
+        now_unix_ms: u64,
+    ) {
         self.leases.remove(&key);
         let job = self.jobs.get_mut(&key).expect("job exists");
         job.state = state;
@@ -246,12 +255,17 @@ impl Policy {
 }
 
 /// Queued and backoff tasks become cancelled; running ones are collected to be told to stop.
-pub(super) fn cancel_unfinished(stage: &mut Stage, running: &mut Vec<u64>, backlog: &mut u64, backoff: &mut u64) {
+pub(super) fn cancel_unfinished(
+    stage: &mut Stage,
+    running: &mut Vec<AssignmentId>,
+    backlog: &mut u64,
+    backoff: &mut u64,
+) {
     for task in &mut stage.tasks {
         match task.state {
             TaskState::Queued => *backlog -= 1,
             TaskState::Backoff => *backoff -= 1,
-            TaskState::Running => running.push(task.assignment),
+            TaskState::Running => running.extend(task.assignment),
             TaskState::Waiting => {}
             TaskState::Succeeded | TaskState::Failed | TaskState::Cancelled => continue,
         }

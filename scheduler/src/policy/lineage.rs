@@ -5,6 +5,7 @@
 use tern_proto::sched as pb;
 
 use super::assignments::Running;
+use super::ids::JobKey;
 use super::queues::enqueue;
 use super::{Policy, TaskState};
 
@@ -67,7 +68,7 @@ impl Policy {
 
     /// Queues again the waiting tasks of the stages that read stage `p`'s output, now that it has
     /// recomputed what they found lost.
-    pub(super) fn resume_consumers(&mut self, key: u64, p: usize, now_ms: u64) {
+    pub(super) fn resume_consumers(&mut self, key: JobKey, p: usize, now_ms: u64) {
         let job = self.jobs.get_mut(&key).expect("job");
         let mut resumed = Vec::new();
         for (s, stage) in job.stages.iter_mut().enumerate() {
@@ -112,7 +113,7 @@ mod tests {
     }
 
     /// Runs every assignable task to success until only `stage`'s are offered; returns those.
-    fn run_until(p: &mut Policy, e: usize, stage: &str, now: u64) -> Vec<pb::Assignment> {
+    fn run_until(p: &mut Policy, e: ExecutorSlot, stage: &str, now: u64) -> Vec<pb::Assignment> {
         loop {
             let offered = p.assign(e, 10, now);
             assert!(!offered.is_empty(), "nothing to run before stage {stage}");

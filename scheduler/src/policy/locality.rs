@@ -2,16 +2,17 @@
 //! preferring another host is left to that host for `locality_wait_ms` when an executor there has
 //! room, then any executor takes it.
 
+use super::ids::JobKey;
 use super::queues::MAX_CANDIDATES;
-use super::{Policy, TaskState};
+use super::{ExecutorSlot, Policy, TaskState};
 
 impl Policy {
     /// Takes a ready task of the stage for the executor: one preferring its host first, then the
     /// head of the list, unless that one prefers another host where an executor has room and its
     /// wait is not over. Lists are cleaned lazily: entries of tasks no longer queued are dropped
     /// when met (a task queued again may sit in a list twice; the second entry is then stale).
-    pub(super) fn pick_task(&mut self, key: u64, s: usize, slot: usize, now_ms: u64) -> Option<u32> {
-        let host = self.executors[slot].as_ref().expect("live").host.clone();
+    pub(super) fn pick_task(&mut self, key: JobKey, s: usize, slot: ExecutorSlot, now_ms: u64) -> Option<u32> {
+        let host = self.executors[slot.index()].as_ref().expect("live").host.clone();
         let wait = self.config.locality_wait_ms;
         let stage = &mut self.jobs.get_mut(&key).expect("job").stages[s];
         if let Some(local) = stage.local.get_mut(&host) {
@@ -35,7 +36,7 @@ impl Policy {
             let other = stage.info.hosts.get(t as usize).filter(|h| young && !h.is_empty() && **h != host);
             if let Some(other) = other {
                 let room = self.hosts.get(other.as_str()).is_some_and(|list| {
-                    list.iter().any(|&e| self.executors[e].as_ref().is_some_and(|x| x.free_cpu >= cpu))
+                    list.iter().any(|&e| self.executors[e.index()].as_ref().is_some_and(|x| x.free_cpu >= cpu))
                 });
                 if room {
                     let ready = &mut self.jobs.get_mut(&key).expect("job").stages[s].ready;

@@ -22,6 +22,7 @@
 
 //!
 //! Where each decision lives (each file adds an `impl Policy` block for its concern):
+//! - `ids`: the ids the policy mints: job keys, executor slots, assignment ids.
 //! - `executors`: the executor registry: executors join with their capacity, leave or are lost.
 //! - `queues`: which queue, job and stage an executor's next task comes from (fair share,
 //!   priority, submission), and the ready lists that keep that cheap.
@@ -46,6 +47,8 @@ use tern_proto::sched as pb;
 
 use assignments::Running;
 use executors::Executor;
+use ids::JobKey;
+pub use ids::{AssignmentId, ExecutorSlot};
 use jobs::Job;
 use queues::Queue;
 
@@ -55,6 +58,7 @@ mod elastic;
 mod executors;
 mod fit;
 mod gangs;
+mod ids;
 mod jobs;
 mod lineage;
 mod locality;
@@ -177,7 +181,7 @@ pub enum Event {
     /// The job finished (succeeded, failed or cancelled): end its Tern job.
     JobFinished { job_id: String, state: pb::JobState },
     /// Tell this executor to stop these assignments.
-    Cancel { executor: usize, assignments: Vec<u64> },
+    Cancel { executor: ExecutorSlot, assignments: Vec<AssignmentId> },
 }
 
 /// Counts for PoolStatus and metrics.
@@ -209,27 +213,27 @@ pub struct QueueShare {
 pub struct Policy {
     config: PolicyConfig,
     executors: Vec<Option<Executor>>,
-    free_slots: Vec<usize>,
+    free_slots: Vec<ExecutorSlot>,
     live_executors: u32,
-    hosts: HashMap<String, Vec<usize>>,
+    hosts: HashMap<String, Vec<ExecutorSlot>>,
     total_cpu: u64,
     total_gpu: u64,
     queues: Vec<Queue>,
     queue_index: HashMap<String, usize>,
-    jobs: HashMap<u64, Job>,
-    job_keys: HashMap<String, u64>,
-    next_job: u64,
-    running: HashMap<u64, Running>,
-    next_assignment: u64,
+    jobs: HashMap<JobKey, Job>,
+    job_keys: HashMap<String, JobKey>,
+    next_job: JobKey,
+    running: HashMap<AssignmentId, Running>,
+    next_assignment: AssignmentId,
     /// (due ms, job, stage, task) of tasks in backoff.
-    backoff: BinaryHeap<Reverse<(u64, u64, usize, u32)>>,
+    backoff: BinaryHeap<Reverse<(u64, JobKey, usize, u32)>>,
     backlog: u64,
     backoff_count: u64,
     events: Vec<Event>,
     /// Executors a gang placed tasks on since the last [`Policy::take_gang_wakes`].
-    gang_wakes: Vec<usize>,
+    gang_wakes: Vec<ExecutorSlot>,
     /// Unfinished jobs whose elastic stage has a lease: job key -> (lease ms, deadline ms).
-    leases: BTreeMap<u64, (u64, u64)>,
+    leases: BTreeMap<JobKey, (u64, u64)>,
 }
 
 impl Policy {
@@ -246,9 +250,9 @@ impl Policy {
             queue_index: HashMap::new(),
             jobs: HashMap::new(),
             job_keys: HashMap::new(),
-            next_job: 0,
+            next_job: JobKey::FIRST,
             running: HashMap::new(),
-            next_assignment: 1,
+            next_assignment: AssignmentId::FIRST,
             backoff: BinaryHeap::new(),
             backlog: 0,
             backoff_count: 0,

@@ -8,8 +8,9 @@ use std::collections::BTreeMap;
 
 use tern_proto::sched as pb;
 
+use super::ids::JobKey;
 use super::jobs::Stage;
-use super::{Policy, TaskState};
+use super::{ExecutorSlot, Policy, TaskState};
 
 /// Candidates a decision looks at in one queue before moving on (tasks that do not fit).
 pub(super) const MAX_CANDIDATES: usize = 16;
@@ -22,7 +23,7 @@ pub(super) struct Queue {
     pub(super) used_cpu: u64,
     pub(super) used_gpu: u64,
     /// Jobs with ready tasks, by (higher priority first, then submission).
-    pub(super) ready_jobs: BTreeMap<(Reverse<i32>, u64), u64>,
+    pub(super) ready_jobs: BTreeMap<(Reverse<i32>, JobKey), JobKey>,
     pub(super) dispatched: u64,
 }
 
@@ -54,9 +55,9 @@ impl Policy {
 
     /// Up to `max` assignments for executor `slot`: its outbox first (gang placements), then
     /// tasks chosen by fair share.
-    pub fn assign(&mut self, slot: usize, max: usize, now_ms: u64) -> Vec<pb::Assignment> {
+    pub fn assign(&mut self, slot: ExecutorSlot, max: usize, now_ms: u64) -> Vec<pb::Assignment> {
         let mut out = Vec::new();
-        let Some(executor) = self.executors.get_mut(slot).and_then(Option::as_mut) else {
+        let Some(executor) = self.executors.get_mut(slot.index()).and_then(Option::as_mut) else {
             return out;
         };
         let take = executor.outbox.len().min(max);
@@ -64,7 +65,7 @@ impl Policy {
         // Queues that had nothing placeable this call are skipped for the rest of it.
         let mut exhausted = vec![false; self.queues.len()];
         while out.len() < max {
-            let executor = self.executors[slot].as_ref().expect("live executor");
+            let executor = self.executors[slot.index()].as_ref().expect("live executor");
             if executor.running >= self.config.max_tasks_per_executor || executor.free_cpu == 0 {
                 break;
             }
@@ -88,9 +89,9 @@ impl Policy {
     }
 
     /// Places one task (or a whole gang) of queue `q` on executor `slot`. False if none fits.
-    fn place_from_queue(&mut self, q: usize, slot: usize, now_ms: u64, out: &mut Vec<pb::Assignment>) -> bool {
+    fn place_from_queue(&mut self, q: usize, slot: ExecutorSlot, now_ms: u64, out: &mut Vec<pb::Assignment>) -> bool {
         let mut looked = 0;
-        let jobs: Vec<u64> = self.queues[q].ready_jobs.values().take(MAX_CANDIDATES).copied().collect();
+        let jobs: Vec<JobKey> = self.queues[q].ready_jobs.values().take(MAX_CANDIDATES).copied().collect();
         for key in jobs {
             let stages: Vec<usize> = self.jobs[&key].ready_stages.iter().copied().collect();
             for s in stages {
@@ -121,7 +122,7 @@ impl Policy {
     }
 
     /// Puts the stage in its job's ready list and the job in its queue's.
-    pub(super) fn mark_ready(&mut self, key: u64, s: usize) {
+    pub(super) fn mark_ready(&mut self, key: JobKey, s: usize) {
         let job = self.jobs.get_mut(&key).expect("job exists");
         if !job.ready_stages.contains(&s) {
             job.ready_stages.push_back(s);
@@ -132,7 +133,7 @@ impl Policy {
 
     /// Takes the stage out of its job's ready list (and the job out of its queue's) once it has
     /// no queued task left.
-    pub(super) fn unready_if_empty(&mut self, key: u64, s: usize) {
+    pub(super) fn unready_if_empty(&mut self, key: JobKey, s: usize) {
         let job = self.jobs.get_mut(&key).expect("job exists");
         if job.stages[s].counts.queued > 0 {
             return;

@@ -5,6 +5,7 @@ use tern_proto::sched as pb;
 
 use super::executors::Executor;
 use super::fit::{fit_on, idle_copy};
+use super::ids::JobKey;
 use super::jobs::{Job, Stage};
 use super::{Policy, PoolCounts, QueueShare, Res, TaskState};
 use crate::spec::MILLI;
@@ -78,7 +79,7 @@ impl Policy {
 
     /// Jobs in submission order.
     pub fn job_ids(&self) -> Vec<String> {
-        let mut keys: Vec<(&u64, &Job)> = self.jobs.iter().collect();
+        let mut keys: Vec<(&JobKey, &Job)> = self.jobs.iter().collect();
         keys.sort_by_key(|(k, _)| **k);
         keys.into_iter().map(|(_, j)| j.info.job_id.clone()).collect()
     }

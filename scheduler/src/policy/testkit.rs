@@ -3,7 +3,7 @@
 
 pub(super) use tern_proto::sched as pb;
 
-pub(super) use super::{Event, Policy, PolicyConfig, ScaleError};
+pub(super) use super::{AssignmentId, Event, ExecutorSlot, Policy, PolicyConfig, ScaleError};
 use super::{JobInfo, Res, StageInfo};
 pub(super) use crate::spec::MILLI;
 use crate::spec::{validate, SpecLimits};
@@ -50,7 +50,7 @@ pub(super) fn add(policy: &mut Policy, id: &str, queue: &str, priority: i32, sta
     policy.add_job(info, infos, &dag, 0);
 }
 
-pub(super) fn executor(policy: &mut Policy, host: &str, cpus: u64, gpus: usize) -> usize {
+pub(super) fn executor(policy: &mut Policy, host: &str, cpus: u64, gpus: usize) -> ExecutorSlot {
     let addresses: Vec<String> = (0..gpus).map(|g| g.to_string()).collect();
     policy.add_executor(host, Res { cpu_milli: cpus * MILLI, memory_bytes: 64 * GIB, gpu_milli: 0 }, &addresses, &[])
 }

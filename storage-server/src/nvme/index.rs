@@ -204,7 +204,7 @@ impl BlockIndex {
                 );
                 continue;
             }
-            entries.push(Entry { slot, block_id: BlockId::from(block_id), len });
+            entries.push(Entry { slot, block_id: BlockId::from_wire(block_id), len });
         }
         Ok((BlockIndex { file }, entries))
     }
@@ -238,15 +238,15 @@ mod tests {
         let path = temp.path().join("t.index");
         let (index, entries) = BlockIndex::open(&path, 4096, 8).unwrap();
         assert!(entries.is_empty());
-        index.record(3, BlockId::from(77), 100).unwrap();
-        index.record(5, BlockId::from(78), 4096).unwrap();
-        index.record(6, BlockId::from(79), 1).unwrap();
+        index.record(3, BlockId::from_wire(77), 100).unwrap();
+        index.record(5, BlockId::from_wire(78), 4096).unwrap();
+        index.record(6, BlockId::from_wire(79), 1).unwrap();
         index.clear(&[6]).unwrap();
         drop(index);
         let (index, entries) = BlockIndex::open(&path, 4096, 8).unwrap();
         let expected = [
-            Entry { slot: 3, block_id: BlockId::from(77), len: 100 },
-            Entry { slot: 5, block_id: BlockId::from(78), len: 4096 },
+            Entry { slot: 3, block_id: BlockId::from_wire(77), len: 100 },
+            Entry { slot: 5, block_id: BlockId::from_wire(78), len: 4096 },
         ];
         assert_eq!(entries, expected);
         // A torn entry (its crc does not match: slot 3's length) is dropped.

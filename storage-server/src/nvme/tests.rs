@@ -26,7 +26,7 @@ async fn tier(choice: IoEngineChoice, blocks: u64) -> (tempfile::TempDir, Arc<Nv
 }
 
 fn id(block: u64) -> BlockId {
-    BlockId::from(block)
+    BlockId::from_wire(block)
 }
 
 async fn write(store: &Arc<NvmeTier>, block: u64, offset: u32, data: &[u8]) -> Result<u32, StoreError> {
@@ -36,7 +36,7 @@ async fn write(store: &Arc<NvmeTier>, block: u64, offset: u32, data: &[u8]) -> R
 }
 
 async fn read(store: &NvmeTier, block: u64, offset: u32, len: u32) -> Result<Vec<u8>, StoreError> {
-    store.read(id(block), offset, len, ServerId(9)).await.map(|(bytes, _)| bytes.to_vec())
+    store.read(id(block), offset, len, ServerId::from_wire(9)).await.map(|(bytes, _)| bytes.to_vec())
 }
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -134,7 +134,7 @@ async fn a_full_tier_refuses_then_reuses_freed_slots() {
         assert_eq!(err, StoreError::Full { tier: Tier::Nvme, in_use: 2, total: 2 });
         assert_eq!(err.kind(), ErrorKind::OutOfSpace);
         // A read holding the bytes survives a free; the slot is reused afterwards.
-        let (held, _) = store.read(id(1), 10, 20, ServerId(0)).await.unwrap();
+        let (held, _) = store.read(id(1), 10, 20, ServerId::from_wire(0)).await.unwrap();
         assert_eq!(store.free(&[id(1), id(99)]), 1);
         assert!(read(&store, 1, 0, 1).await.is_err());
         let fresh = pattern(5000, 7);

@@ -40,7 +40,7 @@ pub(super) async fn read(
     if h.payload_len > 0 {
         return refuse_payload(rd, h).await;
     }
-    let block = BlockId::from(h.block_id);
+    let block = BlockId::from_wire(h.block_id);
     let server = conn.store.server_id();
     let nvme = match conn.store.tier(block) {
         Ok(TierRef::Dram(dram)) => {
@@ -82,7 +82,7 @@ pub(super) async fn write(
     h: &Header,
     started: Instant,
 ) -> Result<Served, FrameError> {
-    let block = BlockId::from(h.block_id);
+    let block = BlockId::from_wire(h.block_id);
     let nvme = match conn.store.tier(block) {
         Ok(TierRef::Dram(_)) => {
             let mut pending = match conn.store.begin_dram_write(block, h.offset, h.payload_len).await {
@@ -183,6 +183,6 @@ pub(super) async fn free(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Res
             }
         }
     }
-    let freed = conn.store.free(entries.into_iter().map(|(id, _)| BlockId::from(id)));
+    let freed = conn.store.free(entries.into_iter().map(|(id, _)| BlockId::from_wire(id)));
     Ok(Served::Reply(Frame::reply(h, freed as u32, Bytes::new()), 0))
 }

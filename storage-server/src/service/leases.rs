@@ -253,7 +253,7 @@ pub(super) async fn lease(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
             format!("{h}: Lease is served only to clients on the server's own host (its local socket) or over RDMA");
         return refuse(rd, h, ErrorKind::Invalid, &message).await;
     }
-    let block = BlockId::from(h.block_id);
+    let block = BlockId::from_wire(h.block_id);
     let view = match conn.store.tier(block) {
         Ok(TierRef::Dram(dram)) => dram.read_published(block, conn.store.server_id()),
         Ok(TierRef::Nvme(_)) => {
@@ -330,6 +330,8 @@ mod tests {
 
     use futures::future::BoxFuture;
     use futures::FutureExt;
+    use tern_proto::shuffle::SegmentAddress;
+    use tern_proto::{PartitionIndex, ShuffleId};
 
     use super::*;
 
@@ -368,7 +370,9 @@ mod tests {
     }
 
     fn page_reply(payload: &Bytes) -> Frame {
-        let request = Frame::fetch(9, 1, 2, 0, Bytes::new());
+        let segment =
+            SegmentAddress { shuffle: ShuffleId::from_wire(1), partition: PartitionIndex::from_wire(2), index: 0 };
+        let request = Frame::fetch(9, segment, Bytes::new());
         Frame::reply_with_crc(&request.header, 5, payload.clone(), crc32c::crc32c(payload))
     }
 

@@ -1,23 +1,18 @@
 //! The shuffle ops of the block service: Push (append a map's batch to a segment) and Fetch (a
-//! page of a segment's committed batches). A segment is named by the header's block id (the
-//! shuffle), offset (the partition) and length (the segment's index in the partition's chain).
+//! page of a segment's committed batches), each naming its segment by the header's
+//! [`segment_address`](Header::segment_address).
 
 use bytes::Bytes;
 use tern_proto::frame::{Frame, FrameError, Header};
 use tern_proto::shuffle::{FetchRequest, PushHeader, MAX_FETCH_MAPS};
-use tern_proto::ShuffleId;
 use tern_transport::BoxRead;
 
 use super::{error_reply, frame_error, read_request_payload, Connection, Served};
-use crate::shuffle::{SegmentId, ShuffleError};
+use crate::shuffle::ShuffleError;
 
 /// The largest Fetch request: its cursor, page size and the most `(map, attempt)` pairs one may
 /// list. It may exceed the block size, the limit of every other op's payload.
 pub(super) const MAX_FETCH_REQUEST_BYTES: u32 = 8 + 8 * MAX_FETCH_MAPS as u32;
-
-fn segment_of(h: &Header) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(h.block_id), partition: h.offset, index: h.length }
-}
 
 fn shuffle_error(h: &Header, e: &ShuffleError) -> Frame {
     error_reply(h, e.kind(), &e.to_string())
@@ -34,7 +29,7 @@ pub(super) async fn push(rd: &mut BoxRead, conn: &Connection, h: &Header) -> Res
         Ok(decoded) => decoded,
         Err(e) => return Ok(Served::Reply(frame_error(h, &e), 0)),
     };
-    Ok(match conn.store.push(segment_of(h), from, batch).await {
+    Ok(match conn.store.push(h.segment_address(), from, batch).await {
         Ok(bytes) => {
             let length = u32::try_from(bytes).unwrap_or(u32::MAX);
             Served::Reply(Frame::reply(h, length, Bytes::new()), batch.len() as u64)
@@ -53,7 +48,7 @@ pub(super) async fn fetch(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
         Ok(request) => request,
         Err(e) => return Ok(Served::Reply(frame_error(h, &e), 0)),
     };
-    Ok(match conn.store.fetch(segment_of(h), &request).await {
+    Ok(match conn.store.fetch(h.segment_address(), &request).await {
         Ok(page) => {
             let bytes = page.payload.len() as u64;
             Served::Reply(super::leases::reply_with_page(conn, h, page).await, bytes)

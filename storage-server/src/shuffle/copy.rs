@@ -9,14 +9,28 @@ impl Shuffles {
     /// Closes a segment to pushes, for a copy of it to another server: from now on it holds
     /// exactly what the copy will. Its partition has moved on, so only a writer that has not
     /// seen that yet pushes here, and it is refused as by a full segment (OutOfSpace), which
-    /// moves it on too.
-    pub(crate) async fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<(), ShuffleError> {
-        let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
+    /// moves it on too. Returns whether the segment is held: one that no push ever reached (its
+    /// partition moved on before a map wrote there) is empty, which readers take a copy without
+    /// it to mean too, so it is closed all the same and its copy has nothing to carry.
+    pub(crate) async fn close_for_copy(&self, server: ServerId, id: SegmentId) -> Result<bool, ShuffleError> {
+        let segment = {
+            let mut map = self.map.lock();
+            if map.freed.contains(&id.shuffle) {
+                return Err(ShuffleError::NotHeld { segment: id, server });
+            }
+            match map.get(id) {
+                Some(segment) => segment,
+                None => {
+                    map.closed_unheld.insert(id);
+                    return Ok(false);
+                }
+            }
+        };
         // After any append straight to NVMe under way (it indexes its batch when its write is
         // done): a closed segment's extents hold no batch its index lacks.
         let _turn = segment.nvme_appends.lock().await;
         segment.state.lock().closed = true;
-        Ok(())
+        Ok(true)
     }
 
     /// A page of every batch the segment holds, of every map and attempt, in the order a Fetch

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tern_common::durable::Fs;
-use tern_proto::{ShuffleId, StorageClass};
+use tern_proto::{PartitionIndex, ShuffleId, StorageClass};
 
 use super::SegmentId;
 use crate::nvme::index::{Layout, SlotFile};
@@ -48,7 +48,7 @@ impl ExtentRecord {
     fn encode(&self) -> [u8; ENTRY] {
         let mut entry = [0u8; ENTRY];
         entry[..8].copy_from_slice(&self.segment.shuffle.get().to_le_bytes());
-        entry[8..12].copy_from_slice(&self.segment.partition.to_le_bytes());
+        entry[8..12].copy_from_slice(&self.segment.partition.get().to_le_bytes());
         entry[12..16].copy_from_slice(&self.segment.index.to_le_bytes());
         entry[16..20].copy_from_slice(&self.ordinal.to_le_bytes());
         entry[20..24].copy_from_slice(&self.extents.to_le_bytes());
@@ -68,7 +68,11 @@ impl ExtentRecord {
             return None;
         }
         let record = ExtentRecord {
-            segment: SegmentId { shuffle: ShuffleId(u64_at(0)), partition: u32_at(8), index: u32_at(12) },
+            segment: SegmentId {
+                shuffle: ShuffleId::from_wire(u64_at(0)),
+                partition: PartitionIndex::from_wire(u32_at(8)),
+                index: u32_at(12),
+            },
             class: StorageClass::from_code(entry[36])?,
             ordinal: u32_at(16),
             extents: u32_at(20),
@@ -119,7 +123,7 @@ impl ShuffleIndex {
             match ExtentRecord::decode(&entry, block_size) {
                 Some(record) => {
                     let s = record.segment;
-                    by_segment.entry((s.shuffle.get(), s.partition, s.index)).or_default().push((slot, record));
+                    by_segment.entry((s.shuffle.get(), s.partition.get(), s.index)).or_default().push((slot, record));
                 }
                 None => {
                     tracing::warn!("{}: slot {slot}'s entry is damaged; its segment is not restored", path.display());

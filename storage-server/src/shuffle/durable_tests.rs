@@ -10,10 +10,11 @@ use std::sync::Arc;
 use tern_common::durable::sim::{Keep, SimFs};
 use tern_common::durable::{Fs, Open};
 use tern_common::ByteSize;
-use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE};
-use tern_proto::{ShuffleId, StorageClass};
+use tern_proto::shuffle::{batches, FetchRequest, FETCH_DONE};
+use tern_proto::{PartitionIndex, ShuffleId, StorageClass};
 
 use super::durable::ShuffleIndex;
+use super::test_wire::{pushed_by, wanted, written_by};
 use super::{SegmentId, ShuffleError};
 use crate::nvme::engine::{self, IoEngineChoice};
 use crate::nvme::index::power_loss::SimEngine;
@@ -26,18 +27,18 @@ const BS: u32 = 4096;
 const BATCH: usize = 1000;
 
 fn seg(shuffle: u64, partition: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
 }
 
 fn data(id: SegmentId, n: u32) -> Vec<u8> {
     (0..BATCH)
-        .map(|i| (i as u64 * 7 + id.shuffle.get() * 131 + u64::from(id.partition) * 31 + u64::from(n)) as u8)
+        .map(|i| (i as u64 * 7 + id.shuffle.get() * 131 + u64::from(id.partition.get()) * 31 + u64::from(n)) as u8)
         .collect()
 }
 
 /// Pushes batch `n` of `id` (map `n % 3`).
 async fn push(store: &BlockStore, id: SegmentId, class: StorageClass, n: u32) -> Result<u64, ShuffleError> {
-    store.push(id, PushHeader { map: n % 3, attempt: 0, class }, &data(id, n)).await
+    store.push(id, pushed_by(n % 3, 0, class), &data(id, n)).await
 }
 
 /// Every batch of maps 0..3 in `id`, as (map, bytes), each checked against its crc; `None` if
@@ -45,7 +46,7 @@ async fn push(store: &BlockStore, id: SegmentId, class: StorageClass, n: u32) ->
 async fn fetch_all(store: &BlockStore, id: SegmentId) -> Option<Vec<(u32, Vec<u8>)>> {
     let (mut cursor, mut all) = (0, Vec::new());
     while cursor != FETCH_DONE {
-        let request = FetchRequest { cursor, max_bytes: 3000, maps: vec![(0, 0), (1, 0), (2, 0)] };
+        let request = FetchRequest { cursor, max_bytes: 3000, maps: wanted(&[(0, 0), (1, 0), (2, 0)]) };
         let page = match store.fetch(id, &request).await {
             Err(ShuffleError::NotHeld { .. }) => return None,
             page => page.unwrap(),
@@ -53,7 +54,7 @@ async fn fetch_all(store: &BlockStore, id: SegmentId) -> Option<Vec<(u32, Vec<u8
         for batch in batches(page.payload.clone()) {
             let (header, bytes) = batch.unwrap();
             assert_eq!(header.crc, crc32c::crc32c(&bytes));
-            all.push((header.map, bytes.to_vec()));
+            all.push((written_by(&header).0, bytes.to_vec()));
         }
         cursor = page.next_cursor;
     }
@@ -112,7 +113,7 @@ async fn segments_wholly_on_nvme_come_back_after_a_restart_and_the_rest_do_not()
     }
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(store.inventory().segments, vec![whole]);
-    assert_eq!(store.inventory().shuffles, vec![ShuffleId(1)]);
+    assert_eq!(store.inventory().shuffles, vec![ShuffleId::from_wire(1)]);
     assert_eq!(fetch_all(&store, whole).await.unwrap(), expected(whole, 10), "byte for byte, in the same order");
     for lost in [dram, any, half] {
         assert_eq!(fetch_all(&store, lost).await, None, "{lost} had a part in DRAM");
@@ -126,7 +127,7 @@ async fn segments_wholly_on_nvme_come_back_after_a_restart_and_the_rest_do_not()
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(fetch_all(&store, whole).await.unwrap(), expected(whole, 11));
     // Freed, it is gone for good, and so are its slots.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 1);
     drop(store);
     let store = open_real(dir.path(), 16, 16).await;
     assert_eq!(store.inventory().segments, vec![]);
@@ -167,7 +168,7 @@ async fn a_segment_whose_dram_and_nvme_appends_interleaved_is_not_sealed() {
         for partition in 0..3 {
             push(&store, seg(8, partition), StorageClass::Dram, 0).await.unwrap();
         }
-        store.push(id, PushHeader { map: 0, attempt: 0, class: StorageClass::Nvme }, &big).await.unwrap();
+        store.push(id, pushed_by(0, 0, StorageClass::Nvme), &big).await.unwrap();
         push(&store, id, StorageClass::Nvme, 3).await.unwrap();
         assert_eq!(store.nvme().unwrap().usage().used_blocks, 1, "the big batch went straight to NVMe");
         let order: Vec<Vec<u8>> = fetch_all(&store, id).await.unwrap().into_iter().map(|(_, b)| b).collect();
@@ -210,7 +211,7 @@ struct Answers {
 }
 
 fn key(id: SegmentId) -> (u64, u32) {
-    (id.shuffle.get(), id.partition)
+    (id.shuffle.get(), id.partition.get())
 }
 
 impl Answers {
@@ -289,7 +290,7 @@ async fn a_power_cut_at_any_point_never_brings_back_a_segment_short_of_an_acknow
         }
         if step == 4 {
             let begun = fs.ops();
-            assert_eq!(store.free_shuffles([ShuffleId(2)]), 1);
+            assert_eq!(store.free_shuffles([ShuffleId::from_wire(2)]), 1);
             answers.frees.push((begun, fs.ops(), 2));
         }
     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use tern_proto::ShuffleId;
+use tern_proto::{PartitionIndex, ShuffleId};
 
 use super::segment::Segment;
 use super::{SegmentId, SegmentMap, ShuffleBytes, Shuffles};
@@ -56,7 +56,7 @@ impl Shuffles {
     /// Drops every segment of the listed shuffles and remembers them as freed; returns how many
     /// segments were held.
     pub(crate) fn free(&self, shuffle_ids: impl IntoIterator<Item = ShuffleId>) -> usize {
-        let removed: Vec<HashMap<(u32, u32), Arc<Segment>>> = {
+        let removed: Vec<HashMap<(PartitionIndex, u32), Arc<Segment>>> = {
             let mut map = self.map.lock();
             let removed: Vec<_> = shuffle_ids
                 .into_iter()
@@ -65,6 +65,8 @@ impl Shuffles {
                     map.shuffles.remove(&id)
                 })
                 .collect();
+            let SegmentMap { freed, closed_unheld, .. } = &mut *map;
+            closed_unheld.retain(|segment| !freed.contains(&segment.shuffle));
             map.segments -= removed.iter().map(HashMap::len).sum::<usize>();
             removed
         };

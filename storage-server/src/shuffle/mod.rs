@@ -67,16 +67,15 @@
 //! - [`free`]: dropping segments and remembering freed shuffles.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
-use tern_proto::shuffle::BATCH_HEADER_LEN;
+use tern_proto::shuffle::{SegmentAddress, BATCH_HEADER_LEN};
 use tern_proto::v1::QuotaStop;
-use tern_proto::{ErrorKind, ServerId, ShuffleId};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ServerId, ShuffleId};
 use tokio::sync::Notify;
 
 use crate::dram::{DramSlots, Pieces};
@@ -98,19 +97,9 @@ mod segment;
 pub use mover::{HIGH_WATERMARK, LOW_WATERMARK};
 pub use pages::MAX_FETCH_PAGE_BYTES;
 
-/// Which segment: shuffle, reduce partition, and index in the partition's chain of segments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct SegmentId {
-    pub shuffle: ShuffleId,
-    pub partition: u32,
-    pub index: u32,
-}
-
-impl fmt::Display for SegmentId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "shuffle {} partition {} segment {}", self.shuffle, self.partition, self.index)
-    }
-}
+/// Which segment: shuffle, reduce partition, and index in the partition's chain of segments;
+/// the address a Push or Fetch frame carries.
+pub type SegmentId = SegmentAddress;
 
 /// One page of a Fetch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,7 +165,7 @@ pub enum ShuffleError {
         "fetch of {segment}: a batch of map {map} (attempt {attempt}) is corrupt at rest (stored crc32c \
          {expected:#010x}, bytes give {actual:#010x}); recompute map {map}"
     )]
-    Corrupt { segment: SegmentId, map: u32, attempt: u32, expected: u32, actual: u32 },
+    Corrupt { segment: SegmentId, map: MapIndex, attempt: MapAttempt, expected: u32, actual: u32 },
 }
 
 impl ShuffleError {
@@ -221,11 +210,16 @@ impl std::ops::AddAssign for ShuffleBytes {
 /// Every segment this server holds, and the shuffles freed lately.
 #[derive(Default)]
 struct SegmentMap {
-    shuffles: HashMap<ShuffleId, HashMap<(u32, u32), Arc<Segment>>>,
+    /// Per shuffle, its segments here by (partition, segment index).
+    shuffles: HashMap<ShuffleId, HashMap<(PartitionIndex, u32), Arc<Segment>>>,
     segments: usize,
     freed: HashSet<ShuffleId>,
     /// `freed` in the order remembered, oldest first, to forget past [`free::FREED_REMEMBERED`].
     freed_order: VecDeque<ShuffleId>,
+    /// Segments closed for a copy before any push reached them (see [`copy`]): a late push is
+    /// refused as by a closed segment. Kept until their shuffle is freed; there are no more of
+    /// them than the metadata server has segments to copy.
+    closed_unheld: HashSet<SegmentId>,
 }
 
 impl SegmentMap {
@@ -306,7 +300,7 @@ impl Shuffles {
 
     /// Test hook: flips the first byte of the first stored batch of `map`, as a fault in DRAM would.
     #[cfg(test)]
-    fn corrupt(&self, id: SegmentId, map: u32) {
+    fn corrupt(&self, id: SegmentId, map: MapIndex) {
         let segment = self.map.lock().get(id).expect("segment held");
         let mut state = segment.state.lock();
         let batch = state.index.iter().find(|((m, _), _)| *m == map).map(|(_, batches)| batches[0]).expect("map held");
@@ -319,6 +313,8 @@ impl Shuffles {
 
 #[cfg(test)]
 mod durable_tests;
+#[cfg(test)]
+pub(crate) mod test_wire;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

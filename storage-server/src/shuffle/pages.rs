@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use tern_proto::shuffle::{BatchHeader, FetchRequest, BATCH_HEADER_LEN, FETCH_DONE};
-use tern_proto::ServerId;
+use tern_proto::{MapAttempt, MapIndex, ServerId};
 
 use super::segment::{Extent, Segment, SegmentState};
 use super::{FetchPage, PageLayout, SegmentId, ShuffleError, Shuffles};
@@ -44,7 +44,7 @@ impl Shuffles {
         id: SegmentId,
         cursor: u32,
         max_bytes: u32,
-        want: &(dyn Fn(u32, u32) -> bool + Sync),
+        want: &(dyn Fn(MapIndex, MapAttempt) -> bool + Sync),
     ) -> Result<FetchPage, ShuffleError> {
         let segment = self.map.lock().get(id).ok_or(ShuffleError::NotHeld { segment: id, server })?;
         let limit = max_bytes.min(MAX_FETCH_PAGE_BYTES) as usize;
@@ -190,7 +190,7 @@ impl SegmentState {
     fn page(
         &self,
         id: SegmentId,
-        want: &(dyn Fn(u32, u32) -> bool + Sync),
+        want: &(dyn Fn(MapIndex, MapAttempt) -> bool + Sync),
         cursor: u32,
         limit: usize,
     ) -> Result<(Vec<(BatchHeader, Stored)>, bool), ShuffleError> {

@@ -289,6 +289,9 @@ impl Shuffles {
         if let Some(segment) = map.get(id) {
             return Some(Ok(segment));
         }
+        if map.closed_unheld.contains(&id) {
+            return Some(Err(ShuffleError::Closed { segment: id, server }));
+        }
         let segment = Segment::new(id, class, first_slot()?);
         map.shuffles.entry(id.shuffle).or_default().insert((id.partition, id.index), segment.clone());
         map.segments += 1;

@@ -30,6 +30,7 @@ impl Shuffles {
 
     /// Takes the metadata server's list of shuffles at a tier's quota in place of the last one.
     pub(crate) fn set_quota_stops(&self, stops: &[QuotaStop]) {
-        *self.quota_stops.lock() = stops.iter().map(|stop| (ShuffleId(stop.shuffle_id), stop.clone())).collect();
+        *self.quota_stops.lock() =
+            stops.iter().map(|stop| (ShuffleId::from_wire(stop.shuffle_id), stop.clone())).collect();
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tern_proto::shuffle::{BatchHeader, BATCH_HEADER_LEN};
-use tern_proto::StorageClass;
+use tern_proto::{MapAttempt, MapIndex, StorageClass};
 
 use super::durable::{self, ExtentRecord, Sealed, ShuffleIndex};
 use super::segment::{Batch, Extent, Segment, SegmentState};
@@ -192,7 +192,7 @@ impl Segment {
     /// Rebuilds a sealed segment from its extents, found at start: its index from the batch
     /// headers the extents hold. `Err` says why it cannot be (the caller drops its extents).
     async fn restore(seal: &Sealed, extents: Vec<NvmeExtent>, max_batch: u32) -> Result<Arc<Segment>, String> {
-        let mut index: BTreeMap<(u32, u32), Vec<Batch>> = BTreeMap::new();
+        let mut index: BTreeMap<(MapIndex, MapAttempt), Vec<Batch>> = BTreeMap::new();
         let (mut batches, mut bytes) = (0u64, 0u64);
         for (slot, extent) in (0..).zip(&extents) {
             let (mut offset, len) = (0u32, extent.len());

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use tern_proto::StorageClass;
+use tern_proto::{MapAttempt, MapIndex, StorageClass};
 
 use super::readahead::ReadAhead;
 use super::{SegmentId, ShuffleBytes};
@@ -81,7 +81,7 @@ pub(super) struct SegmentState {
     pub(super) in_extent_order: bool,
     /// By `(map, attempt)`, each in arrival order. A Fetch names one attempt per map, so walking
     /// this in key order yields its batches by map, then arrival.
-    pub(super) index: BTreeMap<(u32, u32), Vec<Batch>>,
+    pub(super) index: BTreeMap<(MapIndex, MapAttempt), Vec<Batch>>,
     pub(super) batches: u64,
     pub(super) bytes: u64,
 }

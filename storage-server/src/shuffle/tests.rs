@@ -5,18 +5,19 @@
 use std::sync::Arc;
 
 use tern_proto::frame::MAX_PAYLOAD_BYTES;
-use tern_proto::shuffle::{batches, FetchRequest, PushHeader, BATCH_HEADER_LEN, FETCH_DONE};
-use tern_proto::{ErrorKind, ServerId, ShuffleId, StorageClass};
+use tern_proto::shuffle::{batches, FetchRequest, BATCH_HEADER_LEN, FETCH_DONE};
+use tern_proto::{ErrorKind, MapIndex, PartitionIndex, ServerId, ShuffleId, StorageClass};
 
 use super::free::FREED_REMEMBERED;
 use super::push::MIN_BYTES_PER_BATCH;
+use super::test_wire::{pushed_by, wanted, written_by};
 use super::{max_batch_bytes, FetchPage, PageLayout, SegmentId, ShuffleError};
 use crate::store::BlockStore;
 
 const BS: u32 = 4096;
 
 fn seg(shuffle: u64, partition: u32, index: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition, index }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
 }
 
 fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
@@ -24,7 +25,7 @@ fn data(map: u32, attempt: u32, n: u32, len: usize) -> Vec<u8> {
 }
 
 fn push(store: &BlockStore, id: SegmentId, map: u32, attempt: u32, batch: &[u8]) -> Result<u64, ShuffleError> {
-    futures::executor::block_on(store.push(id, PushHeader { map, attempt, class: StorageClass::Any }, batch))
+    futures::executor::block_on(store.push(id, pushed_by(map, attempt, StorageClass::Any), batch))
 }
 
 fn fetch(store: &BlockStore, id: SegmentId, request: &FetchRequest) -> Result<FetchPage, ShuffleError> {
@@ -32,7 +33,7 @@ fn fetch(store: &BlockStore, id: SegmentId, request: &FetchRequest) -> Result<Fe
 }
 
 fn request(cursor: u32, max_bytes: u32, maps: &[(u32, u32)]) -> FetchRequest {
-    FetchRequest { cursor, max_bytes, maps: maps.to_vec() }
+    FetchRequest { cursor, max_bytes, maps: wanted(maps) }
 }
 
 /// Every batch of a page, checked against its crc.
@@ -42,7 +43,8 @@ fn parse(page: &FetchPage) -> Vec<(u32, u32, Vec<u8>)> {
             let (header, bytes) = batch.unwrap();
             assert_eq!(header.crc, crc32c::crc32c(&bytes));
             assert_eq!(header.len as usize, bytes.len());
-            (header.map, header.attempt, bytes.to_vec())
+            let (map, attempt) = written_by(&header);
+            (map, attempt, bytes.to_vec())
         })
         .collect();
     assert_eq!(parsed.len(), page.batches as usize);
@@ -67,6 +69,24 @@ fn fetch_all(store: &BlockStore, id: SegmentId, maps: &[(u32, u32)], max_bytes: 
     panic!("fetch never finished");
 }
 
+/// A segment whose partition moved on before any push reached it (its placement was replaced
+/// when a server was lost) is copied as what it is, empty: closing it succeeds and says nothing
+/// is held, and a late push is refused as by a closed segment, so the empty copy stays the same
+/// segment.
+#[test]
+fn a_segment_never_pushed_to_closes_empty_and_refuses_late_pushes() {
+    let store = BlockStore::new(BS, 8 * BS as u64).unwrap();
+    let id = seg(4, 1, 0);
+    assert!(!futures::executor::block_on(store.close_segment_for_copy(id)).unwrap(), "nothing was pushed");
+    let refused = push(&store, id, 0, 0, &data(0, 0, 1, 10)).unwrap_err();
+    assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
+    // Other segments of the shuffle take pushes as before.
+    push(&store, seg(4, 1, 1), 0, 0, &data(0, 0, 1, 10)).unwrap();
+    store.free_shuffles([ShuffleId::from_wire(4)]);
+    let err = futures::executor::block_on(store.close_segment_for_copy(id)).unwrap_err();
+    assert!(matches!(err, ShuffleError::NotHeld { .. }), "a freed shuffle's segment is not closed anew: {err}");
+}
+
 /// What a segment copy does (see `crate::copier`), in process: close, page through every
 /// batch, push each to another server's segment. The copy serves the same pages at the same
 /// cursors for any committed attempts, and freeing the original drops only that segment.
@@ -78,7 +98,7 @@ fn a_closed_segment_refuses_pushes_and_its_copy_serves_the_same_pages() {
         push(&source, id, map, attempt, &data(map, attempt, n as u32, 700 + n * 10)).unwrap();
     }
     push(&source, other, 0, 0, &data(0, 0, 9, 10)).unwrap();
-    futures::executor::block_on(source.close_segment_for_copy(id)).unwrap();
+    assert!(futures::executor::block_on(source.close_segment_for_copy(id)).unwrap(), "the segment is held");
     let refused = push(&source, id, 1, 0, &data(1, 0, 9, 10)).unwrap_err();
     assert!(matches!(refused, ShuffleError::Closed { .. }) && refused.kind() == ErrorKind::OutOfSpace, "{refused}");
     let mut cursor = 0;
@@ -247,14 +267,14 @@ fn a_full_tier_refuses_pushes_naming_the_segment() {
     assert!(matches!(err, ShuffleError::Full { in_use: 2, total: 2, .. }), "{err}");
     assert_eq!(store.shuffle_segments(), 1);
     // File blocks and shuffles share the arena.
-    assert!(store.dram().begin_write(tern_proto::BlockId::from(1), 0, 1).is_err());
+    assert!(store.dram().begin_write(tern_proto::BlockId::from_wire(1), 0, 1).is_err());
     assert_eq!(fetch_all(&store, id, &[(0, 0)], u32::MAX).len(), 3);
 }
 
 #[test]
 fn freeing_a_shuffle_returns_its_slots() {
     let store = BlockStore::new(BS, 5 * BS as u64).unwrap();
-    store.set_server_id(ServerId(5));
+    store.set_server_id(ServerId::from_wire(5));
     for partition in 0..2 {
         push(&store, seg(1, partition, 0), 0, 0, &[7; 3000]).unwrap();
         push(&store, seg(1, partition, 0), 1, 0, &[8; 3000]).unwrap();
@@ -264,7 +284,7 @@ fn freeing_a_shuffle_returns_its_slots() {
     assert_eq!(store.dram().usage().used_blocks, 5);
     assert_eq!(store.dram().usage().used_bytes, 12013 + 5 * 16);
     assert_eq!(store.shuffle_segments(), 3);
-    assert_eq!(store.free_shuffles([1, 99].map(ShuffleId)), 2);
+    assert_eq!(store.free_shuffles([1, 99].map(ShuffleId::from_wire)), 2);
     assert_eq!(store.shuffle_segments(), 1);
     assert_eq!(store.dram().usage().used_blocks, 1);
     assert_eq!(store.dram().usage().used_bytes, 13 + 16);
@@ -273,13 +293,13 @@ fn freeing_a_shuffle_returns_its_slots() {
     assert_eq!(err.kind(), ErrorKind::NotFound);
     // A straggler's push cannot bring a freed shuffle back.
     let err = push(&store, seg(1, 0, 0), 2, 0, b"late").unwrap_err();
-    assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: ServerId(5) });
+    assert_eq!(err, ShuffleError::Freed { segment: seg(1, 0, 0), server: ServerId::from_wire(5) });
     assert_eq!(err.kind(), ErrorKind::NotFound);
     let err = push(&store, seg(99, 0, 0), 0, 0, b"freed before its first push").unwrap_err();
     assert!(matches!(err, ShuffleError::Freed { .. }), "{err}");
     assert_eq!(fetch_all(&store, seg(2, 0, 0), &[(0, 0)], u32::MAX), vec![(0, 0, b"other shuffle".to_vec())]);
     // Freeing again is a no-op.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 0);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 0);
     // A re-registration drops everything and forgets the freed ids.
     assert_eq!(store.clear(), (0, 1));
     assert_eq!(
@@ -292,7 +312,7 @@ fn freeing_a_shuffle_returns_its_slots() {
 #[test]
 fn freed_ids_are_remembered_within_a_bound() {
     let store = BlockStore::new(BS, BS as u64).unwrap();
-    let ids: Vec<ShuffleId> = (0..FREED_REMEMBERED as u64 + 1).map(ShuffleId).collect();
+    let ids: Vec<ShuffleId> = (0..FREED_REMEMBERED as u64 + 1).map(ShuffleId::from_wire).collect();
     store.free_shuffles(ids.iter().copied());
     store.free_shuffles(ids[1..].iter().copied());
     // Shuffle 0 was forgotten first.
@@ -330,10 +350,10 @@ fn corruption_at_rest_names_the_map() {
     push(&store, id, 0, 0, b"map zero").unwrap();
     push(&store, id, 1, 3, b"map one").unwrap();
     push(&store, id, 2, 0, b"map two").unwrap();
-    store.shuffles().corrupt(id, 1);
+    store.shuffles().corrupt(id, MapIndex::from_wire(1));
     let err = fetch(&store, id, &request(0, u32::MAX, &[(0, 0), (1, 3), (2, 0)])).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt);
-    assert!(matches!(err, ShuffleError::Corrupt { map: 1, attempt: 3, .. }), "{err}");
+    assert!(matches!(err, ShuffleError::Corrupt { map, attempt, .. } if (map.get(), attempt.get()) == (1, 3)), "{err}");
     let message = err.to_string();
     assert!(message.contains("shuffle 6 partition 2 segment 0") && message.contains("recompute map 1"), "{message}");
     // The rest of the segment is still served.

@@ -5,9 +5,10 @@
 use std::sync::Arc;
 
 use tern_common::ByteSize;
-use tern_proto::shuffle::{batches, FetchRequest, PushHeader, FETCH_DONE};
-use tern_proto::{ErrorKind, ShuffleId, StorageClass};
+use tern_proto::shuffle::{batches, FetchRequest, FETCH_DONE};
+use tern_proto::{ErrorKind, PartitionIndex, ShuffleId, StorageClass};
 
+use super::test_wire::{pushed_by, wanted, written_by};
 use super::{SegmentId, ShuffleBytes, ShuffleError, HIGH_WATERMARK, LOW_WATERMARK};
 use crate::nvme::engine::{self, IoEngineChoice};
 use crate::nvme::{device, NvmeTier};
@@ -34,7 +35,7 @@ async fn store_of(block: u32, dram_blocks: u64, nvme_blocks: u64) -> (tempfile::
 }
 
 fn seg(shuffle: u64, partition: u32) -> SegmentId {
-    SegmentId { shuffle: ShuffleId(shuffle), partition, index: 0 }
+    SegmentId { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index: 0 }
 }
 
 fn data(map: u32, n: u32) -> Vec<u8> {
@@ -42,12 +43,13 @@ fn data(map: u32, n: u32) -> Vec<u8> {
 }
 
 async fn push(store: &BlockStore, id: SegmentId, class: StorageClass, map: u32, n: u32) -> Result<u64, ShuffleError> {
-    store.push(id, PushHeader { map, attempt: 0, class }, &data(map, n)).await
+    store.push(id, pushed_by(map, 0, class), &data(map, n)).await
 }
 
 /// Every batch of `maps` (attempt 0), `max_bytes` a page, each checked against its crc.
 async fn fetch_all(store: &BlockStore, id: SegmentId, maps: u32, max_bytes: u32) -> Vec<(u32, Vec<u8>)> {
     let maps: Vec<(u32, u32)> = (0..maps).map(|m| (m, 0)).collect();
+    let maps = wanted(&maps);
     let (mut cursor, mut all) = (0, Vec::new());
     while cursor != FETCH_DONE {
         let request = FetchRequest { cursor, max_bytes, maps: maps.clone() };
@@ -56,7 +58,7 @@ async fn fetch_all(store: &BlockStore, id: SegmentId, maps: u32, max_bytes: u32)
         for batch in batches(page.payload.clone()) {
             let (header, bytes) = batch.unwrap();
             assert_eq!(header.crc, crc32c::crc32c(&bytes));
-            all.push((header.map, bytes.to_vec()));
+            all.push((written_by(&header).0, bytes.to_vec()));
         }
         cursor = page.next_cursor;
     }
@@ -92,7 +94,7 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
     }
 
     // A page read from NVMe starts reading the next one ahead.
-    let request = FetchRequest { cursor: 0, max_bytes: 1, maps: vec![(0, 0), (1, 0)] };
+    let request = FetchRequest { cursor: 0, max_bytes: 1, maps: wanted(&[(0, 0), (1, 0)]) };
     store.fetch(id, &request).await.unwrap();
     let ahead = store.shuffles().read_ahead_bytes.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(ahead, BATCH + 16, "the second page's batch");
@@ -103,7 +105,7 @@ async fn nvme_segments_move_each_full_slot_down_and_read_back_from_both_tiers() 
     assert_eq!(page.layout, crate::shuffle::PageLayout::Disk, "a page read from NVMe is never lent");
 
     // Freeing gives both tiers their slots back, once the reads ahead still under way are done.
-    assert_eq!(store.free_shuffles([ShuffleId(1)]), 1);
+    assert_eq!(store.free_shuffles([ShuffleId::from_wire(1)]), 1);
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
     for _ in 0..100 {
         if blocks(&store) == (0, 0) {
@@ -125,7 +127,7 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
     // 32 slots: pieces of 4 KiB (64 a slot) and of 32 KiB, each size cutting at most 4 slots.
     let (_dir, store) = store_of(BLOCK, 32, 64).await;
     let small = |p: u32, n: u32| -> Vec<u8> { (0..300).map(|i| (i + p * 7 + n * 13) as u8).collect() };
-    let any = PushHeader { map: 0, attempt: 0, class: StorageClass::Any };
+    let any = pushed_by(0, 0, StorageClass::Any);
     for p in 0..200 {
         store.push(seg(1, p), any, &small(p, 0)).await.unwrap();
     }
@@ -138,7 +140,7 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
     }
     assert_eq!(blocks(&store), (6, 0), "one slot cut into 32 KiB pieces, one whole");
     // An `nvme` segment takes a whole slot, which the mover writes down whole.
-    let nvme = PushHeader { class: StorageClass::Nvme, ..any };
+    let nvme = pushed_by(0, 0, StorageClass::Nvme);
     store.push(seg(2, 0), nvme, &small(0, 0)).await.unwrap();
     assert_eq!(blocks(&store), (7, 0));
     // Past the high watermark whole slots move and pieces stay.
@@ -162,7 +164,7 @@ async fn young_segments_take_pieces_of_slots_and_grow_into_whole_ones() {
         }
         assert_eq!(fetch_all(&store, seg(1, p), 1, u32::MAX).await, want, "partition {p}");
     }
-    let all = [1, 2, 3, 4].map(ShuffleId);
+    let all = [1, 2, 3, 4].map(ShuffleId::from_wire);
     assert_eq!(store.free_shuffles(all), 200 + 1 + 24 + 1, "segments freed");
     assert_eq!(blocks(&store), (0, 0));
 }
@@ -256,7 +258,7 @@ async fn a_server_with_both_tiers_full_refuses_pushes_out_of_space_and_recovers_
     assert!(err.to_string().contains("both tiers are full: dram 2 of 2 blocks in use, nvme 2 of 2"), "{err}");
     assert!(pushed >= 9, "{pushed} batches before the refusal");
     assert_eq!(blocks(&store), (2, 2));
-    store.free_shuffles([ShuffleId(5)]);
+    store.free_shuffles([ShuffleId::from_wire(5)]);
     assert_eq!(blocks(&store), (0, 0));
     assert_eq!(store.shuffle_bytes(), ShuffleBytes::default());
     push(&store, seg(6, 0), StorageClass::Any, 0, 0).await.unwrap();
@@ -291,7 +293,7 @@ async fn a_file_block_written_while_any_shuffle_data_fills_dram_makes_room_on_nv
     }
     // Only `dram` shuffle data left in DRAM, beside the blocks: nothing may move, the write is
     // refused, naming the tier.
-    store.free_shuffles([ShuffleId(8)]);
+    store.free_shuffles([ShuffleId::from_wire(8)]);
     while store.dram().usage().used_blocks < 4 {
         push(&store, seg(9, 0), StorageClass::Dram, 0, pushed).await.unwrap();
         pushed += 1;
@@ -305,7 +307,7 @@ async fn a_file_block_written_while_any_shuffle_data_fills_dram_makes_room_on_nv
 async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
     let (_dir, store) = store(4, 8).await;
     for block in 0..4 {
-        let mut write = store.dram().begin_write(tern_proto::BlockId::from(block), 0, 10).unwrap();
+        let mut write = store.dram().begin_write(tern_proto::BlockId::from_wire(block), 0, 10).unwrap();
         write.buf().copy_from_slice(b"file bytes");
         write.commit(crc32c::crc32c(b"file bytes")).unwrap();
     }
@@ -318,7 +320,7 @@ async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
     for n in 0..60u32 {
         let (map, len) = (n % 3, 1 + (n as usize * 977) % 9000);
         let batch: Vec<u8> = (0..len).map(|i| (i as u32 * 13 + n) as u8).collect();
-        store.push(seg(7, 1), PushHeader { map, attempt: 0, class: StorageClass::Any }, &batch).await.unwrap();
+        store.push(seg(7, 1), pushed_by(map, 0, StorageClass::Any), &batch).await.unwrap();
         want.push((map, batch));
     }
     want.sort_by_key(|(map, _)| *map);
@@ -330,7 +332,7 @@ async fn with_dram_full_of_blocks_pushes_append_to_nvme_in_any_size() {
         assert_eq!(fetch_all(&store, seg(7, 1), 3, max_bytes).await, want, "pages of {max_bytes} bytes");
     }
     // Freed DRAM takes pushes again; the segment goes on in both tiers.
-    store.free((0..4).map(tern_proto::BlockId::from));
+    store.free((0..4).map(tern_proto::BlockId::from_wire));
     push(&store, seg(7, 1), StorageClass::Any, 0, 99).await.unwrap();
     assert_eq!(store.dram().usage().used_blocks, 1);
     want.insert(want.iter().position(|(map, _)| *map == 1).unwrap(), (0, data(0, 99)));
@@ -395,7 +397,7 @@ async fn concurrent_maps_across_pieces_and_slots_read_back_exactly() {
         let store = store.clone();
         tokio::spawn(async move {
             for (p, bytes) in map_batches(map) {
-                let from = PushHeader { map, attempt: 0, class: StorageClass::Any };
+                let from = pushed_by(map, 0, StorageClass::Any);
                 store.push(seg(9, p), from, &bytes).await.unwrap();
             }
         })

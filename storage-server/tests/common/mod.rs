@@ -9,12 +9,28 @@ use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 use tern_proto::frame::{self, Frame, MAX_PAYLOAD_BYTES};
-use tern_proto::ErrorKind;
+use tern_proto::shuffle::{PushHeader, SegmentAddress};
+use tern_proto::{ErrorKind, MapAttempt, MapIndex, PartitionIndex, ShuffleId, StorageClass};
 use tern_storage::{serve_blocks, BlockStore, Limits, Metrics};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 pub const BS: u32 = 64 << 10;
+
+/// Segment `index` of partition `partition` of shuffle `shuffle`, as Push and Fetch address it.
+pub fn segment((shuffle, partition, index): (u64, u32, u32)) -> SegmentAddress {
+    SegmentAddress { shuffle: ShuffleId::from_wire(shuffle), partition: PartitionIndex::from_wire(partition), index }
+}
+
+/// The header of a batch that attempt `attempt` of map `map` pushes to an `any` shuffle.
+pub fn pushed_by(map: u32, attempt: u32) -> PushHeader {
+    PushHeader { map: MapIndex::from_wire(map), attempt: MapAttempt::from_wire(attempt), class: StorageClass::Any }
+}
+
+/// The `(map, attempt)` pairs a Fetch lists.
+pub fn wanted(maps: &[(u32, u32)]) -> Vec<(MapIndex, MapAttempt)> {
+    maps.iter().map(|&(map, attempt)| (MapIndex::from_wire(map), MapAttempt::from_wire(attempt))).collect()
+}
 
 pub struct Server {
     pub addr: SocketAddr,
@@ -32,7 +48,7 @@ impl Drop for Server {
 /// A block service of `blocks` blocks of `BS` bytes, as storage server 3.
 pub async fn serve(blocks: u64, limits: Limits) -> Server {
     let store = Arc::new(BlockStore::new(BS, blocks * BS as u64).unwrap());
-    store.set_server_id(tern_proto::ServerId(3));
+    store.set_server_id(tern_proto::ServerId::from_wire(3));
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

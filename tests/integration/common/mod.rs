@@ -310,7 +310,7 @@ impl Cluster {
     }
 }
 
-/// Every `*.log` file in `dir`, each under its name: what a failing test prints.
+/// The end of every `*.log` file in `dir`, each under its name: what a failing test prints.
 pub fn logs_in(dir: &Path) -> String {
     let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|d| {
@@ -318,10 +318,22 @@ pub fn logs_in(dir: &Path) -> String {
         })
         .unwrap_or_default();
     names.sort();
-    names
-        .iter()
-        .map(|p| format!("--- {} ---\n{}", p.display(), std::fs::read_to_string(p).unwrap_or_default()))
-        .collect()
+    names.iter().map(|p| log_tail(p)).collect()
+}
+
+/// Lines of each log a failing test prints: the end of every daemon's log, so one chatty log
+/// cannot push the others out of what a CI summary keeps of the output.
+const LOG_TAIL_LINES: usize = 60;
+
+fn log_tail(path: &Path) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    let shown = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+    let of = match shown.len() < lines.len() {
+        true => format!(" (last {} of {} lines)", shown.len(), lines.len()),
+        false => String::new(),
+    };
+    format!("--- {}{of} ---\n{}\n", path.display(), shown.join("\n"))
 }
 
 /// `n` random bytes.

@@ -65,7 +65,7 @@ fn open(fs: &SimFs) -> anyhow::Result<NvmeTier> {
 }
 
 async fn append(tier: &NvmeTier, block: u64, offset: u32, len: u32) -> u32 {
-    let mut write = tier.begin_write(BlockId::from(block), offset, len).unwrap();
+    let mut write = tier.begin_write(BlockId::from_wire(block), offset, len).unwrap();
     write.payload().fill(block as u8);
     let crc = crc32c::crc32c(write.payload());
     write.commit(crc).await.unwrap()
@@ -76,8 +76,8 @@ async fn append(tier: &NvmeTier, block: u64, offset: u32, len: u32) -> u32 {
 async fn listed(tier: &NvmeTier) -> BTreeMap<u64, u32> {
     let mut blocks = BTreeMap::new();
     for id in tier.ids() {
-        let (_, len) = tier.read(id, 0, 0, ServerId(1)).await.unwrap();
-        let (bytes, _) = tier.read(id, 0, len, ServerId(1)).await.unwrap();
+        let (_, len) = tier.read(id, 0, 0, ServerId::from_wire(1)).await.unwrap();
+        let (bytes, _) = tier.read(id, 0, len, ServerId::from_wire(1)).await.unwrap();
         let wrong = bytes.iter().position(|&b| b != id.get() as u8);
         assert!(
             wrong.is_none(),
@@ -149,7 +149,7 @@ async fn answered_appends_and_frees_survive_a_power_cut_at_every_point() {
                 }
                 if i % 2 == 0 {
                     answers.lock().unwrap().freeing.push((fs.ops(), block));
-                    assert_eq!(tier.free(&[BlockId::from(block)]), 1);
+                    assert_eq!(tier.free(&[BlockId::from_wire(block)]), 1);
                     answers.lock().unwrap().frees.push((fs.ops(), block));
                 }
                 tokio::task::yield_now().await;
