@@ -10,7 +10,7 @@
 # Build the binaries from two checkouts (each `cargo build --release --bin tern`). ROUNDS is 3 by
 # default. Each round runs, per build: `tern bench scheduler --json`,
 # `tern bench io --quick --runs 1 --seconds 1 --systems tern-tcp,tern-nvme --json` and
-# `tern terasort --size 1GiB --json`: about 5 minutes a round on 2 cores.
+# `tern terasort --size 1GiB --json`: under 2 minutes a round (both builds) on 2 cores.
 set -euo pipefail
 
 before=${1:?usage: bench-compare.sh BEFORE_BIN AFTER_BIN [OUT] [ROUNDS]}

@@ -22,9 +22,10 @@ pub struct AdminArgs {
 
 #[derive(Subcommand)]
 enum AdminCommand {
-    /// Storage servers: address, state (alive, dead, cordoned, draining), tiers with capacity and
-    /// use, blocks, shuffle segments, last heartbeat.
+    /// Storage servers: address, state (alive, dead, cordoned, draining, unreachable), tiers with
+    /// capacity and use, blocks, shuffle segments, last heartbeat.
     Servers {
+        /// Print one JSON array, an object per server.
         #[arg(long)]
         json: bool,
     },
@@ -32,6 +33,7 @@ enum AdminCommand {
     Server {
         /// Its id or its address host:port, as `tern admin servers` lists them.
         server: String,
+        /// Print one JSON object: the server, its tiers, and what a drain of it waits for.
         #[arg(long)]
         json: bool,
     },
@@ -39,6 +41,7 @@ enum AdminCommand {
     Cordon {
         /// Its id or its address host:port.
         server: String,
+        /// Print the server, as it stands after the cordon, as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -46,12 +49,14 @@ enum AdminCommand {
     Uncordon {
         /// Its id or its address host:port.
         server: String,
+        /// Print the server, as it stands after the uncordon, as one JSON object.
         #[arg(long)]
         json: bool,
     },
-    /// Cordon SERVER, and have it exit once it holds nothing a live job or file still needs (jobs
-    /// end; files are deleted), or when the timeout passes. Nothing is copied off it: data held
-    /// only there and still needed at the timeout is lost.
+    /// Cordon SERVER, copy the blocks of sealed files and the closed shuffle segments that no other
+    /// copy backs to other servers, and have it exit once it holds nothing a live job or file still
+    /// needs, or when the timeout passes: what is still held only there then (unsealed files, open
+    /// segments) is lost.
     Drain {
         /// Its id or its address host:port.
         server: String,
@@ -62,23 +67,29 @@ enum AdminCommand {
         /// [default: the metadata server's drain_timeout_ms].
         #[arg(long, value_parser = tern_common::parse_duration)]
         timeout: Option<Duration>,
+        /// Print the server, as it stands after the call (or the wait), as one JSON object.
         #[arg(long)]
         json: bool,
     },
     /// Jobs registered with the metadata server: id, tenant, lease left, files, bytes.
     Jobs {
+        /// Print one JSON array, an object per job.
         #[arg(long)]
         json: bool,
     },
     /// End JOB without its token: every file it wrote and every shuffle it registered are freed.
     EndJob {
+        /// The job's id, as `tern admin jobs` lists it.
         job: String,
+        /// Print {"job_id", "files_deleted", "blocks_freed"} as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Free every segment of shuffle SHUFFLE (its id, as `tern job status` shows it).
     UnregisterShuffle {
+        /// The shuffle's id.
         shuffle: u64,
+        /// Print {"shuffle_id", "unregistered"} as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -158,7 +169,11 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                     "blocks_freed": ended.blocks_freed,
                 }));
             } else {
-                outln!("job {job} ended: {} files deleted, {} blocks freed", ended.files_deleted, ended.blocks_freed);
+                outln!(
+                    "job {job} ended: {} deleted, {} freed",
+                    tern_common::text::count(ended.files_deleted, "file"),
+                    tern_common::text::count(ended.blocks_freed, "block")
+                );
             }
         }
         AdminCommand::UnregisterShuffle { shuffle, json } => {

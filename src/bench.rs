@@ -42,8 +42,10 @@ enum BenchCommand {
     /// Shuffle service: metadata cost of M maps x R partitions beside plain Stat calls, and a
     /// reducer's partition read rate beside a plain file read.
     Shuffle {
+        /// Maps that register and commit (the M of M x R).
         #[arg(long, default_value_t = 1000)]
         maps: u32,
+        /// Reduce partitions of the shuffle (the R of M x R).
         #[arg(long, default_value_t = 1000)]
         partitions: u32,
         /// Size of the partition read.
@@ -145,16 +147,19 @@ enum BenchCommand {
     /// (OutOfSpace, Unavailable: counted apart) and nothing else may fail; storage servers'
     /// peak RSS less their DRAM tier must stay under --rss-bound. Exits non-zero otherwise.
     Soak {
+        /// Clients writing and reading at once, each in a loop.
         #[arg(long, default_value_t = 64)]
         clients: usize,
         /// How long the clients run, e.g. 60s, 2m, 500ms.
         #[arg(long, default_value = "60s", value_parser = tern_common::parse_duration)]
         duration: std::time::Duration,
+        /// Storage servers started for the run.
         #[arg(long, default_value_t = 2)]
         servers: u16,
         /// DRAM tier per storage server: small, so that it fills.
         #[arg(long, default_value = "32MiB")]
         dram: ByteSize,
+        /// The cluster's block size: small, so that many blocks are in flight.
         #[arg(long, default_value = "256KiB")]
         block_size: ByteSize,
         /// NVMe tier per storage server (a file in --dir); then a third of the files ask for the
@@ -311,7 +316,7 @@ enum BenchCommand {
         #[arg(long, default_value = "2GiB")]
         size: ByteSize,
         /// Reduce partitions [default: one per 64 MiB, at least 4].
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, hide_default_value = true)]
         partitions: usize,
         #[command(flatten)]
         spark: SparkArgs,
@@ -586,8 +591,10 @@ pub struct SparkArgs {
     /// Spark installation [default: $SPARK_HOME, else the pyspark package].
     #[arg(long)]
     spark_home: Option<PathBuf>,
+    /// Spark's master URL: local-cluster[executors,cores each,MiB each], as both shuffles get.
     #[arg(long, default_value = "local-cluster[2,1,1024]")]
     master: String,
+    /// Each executor's heap (spark.executor.memory).
     #[arg(long, default_value = "900m")]
     executor_memory: String,
     /// The driver's heap (spark-submit --driver-memory): it collects results and builds broadcasts.

@@ -80,10 +80,12 @@ pub struct MetadataAddr {
     /// server, and needed for --transport tls and quic.
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]
     pub tls_dir: Option<PathBuf>,
-    /// Transport of block data to storage servers: auto (plain TCP to servers on loopback, TLS
-    /// over TCP to others when --tls-dir is given, else plain TCP, and RDMA where this host and
-    /// the server have it and no --tls-dir is given), tcp, tls or quic (both need --tls-dir), or
-    /// rdma (RDMA to each server serving it, plain TCP to others, said once per server).
+    /// Transport of block data to storage servers: auto (the same-host socket to a server on
+    /// this host; else plain TCP to servers on loopback, TLS over TCP to others when --tls-dir is
+    /// given, else plain TCP, and RDMA where this host and the server have it and no --tls-dir is
+    /// given), local (the same-host socket only: a server elsewhere is an error), tcp, tls or quic
+    /// (both need --tls-dir), or rdma (RDMA to each server serving it, plain TCP to others, said
+    /// once per server).
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto", global = true)]
     pub transport: TransportKind,
     #[command(flatten)]
@@ -164,6 +166,81 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             clap_complete::generate(shell, &mut command, "tern", &mut script);
             std::io::Write::write_all(&mut std::io::stdout().lock(), &script)?;
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// Every subcommand, argument and flag says what it is in `--help` (global flags once, where
+    /// they are defined).
+    #[test]
+    fn every_command_and_argument_has_help() {
+        let mut missing = Vec::new();
+        walk(&super::Cli::command(), "tern", &mut missing);
+        assert!(missing.is_empty(), "{} without help:\n{}", missing.len(), missing.join("\n"));
+    }
+
+    fn walk(command: &clap::Command, path: &str, missing: &mut Vec<String>) {
+        let said = |text: Option<&clap::builder::StyledStr>| text.is_some_and(|t| !t.to_string().trim().is_empty());
+        if path != "tern" && !said(command.get_about()) {
+            missing.push(format!("{path} (the command)"));
+        }
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if arg.is_hide_set() || arg.is_global_set() && path.contains(' ') || matches!(id, "help" | "version") {
+                continue;
+            }
+            if !said(arg.get_help()) {
+                missing.push(format!("{path} {id}"));
+            }
+        }
+        for sub in command.get_subcommands().filter(|sub| sub.get_name() != "help") {
+            walk(sub, &format!("{path} {}", sub.get_name()), missing);
+        }
+    }
+
+    /// README's command tables name every flag each command takes: a row starting with the
+    /// command (`| \`tern fs put ...`, or a row listing it beside others with `\|`) holds each of
+    /// its long flags in its first cell. Global flags (`--metadata`, `--tls-dir`, ...) are left to
+    /// the sections on connecting and security.
+    #[test]
+    fn readme_names_every_flag() {
+        let readme = include_str!("../README.md");
+        let rows: Vec<&str> = readme.lines().filter(|line| line.starts_with("| `tern ")).collect();
+        let mut missing = Vec::new();
+        flags_in_readme(&super::Cli::command(), "tern", &rows, &mut missing);
+        assert!(missing.is_empty(), "{} flags not in README's tables:\n{}", missing.len(), missing.join("\n"));
+    }
+
+    fn flags_in_readme(command: &clap::Command, path: &str, rows: &[&str], missing: &mut Vec<String>) {
+        let leaf = command.get_name();
+        let parent = path.rsplit_once(' ').map_or("", |(parent, _)| parent);
+        // The rows for this command: those naming it after its parent, alone or in a `\|` list.
+        let mine: Vec<&str> = rows
+            .iter()
+            .copied()
+            .filter(|row| {
+                let cell = row.split(" | ").next().unwrap_or_default();
+                cell.contains(&format!("`{path}")) || (cell.contains(&format!("`{parent} ")) && cell.contains(leaf))
+            })
+            .collect();
+        if command.get_subcommands().next().is_none() && path != "tern" {
+            for arg in command.get_arguments() {
+                let Some(long) = arg.get_long() else { continue };
+                if arg.is_hide_set() || arg.is_global_set() || matches!(long, "help" | "version") {
+                    continue;
+                }
+                let flag = format!("--{long}");
+                if !mine.iter().any(|row| row.split(" | ").next().unwrap_or_default().contains(&flag)) {
+                    missing.push(format!("{path} {flag}{}", if mine.is_empty() { " (no row)" } else { "" }));
+                }
+            }
+        }
+        for sub in command.get_subcommands().filter(|sub| sub.get_name() != "help") {
+            flags_in_readme(sub, &format!("{path} {}", sub.get_name()), rows, missing);
         }
     }
 }

@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tern_client::{Client, CreateOptions, EntryKind, ErrorKind, StorageClass, Tier};
+use tern_client::{Client, CreateOptions, EntryKind, ErrorKind, FileWriter, StorageClass, Tier};
 
 use crate::cli::MetadataAddr;
 use crate::show;
@@ -26,7 +26,9 @@ pub struct FsArgs {
 enum FsCommand {
     /// Upload a local file ("-" for stdin). REMOTE may be a directory (ending in '/' or existing).
     Put {
+        /// The local file, or "-" for stdin.
         local: PathBuf,
+        /// The path in the store (a directory: the local file's name in it).
         remote: String,
         /// Storage class: dram, nvme, or any (DRAM first, NVMe when no server has DRAM room).
         #[arg(long, default_value = "any")]
@@ -41,45 +43,61 @@ enum FsCommand {
     },
     /// Download a file. LOCAL may be a directory, or "-" for stdout.
     Get {
+        /// The file in the store.
         remote: String,
+        /// Where to write it: a file, a directory (the remote name in it), or "-" for stdout.
         local: PathBuf,
         /// Print a JSON summary (path, bytes, seconds, mib_per_s) on stdout.
         #[arg(long)]
         json: bool,
     },
     /// Write a file to stdout.
-    Cat { remote: String },
+    Cat {
+        /// The file in the store.
+        remote: String,
+    },
     /// List a directory (or show one file).
     Ls {
+        /// A directory, or a file.
         path: String,
         /// Long format: kind, size, blocks, creation time.
         #[arg(short, long)]
         long: bool,
-        /// One JSON object per entry.
+        /// One JSON array on one line: an object per entry (path, kind, length, ...).
         #[arg(long)]
         json: bool,
     },
     /// Show a file or directory, with the blocks of a file and where they live.
     Stat {
+        /// A file or directory.
         path: String,
+        /// Print one JSON object: the entry, and a file's blocks with where each lives.
         #[arg(long)]
         json: bool,
     },
     /// Delete a file, or a directory with -r.
     Rm {
+        /// A file, or a directory (empty, or with -r).
         path: String,
+        /// Delete a directory with everything in it.
         #[arg(short, long)]
         recursive: bool,
     },
     /// Create a directory.
     Mkdir {
+        /// The directory to create.
         path: String,
         /// Create missing parents; no error if it exists.
         #[arg(short, long)]
         parents: bool,
     },
     /// Rename a file or directory.
-    Mv { from: String, to: String },
+    Mv {
+        /// The file or directory to rename.
+        from: String,
+        /// Its new path (not across jobs' directories).
+        to: String,
+    },
 }
 
 /// Bytes handed to the writer per call: several blocks, so whole blocks pass without copying.
@@ -128,6 +146,28 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
     };
     let mut writer = client.create_with_options(&remote, true, options).await?;
     let progress = progress_bar(local_len(local), &format!("put {remote}"));
+    let sent = send(&mut writer, whole, chunks, local, &progress).await;
+    progress.finish_and_clear();
+    if let Err(e) = sent {
+        // A failed put leaves nothing behind: the file is given up now, so a retry can write it.
+        if let Err(abort) = writer.abort().await {
+            tracing::warn!("{abort}");
+        }
+        return Err(e);
+    }
+    let info = writer.close().await?;
+    report("put", &remote, info.length, started, json);
+    Ok(())
+}
+
+/// Hands `put`'s bytes to the writer: a mapped file's slices, or the chunks a reader thread sends.
+async fn send(
+    writer: &mut FileWriter,
+    whole: Option<Bytes>,
+    chunks: Option<tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>>,
+    local: &Path,
+    progress: &ProgressBar,
+) -> anyhow::Result<()> {
     if let Some(whole) = whole {
         // A regular file goes out straight from the page cache: the writer slices blocks off
         // the mapping without a copy.
@@ -146,9 +186,6 @@ async fn put(client: &Client, local: &Path, remote: &str, options: CreateOptions
             writer.write_bytes(chunk).await?;
         }
     }
-    let info = writer.close().await?;
-    progress.finish_and_clear();
-    report("put", &remote, info.length, started, json);
     Ok(())
 }
 
@@ -164,6 +201,9 @@ enum LocalSource {
 
 impl LocalSource {
     fn open(local: &Path) -> anyhow::Result<LocalSource> {
+        if local.is_dir() {
+            anyhow::bail!("{} is a directory; put uploads one file (name a file, or - for stdin)", local.display());
+        }
         if local_len(local) == Some(0) {
             return Ok(LocalSource::Empty);
         }
@@ -358,7 +398,7 @@ async fn ls(client: &Client, path: &str, long: bool, json: bool) -> anyhow::Resu
             writeln!(
                 out,
                 "{:<7} {:>10} {:>6} {}  {name}{slash}",
-                show::kind_name(entry),
+                show::listed_kind(entry),
                 show::size(entry.length),
                 entry.block_count,
                 show::utc_time(entry.created_unix_ms)
@@ -397,6 +437,14 @@ async fn stat(client: &Client, path: &str, json: bool) -> anyhow::Result<()> {
         outln!("blocks:   {}", info.block_count);
         outln!("class:    {}", info.storage_class);
         outln!("replicas: {}", info.replicas.max(1));
+        if info.lost_blocks > 0 {
+            outln!(
+                "lost:     {} of {}: every copy's server is dead or restarted without it; reads fail with \
+                 data-lost, and `tern fs rm` removes the file",
+                info.lost_blocks,
+                tern_common::text::count(info.block_count, "block")
+            );
+        }
     }
     outln!("created:  {} UTC", show::utc_time(info.created_unix_ms));
     if !info.job.is_empty() {

@@ -27,6 +27,7 @@ pub struct JobArgs {
 enum JobCommand {
     /// Submit a job file (TOML, or JSON when it ends in .json); prints the job id.
     Submit {
+        /// The job file: its stages, tasks and resources (README, "Jobs and the scheduler").
         file: PathBuf,
         /// Wait until the job finishes, showing progress; fail if it does not succeed.
         #[arg(long)]
@@ -41,7 +42,9 @@ enum JobCommand {
     },
     /// A job's stages, task counts by state, which path GPU tasks ran, errors.
     Status {
+        /// The id `job submit` printed.
         job_id: String,
+        /// Print the status as one JSON object (state, stages, task counts, errors).
         #[arg(long)]
         json: bool,
     },
@@ -50,12 +53,15 @@ enum JobCommand {
         /// Only unfinished jobs.
         #[arg(long)]
         active: bool,
+        /// Print one JSON array of the jobs' statuses.
         #[arg(long)]
         json: bool,
     },
     /// Cancel a job: queued tasks dropped, running ones stopped, its shuffles freed.
     Cancel {
+        /// The id `job submit` printed.
         job_id: String,
+        /// Print {"job_id", "state"} as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -80,18 +86,25 @@ enum JobCommand {
         /// server: 1 or 2.
         #[arg(long, alias = "replicas", default_value_t = 1)]
         copies: u32,
+        /// Wait until the job finishes, showing progress; fail if it does not succeed.
         #[arg(long)]
         wait: bool,
+        /// Print JSON (the job id, or with --wait the final status).
         #[arg(long)]
         json: bool,
     },
 }
 
 pub async fn run(args: JobArgs) -> anyhow::Result<()> {
+    // A job file that cannot be read is said before the scheduler is asked for anything.
+    let file_spec = match &args.command {
+        JobCommand::Submit { file, .. } => Some(tern_scheduler_api::spec::load(file)?),
+        _ => None,
+    };
     let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref()).await?;
     match args.command {
-        JobCommand::Submit { file, wait, json, tenant } => {
-            let mut spec = tern_scheduler_api::spec::load(&file)?;
+        JobCommand::Submit { wait, json, tenant, .. } => {
+            let mut spec = file_spec.unwrap_or_default();
             if let Some(tenant) = tenant.filter(|t| !t.is_empty()) {
                 spec.queue = tenant;
             }

@@ -58,6 +58,15 @@ pub fn size(bytes: u64) -> String {
     ByteSize(bytes).human()
 }
 
+/// What `fs ls -l` calls an entry: its kind, or `lost` for a file with a lost block.
+pub fn listed_kind(info: &FileInfo) -> &'static str {
+    if info.lost_blocks > 0 {
+        "lost"
+    } else {
+        kind_name(info)
+    }
+}
+
 pub fn kind_name(info: &FileInfo) -> &'static str {
     match info.kind() {
         EntryKind::Directory => "dir",
@@ -79,6 +88,7 @@ pub fn file_json(info: &FileInfo) -> Value {
         "job": info.job,
         "storage_class": info.storage_class,
         "replicas": info.replicas,
+        "lost_blocks": info.lost_blocks,
     })
 }
 
@@ -98,6 +108,7 @@ pub fn status_json(status: &StatusResponse) -> Value {
     json!({
         "block_size": status.block_size,
         "files": status.files,
+        "lost_files": status.lost_files,
         "directories": status.directories,
         "servers": status.servers.iter().map(server_json).collect::<Vec<_>>(),
         "jobs": status.jobs.iter().map(job_json).collect::<Vec<_>>(),

@@ -22,12 +22,16 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     }
     let alive = status.servers.iter().filter(|s| s.alive).count();
     outln!(
-        "cluster: block size {}, {} storage servers ({alive} alive), {} files, {} directories, {} jobs",
+        "cluster: block size {}, {} ({alive} alive), {}{}, {}, {}",
         show::size(status.block_size as u64),
-        status.servers.len(),
-        status.files,
-        status.directories,
-        status.jobs.len()
+        tern_common::text::count(status.servers.len() as u64, "storage server"),
+        tern_common::text::count(status.files, "file"),
+        match status.lost_files {
+            0 => String::new(),
+            lost => format!(" ({lost} with lost blocks: tern fs ls -l shows them `lost`)"),
+        },
+        tern_common::text::count(status.directories, "directory"),
+        tern_common::text::count(status.jobs.len() as u64, "job")
     );
     outln!();
     outln!(

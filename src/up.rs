@@ -69,6 +69,11 @@ pub struct UpArgs {
     /// else python3's pyspark package; Spark 3.5's settings when none is found].
     #[arg(long)]
     spark_home: Option<PathBuf>,
+    /// Keep files across restarts: files of the default class `any` are written to the NVMe
+    /// tiers (as class `nvme`) instead of DRAM first, so they survive a restart of `tern up`
+    /// or of a storage server. `dram` files and shuffles stay in DRAM. Needs NVMe tiers.
+    #[arg(long)]
+    durable: bool,
     /// Stop the whole cluster when any daemon exits, and exit non-zero, instead of restarting
     /// it (for scripts and tests that want a failure to end the run).
     #[arg(long)]
@@ -222,6 +227,12 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let disk = preflight::NvmeDisk::read(&nvme_dir, &args.dir)?;
     let (nvme_sizes, no_nvme) =
         preflight::plan_nvme(args.nvme_size, args.storage_servers, args.block_size.bytes(), &disk)?;
+    if args.durable && nvme_sizes.is_none() {
+        match &no_nvme {
+            Some(note) => bail!("--durable keeps files on NVMe tiers, and there would be none ({note}): put --dir on a disk with room, or leave out --durable"),
+            None => bail!("--durable keeps files on NVMe tiers, and --nvme-size off gives none: pass --nvme-size auto (or a size), or leave out --durable"),
+        }
+    }
     let logs = args.dir.join("logs");
     let tls_dir = args.dir.join("tls");
     let tls_dir_arg = tls_dir.to_string_lossy().to_string();
@@ -275,6 +286,9 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     ];
     if args.tls {
         metadata_args.extend(["--tls-dir", &tls_dir_arg]);
+    }
+    if args.durable {
+        metadata_args.extend(["--set", "durable_files=true"]);
     }
     let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     if nvme_sizes.is_some() {
@@ -382,7 +396,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                     Some(supervisor) => report.write(&supervisor.report()),
                     None => report.write(&daemons.iter().map(DaemonReport::running).collect::<Vec<_>>()),
                 }
-                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark_conf.banner(&spark_conf_dir));
+                let spark = spark_conf.banner(&spark_conf_dir);
+                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark, nvme_sizes.is_some());
                 match supervisor {
                     Some(mut supervisor) => {
                         let outcome = supervise(&mut supervisor, &mut report, &mut shutdown, &mut pool).await;
@@ -467,14 +482,40 @@ async fn stop_all(daemons: &mut [Daemon]) {
     }
 }
 
+/// What the banner says survives a restart of `tern up` on the same directory.
+fn restart_line(nvme: bool, durable: bool) -> String {
+    match nvme {
+        true if durable => {
+            "Restarts: --durable: files (class any, and nvme) are on NVMe and survive a restart on this \
+                            --dir, with the namespace; `dram` files and shuffles in DRAM do not.\n"
+                .to_string()
+        }
+        true => "Restarts: the namespace and blocks on NVMe survive a restart on this --dir; blocks in DRAM \
+                 (class any while DRAM has room, and dram) do not: `tern fs put --class nvme` keeps a file, \
+                 `tern up --durable` every file.\n"
+            .to_string(),
+        false => "Restarts: no NVMe tier, so no file's blocks survive a restart (the namespace does).\n".to_string(),
+    }
+}
+
 /// The banner goes to stdout; a stdout that went away costs the banner, not the cluster.
-fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir: &Path, logs: &Path, spark: &str) {
+fn print_banner(
+    args: &UpArgs,
+    ports: &PortLayout,
+    metadata_addr: &str,
+    tls_dir: &Path,
+    logs: &Path,
+    spark: &str,
+    nvme: bool,
+) {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "Tern is up: metadata server {metadata_addr}, {} storage servers with {} of DRAM each, {} blocks.",
-        args.storage_servers, args.dram, args.block_size
+        "Tern is up: metadata server {metadata_addr}, {} with {} of DRAM each, {} blocks.",
+        tern_common::text::count(u64::from(args.storage_servers), "storage server"),
+        args.dram,
+        args.block_size
     );
     let _ = writeln!(out);
     let _ = writeln!(out, "In another shell:");
@@ -519,6 +560,7 @@ fn print_banner(args: &UpArgs, ports: &PortLayout, metadata_addr: &str, tls_dir:
         let _ = writeln!(out, "  tern job --scheduler 127.0.0.1:{} terasort --size 1GiB", ports.scheduler());
     }
     let _ = write!(out, "{spark}");
+    let _ = write!(out, "{}", restart_line(nvme, args.durable));
     let _ = writeln!(out, "Logs:    {}", logs.display());
     if args.exit_on_failure {
         let _ = writeln!(out, "Daemons: --exit-on-failure: the cluster stops when any daemon exits.");

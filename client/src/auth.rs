@@ -130,7 +130,7 @@ impl Client {
                 ErrorKind::PermissionDenied,
                 format!(
                     "this client holds no token for job {job}: start the job with it, or give it the job's token \
-                     (Client::add_job_token, {TOKEN_ENV})"
+                     (in {TOKEN_ENV})"
                 ),
             ));
         };

@@ -51,6 +51,9 @@ impl std::error::Error for Error {}
 
 /// What tonic says when an HTTP server that is not gRPC answers (e.g. an admin endpoint's 404).
 const NOT_GRPC: &str = "grpc-status header missing";
+/// What tonic says when the peer does not speak HTTP/2 at all: a storage server's block port
+/// answers the HTTP/2 preface with a Tern frame refusing it.
+const NOT_HTTP2: &str = "h2 protocol error";
 
 impl From<tonic::Status> for Error {
     fn from(status: tonic::Status) -> Error {
@@ -59,6 +62,17 @@ impl From<tonic::Status> for Error {
             return Error::invalid(format!(
                 "this port is not a Tern metadata server (is it the admin port?): it answers HTTP, not gRPC ({why})"
             ));
+        }
+        if status.message().starts_with(NOT_HTTP2) {
+            // Its kind stays what tonic says: a real server's connection can break this way too.
+            return Error::new(
+                ErrorKind::of_status(&status),
+                format!(
+                    "this port is not a Tern metadata server or scheduler (is it a storage server's block port?): it \
+                 does not speak HTTP/2 ({})",
+                    status.message()
+                ),
+            );
         }
         let kind = ErrorKind::of_status(&status);
         let message = if status.message().is_empty() { status.code().description() } else { status.message() };

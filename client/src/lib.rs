@@ -493,7 +493,12 @@ impl Client {
             return self.create_empty(path, true).await;
         }
         let mut writer = self.create_with_options(path, true, options).await?;
-        writer.write_bytes(data).await?;
+        if let Err(e) = writer.write_bytes(data).await {
+            if let Err(abort) = writer.abort().await {
+                tracing::warn!("{abort}");
+            }
+            return Err(e);
+        }
         writer.close().await.map(|_| ())
     }
 }
@@ -547,14 +552,17 @@ pub async fn grpc_channel(
         .map_err(|e| Error::unavailable(format!("cannot reach {peer} at {addr}: {}", source_chain(&e))))
 }
 
-/// "a: b: c" from an error and its sources, since tonic's transport errors hide the cause.
+/// "a: b: c" from an error and its sources, each said once: tonic hides the cause in the sources,
+/// and says "transport error: tcp connect error: tcp connect error" before it.
 fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+    let mut parts: Vec<String> = Vec::new();
+    let mut next = Some(e);
+    while let Some(error) = next {
+        let text = error.to_string();
+        if text != "transport error" && parts.last() != Some(&text) {
+            parts.push(text);
+        }
+        next = error.source();
     }
-    text
+    parts.join(": ")
 }

@@ -34,8 +34,8 @@ const ALLOCATE_ATTEMPTS: u32 = 8;
 const ALLOCATE_BACKOFF_START: std::time::Duration = std::time::Duration::from_millis(50);
 const ALLOCATE_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Writes one new file. Call [`FileWriter::close`] to seal it; a writer dropped unclosed deletes
-/// its unfinished file in the background.
+/// Writes one new file. Call [`FileWriter::close`] to seal it, or [`FileWriter::abort`] to give it
+/// up after a failure; a writer dropped unclosed gives its file up in the background.
 pub struct FileWriter {
     client: Client,
     path: String,
@@ -254,13 +254,34 @@ impl FileWriter {
     }
 
     /// Writes what is buffered, waits for every block, and seals the file. Blocks allocated but
-    /// unused are freed by the seal.
+    /// unused are freed by the seal. A close that fails gives the file up before it returns (see
+    /// [`FileWriter::abort`]), so nothing is left behind.
     pub async fn close(mut self) -> Result<FileInfo> {
         let result = self.seal().await;
         if let Some(lease) = self.lease.take() {
             lease.abort();
         }
+        if result.is_err() && !self.closed {
+            self.closed = true;
+            if let Err(e) = abort_file(&self.client, self.file_id, std::mem::take(&mut self.in_flight)).await {
+                tracing::warn!("could not give up unfinished file {}: {e}", self.path);
+            }
+        }
         result
+    }
+
+    /// Gives the file up (after a failed write, or when the caller changes its mind): once the
+    /// block writes in flight have ended (each within its deadline), the metadata server deletes
+    /// the unsealed file and frees its blocks at once, so the path can be written again. Returns
+    /// whether there was a file to give up (one deleted meanwhile is not an error).
+    pub async fn abort(mut self) -> Result<bool> {
+        if let Some(lease) = self.lease.take() {
+            lease.abort();
+        }
+        self.closed = true;
+        abort_file(&self.client, self.file_id, std::mem::take(&mut self.in_flight))
+            .await
+            .map_err(|e| e.context(format_args!("abort the write of {}", self.path)))
     }
 
     async fn seal(&mut self) -> Result<FileInfo> {
@@ -293,17 +314,31 @@ impl Drop for FileWriter {
         if self.closed {
             return;
         }
-        // An abandoned write leaves no debris: delete the unsealed file (its blocks are freed).
+        // An abandoned write leaves no debris: its file is given up (its blocks are freed). In
+        // the background, so only while the runtime lives: a process that exits at once leaves
+        // it to the writer lease, which is why a failed write should call `abort` instead.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let client = self.client.clone();
-            let path = std::mem::take(&mut self.path);
+            let (client, file_id, path) = (self.client.clone(), self.file_id, std::mem::take(&mut self.path));
+            let in_flight = std::mem::take(&mut self.in_flight);
             runtime.spawn(async move {
-                if let Err(e) = client.delete(&path, false).await {
-                    tracing::warn!("could not delete unfinished file {path}: {e}");
+                if let Err(e) = abort_file(&client, file_id, in_flight).await {
+                    tracing::warn!("could not give up unfinished file {path}: {e}");
                 }
             });
         }
     }
+}
+
+/// Waits for a writer's block writes in flight to end (whatever their outcome), then asks the
+/// metadata server to delete the unsealed file; whether there was one.
+async fn abort_file(
+    client: &Client,
+    file_id: FileId,
+    mut in_flight: FuturesUnordered<JoinHandle<Result<()>>>,
+) -> Result<bool> {
+    while in_flight.next().await.is_some() {}
+    let reply = client.metadata().abort(pb::AbortRequest { file_id: file_id.get() }).await?.into_inner();
+    Ok(reply.aborted)
 }
 
 /// Renews a writer's lease every third of it until aborted. A renewal that fails is retried at

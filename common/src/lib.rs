@@ -21,6 +21,7 @@ pub mod spark;
 pub mod stats;
 pub mod systemd;
 pub mod task_error;
+pub mod text;
 
 pub use backoff::Backoff;
 pub use duration::parse_duration;

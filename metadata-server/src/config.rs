@@ -43,6 +43,10 @@ pub struct Config {
     /// servers together;
     /// 0 = no limit. A limit keeps copying from crowding out jobs' reads and writes.
     pub copy_rate: ByteSize,
+    /// Place files created with class `any` (the default) on NVMe, as class `nvme`, so they
+    /// survive a restart of their storage servers; `dram` files stay in DRAM and shuffles are
+    /// not affected. Every storage server then needs an NVMe tier for such files.
+    pub durable_files: bool,
     /// Most entries one List call returns.
     pub max_list_entries: u32,
     /// Most jobs registered at once.
@@ -97,6 +101,7 @@ impl Default for Config {
             writer_lease_ms: 60_000,
             drain_timeout_ms: 600_000,
             copy_rate: ByteSize(1 << 30),
+            durable_files: false,
             max_list_entries: 10_000,
             max_jobs: 10_000,
             max_entries: 10_000_000,

@@ -231,6 +231,15 @@ impl Namespace {
         Ok(self.path_of(id))
     }
 
+    /// File `file_id`'s metadata.
+    pub fn file(&self, file_id: FileId) -> Result<&FileMeta, Refusal> {
+        let id = self.file_node(file_id)?;
+        match &self.node(id).body {
+            Body::File(meta) => Ok(meta),
+            Body::Dir(_) => Err(Refusal::new(ErrorKind::Internal, format!("file id {file_id} names a directory"))),
+        }
+    }
+
     /// File `file_id`'s metadata, for appending blocks and sealing.
     pub fn file_mut(&mut self, file_id: FileId) -> Result<&mut FileMeta, Refusal> {
         let id = self.file_node(file_id)?;

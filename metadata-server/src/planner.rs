@@ -12,13 +12,28 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::net::IpAddr;
 
+use tern_common::text;
 use tern_proto::{ErrorKind, ServerId, StorageClass, Tier};
 
 use crate::error::{invalid, Refusal};
 
+/// Why nothing can be placed when no server is in the planner's rooms: the dead, the cordoned and
+/// the draining are all left out, and the operator needs to know which it is.
+pub const NO_SERVER_TAKES_DATA: &str =
+    "no live storage server takes new data (dead, cordoned and draining ones take none: see tern admin servers)";
+
 /// A storage class named in a request: "dram", "nvme" or "any" ("" = "any").
 pub fn parse_storage_class(name: &str) -> Result<StorageClass, Refusal> {
     name.parse().map_err(|e: tern_proto::tier::BadStorageClass| invalid(e.to_string()))
+}
+
+/// The class a new file gets when `asked` for one: with `durable_files`, `any` becomes `nvme`
+/// (logged so, so a replay and every later run place its blocks alike).
+pub fn file_class(asked: StorageClass, durable_files: bool) -> StorageClass {
+    match asked {
+        StorageClass::Any if durable_files => StorageClass::Nvme,
+        asked => asked,
+    }
 }
 
 /// One tier of one server, as placement sees it.
@@ -103,7 +118,7 @@ pub fn place_blocks(
     let client_host = normalize_host(client_host);
     let live = rooms.len() as u64;
     if live == 0 {
-        return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        return Err(Refusal::new(ErrorKind::Unavailable, NO_SERVER_TAKES_DATA));
     }
     enough_live_for_copies(live, replicas)?;
     let tiers = class.tiers();
@@ -120,7 +135,8 @@ pub fn place_blocks(
     let free_total: u64 = free.iter().map(|(_, f)| f).sum();
     // Every copy takes a block of room.
     let count64 = u64::from(count) * u64::from(replicas);
-    let asked = if replicas == 1 { format!("{count} blocks") } else { format!("{count} blocks x {replicas} copies") };
+    let blocks = text::count(u64::from(count), "block");
+    let asked = if replicas == 1 { blocks } else { format!("{blocks} x {replicas} copies") };
     let free_list = || free.iter().map(|(tier, f)| format!("{f} {tier}")).collect::<Vec<_>>().join(" and ");
     if free_total < count64 && free_total + being_freed >= count64 {
         // Space that deletes gave back is still held until the servers' next heartbeats carry
@@ -128,9 +144,10 @@ pub fn place_blocks(
         return Err(Refusal::new(
             ErrorKind::Unavailable,
             format!(
-                "{asked} of class {class} asked; {} blocks free and {being_freed} being freed on the {live} live \
-                 storage servers: retry after their next heartbeat",
-                free_list()
+                "{asked} of class {class} asked; {} blocks free and {being_freed} being freed on {}: retry after \
+                 their next heartbeat",
+                free_list(),
+                text::count(live, "live storage server")
             ),
         ));
     }
@@ -138,8 +155,8 @@ pub fn place_blocks(
         return Err(Refusal::new(
             ErrorKind::OutOfSpace,
             format!(
-                "{asked} of class {class} asked, but the {live} live storage servers have {} blocks free between \
-                 them",
+                "{asked} of class {class} asked, but {} taking new data have {} blocks free between them",
+                text::count(live, "live storage server"),
                 free_list()
             ),
         ));
@@ -267,7 +284,7 @@ pub fn place_segments(
         live.retain(|l| !avoid.contains(&l.server_id));
     }
     if live.is_empty() {
-        return Err(Refusal::new(ErrorKind::Unavailable, "no live storage servers"));
+        return Err(Refusal::new(ErrorKind::Unavailable, NO_SERVER_TAKES_DATA));
     }
     if live.len() < replicas {
         return Err(Refusal::new(

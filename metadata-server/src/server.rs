@@ -98,9 +98,10 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
 
 /// Runs a metadata server until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    tern_common::config::log_effective("metadata server", &config);
     let shutdown = tern_common::shutdown_signal();
     let server = start(config.clone()).await?;
+    // Once started: a configuration that is refused is said in one line, not after the dump.
+    tern_common::config::log_effective("metadata server", &config);
     let tls = match &config.serve.tls_dir {
         Some(dir) => format!("mutual TLS from {}", dir.display()),
         None => "plain TCP".to_string(),

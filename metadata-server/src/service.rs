@@ -93,6 +93,10 @@ impl Metadata for Service {
         self.call("renew_writer", |state, now| state.renew_writer(request.into_inner(), now)).await
     }
 
+    async fn abort(&self, request: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
+        self.call("abort", |state, now| state.abort(request.into_inner(), now)).await
+    }
+
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
         self.call("open", |state, now| state.open(request.into_inner(), now)).await
     }

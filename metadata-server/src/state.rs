@@ -43,6 +43,8 @@ pub struct State {
     server_timeout: Duration,
     writer_lease: Duration,
     drain_timeout: Duration,
+    /// `durable_files`: files of class `any` are created as `nvme`.
+    durable_files: bool,
     /// Unsealed files and when their writer last allocated or renewed (not logged: after a
     /// restart every writer's lease starts again).
     writers: HashMap<FileId, Instant>,
@@ -71,6 +73,7 @@ impl State {
             server_timeout: config.server_timeout(),
             writer_lease: config.writer_lease(),
             drain_timeout: config.drain_timeout(),
+            durable_files: config.durable_files,
             writers: HashMap::new(),
             max_list_entries: config.max_list_entries,
             namespace: Namespace::new(config.max_entries),
@@ -168,7 +171,8 @@ impl State {
     pub fn create(&mut self, req: CreateRequest, now: Now) -> Result<CreateResponse, Status> {
         let context = format!("create {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
-        let storage_class = parse_storage_class(&req.storage_class).context(&context)?;
+        let asked = parse_storage_class(&req.storage_class).context(&context)?;
+        let storage_class = planner::file_class(asked, self.durable_files);
         let replicas = parse_replicas(req.replicas).context(&context)?;
         if replicas > 1 && !req.sealed {
             planner::enough_live_for_copies(self.servers.rooms().len() as u64, replicas).context(&context)?;
@@ -187,7 +191,7 @@ impl State {
     pub fn allocate_blocks(&mut self, req: AllocateBlocksRequest, now: Now) -> Result<AllocateBlocksResponse, Status> {
         let file_id = FileId::from_wire(req.file_id);
         let path = self.namespace.file_path(file_id).context(format_args!("allocate blocks for file {file_id}"))?;
-        let context = format!("allocate {} blocks for {path}", req.count);
+        let context = format!("allocate {} for {path}", tern_common::text::count(u64::from(req.count), "block"));
         if req.count == 0 || req.count > tern_proto::MAX_ALLOCATE_BLOCKS {
             return Err(invalid(format!("count must be 1 to {}", tern_proto::MAX_ALLOCATE_BLOCKS)).status(context));
         }
@@ -241,6 +245,30 @@ impl State {
         Ok(RenewWriterResponse {})
     }
 
+    /// Deletes an unsealed file for its writer, which failed: its blocks go back now, not when
+    /// its lease lapses. A file already gone or sealed is left alone (the call is idempotent).
+    pub fn abort(&mut self, req: AbortRequest, now: Now) -> Result<AbortResponse, Status> {
+        let file_id = FileId::from_wire(req.file_id);
+        let context = format!("abort the write of file {file_id}");
+        match self.delete_unsealed(file_id, now).context(&context)? {
+            Some((_, applied)) => Ok(AbortResponse { aborted: true, blocks_freed: applied.blocks_freed }),
+            None => Ok(AbortResponse { aborted: false, blocks_freed: 0 }),
+        }
+    }
+
+    /// Deletes file `file_id` (a logged Delete) if it is still unsealed, and forgets its writer;
+    /// its path and what the delete freed, or `None` when it is gone or sealed already. What a
+    /// failed writer's Abort and the reaper of dead writers both do.
+    fn delete_unsealed(&mut self, file_id: FileId, now: Now) -> Result<Option<(String, Applied)>, Refusal> {
+        self.writers.remove(&file_id);
+        let unsealed = self.namespace.file(file_id).is_ok_and(|file| !file.sealed);
+        let Some(path) = self.namespace.file_path(file_id).ok().filter(|_| unsealed) else {
+            return Ok(None);
+        };
+        let applied = self.commit(Change::Delete(DeleteRequest { path: path.clone(), recursive: false }), now)?;
+        Ok(Some((path, applied)))
+    }
+
     pub fn open(&mut self, req: OpenRequest, _now: Now) -> Result<OpenResponse, Status> {
         let context = format!("open {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
@@ -279,7 +307,10 @@ impl State {
     pub fn stat(&mut self, req: StatRequest, _now: Now) -> Result<StatResponse, Status> {
         let context = format!("stat {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
-        let (info, meta) = self.namespace.stat(&path).context(&context)?;
+        let (mut info, meta) = self.namespace.stat(&path).context(&context)?;
+        if let Some(file) = meta {
+            info.lost_blocks = self.lost_blocks(file);
+        }
         let mut response = StatResponse { info: Some(info), ..StatResponse::default() };
         if let Some(file) = meta.filter(|_| req.with_blocks) {
             response.blocks = self.with_grants(self.locations(file), self.serial_of_path(&path));
@@ -292,7 +323,16 @@ impl State {
         let context = format!("list {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         let limit = if req.limit == 0 { self.max_list_entries } else { req.limit.min(self.max_list_entries) };
-        let (entries, truncated) = self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
+        let (mut entries, truncated) =
+            self.namespace.list(&path, &req.start_after, limit as usize).context(&context)?;
+        // Each file's blocks are looked at only when some block may be lost.
+        if !self.servers.all_blocks_readable() {
+            for entry in entries.iter_mut().filter(|entry| entry.kind() == EntryKind::File) {
+                if let Ok(file) = self.namespace.file(FileId::from_wire(entry.file_id)) {
+                    entry.lost_blocks = self.lost_blocks(file);
+                }
+            }
+        }
         Ok(ListResponse { entries, truncated })
     }
 
@@ -301,7 +341,9 @@ impl State {
         let path = path::normalize(&req.path).context(&context)?;
         match Place::of(&path) {
             Place::JobsDir if !self.jobs.is_empty() => {
-                return Err(invalid("holds the directories of live jobs; end them with EndJob").status(context));
+                return Err(
+                    invalid("holds the directories of live jobs; end them first (tern admin end-job)").status(context)
+                );
             }
             Place::JobRoot(job) if self.jobs.is_registered(job) => {
                 return Err(invalid(format!("is the directory of live job {job}; end the job instead")).status(context));
@@ -319,7 +361,7 @@ impl State {
         let to = path::normalize(&req.to).context(&context)?;
         for path in [&from, &to] {
             if matches!(Place::of(path), Place::JobsDir | Place::JobRoot(_)) {
-                let why = format!("{path} is a job directory, made and removed only by RegisterJob and EndJob");
+                let why = format!("{path} is a job directory, made when its job starts and removed when it ends");
                 return Err(invalid(why).status(context));
             }
         }
@@ -430,6 +472,7 @@ impl State {
             directories: self.namespace.directories(),
             tenants: self.jobs.tenants(),
             copies: Some(self.copies.status(now.instant)),
+            lost_files: self.lost_files(),
         })
         .map(|mut status| {
             for server in &mut status.servers {
@@ -659,20 +702,15 @@ impl State {
             .map(|(&file_id, _)| file_id)
             .collect();
         for file_id in lapsed {
-            self.writers.remove(&file_id);
             // Gone or sealed already (deleted, or its job ended): nothing to reap.
-            let Ok(path) = self.namespace.file_path(file_id) else { continue };
-            if self.namespace.file_mut(file_id).map_or(true, |file| file.sealed) {
-                continue;
-            }
-            let change = Change::Delete(DeleteRequest { path: path.clone(), recursive: false });
-            match self.commit(change, now) {
-                Ok(applied) => warn!(
+            match self.delete_unsealed(file_id, now) {
+                Ok(Some((path, applied))) => warn!(
                     "deleted unsealed {path}: its writer neither wrote nor renewed for {lease:?} (it died); {} blocks \
                      freed",
                     applied.blocks_freed
                 ),
-                Err(refusal) => error!("reaping unsealed {path}: {} ({:?})", refusal.reason, refusal.kind),
+                Ok(None) => {}
+                Err(refusal) => error!("reaping unsealed file {file_id}: {} ({:?})", refusal.reason, refusal.kind),
             }
         }
     }
@@ -816,7 +854,7 @@ impl State {
             Place::JobsDir => Err(invalid(format!("{JOBS_DIR} is reserved for job directories"))),
             // `mkdir -p` of a live job's existing directory is a harmless no-op.
             Place::JobRoot(job) if directory && parents && self.jobs.check_live(job, now.instant).is_ok() => Ok(()),
-            Place::JobRoot(_) => Err(invalid("job directories are made by RegisterJob")),
+            Place::JobRoot(_) => Err(invalid("job directories are made when their job starts")),
             Place::InJob(job) => self.jobs.check_live(job, now.instant),
         }
     }
@@ -855,6 +893,7 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
 mod commit;
 mod copying;
 mod durable;
+mod lost;
 mod quota;
 
 #[cfg(test)]

@@ -102,9 +102,10 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
 
 /// Runs a scheduler until SIGINT or SIGTERM.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    tern_common::config::log_effective("scheduler", &config);
     let shutdown = tern_common::shutdown_signal();
-    let server = start(config).await?;
+    let server = start(config.clone()).await?;
+    // Once started: a configuration that is refused is said in one line, not after the dump.
+    tern_common::config::log_effective("scheduler", &config);
     info!("scheduler listening on {} (admin {})", server.addr(), server.admin_addr());
     shutdown.await;
     info!("scheduler shutting down");

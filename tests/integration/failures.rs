@@ -12,7 +12,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_storage_server_means_data_lost_for_its_files_only() {
+async fn killed_storage_server_means_data_lost_for_its_files_only_and_they_say_so() {
     let mut cluster = Cluster::start(2, "128MiB").await;
     let client = cluster.client().await;
     let mut files = Vec::new();
@@ -45,6 +45,24 @@ async fn killed_storage_server_means_data_lost_for_its_files_only() {
             assert!(result.unwrap() == *data, "{path} on the live server still reads");
         }
     }
+    // Lost is visible: `fs ls -l` marks exactly the victim's files `lost`, `fs stat` and the JSON
+    // say how many blocks, `status` counts the files, and `fs rm` removes them.
+    let lost: Vec<&str> = files.iter().filter(|f| f.2 == victim).map(|f| f.0.as_str()).collect();
+    let listing = cluster.tern_ok(&["fs", "ls", "-l", "/"]);
+    for (path, _, server) in &files {
+        let line = listing.lines().find(|l| l.ends_with(&format!(" {}", &path[1..]))).unwrap_or_default();
+        assert_eq!(line.starts_with("lost "), *server == victim, "{path} in:\n{listing}");
+    }
+    let stat: serde_json::Value = serde_json::from_str(&cluster.tern_ok(&["fs", "stat", "--json", lost[0]])).unwrap();
+    assert_eq!(stat["lost_blocks"], 1, "{stat}");
+    assert!(cluster.tern_ok(&["fs", "stat", lost[0]]).contains("lost:     1 of 1 block:"));
+    let status: serde_json::Value = serde_json::from_str(&cluster.tern_ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["lost_files"], lost.len(), "{status}");
+    for path in &lost {
+        cluster.tern_ok(&["fs", "rm", path]);
+    }
+    let status: serde_json::Value = serde_json::from_str(&cluster.tern_ok(&["status", "--json"])).unwrap();
+    assert_eq!(status["lost_files"], 0, "{status}");
     // New writes go to the live server.
     client.put("/after", Bytes::from_static(b"still works")).await.unwrap();
     assert_eq!(client.open("/after").await.unwrap().read_to_end().await.unwrap(), b"still works");

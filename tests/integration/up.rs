@@ -459,3 +459,68 @@ async fn up_gives_new_storage_servers_tiers_and_refuses_fewer_or_resized_without
         assert_eq!(snapshot(dir.path()), before, "{flags:?} wrote in the directory before refusing");
     }
 }
+
+/// `tern fs stat --json PATH` against the cluster on `port`.
+fn stat_json(port: u16, path: &str) -> serde_json::Value {
+    let out = Command::new(common::TERN)
+        .args(["fs", "stat", "--json", path, "--metadata", &format!("127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tern fs stat {path}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_loses_dram_files_and_says_so_and_durable_keeps_every_file() {
+    // On the real disk, for NVMe tiers (auto).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let (up, banner) = start_up(dir.path(), port, &[]);
+    let up = Up(Some(up));
+    assert!(banner.contains("`tern up --durable` every file"), "the banner says how to keep files:\n{banner}");
+    let client = tern_client::Client::connect(&addr).await.unwrap();
+    let (plain, kept) = (Bytes::from(common::random_bytes(3 << 20)), Bytes::from(common::random_bytes(5000)));
+    client.put("/plain", plain).await.unwrap();
+    let nvme = tern_client::CreateOptions { class: tern_client::StorageClass::Nvme, replicas: 1 };
+    client.put_with_options("/kept", kept.clone(), nvme).await.unwrap();
+    up.interrupt();
+
+    // Restarted with --durable: the DRAM file is lost and listed so; the NVMe one reads; a new
+    // file of the default class is created as `nvme`.
+    let (up, banner) = start_up(dir.path(), port, &["--durable"]);
+    let up = Up(Some(up));
+    assert!(banner.contains("Restarts: --durable"), "{banner}");
+    let client = tern_client::Client::connect(&addr).await.unwrap();
+    assert_eq!(stat_json(port, "/plain")["lost_blocks"], 3);
+    assert_eq!(stat_json(port, "/kept")["lost_blocks"], 0);
+    assert_eq!(client.open("/kept").await.unwrap().read_to_end().await.unwrap(), kept);
+    let durable = Bytes::from(common::random_bytes((2 << 20) + 11));
+    client.put("/durable", durable.clone()).await.unwrap();
+    assert_eq!(stat_json(port, "/durable")["storage_class"], "nvme");
+    up.interrupt();
+
+    // Restarted without --durable: the file written under it survives; new files are `any` again.
+    let (up, banner) = start_up(dir.path(), port, &[]);
+    let up = Up(Some(up));
+    assert!(!banner.contains("Restarts: --durable"), "{banner}");
+    let client = tern_client::Client::connect(&addr).await.unwrap();
+    assert_eq!(client.open("/durable").await.unwrap().read_to_end().await.unwrap(), durable);
+    client.put("/after", Bytes::from_static(b"dram first")).await.unwrap();
+    assert_eq!(stat_json(port, "/after")["storage_class"], "any");
+    let out = Command::new(common::TERN).args(["status", "--json", "--metadata", &addr]).output().unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["lost_files"], 1, "only /plain is lost: {status}");
+    up.interrupt();
+
+    // --durable with no NVMe tiers is refused at once, before anything is written.
+    let other = tempfile::tempdir().unwrap();
+    let (out, _) = up_refused(
+        &["--dir", other.path().to_str().unwrap(), "--port", &port.to_string(), "--durable", "--nvme-size", "off"],
+        Duration::from_secs(30),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.trim().lines().count() == 1, "{stderr}");
+    assert!(stderr.contains("--durable keeps files on NVMe tiers") && stderr.contains("--nvme-size auto"), "{stderr}");
+    assert_eq!(snapshot(other.path()), vec![], "it wrote before refusing");
+}

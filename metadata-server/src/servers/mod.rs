@@ -116,6 +116,14 @@ impl Servers {
         self.servers.get(&block.server_id).is_some_and(|s| s.readable() && !s.lost_blocks.contains_key(&block.block_id))
     }
 
+    /// Whether every block can be read: every server ever given an id is still known (none was
+    /// forgotten long dead) and readable, and none reported a block missing. Then no file has a
+    /// lost block, and nothing needs to look.
+    pub fn all_blocks_readable(&self) -> bool {
+        self.servers.len() as u64 == self.next_server_id.get() - 1
+            && self.servers.values().all(|s| s.readable() && s.lost_blocks.is_empty())
+    }
+
     /// Why `block` cannot be read, or `None` when its server is alive.
     pub fn lost(&self, block: &BlockRef) -> Option<String> {
         match self.servers.get(&block.server_id) {

@@ -155,7 +155,7 @@ fn skips_dead_and_full_servers() {
     // Server 2 is full; it dies too and then nothing is live.
     servers.expire(later + Duration::from_secs(10), Duration::from_secs(5));
     let refusal = servers.allocate(1, "", StorageClass::Any).unwrap_err();
-    assert_eq!((refusal.kind, refusal.reason.as_str()), (ErrorKind::Unavailable, "no live storage servers"));
+    assert_eq!((refusal.kind, refusal.reason.as_str()), (ErrorKind::Unavailable, crate::planner::NO_SERVER_TAKES_DATA));
 }
 
 #[test]

@@ -75,7 +75,7 @@ fn registration_checks_its_arguments() {
     let (kind, message) = refused(state.register_shuffle(register_request("j", 4, 0), now));
     assert_eq!(
         (kind, message.as_str()),
-        (ErrorKind::Unavailable, "register a shuffle of 4 partitions for job j: no live storage servers")
+        (ErrorKind::Unavailable, "register a shuffle of 4 partitions for job j: no live storage server takes new data (dead, cordoned and draining ones take none: see tern admin servers)")
     );
     add_server(&mut state, "10.0.0.1:7000", 100, now);
     let bad: [(RegisterShuffleRequest, &str); 6] = [

@@ -163,7 +163,7 @@ fn allocation_checks_its_arguments_and_the_servers() {
     let file_id = create(&mut state, "/f", now);
     let ask = |count| AllocateBlocksRequest { file_id, count, client_host: String::new() };
     let (kind, message) = refused(state.allocate_blocks(ask(1), now));
-    assert_eq!((kind, message.as_str()), (ErrorKind::Unavailable, "allocate 1 blocks for /f: no live storage servers"));
+    assert_eq!((kind, message.as_str()), (ErrorKind::Unavailable, "allocate 1 block for /f: no live storage server takes new data (dead, cordoned and draining ones take none: see tern admin servers)"));
     add_server(&mut state, "10.0.0.1:7000", 2048, now);
     add_server(&mut state, "10.0.0.2:7000", 2048, now);
     assert_eq!(refused(state.allocate_blocks(ask(0), now)).0, ErrorKind::Invalid);
@@ -234,6 +234,26 @@ fn delete_frees_blocks_and_refuses_non_empty_directories() {
     assert_eq!((status.files, status.directories), (0, 0));
 }
 
+/// A writer that failed gives its file up: the unsealed file goes at once with its blocks (the
+/// path is free for a retry), and asking again, or for a sealed file, does nothing.
+#[test]
+fn abort_deletes_an_unsealed_file_at_once_and_only_that() {
+    let (mut state, now) = state();
+    let server = add_server(&mut state, "10.0.0.1:7000", 100, now);
+    let failed = create(&mut state, "/d/f", now);
+    allocate(&mut state, failed, 2, now);
+    let abort = |state: &mut State, file_id| state.abort(AbortRequest { file_id }, now).unwrap();
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: true, blocks_freed: 2 });
+    assert_eq!(frees(&mut state, server, now), [1, 2]);
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: false, blocks_freed: 0 }, "asked twice");
+    // The retry writes the same path; the first writer's late abort cannot touch it.
+    let retry = write(&mut state, "/d/f", BLOCK, now);
+    assert_ne!(retry, failed);
+    assert_eq!(abort(&mut state, failed), AbortResponse { aborted: false, blocks_freed: 0 });
+    assert_eq!(abort(&mut state, retry), AbortResponse { aborted: false, blocks_freed: 0 }, "sealed files stay");
+    assert!(open(&mut state, "/d/f", now).is_ok());
+}
+
 #[test]
 fn rename_moves_subtrees_within_bounds() {
     let (mut state, now) = state();
@@ -264,7 +284,7 @@ fn rename_moves_subtrees_within_bounds() {
 }
 
 #[test]
-fn a_dead_server_loses_its_blocks_but_not_the_files() {
+fn a_dead_server_loses_its_blocks_but_not_the_files_which_say_so() {
     let (mut state, start) = state();
     let doomed = add_server(&mut state, "10.0.0.1:7000", 100, start);
     let healthy = add_server(&mut state, "10.0.0.2:7000", 100, start);
@@ -281,6 +301,11 @@ fn a_dead_server_loses_its_blocks_but_not_the_files() {
     );
     let stat = state.stat(StatRequest { path: "/jobless/spread".into(), with_blocks: true }, later).unwrap();
     assert_eq!(stat.blocks_alive, [false, true]);
+    // Lost is visible: in stat, in listings and in the status's count.
+    assert_eq!(stat.info.unwrap().lost_blocks, 1);
+    let listed = state.list(ListRequest { path: "/jobless".into(), ..Default::default() }, later).unwrap();
+    assert_eq!(listed.entries.iter().map(|e| e.lost_blocks).collect::<Vec<_>>(), [1]);
+    assert_eq!(state.status(StatusRequest {}, later).unwrap().lost_files, 1);
     // New files go to the live server only, and open.
     write(&mut state, "/jobless/after", 3 * BLOCK, later);
     let opened = open(&mut state, "/jobless/after", later).unwrap();
@@ -288,9 +313,11 @@ fn a_dead_server_loses_its_blocks_but_not_the_files() {
     // The dead server is told to re-register; deleting the lost file queues frees only on the live one.
     let reply = state.heartbeat(HeartbeatRequest { server_id: doomed, ..Default::default() }, later).unwrap();
     assert!(reply.reregister);
+    assert_eq!(state.status(StatusRequest {}, later).unwrap().lost_files, 1, "the new file is whole");
     delete(&mut state, "/jobless/spread", false, later).unwrap();
     assert_eq!(frees(&mut state, healthy, later), [2]);
     let status = state.status(StatusRequest {}, later).unwrap();
+    assert_eq!(status.lost_files, 0, "the lost file is removed");
     assert_eq!(
         status.servers.iter().map(|s| (s.alive, s.allocated_blocks)).collect::<Vec<_>>(),
         [(false, 0), (true, 4)]
