@@ -53,18 +53,10 @@ spark_jars "$SPARK4_HOME" spark-core_2.13-4.3. SPARK4_HOME
 
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
 out="$target_dir/tern-spark"
-# (tern-spark.jar: the one jar of Spark 3.5 only, before the lines; removed so nothing runs it stale.)
-rm -rf "$out/classes" "$out/native" "$out/tern-spark.jar" && mkdir -p "$out/native"
-
-# Copies a built library into the jar's tree for `arch`, without its debug info (llvm-objcopy,
-# shipped with the Rust toolchain, reads every architecture; it needs the toolchain's libLLVM).
-sysroot="$(rustc --print sysroot)"
-objcopy="$sysroot/lib/rustlib/$(rustc -vV | sed -n 's/^host: //p')/bin/rust-objcopy"
+# The libraries built, as ARCH=PATH, for the jars.
+libraries=()
 add_library() {
-    local arch=$1 built=$2
-    mkdir -p "$out/native/linux-$arch"
-    LD_LIBRARY_PATH="$sysroot/lib" "$objcopy" --strip-debug "$built" "$out/native/linux-$arch/libtern_spark.so"
-    echo "linux-$arch" >> "$out/native/platforms.txt"
+    libraries+=("$1=$2")
 }
 
 if [[ "$host" -eq 1 ]]; then
@@ -103,6 +95,29 @@ else
     done
 fi
 
+jars=("$out/tern-spark-3.5.jar" "$out/tern-spark-4.jar")
+# Each Spark test calls this script: when both jars were built from these libraries, Sparks and
+# sources (none newer than the first jar), they are printed as they are instead of compiled again.
+inputs="$profile ${libraries[*]} $SPARK35_HOME $SPARK4_HOME"
+if [[ -f "${jars[0]}" && -f "${jars[1]}" && "$(cat "$out/inputs" 2>/dev/null)" == "$inputs" ]] \
+    && [[ -z "$(find spark-shuffle/src spark-shuffle/build.sh "${libraries[@]#*=}" -newer "${jars[0]}" -print -quit)" ]]; then
+    printf '%s\n' "${jars[@]}"
+    exit 0
+fi
+
+# (tern-spark.jar: the one jar of Spark 3.5 only, before the lines; removed so nothing runs it stale.)
+rm -rf "$out/classes" "$out/native" "$out/tern-spark.jar" "$out/inputs" "${jars[@]}" && mkdir -p "$out/native"
+# Each library goes into the jars' tree without its debug info (llvm-objcopy, shipped with the
+# Rust toolchain, reads every architecture; it needs the toolchain's libLLVM).
+sysroot="$(rustc --print sysroot)"
+objcopy="$sysroot/lib/rustlib/$(rustc -vV | sed -n 's/^host: //p')/bin/rust-objcopy"
+for library in "${libraries[@]}"; do
+    arch=${library%%=*}
+    mkdir -p "$out/native/linux-$arch"
+    LD_LIBRARY_PATH="$sysroot/lib" "$objcopy" --strip-debug "${library#*=}" "$out/native/linux-$arch/libtern_spark.so"
+    echo "linux-$arch" >> "$out/native/platforms.txt"
+done
+
 # One jar per line: the common sources and the line's own, against that line's Spark jars; the
 # same native libraries, META-INF/services (Spark finds Tern's cluster manager, master tern:// or
 # local-cluster-tern://, there) and bench drivers (io.tern.spark.tools) in each.
@@ -121,3 +136,4 @@ build_jar() {
 }
 build_jar 3.5 8 "$SPARK35_HOME"
 build_jar 4 17 "$SPARK4_HOME"
+echo "$inputs" > "$out/inputs"
