@@ -72,10 +72,11 @@ step rdma
 bash scripts/rdma-test.sh
 cargo clippy --workspace --all-targets --features tern/rdma -- -D warnings
 
-# The Spark plugin jar (its native library for x86_64 and aarch64 on glibc 2.17, with
-# cargo-zigbuild): built here, so the Spark tests' own call of build.sh finds it done instead of
-# spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars.
-step spark-jar
+# The Spark plugin jars (their native library for x86_64 and aarch64 on glibc 2.17, with
+# cargo-zigbuild): built here, so the Spark tests' own call of build.sh finds them done instead of
+# spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars and 4.3.0's (in
+# its venv under ~/.cache/tern/pyspark, installed there once per machine).
+step spark-jars
 python3 -c 'import pyspark, sys; sys.exit(pyspark.__version__ != "3.5.3")' 2>/dev/null \
     || python3 -m pip install --user --quiet pyspark==3.5.3 py4j==0.10.9.7
 bash spark-shuffle/build.sh >/dev/null

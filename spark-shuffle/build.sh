@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Builds Tern's Spark shuffle plugin: the native library (cargo) and the Java classes (javac
-# against pyspark 3.5.3's jars), packaged as one jar with the library inside.
-#   spark-shuffle/build.sh [--release] [--host]   -> target/tern-spark/tern-spark.jar (path printed)
+# Builds Tern's Spark shuffle plugin: the native library (cargo) and, from one source tree, a jar
+# per Spark line, each with the libraries inside:
+#   spark-shuffle/build.sh [--release] [--host]
+#     -> target/tern-spark/tern-spark-3.5.jar   Spark 3.5: Scala 2.12, javac --release 8 against
+#                                               pyspark 3.5.3's jars
+#     -> target/tern-spark/tern-spark-4.jar     Spark 4.0 to 4.3: Scala 2.13, javac --release 17
+#                                               against pyspark 4.3.0's jars
+#   (both paths printed, in that order).
+# The sources: src/main/java (every line) plus src/spark3.5/java or src/spark4/java, the thin layer
+# of what differs between lines (SparkLine; ARCHITECTURE.md, "Spark lines").
 #
 # By default the library is built for Linux on x86_64 and aarch64 against glibc 2.17 (with
 # cargo-zigbuild, installed from PyPI into target/zigbuild-venv when missing), so the jar loads on
 # the cluster images people run, not only on this machine; each .so is checked to need no newer
-# glibc, and lands in the jar at native/linux-<arch>/libtern_spark.so. Where the aarch64 Rust
-# target cannot be installed, the jar is built for x86_64 alone and this says so on stderr.
-# --host builds for this machine only, with plain cargo (quicker, for development; the jar then
-# needs this machine's glibc). SPARK_HOME defaults to the installed pyspark package.
+# glibc, and lands in each jar at native/linux-<arch>/libtern_spark.so. Where the aarch64 Rust
+# target cannot be installed, the jars are built for x86_64 alone and this says so on stderr.
+# --host builds for this machine only, with plain cargo (quicker, for development; the jars then
+# need this machine's glibc).
+# SPARK35_HOME defaults to the installed pyspark package (3.5.x; SPARK_HOME if set); SPARK4_HOME to
+# pyspark 4.3.0 in its venv under ~/.cache/tern/pyspark (spark-shuffle/pyspark-venv.sh installs it
+# there once per machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=debug
@@ -24,24 +34,29 @@ for arg in "$@"; do
 done
 # The oldest glibc the library may need: CentOS 7 / RHEL 7 and every newer distribution have it.
 glibc=2.17
-if [[ -z "${SPARK_HOME:-}" ]]; then
-    SPARK_HOME="$(python3 -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"
+# Fails unless the Spark at $1 is the one a line compiles against (its spark-core jar's name
+# begins with $2); $3 is the variable that names it.
+spark_jars() {
+    local home=$1 core=$2 variable=$3
+    [[ -n "$(compgen -G "$home/jars/$core*.jar")" ]] || {
+        echo "spark-shuffle/build.sh: no $core*.jar under $home/jars (set $variable to that Spark)" >&2
+        exit 1
+    }
+}
+SPARK35_HOME="${SPARK35_HOME:-${SPARK_HOME:-$(python3 -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')}}"
+spark_jars "$SPARK35_HOME" spark-core_2.12-3.5. SPARK35_HOME
+if [[ -z "${SPARK4_HOME:-}" ]]; then
+    venv4="$(spark-shuffle/pyspark-venv.sh 4.3.0)"
+    SPARK4_HOME="$("$venv4/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"
 fi
-[[ -d "$SPARK_HOME/jars" ]] || { echo "no Spark jars under SPARK_HOME=$SPARK_HOME" >&2; exit 1; }
+spark_jars "$SPARK4_HOME" spark-core_2.13-4.3. SPARK4_HOME
 
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')"
 out="$target_dir/tern-spark"
-rm -rf "$out/classes" && mkdir -p "$out/classes/native"
-
-# Copies a built library into the jar's tree for `arch`, without its debug info (llvm-objcopy,
-# shipped with the Rust toolchain, reads every architecture; it needs the toolchain's libLLVM).
-sysroot="$(rustc --print sysroot)"
-objcopy="$sysroot/lib/rustlib/$(rustc -vV | sed -n 's/^host: //p')/bin/rust-objcopy"
+# The libraries built, as ARCH=PATH, for the jars.
+libraries=()
 add_library() {
-    local arch=$1 built=$2
-    mkdir -p "$out/classes/native/linux-$arch"
-    LD_LIBRARY_PATH="$sysroot/lib" "$objcopy" --strip-debug "$built" "$out/classes/native/linux-$arch/libtern_spark.so"
-    echo "linux-$arch" >> "$out/classes/native/platforms.txt"
+    libraries+=("$1=$2")
 }
 
 if [[ "$host" -eq 1 ]]; then
@@ -80,10 +95,45 @@ else
     done
 fi
 
-javac -nowarn -encoding UTF-8 --release 8 -cp "$SPARK_HOME/jars/*" -d "$out/classes" \
-    $(find spark-shuffle/src/main/java -name '*.java') 2> >(grep -v '^warning: \[options\]' >&2)
-# META-INF/services: Spark finds Tern's cluster manager (master tern:// or local-cluster-tern://) there.
-cp -r spark-shuffle/src/main/resources/. "$out/classes/"
-jar cf "$out/tern-spark.jar.tmp" -C "$out/classes" .
-mv "$out/tern-spark.jar.tmp" "$out/tern-spark.jar"
-echo "$out/tern-spark.jar"
+jars=("$out/tern-spark-3.5.jar" "$out/tern-spark-4.jar")
+# Each Spark test calls this script: when both jars were built from these libraries, Sparks and
+# sources (none newer than the first jar), they are printed as they are instead of compiled again.
+inputs="$profile ${libraries[*]} $SPARK35_HOME $SPARK4_HOME"
+if [[ -f "${jars[0]}" && -f "${jars[1]}" && "$(cat "$out/inputs" 2>/dev/null)" == "$inputs" ]] \
+    && [[ -z "$(find spark-shuffle/src spark-shuffle/build.sh "${libraries[@]#*=}" -newer "${jars[0]}" -print -quit)" ]]; then
+    printf '%s\n' "${jars[@]}"
+    exit 0
+fi
+
+# (tern-spark.jar: the one jar of Spark 3.5 only, before the lines; removed so nothing runs it stale.)
+rm -rf "$out/classes" "$out/native" "$out/tern-spark.jar" "$out/inputs" "${jars[@]}" && mkdir -p "$out/native"
+# Each library goes into the jars' tree without its debug info (llvm-objcopy, shipped with the
+# Rust toolchain, reads every architecture; it needs the toolchain's libLLVM).
+sysroot="$(rustc --print sysroot)"
+objcopy="$sysroot/lib/rustlib/$(rustc -vV | sed -n 's/^host: //p')/bin/rust-objcopy"
+for library in "${libraries[@]}"; do
+    arch=${library%%=*}
+    mkdir -p "$out/native/linux-$arch"
+    LD_LIBRARY_PATH="$sysroot/lib" "$objcopy" --strip-debug "${library#*=}" "$out/native/linux-$arch/libtern_spark.so"
+    echo "linux-$arch" >> "$out/native/platforms.txt"
+done
+
+# One jar per line: the common sources and the line's own, against that line's Spark jars; the
+# same native libraries, META-INF/services (Spark finds Tern's cluster manager, master tern:// or
+# local-cluster-tern://, there) and bench drivers (io.tern.spark.tools) in each.
+build_jar() {
+    local line=$1 release=$2 home=$3
+    local classes="$out/classes-$line"
+    rm -rf "$classes" && mkdir -p "$classes"
+    javac -nowarn -encoding UTF-8 --release "$release" -cp "$home/jars/*" -d "$classes" \
+        $(find spark-shuffle/src/main/java "spark-shuffle/src/spark$line/java" -name '*.java') \
+        2> >(grep -v '^warning: \[options\]\|^Note: ' >&2)
+    cp -r spark-shuffle/src/main/resources/. "$classes/"
+    cp -r "$out/native" "$classes/native"
+    jar cf "$out/tern-spark-$line.jar.tmp" -C "$classes" .
+    mv "$out/tern-spark-$line.jar.tmp" "$out/tern-spark-$line.jar"
+    echo "$out/tern-spark-$line.jar"
+}
+build_jar 3.5 8 "$SPARK35_HOME"
+build_jar 4 17 "$SPARK4_HOME"
+echo "$inputs" > "$out/inputs"

@@ -292,9 +292,10 @@ enum BenchCommand {
         /// Each executor's heap (1 core each; Spark adds its overhead).
         #[arg(long, default_value = "900MiB")]
         executor_memory: ByteSize,
-        /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
-        #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
-        jar: PathBuf,
+        /// The plugin jar [default: the one for the Spark's line, target/tern-spark/tern-spark-3.5.jar
+        /// or tern-spark-4.jar; build with spark-shuffle/build.sh].
+        #[arg(long, env = "TERN_SPARK_JAR")]
+        jar: Option<PathBuf>,
         /// Spark installation [default: $SPARK_HOME, else the pyspark package].
         #[arg(long)]
         spark_home: Option<PathBuf>,
@@ -583,9 +584,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// Where Spark and the plugin jar are, and the executors: the Spark benches' common flags.
 #[derive(Debug, clap::Args)]
 pub struct SparkArgs {
-    /// The plugin jar [default: target/tern-spark/tern-spark.jar; build with spark-shuffle/build.sh].
-    #[arg(long, env = "TERN_SPARK_JAR", default_value = "target/tern-spark/tern-spark.jar")]
-    jar: PathBuf,
+    /// The plugin jar [default: the one for the Spark's line, target/tern-spark/tern-spark-3.5.jar
+    /// or tern-spark-4.jar; build with spark-shuffle/build.sh].
+    #[arg(long, env = "TERN_SPARK_JAR")]
+    jar: Option<PathBuf>,
     /// Spark installation [default: $SPARK_HOME, else the pyspark package].
     #[arg(long)]
     spark_home: Option<PathBuf>,

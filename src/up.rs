@@ -59,11 +59,16 @@ pub struct UpArgs {
     #[arg(long, default_value = "64MiB")]
     log_max_size: ByteSize,
     /// Tern's Spark plugin jar, put on the driver's and executors' class paths in the Spark
-    /// configuration `tern up` writes (DIR/spark/spark-defaults.conf) [default: the jar
-    /// spark-shuffle/build.sh leaves beside this binary's build, target/tern-spark/tern-spark.jar,
-    /// when it is there].
+    /// configuration `tern up` writes (DIR/spark/spark-defaults.conf) [default: the jar for the
+    /// Spark's line that spark-shuffle/build.sh leaves beside this binary's build,
+    /// target/tern-spark/tern-spark-3.5.jar or tern-spark-4.jar, when it is there].
     #[arg(long, env = "TERN_SPARK_JAR")]
     spark_jar: Option<PathBuf>,
+    /// The Spark installation (SPARK_HOME, or a pyspark package) the Spark configuration is
+    /// written for: its line picks the jar and the shuffle manager class [default: $SPARK_HOME,
+    /// else python3's pyspark package; Spark 3.5's settings when none is found].
+    #[arg(long)]
+    spark_home: Option<PathBuf>,
     /// Keep files across restarts: files of the default class `any` are written to the NVMe
     /// tiers (as class `nvme`) instead of DRAM first, so they survive a restart of `tern up`
     /// or of a storage server. `dram` files and shuffles stay in DRAM. Needs NVMe tiers.
@@ -242,11 +247,14 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
         false => None,
     };
     let tern = std::env::current_exe().context("locating the tern binary")?;
+    let spark = spark_conf::find_spark(args.spark_home.as_deref())?;
+    let line = spark.as_ref().map_or(tern_common::spark::SparkLine::V3_5, |spark| spark.line);
     let spark_conf = spark_conf::SparkConf {
         master: args.pool.wanted().then(|| tern_scheduler_api::spark_master_url(&scheduler_addr)),
         metadata: metadata_addr.clone(),
         tls_dir: args.tls.then(|| std::path::absolute(&tls_dir)).transpose().context("the TLS directory's path")?,
-        jar: spark_conf::plugin_jar(args.spark_jar.as_deref(), &tern)?,
+        jar: spark_conf::plugin_jar(args.spark_jar.as_deref(), &tern, line)?,
+        spark,
     };
 
     // The checks passed: from here on DIR is written.

@@ -14,6 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use indicatif::{MultiProgress, ProgressDrawTarget};
 use serde::Serialize;
+use tern_common::spark::SparkLine;
 use tern_common::Spread;
 use tern_terasort::tasks::{self, Location};
 use tern_terasort::RECORD_LEN;
@@ -145,6 +146,8 @@ pub struct StorageComparison {
 
 #[derive(Debug, Serialize)]
 pub struct SparkTerasortReport {
+    /// The Spark it ran on (--spark-home's).
+    pub spark_version: String,
     pub size_bytes: u64,
     pub partitions: usize,
     pub pairs: usize,
@@ -175,8 +178,9 @@ fn compare(storage: Storage, spark_local_dir: String, size_bytes: u64, pairs: Ve
 /// Where Spark and the plugin jar are, and the executors the Spark benches run on.
 #[derive(Debug, Clone)]
 pub struct SparkSetup {
-    /// The plugin jar (spark-shuffle/build.sh).
-    pub jar: PathBuf,
+    /// The plugin jar (None: the one spark-shuffle/build.sh leaves for the Spark's line,
+    /// target/tern-spark/tern-spark-3.5.jar or tern-spark-4.jar).
+    pub jar: Option<PathBuf>,
     /// Spark's installation (None: $SPARK_HOME, else the pyspark package's).
     pub spark_home: Option<PathBuf>,
     pub master: String,
@@ -184,16 +188,31 @@ pub struct SparkSetup {
     pub driver_memory: String,
 }
 
+/// The plugin jar a bench runs, and the Spark line it runs on.
+#[derive(Debug, Clone)]
+pub(crate) struct Plugin {
+    /// Absolute: executors run in their own work directories.
+    pub jar: PathBuf,
+    pub line: SparkLine,
+    /// The Spark version, for the reports.
+    pub spark_version: String,
+}
+
 impl SparkSetup {
-    /// The jar's absolute path (executors run in their own work directories), Spark's home and
-    /// its spark-submit, each checked to exist.
-    pub(crate) fn resolve(&self) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
-        anyhow::ensure!(self.jar.exists(), "no plugin jar at {} (run spark-shuffle/build.sh)", self.jar.display());
-        let jar = std::fs::canonicalize(&self.jar)?;
+    /// The plugin (its jar checked to exist), Spark's home and its spark-submit.
+    pub(crate) fn resolve(&self) -> anyhow::Result<(Plugin, PathBuf, PathBuf)> {
         let home = spark_home(self.spark_home.as_deref())?;
         let submit = home.join("bin/spark-submit");
         anyhow::ensure!(submit.exists(), "no {}", submit.display());
-        Ok((jar, home, submit))
+        let (line, spark_version) = tern_common::spark::spark_line(&home)?;
+        let jar = self.jar.clone().unwrap_or_else(|| Path::new("target/tern-spark").join(line.jar()));
+        anyhow::ensure!(
+            jar.exists(),
+            "no plugin jar at {} for Spark {spark_version} (run spark-shuffle/build.sh)",
+            jar.display()
+        );
+        let jar = std::fs::canonicalize(&jar)?;
+        Ok((Plugin { jar, line, spark_version }, home, submit))
     }
 
     /// spark-submit's flags for the driver's and the executors' memory.
@@ -219,7 +238,7 @@ fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
 }
 
 pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasortReport> {
-    let (jar_path, spark_home, submit) = options.spark.resolve()?;
+    let (plugin, spark_home, submit) = options.spark.resolve()?;
     let partitions =
         if options.partitions > 0 { options.partitions } else { ((options.size_bytes >> 26) as usize).max(4) };
     std::fs::create_dir_all(&options.scratch)?;
@@ -241,11 +260,10 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         &progress,
     )
     .await?;
-    let jar = jar_path.to_string_lossy().to_string();
     let spark = Spark {
         submit,
         home: spark_home,
-        jar,
+        plugin,
         master: options.spark.master.clone(),
         memory_args: options.spark.memory_args(),
     };
@@ -300,6 +318,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
         comparisons.push(compare(storage, local_dir, records * RECORD_LEN as u64, pairs));
     }
     Ok(SparkTerasortReport {
+        spark_version: spark.plugin.spark_version.clone(),
         size_bytes: records * RECORD_LEN as u64,
         partitions,
         pairs: options.pairs,
@@ -312,7 +331,7 @@ pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasort
 struct Spark {
     submit: PathBuf,
     home: PathBuf,
-    jar: String,
+    plugin: Plugin,
     master: String,
     memory_args: Vec<String>,
 }
@@ -336,8 +355,7 @@ impl Spark {
             .env("SPARK_LOCAL_DIRS", local)
             .args(["--master", &self.master, "--class", "io.tern.spark.tools.TeraSort"])
             .args(&self.memory_args);
-        let jar = Path::new(&self.jar);
-        let mut confs = plugin_confs(jar, tern);
+        let mut confs = plugin_confs(&self.plugin, tern);
         if tern.is_some() {
             confs.extend_from_slice(tern_confs);
         }
@@ -346,23 +364,24 @@ impl Spark {
         for conf in confs {
             command.args(["--conf", &conf]);
         }
-        command.arg(jar).arg(input).arg(out).arg(partitions.to_string());
+        command.arg(&self.plugin.jar).arg(input).arg(out).arg(partitions.to_string());
         let name = if tern.is_some() { "tern" } else { "builtin" };
         submit_for_result(command, "TERASORT ", name, Duration::from_secs(3600)).await
     }
 }
 
 /// The `--conf` settings of a spark-submit with the plugin jar on both classpaths and, when
-/// `tern_metadata` is given, Tern's shuffle manager switched on against that metadata server.
-pub(crate) fn plugin_confs(jar: &Path, tern_metadata: Option<&str>) -> Vec<String> {
-    let jar = jar.to_string_lossy();
+/// `tern_metadata` is given, Tern's shuffle manager (its class for the Spark line) switched on
+/// against that metadata server.
+pub(crate) fn plugin_confs(plugin: &Plugin, tern_metadata: Option<&str>) -> Vec<String> {
+    let jar = plugin.jar.to_string_lossy();
     let mut confs = vec![
         format!("spark.driver.extraClassPath={jar}"),
         format!("spark.executor.extraClassPath={jar}"),
         "spark.ui.enabled=false".into(),
     ];
     if let Some(metadata) = tern_metadata {
-        confs.extend(tern_common::spark::shuffle_settings().map(|(key, class)| format!("{key}={class}")));
+        confs.extend(plugin.line.shuffle_settings().map(|(key, class)| format!("{key}={class}")));
         confs.push(format!("spark.tern.metadata={metadata}"));
     }
     confs
@@ -432,8 +451,8 @@ pub(crate) async fn submit_streaming<T: serde::de::DeserializeOwned>(
 
 pub fn print_table(r: &SparkTerasortReport) {
     println!(
-        "Spark TeraSort of {} bytes, {} reduce partitions, {} pairs per storage (who goes first rotates)",
-        r.size_bytes, r.partitions, r.pairs
+        "Spark {} TeraSort of {} bytes, {} reduce partitions, {} pairs per storage (who goes first rotates)",
+        r.spark_version, r.size_bytes, r.partitions, r.pairs
     );
     for c in &r.comparisons {
         println!("{}  (Spark local dir {}), median [min-max]:", c.description, c.spark_local_dir);

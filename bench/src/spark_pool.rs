@@ -146,7 +146,7 @@ fn acquisition(runs: &[&Run]) -> Acquisition {
 pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> {
     anyhow::ensure!(options.runs >= 1, "--runs must be at least 1");
     anyhow::ensure!((1..=16).contains(&options.executors), "--executors must be 1 to 16");
-    let (jar, home, submit) = options.spark.resolve()?;
+    let (plugin, home, submit) = options.spark.resolve()?;
     std::fs::create_dir_all(&options.scratch)?;
     // Absolute: spark-submit runs in the work directory (Spark copies the application's jar into
     // its working directory).
@@ -216,10 +216,10 @@ pub async fn run(options: &SparkPoolOptions) -> anyhow::Result<SparkPoolReport> 
                 .args(["--conf", "spark.executor.cores=1", "--conf", &format!("spark.executor.instances={n}")])
                 .args(["--conf", "spark.extraListeners=io.tern.spark.tools.PoolRun$Times"])
                 .args(["--conf", "spark.serializer=org.apache.spark.serializer.KryoSerializer"]);
-            for conf in plugin_confs(&jar, Some(&cluster.metadata_addr)) {
+            for conf in plugin_confs(&plugin, Some(&cluster.metadata_addr)) {
                 command.args(["--conf", &conf]);
             }
-            command.arg(&jar).arg(&n).arg(&input).arg(&out).arg(partitions.to_string());
+            command.arg(&plugin.jar).arg(&n).arg(&input).arg(&out).arg(partitions.to_string());
             let result: PoolRunResult =
                 submit_for_result(command, "POOLRUN ", &format!("{kind:?}"), Duration::from_secs(1800)).await?;
             anyhow::ensure!(

@@ -45,6 +45,8 @@ pub struct SuiteRun {
 
 #[derive(Debug, Serialize)]
 pub struct SparkSmallReport {
+    /// The Spark it ran on (--spark-home's).
+    pub spark_version: String,
     pub pairs: usize,
     pub rows: u64,
     /// The suite's seconds (every job, in one application), per backend.
@@ -60,7 +62,7 @@ pub struct SparkSmallReport {
 
 pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport> {
     ensure!(options.pairs >= 1, "--pairs must be at least 1");
-    let (jar, spark_home, submit) = options.spark.resolve()?;
+    let (plugin, spark_home, submit) = options.spark.resolve()?;
     let cluster = EmbeddedCluster::start(&options.tern, 2, "1GiB").await?;
 
     let (mut builtin_runs, mut tern_runs) = (Vec::new(), Vec::new());
@@ -76,10 +78,10 @@ pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport
                 .args(["--master", &options.spark.master, "--class", "io.tern.spark.tools.SmallJobs"])
                 .args(options.spark.memory_args());
             let metadata = tern.then_some(cluster.metadata_addr.as_str());
-            for conf in plugin_confs(&jar, metadata) {
+            for conf in plugin_confs(&plugin, metadata) {
                 command.args(["--conf", &conf]);
             }
-            command.arg(&jar).arg(options.rows.to_string());
+            command.arg(&plugin.jar).arg(options.rows.to_string());
             if !options.jobs.is_empty() {
                 command.arg(options.jobs.join(","));
             }
@@ -108,6 +110,7 @@ pub async fn run(options: &SparkSmallOptions) -> anyhow::Result<SparkSmallReport
         .map(|(i, job)| (job.name.clone(), job_median(&builtin_runs, i), job_median(&tern_runs, i)))
         .collect();
     Ok(SparkSmallReport {
+        spark_version: plugin.spark_version,
         pairs: options.pairs,
         rows: options.rows,
         builtin_seconds: seconds(&builtin_runs),
@@ -148,7 +151,13 @@ fn same_results(builtin: &[SuiteRun], tern: &[SuiteRun]) -> anyhow::Result<()> {
 }
 
 pub fn print_table(r: &SparkSmallReport) {
-    println!("Spark small SQL jobs: {} jobs over {} rows, {} alternated pairs", r.jobs.len(), r.rows, r.pairs);
+    println!(
+        "Spark {} small SQL jobs: {} jobs over {} rows, {} alternated pairs",
+        r.spark_version,
+        r.jobs.len(),
+        r.rows,
+        r.pairs
+    );
     println!("  {:<20} {:>10} {:>10} {:>7}", "job (median s)", "built-in", "Tern", "ratio");
     for (name, builtin, tern) in &r.jobs {
         println!("  {name:<20} {builtin:>10.3} {tern:>10.3} {:>7.2}", tern / builtin);

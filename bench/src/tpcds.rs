@@ -19,7 +19,7 @@ use serde_json::Value;
 use tern_common::{rotation, Spread};
 use tern_local::cluster::EmbeddedCluster;
 
-use crate::spark::{plugin_confs, submit_streaming, Backend, SparkSetup};
+use crate::spark::{plugin_confs, submit_streaming, Backend, Plugin, SparkSetup};
 
 /// The data generator, pinned: its output (and so every result) depends on its version.
 pub const TPCGEN_CLI: &str = "tpcgen-cli==4.0.0";
@@ -119,6 +119,8 @@ pub struct QueryReport {
 
 #[derive(Debug, Serialize)]
 pub struct TpcdsReport {
+    /// The Spark it ran on (--spark-home's).
+    pub spark_version: String,
     pub scale: f64,
     pub pairs: usize,
     /// Who went first in each pair.
@@ -145,7 +147,7 @@ pub struct TpcdsReport {
 pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
     ensure!(options.pairs >= 1, "--pairs must be at least 1");
     ensure!(options.scale > 0.0 && options.scale.is_finite(), "--scale must be a positive number");
-    let (jar, spark_home, submit) = options.spark.resolve()?;
+    let (plugin, spark_home, submit) = options.spark.resolve()?;
     std::fs::create_dir_all(&options.cache).with_context(|| format!("making {}", options.cache.display()))?;
     let cache = std::fs::canonicalize(&options.cache)?;
 
@@ -168,7 +170,7 @@ pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
     let application = Application {
         submit,
         home: spark_home,
-        jar,
+        plugin,
         master: options.spark.master.clone(),
         memory_args: options.spark.memory_args(),
         driver,
@@ -198,7 +200,9 @@ pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
         }
     }
     drop(cluster);
-    Ok(report(options.scale, first, &queries, &ordered, &builtin_runs, &tern_runs))
+    let mut report = report(options.scale, first, &queries, &ordered, &builtin_runs, &tern_runs);
+    report.spark_version = application.plugin.spark_version.clone();
+    Ok(report)
 }
 
 /// pip-installs the generator and the query kit (without their dependencies: only the generator's
@@ -297,7 +301,7 @@ pub fn ends_in_order_by(sql: &str) -> bool {
 struct Application {
     submit: PathBuf,
     home: PathBuf,
-    jar: PathBuf,
+    plugin: Plugin,
     master: String,
     memory_args: Vec<String>,
     driver: PathBuf,
@@ -319,7 +323,7 @@ impl Application {
             .env("SPARK_LOCAL_DIRS", &self.local)
             .args(["--master", &self.master])
             .args(&self.memory_args);
-        let mut confs = plugin_confs(&self.jar, tern);
+        let mut confs = plugin_confs(&self.plugin, tern);
         confs.push(format!("spark.local.dir={}", self.local.display()));
         for conf in confs {
             command.args(["--conf", &conf]);
@@ -460,6 +464,7 @@ fn report(
     let spread = |f: &dyn Fn(&ApplicationRun) -> f64, runs: &[ApplicationRun]| Spread::of(runs.iter().map(f).collect());
     let same = reports.iter().filter(|r| r.outcome == Outcome::Same).count();
     TpcdsReport {
+        spark_version: String::new(),
         scale,
         pairs: pairs.len(),
         first,
@@ -511,9 +516,10 @@ pub fn verdict(report: &TpcdsReport) -> anyhow::Result<()> {
 
 pub fn print_table(r: &TpcdsReport) {
     println!(
-        "TPC-DS scale factor {}, {} queries in one Spark application per run, {} alternated pairs (first: {:?})",
+        "TPC-DS scale factor {}, {} queries in one Spark {} application per run, {} alternated pairs (first: {:?})",
         r.scale,
         r.queries.len(),
+        r.spark_version,
         r.pairs,
         r.first
     );

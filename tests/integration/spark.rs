@@ -12,7 +12,10 @@
 //! (past a threshold, or when pushes wait for space) every query is right, and a shuffle larger
 //! than the cluster fails within the wait with a message saying what is full and what to do.
 //!
-//! Needs python3 and a JDK (javac, jar); installs pyspark==3.5.3 with pip if it is missing.
+//! Both on Spark 3.5.3 and 4.3.0 (the jar of each line: spark-shuffle/build.sh builds both).
+//!
+//! Needs python3 and a JDK (javac, jar); installs pyspark==3.5.3 with pip if it is missing, and
+//! pyspark 4.3.0 in its venv under ~/.cache/tern/pyspark (spark-shuffle/pyspark-venv.sh).
 
 use crate::common;
 
@@ -21,6 +24,7 @@ use std::process::Command;
 
 use common::multihost::{storage_host, Layout, MultiHost, CLIENT_HOST};
 use common::{Cluster, TERN};
+use tern_common::spark::SparkLine;
 
 fn ensure_pyspark() {
     let has = |version: &str| {
@@ -39,12 +43,34 @@ fn ensure_pyspark() {
     assert!(status.success() && has("3.5.3"), "installing pyspark==3.5.3 failed");
 }
 
-/// Builds the plugin jar; its path, and what build.sh said on stderr.
+/// The Python of a venv holding pyspark `version` (spark-shuffle/pyspark-venv.sh installs it there
+/// once per machine).
+fn pyspark_venv(root: &Path, version: &str) -> std::path::PathBuf {
+    let out = Command::new(root.join("spark-shuffle/pyspark-venv.sh"))
+        .arg(version)
+        .output()
+        .expect("running spark-shuffle/pyspark-venv.sh");
+    assert!(
+        out.status.success(),
+        "installing pyspark {version} into its venv failed (spark-shuffle/pyspark-venv.sh {version}):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Path::new(String::from_utf8(out.stdout).unwrap().trim()).join("bin/python")
+}
+
+/// Builds the plugin's jars; the Spark 3.5 one's path, and what build.sh said on stderr.
 fn build_plugin(root: &Path) -> (String, String) {
+    build_plugin_for(root, SparkLine::V3_5)
+}
+
+/// Builds the plugin's jars; the path of `line`'s, and what build.sh said on stderr.
+fn build_plugin_for(root: &Path, line: SparkLine) -> (String, String) {
     let out = Command::new(root.join("spark-shuffle/build.sh")).output().expect("running spark-shuffle/build.sh");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "spark-shuffle/build.sh failed:\n{stderr}");
-    (String::from_utf8(out.stdout).unwrap().trim().lines().last().unwrap().to_string(), stderr)
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let jar = stdout.lines().find(|l| l.ends_with(&format!("/{}", line.jar())));
+    (jar.unwrap_or_else(|| panic!("build.sh printed no {}:\n{stdout}", line.jar())).to_string(), stderr)
 }
 
 /// The suite with Spark (driver and local-cluster executors) on a client host of its own and the
@@ -55,14 +81,30 @@ fn build_plugin(root: &Path) -> (String, String) {
 async fn spark_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     ensure_pyspark();
-    let (jar, _) = build_plugin(root);
+    suite_across_hosts(root, Path::new("python3"), SparkLine::V3_5).await;
+}
+
+/// The same suite on pyspark 4.3.0 (its own venv) with the Spark 4 jar and Spark 4.3's manager
+/// class (`TernBlockingShuffleManager`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spark_4_3_jobs_across_hosts_over_tls_and_quic_match_the_builtin_shuffle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = pyspark_venv(root, "4.3.0");
+    suite_across_hosts(root, &python, SparkLine::V4_3).await;
+}
+
+/// spark_suite.py run by `python` (whose pyspark is of `line`) on a client host, against daemons
+/// on three others.
+async fn suite_across_hosts(root: &Path, python: &Path, line: SparkLine) {
+    let (jar, _) = build_plugin_for(root, line);
     let layout = Layout { storage_servers: 3, dram: "512MiB", metadata_sets: &[] };
     let cluster = MultiHost::start(layout).await;
     let work = tempfile::tempdir().unwrap();
     let client = cluster.network().host(CLIENT_HOST);
     let cut = cluster.network().host(&storage_host(0)).link().unwrap();
-    let mut python = tokio::process::Command::from(client.command(Path::new("python3")));
+    let mut python = tokio::process::Command::from(client.command(python));
     python
+        .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
         .env("TERN_METADATA", &cluster.metadata_url)
         .env("TERN_TLS_DIR", &cluster.tls_dir)
         // Storage server 0's link cut: the veth's bridge end lives in this test's namespace.
@@ -158,6 +200,116 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
         }
         assert!(std::time::Instant::now() < deadline, "the pool did not go back to 0 executors: {pool:?}");
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// The Spark lines tested less often, 4.0.5, 4.1.4 and 4.2.1 (each pyspark in its own venv), with
+/// the Spark 4 jar on Tern's scheduler as the suite above runs it, less its JVM cases and TeraSort
+/// (TERN_SPARK_SMOKE): RDD and SQL shuffles against the built-in shuffle (AQE coalescing and a
+/// skew split), Spark's order-independent checksums equal to the built-in shuffle's (4.1 on), an
+/// executor SIGKILLed mid-stage, and the dynamic-allocation child (executors released and new
+/// ones reading the shuffle, a stage of its own resource profile, a SIGKILLed driver's data
+/// freed). One `tern up` serves the three in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spark_4_0_to_4_2_smoke_on_terns_scheduler() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let versions = ["4.0.5", "4.1.4", "4.2.1"];
+    let pythons: Vec<_> = versions.iter().map(|version| pyspark_venv(root, version)).collect();
+    let (jar, _) = build_plugin_for(root, SparkLine::V4_2);
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let gpus = dir.path().join("gpus.sh");
+    std::fs::write(&gpus, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
+    std::fs::set_permissions(&gpus, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let _up = TernUp::start(
+        dir.path(),
+        port,
+        &[
+            "--min-executors",
+            "0",
+            "--max-executors",
+            "2",
+            "--executor-cpus",
+            "2",
+            "--executor-memory",
+            "1536MiB",
+            "--executor-gpu-discovery-script",
+            gpus.to_str().unwrap(),
+        ],
+    );
+    let metadata = format!("127.0.0.1:{}", ports.metadata());
+    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let script = root.join("spark-shuffle/tests/spark_suite.py");
+    let logs = || crate::common::logs_in(&dir.path().join("logs"));
+    for (version, python) in versions.iter().zip(&pythons) {
+        let line = SparkLine::of_version(version).unwrap();
+        println!("Spark {version}:");
+        let work = tempfile::tempdir().unwrap();
+        let mut command = tokio::process::Command::new(python);
+        command
+            .env("TERN_METADATA", &metadata)
+            .env("TERN_WORK", work.path())
+            .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
+            .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
+            .env("TERN_SPARK_SMOKE", "1");
+        run_script(command, &jar, &script, "all Spark cases agree", &logs).await;
+    }
+}
+
+/// A jar on a Spark it was not built for fails as the SparkContext starts, with one line naming
+/// the Spark found and the jar (or, on 4.3, the manager class) to use: the 3.5 jar on 4.3.0, the 4
+/// jar on 3.5.3, and 4.3 given the manager class of 3.5 to 4.2.
+#[test]
+fn a_plugin_jar_on_the_wrong_spark_fails_at_start_naming_the_one_to_use() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    ensure_pyspark();
+    let spark43 = pyspark_venv(root, "4.3.0");
+    let (jar35, _) = build_plugin_for(root, SparkLine::V3_5);
+    let jar4 = jar35.replace(SparkLine::V3_5.jar(), SparkLine::V4_3.jar());
+    let start = r#"
+import sys
+from pyspark import SparkConf, SparkContext
+jar, manager = sys.argv[1:]
+conf = (SparkConf().setMaster("local[1]").set("spark.ui.enabled", "false")
+        .set("spark.driver.extraClassPath", jar).set("spark.shuffle.manager", manager)
+        .set("spark.tern.metadata", "127.0.0.1:1"))
+try:
+    SparkContext(conf=conf).stop()
+    print("STARTED")
+except Exception as e:
+    print("FAILED", e)
+"#;
+    let manager = tern_common::spark::SHUFFLE_MANAGER_CLASS;
+    for (python, jar, said) in [
+        (
+            spark43.as_path(),
+            &jar35,
+            "Tern's Spark plugin tern-spark-3.5.jar is built for Spark 3.5 (Scala 2.12) but this is Spark 4.3.0: \
+             use tern-spark-4.jar instead",
+        ),
+        (
+            Path::new("python3"),
+            &jar4,
+            "Tern's Spark plugin tern-spark-4.jar is built for Spark 4.0 to 4.3 (Scala 2.13) but this is Spark \
+             3.5.3: use tern-spark-3.5.jar instead",
+        ),
+        (
+            spark43.as_path(),
+            &jar4,
+            "Spark 4.3.0 needs a BlockingShuffleManager: set \
+             spark.shuffle.manager=io.tern.spark.TernBlockingShuffleManager (io.tern.spark.TernShuffleManager \
+             serves Spark 3.5 to 4.2)",
+        ),
+    ] {
+        let out = Command::new(python).args(["-c", start, jar, manager]).output().expect("running python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("FAILED") && stdout.contains(said),
+            "{jar} with {manager} under {}: wanted a failure saying {said:?}, got:\n{stdout}\n{}",
+            python.display(),
+            tail(&String::from_utf8_lossy(&out.stderr), 40)
+        );
     }
 }
 

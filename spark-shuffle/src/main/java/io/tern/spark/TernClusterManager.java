@@ -31,6 +31,7 @@ public final class TernClusterManager implements ExternalClusterManager {
 
     @Override
     public TaskScheduler createTaskScheduler(SparkContext sc, String masterUrl) {
+        SparkLine.requireSupported();
         return new TaskSchedulerImpl(sc);
     }
 

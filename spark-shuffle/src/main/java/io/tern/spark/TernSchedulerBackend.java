@@ -19,7 +19,6 @@ import org.apache.spark.scheduler.ExecutorKilled$;
 import org.apache.spark.scheduler.SparkListener;
 import org.apache.spark.scheduler.SparkListenerExecutorAdded;
 import org.apache.spark.scheduler.TaskSchedulerImpl;
-import org.apache.spark.scheduler.cluster.CoarseGrainedSchedulerBackend;
 import org.apache.spark.scheduler.cluster.SchedulerBackendUtils$;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
@@ -58,7 +57,7 @@ import scala.concurrent.Future$;
  * registering, past {@code spark.tern.maxExecutorFailures}, fail the application instead of
  * looping.
  */
-public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
+public final class TernSchedulerBackend extends SparkLine.CoarseGrainedBackend {
     /** The application's queue (a tenant's): Tern's weighted fair share applies between queues. */
     static final String QUEUE = "spark.tern.queue";
     /** Higher runs first within the queue. */
@@ -258,11 +257,11 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
         super.start();
         SparkConf conf = sc.conf();
         String manager = conf.get("spark.shuffle.manager", "sort");
-        if (!manager.equals(TernShuffleManager.class.getName())) {
+        if (!manager.equals(SparkLine.shuffleManagerClass())) {
             // Spark 3.5 makes the shuffle manager before it asks the cluster manager, so this
             // master cannot switch it on; executors that hold shuffle files would lose them.
             throw new IllegalArgumentException("Spark on Tern's scheduler needs Tern's shuffle (executors come "
-                    + "and go): set spark.shuffle.manager=" + TernShuffleManager.class.getName()
+                    + "and go): set spark.shuffle.manager=" + SparkLine.shuffleManagerClass()
                     + " and spark.shuffle.sort.io.plugin.class=" + TernShuffleDataIO.class.getName()
                     + " (spark.shuffle.manager is " + manager + ")");
         }
@@ -438,9 +437,9 @@ public final class TernSchedulerBackend extends CoarseGrainedSchedulerBackend {
     }
 
     @Override
-    public Future<Object> doKillExecutors(scala.collection.Seq<String> ids) {
+    Future<Object> killExecutors(List<String> ids) {
         Map<Integer, List<Integer>> kill = new TreeMap<>();
-        for (String id : JavaConverters.seqAsJavaListConverter(ids).asJava()) {
+        for (String id : ids) {
             int executor;
             try {
                 executor = Integer.parseInt(id);

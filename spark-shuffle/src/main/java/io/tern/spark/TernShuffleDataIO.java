@@ -21,6 +21,7 @@ public class TernShuffleDataIO implements ShuffleDataIO {
     private final SparkConf conf;
 
     public TernShuffleDataIO(SparkConf conf) {
+        SparkLine.requireSupported();
         this.conf = conf;
     }
 

@@ -28,11 +28,12 @@ import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
 import scala.Option;
-import scala.collection.Seq;
 import scala.reflect.ClassTag$;
 
 /**
- * Spark's shuffle on Tern ({@code spark.shuffle.manager=io.tern.spark.TernShuffleManager}).
+ * Spark's shuffle on Tern ({@code spark.shuffle.manager=io.tern.spark.TernShuffleManager}; on
+ * Spark 4.3 and later its subclass {@link TernBlockingShuffleManager}, which {@link SparkLine}
+ * names).
  *
  * <p>The driver holds one Tern job (named after the application, its lease renewed in the
  * background) and registers one Tern shuffle per Spark shuffle under it; unregisterShuffle frees
@@ -88,6 +89,8 @@ public class TernShuffleManager implements ShuffleManager {
     private static final long SPACE_REPORT_INTERVAL_MS = 1000;
 
     public TernShuffleManager(SparkConf conf, boolean isDriver) {
+        SparkLine.requireSupported();
+        SparkLine.requireManagerShape(this);
         LOG.info("libtern_spark loaded from {}", NativeLibrary.load(TernConf.nativeDir(conf)));
         this.sparkConf = conf;
         this.conf = new TernConf(conf);
@@ -430,7 +433,10 @@ public class TernShuffleManager implements ShuffleManager {
         return true;
     }
 
-    @Override
+    /**
+     * ShuffleManager's method up to Spark 4.2, BlockingShuffleManager's from 4.3
+     * ({@link TernBlockingShuffleManager}): no {@code @Override}, so one source compiles against both.
+     */
     public ShuffleBlockResolver shuffleBlockResolver() {
         return resolver;
     }
@@ -481,8 +487,9 @@ public class TernShuffleManager implements ShuffleManager {
             throw new UnsupportedOperationException("Tern shuffle blocks are read from Tern, not served: " + blockId);
         }
 
+        // immutable.Seq: Scala 2.13's type, and a subtype of 2.12's collection.Seq, so it implements both.
         @Override
-        public Seq<ManagedBuffer> getMergedBlockData(ShuffleMergedBlockId blockId, Option<String[]> dirs) {
+        public scala.collection.immutable.Seq<ManagedBuffer> getMergedBlockData(ShuffleMergedBlockId blockId, Option<String[]> dirs) {
             throw new UnsupportedOperationException("no push-based merged blocks with Tern: " + blockId);
         }
 

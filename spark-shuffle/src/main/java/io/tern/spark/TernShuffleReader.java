@@ -109,8 +109,7 @@ final class TernShuffleReader<K, C> implements ShuffleReader<K, C> {
             combined = (Iterator) input;
         }
         if (dep.keyOrdering().isDefined()) {
-            ExternalSorter<K, C, C> sorter = new ExternalSorter<>(
-                    context, Option.empty(), Option.empty(), (Option) dep.keyOrdering(), dep.serializer());
+            ExternalSorter<K, C, C> sorter = SparkLine.sorter(context, (Option) dep.keyOrdering(), dep.serializer());
             sorter.insertAll(combined);
             context.taskMetrics().incMemoryBytesSpilled(sorter.memoryBytesSpilled());
             context.taskMetrics().incDiskBytesSpilled(sorter.diskBytesSpilled());

@@ -10,7 +10,6 @@ import org.apache.spark.ShuffleDependency;
 import org.apache.spark.SparkEnv;
 import org.apache.spark.TaskContext;
 import org.apache.spark.scheduler.MapStatus;
-import org.apache.spark.scheduler.MapStatus$;
 import org.apache.spark.serializer.SerializationStream;
 import org.apache.spark.serializer.SerializerInstance;
 import org.apache.spark.serializer.SerializerManager;
@@ -32,6 +31,9 @@ import scala.reflect.ClassTag$;
  * partition; a full buffer becomes a chunk {@code [int length][self-contained stream]} handed to
  * the native writer in place (direct buffer), which batches and pushes it. The commit makes this
  * attempt the map's output unless another attempt committed first; then the winner is reported.
+ * Where Spark asks for order-independent row checksums (4.1 on, {@link RowChecksums}) every record
+ * written feeds them, after map-side combine where there is one (Spark's sorter checksums before;
+ * SQL, the only user, never combines map-side), and the MapStatus carries their value.
  */
 final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
     private static final ClassTag<Object> ANY = ClassTag$.MODULE$.Any();
@@ -48,6 +50,8 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
     private final int partitions;
     private final long[] lengths;
     private final Chunk[] chunks;
+    /** Spark's row checksums of this map's records, where the running Spark asks for them (else null). */
+    private final RowChecksums checksums;
     private ByteBuffer staging = ByteBuffer.allocateDirect(64 << 10);
     private long buffered;
     private long writer;
@@ -71,6 +75,7 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
         this.partitions = handle.ternPartitions();
         this.lengths = new long[partitions];
         this.chunks = (Chunk[]) java.lang.reflect.Array.newInstance(Chunk.class, partitions);
+        this.checksums = SparkLine.rowChecksums(dep);
     }
 
     @Override
@@ -108,6 +113,9 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
         while (input.hasNext()) {
             Product2<K, ?> record = input.next();
             int p = partitioner.getPartition(record._1());
+            if (checksums != null) {
+                checksums.update(p, record._1(), record._2());
+            }
             Chunk chunk = chunks[p];
             if (chunk == null) {
                 chunk = chunks[p] = new Chunk(p);
@@ -137,11 +145,14 @@ final class TernShuffleWriter<K, V, C> extends ShuffleWriter<K, V> {
         metrics.incWriteTime(nativeNanos);
         // The map's output is the winner's: a losing attempt reports the winner's id and location,
         // so whichever report Spark keeps, readers look for the attempt Tern holds.
+        // Its row checksum, though, is its own records': Tern keeps no checksum with a commit, so
+        // where two attempts of a nondeterministic map both finish (speculation), Spark may keep
+        // the loser's checksum for the winner's data and compare a later rerun with that.
         long outputId = won ? mapId : winner;
         BlockManagerId self = SparkEnv.get().blockManager().blockManagerId();
         BlockManagerId location = BlockManagerId$.MODULE$.apply(
                 "tern-" + outputId, self.host(), self.port(), Option.<String>empty());
-        status = MapStatus$.MODULE$.apply(location, lengths, outputId);
+        status = SparkLine.mapStatus(location, lengths, outputId, checksums == null ? 0 : checksums.value());
     }
 
     /** Closes the partition's stream (flushing its codec) and hands the chunk to the native writer. */
