@@ -111,38 +111,52 @@ impl PortLayout {
     }
 }
 
-/// A loopback port that was free a moment ago, never the same one twice in this process.
+/// Where ports are probed: below Linux's ephemeral range (32768 up), so that no socket the kernel
+/// numbers itself (an outgoing connection, a bind to port 0) lands on one between its probe and
+/// its daemon's bind.
+const PROBED: std::ops::Range<u16> = 20_000..32_000;
+
+/// Where this process starts probing, at random: processes probing at the same moment (parallel
+/// tests) then rarely probe the same ports, since a probed port is only free until somebody binds it.
+fn probe_start() -> u32 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    now.subsec_nanos() ^ std::process::id().rotate_left(16)
+}
+
+/// A loopback port that was free a moment ago; this process is not handed it again until it has
+/// been handed every other port of [`PROBED`].
 pub fn free_port() -> anyhow::Result<u16> {
-    // A port is only probed here, not held, so until its daemon binds it the kernel may offer
-    // it again: never hand out the same port twice in one process.
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").context("binding a loopback port")?.local_addr()?.port();
-        if GIVEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(port) {
+    // Not the kernel's pick for port 0: two test processes starting clusters at the same moment
+    // were handed the same port, and one's storage servers registered with the other's metadata
+    // server. Each process walks up [`PROBED`] from its own random start instead.
+    static NEXT: std::sync::Mutex<Option<u32>> = std::sync::Mutex::new(None);
+    let span = u32::from(PROBED.end - PROBED.start);
+    let mut next = NEXT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let start = *next.get_or_insert_with(probe_start);
+    for i in 0..span {
+        let port = PROBED.start + (start.wrapping_add(i) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            *next = Some(start.wrapping_add(i + 1));
             return Ok(port);
         }
     }
+    bail!("no free port on 127.0.0.1 between {} and {}", PROBED.start, PROBED.end)
 }
 
-/// The first port of `len` consecutive free loopback ports. Probed below Linux's ephemeral range
-/// (32768 up), so a port the kernel hands to some other socket meanwhile cannot land in it, and
-/// from a random start, so clusters started at the same moment (parallel tests) rarely probe
-/// the same ports: a probed port is only free until somebody binds it.
+/// The first port of `len` consecutive free loopback ports, probed in [`PROBED`] from a random
+/// start.
 pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
-    const LOW: u16 = 20_000;
-    const HIGH: u16 = 32_000;
-    anyhow::ensure!(len > 0 && len < HIGH - LOW, "a range of {len} ports");
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().subsec_nanos()
-        ^ std::process::id().rotate_left(16);
-    let slots = (HIGH - LOW) / len;
+    let (low, high) = (PROBED.start, PROBED.end);
+    anyhow::ensure!(len > 0 && len < high - low, "a range of {len} ports");
+    let seed = probe_start();
+    let slots = (high - low) / len;
     for i in 0..u32::from(slots) {
-        let start = LOW + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
+        let start = low + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
         if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
             return Ok(start);
         }
     }
-    bail!("no {len} consecutive free ports on 127.0.0.1 between {LOW} and {HIGH}")
+    bail!("no {len} consecutive free ports on 127.0.0.1 between {low} and {high}")
 }
 
 #[cfg(test)]

@@ -141,30 +141,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     ensure_pyspark();
     let (jar, _) = build_plugin(root);
     let dir = tempfile::tempdir().unwrap();
-    let port = tern_local::free_port_range(14).unwrap();
-    let ports = tern_local::PortLayout::new(port, 2).unwrap();
-    // GPUs "0" and "1" on each pool executor (this machine has none): for the child's profile.
-    let gpus = dir.path().join("gpus.sh");
-    std::fs::write(&gpus, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
-    std::fs::set_permissions(&gpus, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let _up = TernUp::start(
-        dir.path(),
-        port,
-        &[
-            "--min-executors",
-            "0",
-            "--max-executors",
-            "2",
-            "--executor-cpus",
-            "2",
-            "--executor-memory",
-            "1536MiB",
-            "--executor-gpu-discovery-script",
-            gpus.to_str().unwrap(),
-        ],
-    );
-    let metadata = format!("127.0.0.1:{}", ports.metadata());
-    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let (_up, metadata, scheduler) = up_with_spark_pool(dir.path());
     let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
     // Samples the pool while Spark runs: its most executors.
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
@@ -217,29 +194,7 @@ async fn spark_4_0_to_4_2_smoke_on_terns_scheduler() {
     let pythons: Vec<_> = versions.iter().map(|version| pyspark_venv(root, version)).collect();
     let (jar, _) = build_plugin_for(root, SparkLine::V4_2);
     let dir = tempfile::tempdir().unwrap();
-    let port = tern_local::free_port_range(14).unwrap();
-    let ports = tern_local::PortLayout::new(port, 2).unwrap();
-    let gpus = dir.path().join("gpus.sh");
-    std::fs::write(&gpus, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
-    std::fs::set_permissions(&gpus, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let _up = TernUp::start(
-        dir.path(),
-        port,
-        &[
-            "--min-executors",
-            "0",
-            "--max-executors",
-            "2",
-            "--executor-cpus",
-            "2",
-            "--executor-memory",
-            "1536MiB",
-            "--executor-gpu-discovery-script",
-            gpus.to_str().unwrap(),
-        ],
-    );
-    let metadata = format!("127.0.0.1:{}", ports.metadata());
-    let scheduler = format!("127.0.0.1:{}", ports.scheduler());
+    let (_up, metadata, scheduler) = up_with_spark_pool(dir.path());
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     for (version, python) in versions.iter().zip(&pythons) {
@@ -614,6 +569,26 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
 }
 
 /// `tern up` under test, started with `extra` flags; interrupted (Ctrl-C) when dropped.
+/// `tern up` in `dir` with the pool the Spark suite runs on: 0 to 2 executors of 2 CPUs and
+/// 1.5 GiB, each with GPUs "0" and "1" from a discovery script (this machine has none: for the
+/// dynamic-allocation child's profile); the cluster, and its metadata and scheduler addresses.
+fn up_with_spark_pool(dir: &Path) -> (TernUp, String, String) {
+    let port = tern_local::free_port_range(14).unwrap();
+    let ports = tern_local::PortLayout::new(port, 2).unwrap();
+    let gpus = dir.join("gpus.sh");
+    std::fs::write(&gpus, "#!/bin/sh\necho '{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\"]}'\n").unwrap();
+    std::fs::set_permissions(&gpus, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let flags = [
+        ["--min-executors", "0"],
+        ["--max-executors", "2"],
+        ["--executor-cpus", "2"],
+        ["--executor-memory", "1536MiB"],
+        ["--executor-gpu-discovery-script", gpus.to_str().unwrap()],
+    ];
+    let up = TernUp::start(dir, port, flags.as_flattened());
+    (up, format!("127.0.0.1:{}", ports.metadata()), format!("127.0.0.1:{}", ports.scheduler()))
+}
+
 struct TernUp(std::process::Child);
 
 impl TernUp {
