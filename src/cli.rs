@@ -140,8 +140,43 @@ impl MetadataAddr {
     }
 
     pub async fn connect(&self) -> anyhow::Result<tern_client::Client> {
+        let _ = CONNECTED.set(self.addr.clone());
         Ok(tern_client::Client::connect_with(&self.addr, self.options()).await?)
     }
+}
+
+/// The metadata address this run connected to, for [`explain`].
+static CONNECTED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// `error`, saying what answered at the metadata address when the connection died before a call
+/// got an answer ("operation was canceled"). The client names a storage server's block port from
+/// h2's protocol error, but on a loaded machine the connection can die before that error reaches
+/// the call: then the port is asked directly whether it answers with Tern's block frames.
+pub async fn explain(error: anyhow::Error) -> anyhow::Error {
+    let Some(addr) = CONNECTED.get() else { return error };
+    if !format!("{error:#}").contains("operation was canceled") || !answers_with_block_frames(addr).await {
+        return error;
+    }
+    anyhow::anyhow!(
+        "this port is not a Tern metadata server or scheduler (is it a storage server's block port?): it answers \
+         with Tern block frames ({error:#})"
+    )
+}
+
+/// Whether `addr` answers an HTTP/2 client's first bytes with a Tern block frame (within a second).
+async fn answers_with_block_frames(addr: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = addr.trim().trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+        // The HTTP/2 preface, and zeros so that a whole block-frame header has arrived.
+        stream.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.ok()?;
+        stream.write_all(&[0; 64]).await.ok()?;
+        let mut magic = [0; 2];
+        stream.read_exact(&mut magic).await.ok()?;
+        Some(magic == tern_proto::frame::MAGIC)
+    };
+    matches!(tokio::time::timeout(std::time::Duration::from_secs(1), probe).await, Ok(Some(true)))
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {

@@ -40,6 +40,7 @@ fn main() -> std::process::ExitCode {
         // The reader of stdout went away (`tern fs cat F | head`): nothing is left to tell.
         Err(e) if out::is_broken_pipe(&e) => std::process::ExitCode::SUCCESS,
         Err(e) => {
+            let e = runtime.block_on(cli::explain(e));
             eprintln!("tern: {e:#}");
             std::process::ExitCode::FAILURE
         }
