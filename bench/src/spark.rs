@@ -223,18 +223,10 @@ impl SparkSetup {
 }
 
 fn spark_home(given: Option<&Path>) -> anyhow::Result<PathBuf> {
-    if let Some(home) = given {
-        return Ok(home.to_path_buf());
+    match given {
+        Some(home) => Ok(home.to_path_buf()),
+        None => tern_common::spark::default_home().context("no SPARK_HOME and no pyspark (pip install pyspark==3.5.3)"),
     }
-    if let Ok(home) = std::env::var("SPARK_HOME") {
-        return Ok(home.into());
-    }
-    let out = std::process::Command::new("python3")
-        .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])
-        .output()
-        .context("running python3 to find pyspark")?;
-    anyhow::ensure!(out.status.success(), "no SPARK_HOME and no pyspark (pip install pyspark==3.5.3)");
-    Ok(String::from_utf8(out.stdout)?.trim().into())
 }
 
 pub async fn run(options: &SparkTerasortOptions) -> anyhow::Result<SparkTerasortReport> {

@@ -200,9 +200,8 @@ pub async fn run(options: &TpcdsOptions) -> anyhow::Result<TpcdsReport> {
         }
     }
     drop(cluster);
-    let mut report = report(options.scale, first, &queries, &ordered, &builtin_runs, &tern_runs);
-    report.spark_version = application.plugin.spark_version.clone();
-    Ok(report)
+    let spark_version = application.plugin.spark_version.clone();
+    Ok(report(spark_version, options.scale, first, &queries, &ordered, &builtin_runs, &tern_runs))
 }
 
 /// pip-installs the generator and the query kit (without their dependencies: only the generator's
@@ -408,6 +407,7 @@ fn same_cell(a: &Value, b: &Value) -> bool {
 /// Sums the runs up: per query, its outcome and times; over the queries that ran on both in every
 /// pair, the totals and their per-pair ratio.
 fn report(
+    spark_version: String,
     scale: f64,
     first: Vec<Backend>,
     queries: &[String],
@@ -464,7 +464,7 @@ fn report(
     let spread = |f: &dyn Fn(&ApplicationRun) -> f64, runs: &[ApplicationRun]| Spread::of(runs.iter().map(f).collect());
     let same = reports.iter().filter(|r| r.outcome == Outcome::Same).count();
     TpcdsReport {
-        spark_version: String::new(),
+        spark_version,
         scale,
         pairs: pairs.len(),
         first,
@@ -628,7 +628,7 @@ mod tests {
                 query("q4", 1.0, None),
             ],
         };
-        let r = report(0.01, vec![Backend::Builtin], &names, &[true; 4], &[builtin], &[tern]);
+        let r = report("4.3.0".into(), 0.01, vec![Backend::Builtin], &names, &[true; 4], &[builtin], &[tern]);
         let outcomes: Vec<Outcome> = r.queries.iter().map(|q| q.outcome).collect();
         assert_eq!(outcomes, [Outcome::Same, Outcome::Different, Outcome::TernFailed, Outcome::BothFailed]);
         // Totals over q1 and q2, the queries run on both: 6 s against 3 s.

@@ -74,6 +74,20 @@ impl SparkLine {
 /// What the plugin serves, for messages.
 pub const SERVED: &str = "Spark 3.5 and 4.0 to 4.3";
 
+/// The Spark found without being told where: `$SPARK_HOME`, else python3's pyspark package (None:
+/// neither).
+pub fn default_home() -> Option<std::path::PathBuf> {
+    if let Some(home) = std::env::var_os("SPARK_HOME") {
+        return Some(home.into());
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().into())
+}
+
 /// The version of the Spark installed at `home` (a SPARK_HOME, or the pyspark package), read from
 /// the name of its spark-core jar (`jars/spark-core_2.13-4.3.0.jar`): no JVM to start.
 pub fn spark_version(home: &Path) -> Option<String> {

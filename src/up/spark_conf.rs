@@ -35,19 +35,7 @@ pub fn find_spark(given: Option<&Path>) -> anyhow::Result<Option<SparkFound>> {
         let (line, version) = tern_common::spark::spark_line(home).context("--spark-home")?;
         return Ok(Some(SparkFound { line, version, home: std::path::absolute(home)? }));
     }
-    let home = match std::env::var_os("SPARK_HOME") {
-        Some(home) => PathBuf::from(home),
-        None => {
-            let out = std::process::Command::new("python3")
-                .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])
-                .stderr(std::process::Stdio::null())
-                .output();
-            match out {
-                Ok(out) if out.status.success() => PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()),
-                _ => return Ok(None),
-            }
-        }
-    };
+    let Some(home) = tern_common::spark::default_home() else { return Ok(None) };
     match tern_common::spark::spark_line(&home) {
         Ok((line, version)) => Ok(Some(SparkFound { line, version, home })),
         Err(e) => {
