@@ -26,31 +26,15 @@ KERNEL_PKG_PATTERN='^linux-image-6\.1\.0-[0-9]+-amd64$'
 
 fail() { echo "rdma-test: FAIL ($*)"; exit 1; }
 
-need=()
-for pair in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio rdma:iproute2 \
-    pkg-config:pkg-config; do
-    command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
-done
-[ -e /usr/include/infiniband/verbs.h ] || need+=(libibverbs-dev)
-[ -e /usr/include/rdma/rdma_cma.h ] || need+=(librdmacm-dev)
-[ -e /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ] || need+=(ibverbs-providers)
-ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
-{ ldd /bin/busybox 2>&1 || true; } | grep -qE "not a dynamic|statically linked" || need+=(busybox-static)
-if [ ${#need[@]} -gt 0 ]; then
-    echo "rdma-test: installing ${need[*]}" >&2
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
+bash scripts/rdma-deps.sh || fail "installing what an RDMA build needs (scripts/rdma-deps.sh)"
 
 work=$(mktemp -d /tmp/tern-rdma-test.XXXXXX)
 if [ -z "${RDMA_TEST_KEEP:-}" ]; then trap 'rm -rf "$work"' EXIT; else echo "rdma-test: work dir $work" >&2; fi
 
 echo "rdma-test: building tern and rdma_check with --features rdma" >&2
-# With --workspace, features unify across the workspace as in the test build (scripts/test.sh), so
-# only rdma-sys, tern-rdma and these two are built here; `-p tern` alone would resolve tokio and
-# everything above it with fewer features and build them all again.
+# With --workspace, features unify across the workspace exactly as in the test build
+# (scripts/test.sh, which builds with this feature too), so after that build this one is done;
+# `-p tern` alone would resolve tokio and everything above it with fewer features and build them all again.
 cargo build --workspace --features tern/rdma --bin tern --example rdma_check || fail "cargo build --features rdma"
 # Taken at once: another build in this target dir (without the feature) may replace target/debug/tern.
 objcopy --strip-debug target/debug/tern "$work/tern"

@@ -44,16 +44,34 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
     $sudo apt-get install -y iproute2
 fi
 
+# The test build carries RDMA (the `rdma` feature: verbs through rdma-sys, which needs headers and
+# libclang), so the RDMA step below and the container image use the very binary the tests run.
+# Built without it, the tests and the RDMA step each rebuilt every crate above tern-rdma (about
+# 4 minutes each in CI).
+bash scripts/rdma-deps.sh
+features=(--features tern/rdma)
+
+# The pyspark installs (about 400 MB each, network and disk more than CPU) run in the background
+# beside the lint and the builds instead of in the Spark steps' time; the Spark steps wait for them.
+pyspark_log=$(mktemp /tmp/tern-pyspark-install.XXXXXX)
+(
+    python3 -c 'import pyspark, sys; sys.exit(pyspark.__version__ != "3.5.3")' 2>/dev/null \
+        || python3 -m pip install --user --quiet pyspark==3.5.3 py4j==0.10.9.7
+    # 4.3.0 for the plugin's Spark 4 jar and suite; the others for the Spark 4 smoke test.
+    for version in 4.3.0 4.0.5 4.1.4 4.2.1; do spark-shuffle/pyspark-venv.sh "$version" >/dev/null; done
+) >"$pyspark_log" 2>&1 &
+pyspark_installs=$!
+
 step lint
 cargo fmt --all --check
-cargo clippy --workspace --all-targets -- -D warnings
+cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings
 bash scripts/check-layout.sh
 
 # Every test binary and `tern` itself, built once with the whole workspace's features (a plain
 # `cargo build --bin tern` unifies fewer features, so the test build would then rebuild tokio and
 # everything above it: 5 minutes in CI).
 step build
-cargo nextest run --workspace --profile ci --no-run
+cargo nextest run --workspace --profile ci --no-run "${features[@]}"
 
 # deploy/: manifests rendered and validated, systemd units verified, and the container image
 # built from that debug binary and smoke-tested.
@@ -63,23 +81,19 @@ sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 $sudo bash deploy/image/build.sh --profile debug
 
-# RDMA over soft-RoCE in a QEMU guest: builds `tern` with --features rdma (installing the verbs
-# and rdma_cm headers, QEMU and a Debian kernel when missing), runs the RDMA checks in the guest
-# (hard limit 420 s), and prints `rdma-test: PASS` or FAIL; about 4 minutes on a fresh machine.
-# The RDMA crate is lint-checked here too: the workspace clippy above builds it empty. (Alone:
-# with the workspace's features rdma-sys's libc features would have every crate checked again.)
+# RDMA over soft-RoCE in a QEMU guest: takes the test build's `tern` (the build there is a no-op)
+# and a Debian kernel (downloaded when missing), runs the RDMA checks in the guest (hard limit
+# 420 s), and prints `rdma-test: PASS` or FAIL; about 3 minutes.
 step rdma
 bash scripts/rdma-test.sh
-cargo clippy -p tern-rdma --all-targets --features verbs -- -D warnings
 
 # The Spark plugin jars (their native library for x86_64 and aarch64 on glibc 2.17, with
 # cargo-zigbuild): built here, so the Spark tests' own call of build.sh finds them done instead of
 # spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars and 4.3.0's (in
 # its venv under ~/.cache/tern/pyspark, installed there once per machine).
 step spark-jars
-python3 -c 'import pyspark, sys; sys.exit(pyspark.__version__ != "3.5.3")' 2>/dev/null \
-    || python3 -m pip install --user --quiet pyspark==3.5.3 py4j==0.10.9.7
+wait "$pyspark_installs" || { echo "test.sh: installing pyspark failed:" >&2; cat "$pyspark_log" >&2; exit 1; }
 bash spark-shuffle/build.sh >/dev/null
 
 step tests
-cargo nextest run --workspace --profile ci
+cargo nextest run --workspace --profile ci "${features[@]}"

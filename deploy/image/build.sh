@@ -9,16 +9,17 @@ usage: deploy/image/build.sh [--profile debug|release] [--tag NAME] [--no-smoke-
 
 Builds Tern's one image for every role (entrypoint `tern`, user tern, uid 10001) from
 deploy/image/Containerfile, on a minimal Debian base made here (debootstrap --variant=minbase of
-this machine's Debian release, so the binary finds the glibc it was linked against; imported
-with podman as localhost/tern-base:<release> and reused by later runs), then runs it once:
+this machine's Debian release, so the binary finds the glibc it was linked against, with the
+verbs and rdma_cm libraries and providers its RDMA transport loads; imported with podman as
+localhost/tern-base:<release>-verbs and reused by later runs), then runs it once:
 `tern --version`, and `tern up` in a container (host network, free loopback ports) checked from
 a second container (`tern status`, a `tern fs put`/`get` round trip compared byte for byte) and
 from here (/health, /ready and /metrics on the metadata and storage admin ports), then stopped
 with SIGTERM, which must end it with status 0.
 
   --profile debug|release  which build of `tern` goes in [release]: release runs
-                           `cargo build --release --bin tern`; debug takes target/debug/tern
-                           (built with `cargo build --bin tern` if missing). CI uses debug: the
+                           `cargo build --release --features rdma --bin tern`; debug takes
+                           target/debug/tern (built so if missing). CI uses debug: the
                            test build already made it, so no release compile is spent on CI.
                            Either way the binary's debug info is stripped in the image.
   --tag NAME               image name [localhost/tern:latest]
@@ -69,11 +70,14 @@ buildah=(buildah --storage-driver vfs)
 run=("${podman[@]}" --runtime runc run --network host --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)
 
 # --- the binary --------------------------------------------------------------------------------
+# With RDMA (the image's base has the verbs libraries); the debug build unifies features across the
+# workspace as scripts/test.sh's test build does, so that build's binary is this one.
 if [ "$profile" = release ]; then
-    cargo build --release --bin tern
+    bash scripts/rdma-deps.sh build
+    cargo build --release --features rdma --bin tern
     binary=target/release/tern
 else
-    [ -x target/debug/tern ] || cargo build --bin tern
+    [ -x target/debug/tern ] || { bash scripts/rdma-deps.sh build && cargo build --workspace --features tern/rdma --bin tern; }
     binary=target/debug/tern
 fi
 context=target/image-context
@@ -85,7 +89,8 @@ objcopy --strip-debug "$binary" "$context/tern"
 # --- the base: minimal Debian, made here once ------------------------------------------------
 . /etc/os-release
 suite="${VERSION_CODENAME:?/etc/os-release names no Debian release}"
-base="localhost/tern-base:$suite"
+# (-verbs: the base made before the image carried RDMA lacked these libraries.)
+base="localhost/tern-base:$suite-verbs"
 if "${podman[@]}" image exists "$base"; then
     log "reusing $base"
 else
@@ -95,7 +100,9 @@ else
     log "making $base: debootstrap --variant=minbase $suite from $mirror"
     rootfs=$(mktemp -d /var/tmp/tern-base.XXXXXX)
     trap 'rm -rf "$rootfs"' EXIT
-    debootstrap --variant=minbase "$suite" "$rootfs" "$mirror" >/dev/null
+    # The verbs and rdma_cm libraries with the NIC providers (mlx5, rxe, ...): `tern` links them.
+    debootstrap --variant=minbase --include=libibverbs1,librdmacm1,ibverbs-providers \
+        "$suite" "$rootfs" "$mirror" >/dev/null
     # Nothing a running image needs: package lists, caches, docs, man pages, locales.
     rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/* "$rootfs"/usr/share/doc/* \
         "$rootfs"/usr/share/man/* "$rootfs"/usr/share/locale/* "$rootfs"/var/log/*
