@@ -42,6 +42,7 @@ import threading
 import time
 from operator import add
 
+import pyspark
 from pyspark import SparkConf, SparkContext, TaskContext
 from pyspark.sql import SparkSession, Window
 from pyspark.sql import functions as F
@@ -499,6 +500,8 @@ def run(tern):
 
 
 def main():
+    # Several runs may print at once (the smoke test runs the Spark 4 lines side by side).
+    print(f"Spark {pyspark.__version__}:", flush=True)
     data, input_checksum = (None, None) if SMOKE else teragen()
     failures = []
 
