@@ -83,7 +83,7 @@ $sudo bash deploy/image/build.sh --profile debug
 
 # RDMA over soft-RoCE in a QEMU guest: takes the test build's `tern` (the build there is a no-op)
 # and a Debian kernel (downloaded when missing), runs the RDMA checks in the guest (hard limit
-# 420 s), and prints `rdma-test: PASS` or FAIL; about 3 minutes.
+# 420 s), and prints `rdma-test: PASS` or FAIL; 1m48s in a fresh clone here.
 step rdma
 bash scripts/rdma-test.sh
 
