@@ -500,7 +500,7 @@ def run(tern):
 
 
 def main():
-    # Several runs may print at once (the smoke test runs the Spark 4 lines side by side).
+    # Which Spark ran: the smoke test runs three lines in turn, and a failure's log starts here.
     print(f"Spark {pyspark.__version__}:", flush=True)
     data, input_checksum = (None, None) if SMOKE else teragen()
     failures = []
