@@ -88,8 +88,21 @@ pub struct MetadataAddr {
     /// once per server).
     #[arg(long, env = "TERN_TRANSPORT", default_value = "auto", global = true)]
     pub transport: TransportKind,
+    /// Act with the credential in this file: an operator's (`DIR/credentials/admin` of `tern up`)
+    /// for `tern admin`, or a tenant's (`DIR/credentials/<tenant>`). Without it, a client of the
+    /// default tenant.
+    #[arg(long = "as", env = "TERN_AS", global = true, value_name = "FILE", value_parser = read_credential)]
+    pub credential: Option<Credential>,
     #[command(flatten)]
     pub deadlines: Deadlines,
+}
+
+/// A credential read from its file (`--as`).
+#[derive(Clone, Debug)]
+pub struct Credential(String);
+
+fn read_credential(path: &str) -> Result<Credential, String> {
+    tern_proto::identity::load_credential(std::path::Path::new(path)).map(Credential).map_err(|e| e.0)
 }
 
 /// The client's deadlines, in milliseconds; defaults are `tern_client`'s (one definition each).
@@ -135,6 +148,7 @@ impl MetadataAddr {
         self.deadlines.apply(ClientOptions {
             transport: self.transport,
             tls_dir: self.tls_dir.clone(),
+            credential: self.credential.as_ref().map(|credential| credential.0.clone()),
             ..ClientOptions::default()
         })
     }
@@ -153,6 +167,9 @@ static CONNECTED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 /// h2's protocol error, but on a loaded machine the connection can die before that error reaches
 /// the call: then the port is asked directly whether it answers with Tern's block frames.
 pub async fn explain(error: anyhow::Error) -> anyhow::Error {
+    if let Some(refusal) = refusal_for_users(&format!("{error:#}")) {
+        return anyhow::anyhow!(refusal);
+    }
     let Some(addr) = CONNECTED.get() else { return error };
     if !format!("{error:#}").contains("operation was canceled") || !answers_with_block_frames(addr).await {
         return error;
@@ -161,6 +178,25 @@ pub async fn explain(error: anyhow::Error) -> anyhow::Error {
         "this port is not a Tern metadata server or scheduler (is it a storage server's block port?): it answers \
          with Tern block frames ({error:#})"
     )
+}
+
+/// An authorization refusal (`permission denied: <rpc> by <caller>: <what it lacked>`, as the
+/// metadata server words it for operators and logs) said as the user's own command: who they
+/// act as, what they lack, and what to do, without the RPC's name.
+fn refusal_for_users(error: &str) -> Option<String> {
+    let (_, rest) = error.split_once("permission denied: ")?;
+    let (_rpc, rest) = rest.split_once(" by ")?;
+    let (caller, lacked) = rest.split_once(": ")?;
+    let todo = if lacked.contains("operator") {
+        "run it as an operator: --as DIR/credentials/admin (`tern up` writes it; TERN_AS works too)"
+    } else if lacked.contains("token of job") || lacked.contains("token it presented") {
+        "only the job's own processes (holding its token, TERN_JOB_TOKEN) or an operator (--as DIR/credentials/admin) may"
+    } else if lacked.contains("storage server") {
+        "only storage servers, which hold the cluster secret, may"
+    } else {
+        "ask the cluster's operator for a credential that may (--as FILE)"
+    };
+    Some(format!("permission denied: you act as {caller}, and {lacked}; {todo}"))
 }
 
 /// Whether `addr` answers an HTTP/2 client's first bytes with a Tern block frame (within a second).

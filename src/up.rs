@@ -263,6 +263,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     ensure_tls(&tls_dir)?;
+    let secret_file = crate::cert::ensure_credentials(&args.dir)?;
+    let secret_set = format!("cluster_secret_file={}", secret_file.display());
     let spark_conf_dir = spark_conf.write(&args.dir.join("spark"))?;
     let daemon = |name: &str, port: u16| {
         DaemonSpec::new(name, &tern, logs.join(format!("{name}.log")))
@@ -290,6 +292,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     if args.durable {
         metadata_args.extend(["--set", "durable_files=true"]);
     }
+    metadata_args.extend(["--set", &secret_set]);
     let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     if nvme_sizes.is_some() {
         std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
@@ -316,6 +319,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             // The whole cluster stops together: there is nowhere to drain to.
             "--set",
             "drain_grace_ms=0",
+            "--set",
+            &secret_set,
         ];
         let nvme_path = nvme_dir.join(format!("storage-{i}.nvme")).to_string_lossy().to_string();
         // Given even for a file that is there (its own size, as planned): the storage server
@@ -531,6 +536,11 @@ fn print_banner(
     let _ = writeln!(out, "  tern fs get /data/some-file ./copy");
     let _ = writeln!(out, "  tern fs ls -l /data");
     let _ = writeln!(out, "  tern status");
+    let _ = writeln!(
+        out,
+        "  tern admin --as {} servers   # operators' calls need the admin credential",
+        args.dir.join(crate::cert::CREDENTIALS_DIR).join("admin").display()
+    );
     if args.tls {
         let _ = writeln!(out, "  tern fs --transport tls get /data/some-file ./copy   # block data over TLS (or quic)");
     } else {

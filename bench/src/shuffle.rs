@@ -58,7 +58,7 @@ const COMMITTERS: u32 = 32;
 
 /// Registers another shuffle like the first and commits all its maps from [`COMMITTERS`] tasks.
 async fn concurrent_commits(
-    metadata: &MetadataClient<tonic::transport::Channel>,
+    metadata: &MetadataClient<tern_proto::identity::Presenting<tonic::transport::Channel>>,
     job: &str,
     options: &ShuffleBenchOptions,
 ) -> anyhow::Result<f64> {
@@ -102,8 +102,11 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
     let cluster = EmbeddedCluster::start(&options.tern, 2, &dram).await?;
     let client = Client::connect(&cluster.metadata_addr).await?;
     let job = client.start_job(Some("bench-shuffle"), Duration::from_secs(60)).await?;
-    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr))
-        .await?
+    // The shuffle's calls present the job's token, as the client library's do.
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.metadata_addr))?.connect().await?;
+    let presents = tern_proto::identity::Presents::job_token(&job.token()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut metadata = MetadataClient::with_interceptor(channel, presents)
         .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
 

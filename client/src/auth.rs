@@ -5,12 +5,17 @@
 //! connect): executors, Spark tasks, scheduler tasks. A token nearing its expiry is refreshed
 //! (RefreshToken) before use, so a process that only holds a token keeps working while the
 //! job's driver renews the lease.
+//!
+//! Every control-plane call carries the client's credential, if it has one, and the tokens it
+//! holds ([`Calls`]): the metadata server authorizes a call on a job's files or shuffles by the
+//! job's token (`tern_proto::identity`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use tern_proto::identity::{CREDENTIAL_HEADER, JOB_TOKEN_HEADER};
 use tern_proto::token::{Grant, JobToken, GRANT_LEN};
 use tern_proto::v1 as pb;
 
@@ -29,11 +34,15 @@ pub(crate) struct Held {
     pub(crate) token: JobToken,
     pub(crate) text: String,
     pub(crate) encoded: Bytes,
+    /// The text as a control-plane header.
+    header: tonic::metadata::AsciiMetadataValue,
 }
 
 impl Held {
     fn new(token: JobToken) -> Held {
-        Held { text: token.to_text(), encoded: Bytes::from(token.encode()), token }
+        let text = token.to_text();
+        let header = text.parse().expect("a token's text is hex");
+        Held { text, encoded: Bytes::from(token.encode()), token, header }
     }
 }
 
@@ -80,6 +89,41 @@ impl Tokens {
         }
         Ok(())
     }
+}
+
+/// The metadata channel, with the caller's headers on every call.
+pub(crate) type Calls = tonic::service::interceptor::InterceptedService<tonic::transport::Channel, CallerHeaders>;
+
+/// Adds the credential and the job tokens held to each call.
+#[derive(Clone)]
+pub(crate) struct CallerHeaders {
+    credential: Option<tonic::metadata::AsciiMetadataValue>,
+    tokens: Arc<Tokens>,
+}
+
+impl tonic::service::Interceptor for CallerHeaders {
+    fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        let headers = request.metadata_mut();
+        if let Some(credential) = &self.credential {
+            headers.insert(CREDENTIAL_HEADER, credential.clone());
+        }
+        for held in self.tokens.held.lock().values().take(tern_proto::identity::MAX_TOKENS_PER_CALL) {
+            headers.append(JOB_TOKEN_HEADER, held.header.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// `channel` with [`CallerHeaders`]; a credential that cannot be a header is refused.
+pub(crate) fn calls(
+    channel: tonic::transport::Channel,
+    credential: Option<&str>,
+    tokens: Arc<Tokens>,
+) -> Result<Calls> {
+    let credential = credential
+        .map(|text| text.trim().parse().map_err(|_| Error::invalid("the credential is not one line of printable text")))
+        .transpose()?;
+    Ok(tonic::service::interceptor::InterceptedService::new(channel, CallerHeaders { credential, tokens }))
 }
 
 /// What one data frame acts under: a job's token (bound to a slot of its connection) or none

@@ -102,6 +102,10 @@ pub struct ClientOptions {
     /// The tenant jobs started by this client count against ("" = "default"). Default: the
     /// `TERN_TENANT` environment variable, else "".
     pub tenant: String,
+    /// The credential this client acts with on the control plane (`tern_proto::identity`: an
+    /// operator's or a tenant's, as `tern up` writes them under `DIR/credentials/`); none: a
+    /// client of the default tenant. Default: none (the CLI sets it from `--as` or `TERN_AS`).
+    pub credential: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -119,6 +123,7 @@ impl Default for ClientOptions {
             transport: TransportKind::Auto,
             tls_dir: None,
             tenant: std::env::var(auth::TENANT_ENV).unwrap_or_default(),
+            credential: None,
         }
     }
 }
@@ -148,9 +153,9 @@ pub struct Client {
 
 struct Inner {
     metadata_addr: String,
-    metadata: MetadataClient<Channel>,
+    metadata: MetadataClient<auth::Calls>,
     /// Operators' calls, on the same channel.
-    admin: AdminClient<Channel>,
+    admin: AdminClient<auth::Calls>,
     blocks: conn::BlockPool,
     options: ClientOptions,
     /// This host's address as the cluster sees it, so placement can prefer a local server.
@@ -158,7 +163,7 @@ struct Inner {
     /// The cluster's block size, asked once.
     block_size: tokio::sync::OnceCell<u32>,
     /// Job tokens held, by job.
-    tokens: auth::Tokens,
+    tokens: Arc<auth::Tokens>,
 }
 
 impl Drop for Inner {
@@ -240,8 +245,9 @@ impl Client {
         })
         .await?;
         let connector = connector(options.transport, tls.as_ref(), options.rdma_connect_timeout)?;
-        let tokens = auth::Tokens::default();
+        let tokens = Arc::new(auth::Tokens::default());
         tokens.add_from_env()?;
+        let channel = auth::calls(channel, options.credential.as_deref(), tokens.clone())?;
         let admin = AdminClient::new(channel.clone());
         let metadata = MetadataClient::new(channel)
             .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
@@ -299,7 +305,7 @@ impl Client {
         self.inner.blocks.get(addr).await
     }
 
-    fn metadata(&self) -> MetadataClient<Channel> {
+    fn metadata(&self) -> MetadataClient<auth::Calls> {
         self.inner.metadata.clone()
     }
 

@@ -9,7 +9,7 @@
 mod serve;
 mod setting;
 
-pub use serve::{check_listen, Serve};
+pub use serve::{check_listen, Serve, CLUSTER_SECRET_FILE};
 pub use setting::{read_value, Setting};
 
 use std::path::Path;

@@ -71,6 +71,10 @@ pub struct Config {
     /// status (a List or Locate reply that would be larger fails, so keep it above their
     /// pages).
     pub max_message_size: ByteSize,
+    /// The cluster secret, with which every caller's credential is checked (`tern up`, `tern cert
+    /// init` and `tern cert secret` make it). Unset: `cluster.secret` in `tls_dir` when that is
+    /// set, else in `dir` (made on first start).
+    pub cluster_secret_file: Option<PathBuf>,
     /// Quotas per tenant, `[tenants.<name>]` tables; a tenant not listed is unlimited.
     pub tenants: BTreeMap<String, TenantQuota>,
 }
@@ -111,6 +115,7 @@ impl Default for Config {
             max_connections: 4096,
             max_concurrent_streams: 1024,
             max_message_size: ByteSize(tern_proto::MAX_GRPC_MESSAGE_BYTES as u64),
+            cluster_secret_file: None,
             tenants: BTreeMap::new(),
         }
     }

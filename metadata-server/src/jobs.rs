@@ -18,10 +18,7 @@ use crate::error::{already_exists, invalid, not_found, Refusal};
 
 /// Longest job name, in bytes.
 pub const MAX_JOB_NAME_BYTES: usize = 128;
-/// Longest tenant name, in bytes.
-pub const MAX_TENANT_NAME_BYTES: usize = 64;
-/// The tenant of jobs registered without one.
-pub const DEFAULT_TENANT: &str = "default";
+pub use tern_proto::identity::DEFAULT_TENANT;
 
 #[derive(Debug)]
 struct Job {
@@ -385,11 +382,7 @@ fn new_serial() -> u64 {
 
 /// Tenant names: [A-Za-z0-9._-], 1 to 64 bytes.
 pub fn validate_tenant(name: &str) -> Result<(), Refusal> {
-    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-    if name.is_empty() || name.len() > MAX_TENANT_NAME_BYTES || !name.chars().all(allowed) {
-        return Err(invalid(format!("tenant name {name:?} is not 1 to {MAX_TENANT_NAME_BYTES} of [A-Za-z0-9._-]")));
-    }
-    Ok(())
+    tern_proto::identity::validate_tenant(name).map_err(|e| invalid(e.0))
 }
 
 fn not_registered(name: &str) -> Refusal {

@@ -1,11 +1,13 @@
 //! The token key's file: `<dir>/token.key`, 32 random bytes made on first start, mode 0600, so
-//! tokens and grants outlive restarts of the metadata server.
+//! tokens and grants outlive restarts of the metadata server; and the cluster secret, with which
+//! the server checks its callers' credentials (`tern_proto::identity`).
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use anyhow::{bail, Context};
+use tern_proto::identity::ClusterSecret;
 use tern_proto::token::{TokenKey, KEY_LEN};
 
 pub const KEY_FILE: &str = "token.key";
@@ -43,6 +45,30 @@ pub fn load_or_create(dir: &Path) -> anyhow::Result<TokenKey> {
         }
         Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
     }
+}
+
+/// The cluster secret: the configured file (`cluster_secret_file`, or `cluster.secret` in the TLS
+/// directory), which must exist; without either, `<dir>/cluster.secret`, made on first start.
+pub fn cluster_secret(config: &crate::Config) -> anyhow::Result<ClusterSecret> {
+    let dir = &config.dir;
+    let path = match config.serve.cluster_secret_path(config.cluster_secret_file.as_deref()) {
+        Some(path) => path,
+        None => {
+            let path = dir.join(tern_common::config::CLUSTER_SECRET_FILE);
+            match ClusterSecret::generate().write_new(&path) {
+                Ok(()) => tracing::info!(
+                    "made the cluster secret {}: storage servers need it (cluster_secret_file)",
+                    path.display()
+                ),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e).with_context(|| format!("creating {}", path.display())),
+            }
+            path
+        }
+    };
+    ClusterSecret::load(&path).map_err(|e| {
+        anyhow::anyhow!("{e} (make one with `tern cert init --dir DIR`, or point cluster_secret_file at it)")
+    })
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@
 //! context), `wal` (the write-ahead log and snapshots in `--dir` that make the state survive
 //! restarts).
 
+mod authz;
 mod config;
 mod conn_limit;
 mod copies;

@@ -54,6 +54,8 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let wal = Arc::new(wal);
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry, state.clone());
+    let secret = crate::keyfile::cluster_secret(&config)?;
+    let authz = crate::authz::Authz::new(secret, &mut registry);
     let refused = prometheus_client::metrics::counter::Counter::default();
     registry.register(
         "tern_metadata_connections_refused",
@@ -74,7 +76,7 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "metadata-server", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
-    let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics));
+    let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics, authz));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
     let snapshots = Snapshots {
         dir: config.dir.clone(),
@@ -297,6 +299,18 @@ mod tests {
 
     use super::*;
 
+    /// A Registry client acting as the storage server at `address`, its credential made from the
+    /// cluster secret at `secret`.
+    fn registry_as(
+        channel: tonic::transport::Channel,
+        secret: &std::path::Path,
+        address: &str,
+    ) -> RegistryClient<tern_proto::identity::Presenting<tonic::transport::Channel>> {
+        use tern_proto::identity::{ClusterSecret, Identity as Caller, Presents, Role};
+        let credential = ClusterSecret::load(secret).unwrap().credential(&Caller::new(Role::Server, "", address));
+        RegistryClient::with_interceptor(channel, Presents::credential(&credential).unwrap())
+    }
+
     async fn scrape(admin: SocketAddr) -> String {
         let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
         stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
@@ -323,7 +337,7 @@ mod tests {
 
         let material = tls::TlsMaterial::load(&ours).unwrap();
         let channel = tls::grpc_endpoint(&addr, Some(&material)).unwrap().connect().await.unwrap();
-        let mut registry = RegistryClient::new(channel.clone());
+        let mut registry = registry_as(channel.clone(), &ours.join("cluster.secret"), "127.0.0.1:7000");
         let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 8, ..TierUsage::default() }];
         let request = RegisterServerRequest {
             address: "127.0.0.1:7000".into(),
@@ -369,8 +383,15 @@ mod tests {
         assert!(err.contains("in use by another metadata server"), "{err}");
 
         let endpoint = format!("http://{}", server.addr());
-        let mut registry = RegistryClient::connect(endpoint.clone()).await.unwrap();
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).unwrap().connect().await.unwrap();
+        // Registration needs the storage server's credential: a caller without one is refused.
+        let mut stranger = RegistryClient::new(channel.clone());
         let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 64, ..TierUsage::default() }];
+        let ask =
+            RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers: tiers.clone(), ..Default::default() };
+        let refused = stranger.register_server(ask).await.unwrap_err();
+        assert_eq!(ErrorKind::of_status(&refused), ErrorKind::PermissionDenied, "{refused:?}");
+        let mut registry = registry_as(channel.clone(), &temp.path().join("meta/cluster.secret"), "127.0.0.1:7000");
         let registered = registry
             .register_server(RegisterServerRequest { address: "127.0.0.1:7000".into(), tiers, ..Default::default() })
             .await
@@ -381,13 +402,21 @@ mod tests {
         registry.report_inventory(inventory).await.unwrap();
         assert_eq!(registered.heartbeat_interval_ms, 1000);
 
-        let mut client = MetadataClient::connect(endpoint).await.unwrap();
+        let mut client = MetadataClient::new(channel.clone());
         let job = client
             .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() })
             .await
             .unwrap()
             .into_inner();
         let path = format!("{}/out", job.root);
+        // The job's files need its token.
+        let refused = client.create(CreateRequest { path: path.clone(), ..Default::default() }).await.unwrap_err();
+        assert_eq!(ErrorKind::of_status(&refused), ErrorKind::PermissionDenied, "{refused:?}");
+        let token: tonic::metadata::AsciiMetadataValue = job.token.parse().unwrap();
+        let mut client = MetadataClient::with_interceptor(channel, move |mut request: tonic::Request<()>| {
+            request.metadata_mut().insert(tern_proto::identity::JOB_TOKEN_HEADER, token.clone());
+            Ok(request)
+        });
         let created = client
             .create(CreateRequest { path: path.clone(), parents: false, ..Default::default() })
             .await
@@ -441,7 +470,9 @@ mod tests {
 
         let metrics = scrape(server.admin_addr()).await;
         for expected in [
-            "tern_metadata_requests_total{method=\"create\"} 2",
+            "tern_metadata_requests_total{method=\"create\"} 3",
+            "tern_metadata_refused_total{method=\"create\",reason=\"no_token\"} 1",
+            "tern_metadata_refused_total{method=\"register_server\",reason=\"not_server\"} 1",
             "tern_metadata_errors_total{method=\"create\",kind=\"already-exists\"} 1",
             "tern_metadata_request_duration_seconds_count{method=\"open\"} 1",
             "tern_metadata_files 1",
@@ -461,7 +492,10 @@ mod tests {
         // Started again on the same directory, it has everything acknowledged before.
         let server = start(config.clone()).await.unwrap();
         let mut client = MetadataClient::connect(format!("http://{}", server.addr())).await.unwrap();
-        let info = client.stat(StatRequest { path: format!("{}/out", job.root), with_blocks: true }).await.unwrap();
+        // The job's token still verifies: the key outlives the restart.
+        let mut stat = tonic::Request::new(StatRequest { path: format!("{}/out", job.root), with_blocks: true });
+        stat.metadata_mut().insert(tern_proto::identity::JOB_TOKEN_HEADER, job.token.parse().unwrap());
+        let info = client.stat(stat).await.unwrap();
         let stat = info.into_inner();
         assert_eq!((stat.info.unwrap().length, stat.blocks.len()), (10, 1));
         assert_eq!(stat.blocks[0].address, "127.0.0.1:7000");

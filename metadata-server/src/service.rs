@@ -2,7 +2,8 @@
 //! over the shared state.
 //!
 //! Every RPC goes through [`Service::call`]: read the clock (once: the state takes the time from
-//! here, see [`Now`]), lock the state, run the state's method for it, hand
+//! here, see [`Now`]), learn the caller (`crate::authz`), lock the state, decide whether the
+//! caller may make the call (each method names what it needs), run the state's method for it, hand
 //! the changes it made to the write-ahead log, unlock, wait until the log is durable that far,
 //! record metrics. The lock is never held across an await; the state's methods do no I/O.
 //!
@@ -21,6 +22,7 @@ use tern_proto::v1::*;
 use tern_proto::ErrorKind;
 use tonic::{Request, Response, Status};
 
+use crate::authz::{Authz, Needs};
 use crate::metrics::Metrics;
 use crate::state::State;
 use crate::wal::Wal;
@@ -29,29 +31,44 @@ pub struct Service {
     state: Arc<Mutex<State>>,
     wal: Arc<Wal>,
     metrics: Metrics,
+    authz: Authz,
 }
 
 impl Service {
-    pub fn new(state: Arc<Mutex<State>>, wal: Arc<Wal>, metrics: Metrics) -> Service {
-        Service { state, wal, metrics }
+    pub fn new(state: Arc<Mutex<State>>, wal: Arc<Wal>, metrics: Metrics, authz: Authz) -> Service {
+        Service { state, wal, metrics, authz }
     }
 
-    async fn call<T>(
+    /// Serves one call: who the caller is, whether `needs` allows it, then `op` on the state.
+    async fn call<R, T>(
         &self,
         method: &'static str,
-        op: impl FnOnce(&mut State, Now) -> Result<T, Status>,
+        request: Request<R>,
+        needs: impl FnOnce(&R) -> Needs,
+        op: impl FnOnce(&mut State, Now, R) -> Result<T, Status>,
     ) -> Result<Response<T>, Status> {
         #[expect(clippy::disallowed_methods, reason = "the edge: each call reads the clock once and passes it in")]
         let now = Now::read();
-        let (mut result, lsn) = {
-            let mut state = self.state.lock();
-            let result = op(&mut state, now);
-            let changes = state.take_journal();
-            (result, self.wal.append(&changes))
+        let (mut result, lsn) = match self.authz.caller(method, &request, now.instant) {
+            Err(refused) => (Err(refused), None),
+            Ok(caller) => {
+                let needs = needs(request.get_ref());
+                let req = request.into_inner();
+                let mut state = self.state.lock();
+                let result = self
+                    .authz
+                    .decide(method, &caller, &needs, &state, now.instant)
+                    .and_then(|()| op(&mut state, now, req));
+                let changes = state.take_journal();
+                (result, Some(self.wal.append(&changes)))
+            }
         };
-        if let Err(why) = self.wal.wait(lsn).await {
-            result = Err(ErrorKind::Internal
-                .status(format!("{method}: the metadata log cannot be written, so nothing is acknowledged: {why}")));
+        if let Some(lsn) = lsn {
+            if let Err(why) = self.wal.wait(lsn).await {
+                result = Err(ErrorKind::Internal.status(format!(
+                    "{method}: the metadata log cannot be written, so nothing is acknowledged: {why}"
+                )));
+            }
         }
         self.metrics.record(method, now.instant.elapsed(), result.as_ref().err());
         if let Err(status) = &result {
@@ -68,77 +85,99 @@ impl Service {
 #[tonic::async_trait]
 impl Metadata for Service {
     async fn mkdir(&self, request: Request<MkdirRequest>) -> Result<Response<MkdirResponse>, Status> {
-        self.call("mkdir", |state, now| state.mkdir(request.into_inner(), now)).await
+        self.call("mkdir", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.mkdir(req, now)).await
     }
 
     async fn create(&self, request: Request<CreateRequest>) -> Result<Response<CreateResponse>, Status> {
-        self.call("create", |state, now| state.create(request.into_inner(), now)).await
+        self.call("create", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.create(req, now)).await
     }
 
     async fn allocate_blocks(
         &self,
         request: Request<AllocateBlocksRequest>,
     ) -> Result<Response<AllocateBlocksResponse>, Status> {
-        self.call("allocate_blocks", |state, now| state.allocate_blocks(request.into_inner(), now)).await
+        self.call(
+            "allocate_blocks",
+            request,
+            |r| Needs::File(r.file_id),
+            |state, now, req| state.allocate_blocks(req, now),
+        )
+        .await
     }
 
     async fn seal(&self, request: Request<SealRequest>) -> Result<Response<SealResponse>, Status> {
-        self.call("seal", |state, now| state.seal(request.into_inner(), now)).await
+        self.call("seal", request, |r| Needs::File(r.file_id), |state, now, req| state.seal(req, now)).await
     }
 
     async fn renew_writer(
         &self,
         request: Request<RenewWriterRequest>,
     ) -> Result<Response<RenewWriterResponse>, Status> {
-        self.call("renew_writer", |state, now| state.renew_writer(request.into_inner(), now)).await
+        self.call("renew_writer", request, |r| Needs::File(r.file_id), |state, now, req| state.renew_writer(req, now))
+            .await
     }
 
     async fn abort(&self, request: Request<AbortRequest>) -> Result<Response<AbortResponse>, Status> {
-        self.call("abort", |state, now| state.abort(request.into_inner(), now)).await
+        self.call("abort", request, |r| Needs::File(r.file_id), |state, now, req| state.abort(req, now)).await
     }
 
     async fn open(&self, request: Request<OpenRequest>) -> Result<Response<OpenResponse>, Status> {
-        self.call("open", |state, now| state.open(request.into_inner(), now)).await
+        self.call("open", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.open(req, now)).await
     }
 
     async fn stat(&self, request: Request<StatRequest>) -> Result<Response<StatResponse>, Status> {
-        self.call("stat", |state, now| state.stat(request.into_inner(), now)).await
+        self.call("stat", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.stat(req, now)).await
     }
 
     async fn list(&self, request: Request<ListRequest>) -> Result<Response<ListResponse>, Status> {
-        self.call("list", |state, now| state.list(request.into_inner(), now)).await
+        self.call("list", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.list(req, now)).await
     }
 
     async fn delete(&self, request: Request<DeleteRequest>) -> Result<Response<DeleteResponse>, Status> {
-        self.call("delete", |state, now| state.delete(request.into_inner(), now)).await
+        self.call("delete", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.delete(req, now)).await
     }
 
     async fn rename(&self, request: Request<RenameRequest>) -> Result<Response<RenameResponse>, Status> {
-        self.call("rename", |state, now| state.rename(request.into_inner(), now)).await
+        self.call(
+            "rename",
+            request,
+            |r| Needs::Paths(r.from.clone(), r.to.clone()),
+            |state, now, req| state.rename(req, now),
+        )
+        .await
     }
 
     async fn register_job(
         &self,
         request: Request<RegisterJobRequest>,
     ) -> Result<Response<RegisterJobResponse>, Status> {
-        self.call("register_job", |state, now| state.register_job(request.into_inner(), now)).await
+        self.call("register_job", request, |_| Needs::Anyone, |state, now, req| state.register_job(req, now)).await
     }
 
     async fn renew_job(&self, request: Request<RenewJobRequest>) -> Result<Response<RenewJobResponse>, Status> {
-        let req = request.into_inner();
-        self.call("renew_job", |state, now| {
-            state.check_job_token(&req.job_id, &req.token, "renew")?;
-            state.renew_job(req, now)
-        })
+        // Its token is in the request, checked with it.
+        self.call(
+            "renew_job",
+            request,
+            |_| Needs::Anyone,
+            |state, now, req| {
+                state.check_job_token(&req.job_id, &req.token, "renew")?;
+                state.renew_job(req, now)
+            },
+        )
         .await
     }
 
     async fn end_job(&self, request: Request<EndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
-        let req = request.into_inner();
-        self.call("end_job", |state, now| {
-            state.check_job_token(&req.job_id, &req.token, "end")?;
-            state.end_job(req, now)
-        })
+        self.call(
+            "end_job",
+            request,
+            |_| Needs::Anyone,
+            |state, now, req| {
+                state.check_job_token(&req.job_id, &req.token, "end")?;
+                state.end_job(req, now)
+            },
+        )
         .await
     }
 
@@ -146,57 +185,94 @@ impl Metadata for Service {
         &self,
         request: Request<RefreshTokenRequest>,
     ) -> Result<Response<RefreshTokenResponse>, Status> {
-        self.call("refresh_token", |state, now| state.refresh_token(request.into_inner(), now)).await
+        self.call("refresh_token", request, |_| Needs::Anyone, |state, now, req| state.refresh_token(req, now)).await
     }
 
     async fn status(&self, request: Request<StatusRequest>) -> Result<Response<StatusResponse>, Status> {
-        self.call("status", |state, now| state.status(request.into_inner(), now)).await
+        self.call("status", request, |_| Needs::Anyone, |state, now, req| state.status(req, now)).await
     }
 
     async fn report_unreachable(
         &self,
         request: Request<ReportUnreachableRequest>,
     ) -> Result<Response<ReportUnreachableResponse>, Status> {
-        self.call("report_unreachable", |state, now| state.report_unreachable(request.into_inner(), now)).await
+        self.call(
+            "report_unreachable",
+            request,
+            |_| Needs::Anyone,
+            |state, now, req| state.report_unreachable(req, now),
+        )
+        .await
     }
 
     async fn register_shuffle(
         &self,
         request: Request<RegisterShuffleRequest>,
     ) -> Result<Response<RegisterShuffleResponse>, Status> {
-        self.call("register_shuffle", |state, now| state.register_shuffle(request.into_inner(), now)).await
+        self.call(
+            "register_shuffle",
+            request,
+            |r| Needs::Job(r.job_id.clone()),
+            |state, now, req| state.register_shuffle(req, now),
+        )
+        .await
     }
 
     async fn advance_segment(
         &self,
         request: Request<AdvanceSegmentRequest>,
     ) -> Result<Response<AdvanceSegmentResponse>, Status> {
-        self.call("advance_segment", |state, now| state.advance_segment(request.into_inner(), now)).await
+        self.call(
+            "advance_segment",
+            request,
+            |r| Needs::Shuffle(r.shuffle_id),
+            |state, now, req| state.advance_segment(req, now),
+        )
+        .await
     }
 
     async fn commit_map(&self, request: Request<CommitMapRequest>) -> Result<Response<CommitMapResponse>, Status> {
-        self.call("commit_map", |state, now| state.commit_map(request.into_inner(), now)).await
+        self.call("commit_map", request, |r| Needs::Shuffle(r.shuffle_id), |state, now, req| state.commit_map(req, now))
+            .await
     }
 
     async fn locate_shuffle(
         &self,
         request: Request<LocateShuffleRequest>,
     ) -> Result<Response<LocateShuffleResponse>, Status> {
-        self.call("locate_shuffle", |state, now| state.locate_shuffle(request.into_inner(), now)).await
+        self.call(
+            "locate_shuffle",
+            request,
+            |r| Needs::Shuffle(r.shuffle_id),
+            |state, now, req| state.locate_shuffle(req, now),
+        )
+        .await
     }
 
     async fn invalidate_maps(
         &self,
         request: Request<InvalidateMapsRequest>,
     ) -> Result<Response<InvalidateMapsResponse>, Status> {
-        self.call("invalidate_maps", |state, now| state.invalidate_maps(request.into_inner(), now)).await
+        self.call(
+            "invalidate_maps",
+            request,
+            |r| Needs::Shuffle(r.shuffle_id),
+            |state, now, req| state.invalidate_maps(req, now),
+        )
+        .await
     }
 
     async fn unregister_shuffle(
         &self,
         request: Request<UnregisterShuffleRequest>,
     ) -> Result<Response<UnregisterShuffleResponse>, Status> {
-        self.call("unregister_shuffle", |state, now| state.unregister_shuffle(request.into_inner(), now)).await
+        self.call(
+            "unregister_shuffle",
+            request,
+            |r| Needs::Shuffle(r.shuffle_id),
+            |state, now, req| state.unregister_shuffle(req, now),
+        )
+        .await
     }
 }
 
@@ -206,18 +282,31 @@ impl Registry for Service {
         &self,
         request: Request<RegisterServerRequest>,
     ) -> Result<Response<RegisterServerResponse>, Status> {
-        self.call("register_server", |state, now| state.register_server(request.into_inner(), now)).await
+        self.call(
+            "register_server",
+            request,
+            |r| Needs::ServerAt(r.address.clone()),
+            |state, now, req| state.register_server(req, now),
+        )
+        .await
     }
 
     async fn heartbeat(&self, request: Request<HeartbeatRequest>) -> Result<Response<HeartbeatResponse>, Status> {
-        self.call("heartbeat", |state, now| state.heartbeat(request.into_inner(), now)).await
+        self.call("heartbeat", request, |r| Needs::ServerId(r.server_id), |state, now, req| state.heartbeat(req, now))
+            .await
     }
 
     async fn report_inventory(
         &self,
         request: Request<ReportInventoryRequest>,
     ) -> Result<Response<ReportInventoryResponse>, Status> {
-        self.call("report_inventory", |state, now| state.report_inventory(request.into_inner(), now)).await
+        self.call(
+            "report_inventory",
+            request,
+            |r| Needs::ServerId(r.server_id),
+            |state, now, req| state.report_inventory(req, now),
+        )
+        .await
     }
 }
 
@@ -227,10 +316,16 @@ impl Admin for Service {
         &self,
         request: Request<SetServerModeRequest>,
     ) -> Result<Response<SetServerModeResponse>, Status> {
-        self.call("set_server_mode", |state, now| state.set_server_mode(request.into_inner(), now)).await
+        self.call(
+            "set_server_mode",
+            request,
+            |r| Needs::SetMode { server: r.server.clone(), mode: r.mode },
+            |state, now, req| state.set_server_mode(req, now),
+        )
+        .await
     }
 
     async fn end_job(&self, request: Request<AdminEndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
-        self.call("admin_end_job", |state, now| state.admin_end_job(request.into_inner(), now)).await
+        self.call("admin_end_job", request, |_| Needs::Admin, |state, now, req| state.admin_end_job(req, now)).await
     }
 }

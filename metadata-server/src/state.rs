@@ -890,6 +890,7 @@ fn parse_replicas(replicas: u32) -> Result<u32, Refusal> {
     }
 }
 
+mod access;
 mod commit;
 mod copying;
 mod durable;

@@ -6,12 +6,14 @@
 //! - [`health`]: the standard gRPC health service, following a daemon's readiness;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
 //! - [`tier`]: storage tiers and storage classes, with their names;
+//! - [`identity`]: roles, tenants and the credentials that prove them on the control plane;
 //! - [`ids`]: typed ids of servers, shuffles and blocks (a block id names its tier);
 //! - [`token`]: job tokens and grants, the data plane's capabilities.
 
 pub mod error;
 pub mod frame;
 pub mod health;
+pub mod identity;
 pub mod ids;
 pub mod shuffle;
 pub mod tier;

@@ -192,9 +192,10 @@ impl JobToken {
         if !text.len().is_multiple_of(2) || text.len() > 2 * MAX_TOKEN_BYTES {
             return Err(TokenError::Malformed(format!("{} hex digits", text.len())));
         }
-        let bytes: Result<Vec<u8>, _> =
-            (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16)).collect();
-        JobToken::decode(&bytes.map_err(|_| TokenError::Malformed("not hex".into()))?)
+        // `get`, not indexing: a multi-byte character is not hex, and must not panic the server.
+        let bytes: Option<Vec<u8>> =
+            (0..text.len()).step_by(2).map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok()).collect();
+        JobToken::decode(&bytes.ok_or_else(|| TokenError::Malformed("not hex".into()))?)
     }
 
     /// Ok while the token has not expired at `now_unix_ms` (give or take `skew_ms` of clock

@@ -35,6 +35,8 @@ async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     let metadata_addr = metadata.addr().to_string();
     let storage = tern_storage::start(tern_storage::Config {
         metadata: metadata_addr.clone(),
+        // The secret the metadata server made in its directory, as a storage server must hold.
+        cluster_secret_file: Some(dir.path().join("metadata").join("cluster.secret")),
         serve: Serve::on_loopback(0, 0),
         dram: tern_common::ByteSize::mib(64),
         huge_pages: false,
@@ -127,7 +129,11 @@ async fn a_job_runs_its_stages_over_its_own_tern_job_and_shuffles() {
     assert_eq!((status.stages[0].running, status.stages[1].waiting), (2, 3));
 
     // The shuffle exists on the metadata server while the job runs.
+    // Its tasks hold the Tern job's token; no one else may look at the shuffle.
     let tern = tern_client::Client::connect(&c.metadata_addr).await.unwrap();
+    let refused = tern.open_shuffle(tern_client::ShuffleId::from_wire(shuffle)).await.err().unwrap();
+    assert_eq!(refused.kind(), tern_client::ErrorKind::PermissionDenied, "{refused}");
+    tern.add_job_token(&maps[0].tern_job_token).unwrap();
     tern.open_shuffle(tern_client::ShuffleId::from_wire(shuffle)).await.unwrap();
 
     // Results ride on the next poll, which also hands out the reduce tasks (the map stage is done).

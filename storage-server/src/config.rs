@@ -24,6 +24,9 @@ pub struct Config {
     pub serve: Serve,
     /// host:port of the metadata server's gRPC endpoint.
     pub metadata: String,
+    /// The cluster secret, with which the server proves it is one (its credential, bound to its
+    /// advertised address). Unset: `cluster.secret` in `tls_dir`; without either it does not start.
+    pub cluster_secret_file: Option<std::path::PathBuf>,
     /// host:port registered with the metadata server for clients to reach the block service.
     /// Unset: the bound address (which must then not be a wildcard like 0.0.0.0).
     pub advertise: Option<String>,
@@ -84,6 +87,7 @@ impl Default for Config {
         Config {
             serve: Serve::on_loopback(tern_common::ports::STORAGE, tern_common::ports::STORAGE_ADMIN),
             metadata: tern_common::ports::default_metadata(),
+            cluster_secret_file: None,
             advertise: None,
             dram: ByteSize::gib(1),
             max_connections: 1024,

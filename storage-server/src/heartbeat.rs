@@ -29,7 +29,8 @@ use tern_proto::v1::{
 use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
 use tern_proto::{ErrorKind, PartitionIndex};
 use tokio::time::{Instant, MissedTickBehavior};
-use tonic::transport::Channel;
+/// The control-plane channel, this server's credential on every call.
+pub(crate) type Channel = tern_proto::identity::Presenting<tonic::transport::Channel>;
 
 use crate::copier::Copier;
 use crate::metrics::Metrics;
@@ -53,15 +54,20 @@ const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// A gRPC client of the metadata server's Registry service. The channel connects lazily and
 /// reconnects by itself, so one client serves the server's whole life.
+/// Every call carries `credential`: this server's, bound to its address.
 pub(crate) fn connect(
     metadata: &str,
     tls: Option<&tern_transport::tls::TlsMaterial>,
+    credential: &str,
 ) -> anyhow::Result<(RegistryClient<Channel>, AdminClient<Channel>)> {
     let endpoint = tern_transport::tls::grpc_endpoint(metadata, tls)
         .with_context(|| format!("metadata server address {metadata:?}"))?
         .connect_timeout(CONNECT_TIMEOUT)
         .timeout(RPC_TIMEOUT);
-    let channel = endpoint.connect_lazy();
+    let channel = tonic::service::interceptor::InterceptedService::new(
+        endpoint.connect_lazy(),
+        tern_proto::identity::Presents::credential(credential)?,
+    );
     let registry = RegistryClient::new(channel.clone())
         .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
@@ -667,7 +673,7 @@ mod tests {
         // 10 s deadline passes instantly.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let metadata = format!("127.0.0.1:{port}");
-        let (mut client, _) = connect(&metadata, None).unwrap();
+        let (mut client, _) = connect(&metadata, None, "tern1 server - 127.0.0.1:1 00").unwrap();
         tokio::time::pause();
         let err =
             register_at_start(&mut client, &metadata, "127.0.0.1:1", "", 1 << 20, None).await.unwrap_err().to_string();

@@ -43,10 +43,10 @@ pub mod store;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::heartbeat::Channel;
 use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tonic::transport::Channel;
 
 use tern_common::admin::Readiness;
 use tern_proto::v1::admin_client::AdminClient;
@@ -234,7 +234,17 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "storage-server", registry, readiness.clone()).await?;
 
-    let (mut client, admin) = heartbeat::connect(&config.metadata, tls.as_ref())?;
+    // The server proves its role, bound to its address, with the cluster secret.
+    let secret_path = config.serve.cluster_secret_path(config.cluster_secret_file.as_deref()).ok_or_else(|| {
+        anyhow::anyhow!(
+            "no cluster secret: storage servers prove their role to the metadata server with it; set \
+             cluster_secret_file (`tern up` and `tern cert init` make one; with --tls-dir, cluster.secret there)"
+        )
+    })?;
+    let secret = tern_proto::identity::ClusterSecret::load(&secret_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let credential =
+        secret.credential(&tern_proto::identity::Identity::new(tern_proto::identity::Role::Server, "", &address));
+    let (mut client, admin) = heartbeat::connect(&config.metadata, tls.as_ref(), &credential)?;
     let nvme_tier = device.as_ref().map(|(engine, size, _)| (*size, engine.name()));
     let registered =
         heartbeat::register_at_start(&mut client, &config.metadata, &address, &quic_address, dram, nvme_tier).await?;

@@ -106,9 +106,22 @@ fn config(metadata: SocketAddr) -> Config {
     Config {
         metadata: metadata.to_string(),
         serve: Serve::on_loopback(0, 0),
+        cluster_secret_file: Some(secret_file()),
         dram: ByteSize::mib(1),
         ..Config::default()
     }
+}
+
+/// A cluster secret for this test binary's servers (the stand-in registry checks no credential).
+fn secret_file() -> std::path::PathBuf {
+    static FILE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap().keep();
+        let path = dir.join("cluster.secret");
+        tern_proto::identity::ClusterSecret::generate().write_new(&path).unwrap();
+        path
+    })
+    .clone()
 }
 
 /// Sends `request` as the volume principal (slot 0) with its grant, as a client would.
@@ -298,6 +311,11 @@ async fn start_refuses_what_cannot_work() {
     let wildcard = Config { serve: Serve { trusted_network: true, ..wide }, ..wildcard };
     let err = start(wildcard).await.err().unwrap().to_string();
     assert!(err.contains("advertise"), "{err}");
+
+    // Without the cluster secret it cannot prove it is a storage server.
+    let no_secret = Config { cluster_secret_file: None, ..config(unused) };
+    let err = format!("{:#}", start(no_secret).await.err().unwrap());
+    assert!(err.contains("no cluster secret") && err.contains("cluster_secret_file"), "{err}");
 
     // A DRAM tier smaller than one of the cluster's blocks.
     let registry_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -26,7 +26,7 @@ fn block_servers(cluster: &Cluster, path: &str) -> Vec<String> {
 
 /// Storage server `i`'s id, as `tern admin servers` shows it.
 fn server_id(cluster: &Cluster, i: usize) -> String {
-    let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+    let servers = json(&cluster.tern_admin_ok(&["admin", "servers", "--json"]));
     let server = servers.as_array().unwrap().iter().find(|s| s["address"] == cluster.storage_addrs[i].as_str());
     server.unwrap_or_else(|| panic!("storage server {i} not listed: {servers}"))["server_id"]
         .as_str()
@@ -54,7 +54,7 @@ async fn cordon_keeps_new_placements_off_a_server_until_uncordoned() {
     let mut cluster = Cluster::start(2, "64MiB").await;
     let client = cluster.client().await;
     let (cordoned, open) = (server_id(&cluster, 0), server_id(&cluster, 1));
-    let out = json(&cluster.tern_ok(&["admin", "cordon", &cluster.storage_addrs[0], "--json"]));
+    let out = json(&cluster.tern_admin_ok(&["admin", "cordon", &cluster.storage_addrs[0], "--json"]));
     assert_eq!((out["state"].as_str(), out["server_id"].as_str()), (Some("cordoned"), Some(cordoned.as_str())));
     assert!(cluster.tern_ok(&["status"]).contains("cordoned"));
 
@@ -75,17 +75,17 @@ async fn cordon_keeps_new_placements_off_a_server_until_uncordoned() {
     cluster.restart_metadata(1);
     let status = cluster
         .wait_for("the cordoned server back", Duration::from_secs(20), || async {
-            let out = cluster.tern(&["admin", "server", &cordoned, "--json"]);
+            let out = cluster.tern_admin(&["admin", "server", &cordoned, "--json"]);
             out.status.success().then(|| json(&String::from_utf8_lossy(&out.stdout)))
         })
         .await;
     assert_eq!(status["state"], "cordoned", "{status}");
 
-    cluster.tern_ok(&["admin", "uncordon", &cordoned]);
+    cluster.tern_admin_ok(&["admin", "uncordon", &cordoned]);
     let client = cluster.client().await;
     cluster
         .wait_for("both servers back", Duration::from_secs(20), || async {
-            let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+            let servers = json(&cluster.tern_admin_ok(&["admin", "servers", "--json"]));
             servers.as_array().unwrap().iter().all(|s| s["state"] == "alive").then_some(())
         })
         .await;
@@ -94,7 +94,7 @@ async fn cordon_keeps_new_placements_off_a_server_until_uncordoned() {
     client.put_with_options("/c/two", Bytes::from(random_bytes(BLOCK)), two).await.unwrap();
     let servers = block_servers(&cluster, "/c/two");
     assert!(servers.contains(&cordoned) && servers.contains(&open), "{servers:?}");
-    let unknown = cluster.tern(&["admin", "cordon", "10.9.9.9:1"]);
+    let unknown = cluster.tern_admin(&["admin", "cordon", "10.9.9.9:1"]);
     assert!(!unknown.status.success());
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("no storage server \"10.9.9.9:1\""));
 }
@@ -106,11 +106,11 @@ async fn a_drain_copies_files_off_waits_for_a_running_jobs_shuffle_then_the_serv
     let job = client.start_job(None, Duration::from_secs(30)).await.unwrap();
     // Only server 0 takes placements: a sealed file and the job's shuffle segment go there.
     let other = cluster.storage_addrs[1].clone();
-    cluster.tern_ok(&["admin", "cordon", &other]);
+    cluster.tern_admin_ok(&["admin", "cordon", &other]);
     let moved = random_bytes(3 * BLOCK + 5);
     client.put("/moved", Bytes::from(moved.clone())).await.unwrap();
     let _shuffle = client.register_shuffle(job.id(), 1, ShuffleOptions::default()).await.unwrap();
-    cluster.tern_ok(&["admin", "uncordon", &other]);
+    cluster.tern_admin_ok(&["admin", "uncordon", &other]);
     // A sealed file with a second copy elsewhere is neither copied nor waited for.
     client
         .put_with_options(
@@ -124,6 +124,8 @@ async fn a_drain_copies_files_off_waits_for_a_running_jobs_shuffle_then_the_serv
     let address = cluster.storage_addrs[0].clone();
     let mut wait = Command::new(TERN)
         .args(["admin", "drain", &address, "--wait", "--timeout", "60s", "--json"])
+        .arg("--as")
+        .arg(cluster.admin_credential())
         .env("TERN_METADATA", &cluster.metadata_addr)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -134,7 +136,7 @@ async fn a_drain_copies_files_off_waits_for_a_running_jobs_shuffle_then_the_serv
     let on_other = server_id(&cluster, 1);
     let draining = cluster
         .wait_for("the file copied off the draining server", Duration::from_secs(10), || async {
-            let server = json(&cluster.tern_ok(&["admin", "server", &address, "--json"]));
+            let server = json(&cluster.tern_admin_ok(&["admin", "server", &address, "--json"]));
             let copied = block_servers(&cluster, "/moved").iter().all(|s| *s == on_other);
             (server["state"] == "draining" && copied && server["sole_copy_blocks"] == 0).then_some(server)
         })
@@ -173,10 +175,10 @@ async fn sigterm_drains_a_storage_server_copying_its_files_off_before_it_exits()
     let mut cluster = Cluster::start(2, "64MiB").await;
     let client = cluster.client().await;
     let other = cluster.storage_addrs[1].clone();
-    cluster.tern_ok(&["admin", "cordon", &other]);
+    cluster.tern_admin_ok(&["admin", "cordon", &other]);
     let data = random_bytes(2 * BLOCK);
     client.put("/held", Bytes::from(data.clone())).await.unwrap();
-    cluster.tern_ok(&["admin", "uncordon", &other]);
+    cluster.tern_admin_ok(&["admin", "uncordon", &other]);
     cluster.terminate_storage(0);
     let status = wait_exit(&mut cluster, 0, Duration::from_secs(15)).await;
     assert!(status.success(), "a drained server exits 0 on SIGTERM, not {status}");
@@ -189,9 +191,9 @@ async fn a_drain_ends_at_its_deadline() {
     let mut cluster = Cluster::start(2, "64MiB").await;
     let client = cluster.client().await;
     // A sealed single-copy file outside any job: nothing frees it, so only the deadline ends the drain.
-    cluster.tern_ok(&["admin", "cordon", &cluster.storage_addrs[1]]);
+    cluster.tern_admin_ok(&["admin", "cordon", &cluster.storage_addrs[1]]);
     client.put("/only-here", Bytes::from(random_bytes(BLOCK))).await.unwrap();
-    let out = json(&cluster.tern_ok(&["admin", "drain", &cluster.storage_addrs[0], "--timeout", "2s", "--json"]));
+    let out = json(&cluster.tern_admin_ok(&["admin", "drain", &cluster.storage_addrs[0], "--timeout", "2s", "--json"]));
     assert_eq!((out["state"].as_str(), out["drained"].as_bool()), (Some("draining"), Some(false)), "{out}");
     assert_eq!(out["sole_copy_blocks"], 1, "{out}");
     let started = std::time::Instant::now();
@@ -207,24 +209,25 @@ async fn end_job_and_unregister_shuffle_free_what_they_held() {
     let job = client.start_job(None, Duration::from_secs(60)).await.unwrap();
     client.put(&format!("{}/out", job.root()), Bytes::from(random_bytes(3 * BLOCK))).await.unwrap();
     let shuffle = client.register_shuffle(job.id(), 4, ShuffleOptions::default()).await.unwrap();
-    let jobs = json(&cluster.tern_ok(&["admin", "jobs", "--json"]));
+    let jobs = json(&cluster.tern_admin_ok(&["admin", "jobs", "--json"]));
     let listed = jobs.as_array().unwrap().iter().find(|j| j["job_id"] == job.id()).unwrap_or_else(|| panic!("{jobs}"));
     assert_eq!(listed["files"], 1, "{listed}");
     assert!(listed["expires_in_ms"].as_u64().unwrap() > 0);
 
-    let freed = json(&cluster.tern_ok(&["admin", "unregister-shuffle", &shuffle.id().get().to_string(), "--json"]));
+    let freed =
+        json(&cluster.tern_admin_ok(&["admin", "unregister-shuffle", &shuffle.id().get().to_string(), "--json"]));
     assert_eq!(freed["shuffle_id"], shuffle.id().get().to_string(), "ids are strings: {freed}");
     let gone = client.open_shuffle(shuffle.id()).await.map(drop).unwrap_err();
     assert_eq!(gone.kind(), ErrorKind::NotFound, "{gone}");
 
-    let ended = json(&cluster.tern_ok(&["admin", "end-job", job.id(), "--json"]));
+    let ended = json(&cluster.tern_admin_ok(&["admin", "end-job", job.id(), "--json"]));
     assert_eq!((ended["files_deleted"].as_u64(), ended["blocks_freed"].as_u64()), (Some(1), Some(3)), "{ended}");
-    let jobs = json(&cluster.tern_ok(&["admin", "jobs", "--json"]));
+    let jobs = json(&cluster.tern_admin_ok(&["admin", "jobs", "--json"]));
     assert!(jobs.as_array().unwrap().is_empty(), "{jobs}");
     // The servers hear of the frees in their heartbeats, and hold nothing after.
     cluster
         .wait_for("the job's blocks freed on the servers", Duration::from_secs(10), || async {
-            let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+            let servers = json(&cluster.tern_admin_ok(&["admin", "servers", "--json"]));
             let used: u64 = servers
                 .as_array()
                 .unwrap()
@@ -235,7 +238,7 @@ async fn end_job_and_unregister_shuffle_free_what_they_held() {
             (used == 0 && placed == 0).then_some(())
         })
         .await;
-    let again = cluster.tern(&["admin", "end-job", job.id()]);
+    let again = cluster.tern_admin(&["admin", "end-job", job.id()]);
     assert!(String::from_utf8_lossy(&again.stderr).contains("not registered"), "{again:?}");
 }
 
@@ -243,17 +246,19 @@ async fn end_job_and_unregister_shuffle_free_what_they_held() {
 async fn admin_commands_take_the_control_planes_authentication() {
     let cluster = Cluster::start_with(1, "16MiB", crate::common::Tls::Full).await;
     // The harness hands the cluster's TLS material to the command line (TERN_TLS_DIR).
-    let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+    let servers = json(&cluster.tern_admin_ok(&["admin", "servers", "--json"]));
     assert_eq!(servers.as_array().unwrap().len(), 1, "{servers}");
-    cluster.tern_ok(&["admin", "cordon", &cluster.storage_addrs[0]]);
+    cluster.tern_admin_ok(&["admin", "cordon", &cluster.storage_addrs[0]]);
     // Without it, the metadata server's mutual TLS lets nothing through.
     let out = Command::new(TERN)
         .args(["admin", "uncordon", &cluster.storage_addrs[0]])
+        .arg("--as")
+        .arg(cluster.admin_credential())
         .env("TERN_METADATA", &cluster.metadata_addr)
         .env_remove("TERN_TLS_DIR")
         .output()
         .unwrap();
     assert!(!out.status.success(), "an admin call without TLS material went through");
-    let servers = json(&cluster.tern_ok(&["admin", "servers", "--json"]));
+    let servers = json(&cluster.tern_admin_ok(&["admin", "servers", "--json"]));
     assert_eq!(servers[0]["state"], "cordoned", "{servers}");
 }

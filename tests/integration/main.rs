@@ -7,6 +7,7 @@
 mod common;
 
 mod admin;
+mod authz;
 mod bench_io;
 mod cli;
 mod durability;

@@ -100,6 +100,7 @@ impl Daemons {
         let [metadata, metadata_admin, storage, storage_admin, scheduler, scheduler_admin] =
             [(); 6].map(|()| host.addr(free_port()));
         let path = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+        let secret = crate::common::cluster_secret(dir.path());
         let mut daemons = vec![
             spawn_logged(
                 dir.path(),
@@ -112,6 +113,8 @@ impl Daemons {
                     &metadata_admin.to_string(),
                     "--dir",
                     &path("metadata"),
+                    "--set",
+                    &secret,
                 ],
             ),
             spawn_logged(
@@ -132,6 +135,8 @@ impl Daemons {
                     &path("storage.nvme"),
                     "--nvme-size",
                     "16MiB",
+                    "--set",
+                    &secret,
                 ],
             ),
         ];

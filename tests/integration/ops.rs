@@ -91,13 +91,14 @@ async fn readiness_waits_for_registration_and_systemd_hears_ready_watchdog_and_s
         [(); 6].map(|()| host.addr(free_port()));
     let notify_path = dir.path().join("notify.sock");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
+    let secret = crate::common::cluster_secret(dir.path());
 
     // The storage server starts first: alive at once, but not ready (nor READY=1) until the
     // metadata server it must register with is there.
     let mut storage_server = spawn(dir.path(), "storage", |spec| {
         spec.args(["storage-server", "--metadata", &metadata.to_string(), "--dram", "64MiB"])
             .args(["--listen", &storage.to_string(), "--admin", &storage_admin.to_string()])
-            .args(["--set", "drain_grace_ms=5000"])
+            .args(["--set", "drain_grace_ms=5000", "--set", &secret])
             .env("NOTIFY_SOCKET", &notify_path)
             // A watchdog of 400 ms: a keep-alive every 200 ms.
             .env("WATCHDOG_USEC", "400000")
@@ -109,7 +110,7 @@ async fn readiness_waits_for_registration_and_systemd_hears_ready_watchdog_and_s
 
     let _metadata_server = spawn(dir.path(), "metadata", |spec| {
         spec.args(["metadata-server", "--listen", &metadata.to_string(), "--admin", &metadata_admin.to_string()])
-            .args(["--dir", &dir.path().join("metadata").to_string_lossy()])
+            .args(["--dir", &dir.path().join("metadata").to_string_lossy(), "--set", &secret])
     });
     assert_eq!(wait_for_status(storage_admin, "/ready", 200).await, "ready\n");
     assert_eq!(notifications_until(&notify, "READY=1", WAIT), ["READY=1"]);

@@ -274,11 +274,12 @@ async fn second_copies_on_nvme_are_restored_on_nvme_after_a_server_is_killed() {
     let mut cluster = Cluster::start_with_nvme(3, "16MiB", nvme).await;
     let client = cluster.client().await;
     let third = cluster.storage_addrs[2].clone();
-    client.set_server_mode(&third, tern_client::ServerMode::Cordoned, None).await.unwrap();
+    let admin = cluster.admin_client().await;
+    admin.set_server_mode(&third, tern_client::ServerMode::Cordoned, None).await.unwrap();
     let data = random_bytes((5 << 20) + 17);
     let options = CreateOptions { class: StorageClass::Nvme, replicas: 2 };
     client.put_with_options("/nvme/two", Bytes::from(data.clone()), options).await.unwrap();
-    client.set_server_mode(&third, tern_client::ServerMode::Active, None).await.unwrap();
+    admin.set_server_mode(&third, tern_client::ServerMode::Active, None).await.unwrap();
     cluster.kill_storage(0);
     let victim = cluster.storage_addrs[0].clone();
     cluster

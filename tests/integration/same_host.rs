@@ -13,7 +13,6 @@ use tern_client::{ErrorKind, TransportKind};
 use tern_proto::frame::{self, Frame, Lease, LentPage};
 use tern_proto::shuffle::{FetchRequest, SegmentAddress};
 use tern_proto::token::JobToken;
-use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::LocateShuffleRequest;
 use tern_proto::{MapAttempt, MapIndex, PartitionIndex};
 use tern_transport::local::LocalConnector;
@@ -81,7 +80,8 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
     let client_a = cluster.client().await;
     let _job_a = client_a.start_job(Some("a"), Duration::from_secs(30)).await.unwrap();
     let token_a = JobToken::from_text(&client_a.job_token("a").unwrap()).unwrap();
-    let (_, blocks) = client_a.stat_with_blocks("/jobs/b/data", true).await.unwrap();
+    // A learns B's block and grant (from B: the control plane does not tell A).
+    let (_, blocks) = client_b.stat_with_blocks("/jobs/b/data", true).await.unwrap();
     let (first, grant): (_, [u8; 16]) = (blocks[0].0.clone(), blocks[0].0.grant[..].try_into().unwrap());
 
     let mut local = raw_local(&addr).await;
@@ -107,7 +107,8 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
     let mut writer = shuffle.writer(0, 0);
     writer.write(0, &batch).await.unwrap();
     assert!(writer.commit().await.unwrap().committed);
-    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
+    let token = client_b.job_token("b").unwrap();
+    let mut metadata = crate::common::raw_metadata(&cluster.metadata_addr, Some(&token)).await;
     let request =
         LocateShuffleRequest { shuffle_id: shuffle.id().get(), end_partition: 1, end_map: 1, ..Default::default() };
     let located = metadata.locate_shuffle(request).await.unwrap().into_inner();

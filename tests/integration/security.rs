@@ -13,7 +13,6 @@ use tern_client::{Client, ErrorKind, ShuffleOptions};
 use tern_proto::frame::{self, Frame};
 use tern_proto::shuffle::{FetchRequest, PushHeader, SegmentAddress};
 use tern_proto::token::{JobToken, TokenKey};
-use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{EndJobRequest, LocateShuffleRequest, RenewJobRequest};
 use tern_proto::{MapAttempt, MapIndex, PartitionIndex, StorageClass};
 use tokio::net::TcpStream;
@@ -72,9 +71,19 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
     let _job_a = client_a.start_job(Some("a"), Duration::from_secs(30)).await.unwrap();
     let token_a = JobToken::from_text(&client_a.job_token("a").unwrap()).unwrap();
     assert!(client_a.job_token("b").is_none());
-    let (_, blocks) = client_a.stat_with_blocks("/jobs/b/data", true).await.unwrap();
+    // The control plane tells A nothing of B's files or shuffles: they need B's token.
+    let refused = client_a.stat_with_blocks("/jobs/b/data", true).await.unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::PermissionDenied, "{refused}");
+    assert!(refused.message().contains("job b"), "{refused}");
+    let mut stranger = crate::common::raw_metadata(&cluster.metadata_addr, client_a.job_token("a").as_deref()).await;
+    let ask =
+        LocateShuffleRequest { shuffle_id: shuffle_b.id().get(), end_partition: 2, end_map: 1, ..Default::default() };
+    let refused = stranger.locate_shuffle(ask).await.unwrap_err();
+    assert_eq!(tern_proto::ErrorKind::of_status(&refused), tern_proto::ErrorKind::PermissionDenied, "{refused:?}");
+    // Say A learned them anyway (a leaked listing): the storage servers still refuse it.
+    let (_, blocks) = client_b.stat_with_blocks("/jobs/b/data", true).await.unwrap();
     let block = blocks[0].0.clone();
-    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
+    let mut metadata = crate::common::raw_metadata(&cluster.metadata_addr, client_b.job_token("b").as_deref()).await;
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
             shuffle_id: shuffle_b.id().get(),
@@ -87,8 +96,8 @@ async fn a_job_cannot_read_write_or_free_another_jobs_data() {
         .into_inner();
     assert_eq!(located.job_id, "b");
 
-    // Through the client library: it holds no token for B, so it does not even try.
-    let err = client_a.open("/jobs/b/data").await.unwrap().read_to_end().await.unwrap_err();
+    // Through the client library: the control plane does not even open B's file for A.
+    let err = client_a.open("/jobs/b/data").await.err().unwrap();
     assert_eq!(err.kind(), ErrorKind::PermissionDenied, "{err}");
 
     // Raw frames under A's token (slot 1) with B's grants.
@@ -209,6 +218,7 @@ async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
     // Exact across a restart: rebuilt from the log, the job and its token still good.
     cluster.restart_metadata(1);
     let client = cluster.client().await;
+    client.add_job_token(&job.token()).unwrap();
     let small = cluster
         .wait_for("the metadata server to come back", Duration::from_secs(20), || async {
             let status = client.status().await.ok()?;

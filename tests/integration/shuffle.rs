@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::Cluster;
 use tern_client::{ErrorKind, MapWriterOptions, ShuffleOptions, SpaceWait};
-use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::LocateShuffleRequest;
 
 /// A recognisable record: which map, attempt and partition wrote it, and its number.
@@ -115,7 +114,8 @@ async fn a_partition_past_its_split_size_continues_on_another_server() {
         }
         assert!(writer.commit().await.unwrap().committed);
     }
-    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
+    let token = client.job_token(job.id()).unwrap();
+    let mut metadata = crate::common::raw_metadata(&cluster.metadata_addr, Some(&token)).await;
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
             shuffle_id: shuffle.id().get(),
@@ -186,7 +186,8 @@ async fn a_killed_server_names_exactly_the_maps_to_recompute() {
         }
         writer.commit().await.unwrap();
     }
-    let mut metadata = MetadataClient::connect(format!("http://{}", cluster.metadata_addr)).await.unwrap();
+    let token = client.job_token(job.id()).unwrap();
+    let mut metadata = crate::common::raw_metadata(&cluster.metadata_addr, Some(&token)).await;
     let located = metadata
         .locate_shuffle(LocateShuffleRequest {
             shuffle_id: shuffle.id().get(),

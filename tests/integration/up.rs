@@ -362,6 +362,8 @@ async fn a_drained_storage_server_is_not_restarted_and_the_rest_keep_running() {
     let storage_1 = format!("127.0.0.1:{}", port + 12);
     let drained = Command::new(common::TERN)
         .args(["admin", "drain", &storage_1, "--wait", "--timeout", "30s", "--metadata", &metadata])
+        .arg("--as")
+        .arg(dir.path().join("credentials/admin"))
         .output()
         .unwrap();
     assert!(drained.status.success(), "drain --wait: {}", String::from_utf8_lossy(&drained.stderr));

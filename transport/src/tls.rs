@@ -122,6 +122,17 @@ pub fn init_with_validity(
     write_file(&ca_path, ca_cert.pem().as_bytes(), 0o644)?;
     write_file(&dir.join(NODE_KEY), node_key.serialize_pem().as_bytes(), 0o600)?;
     write_file(&dir.join(NODE_CERT), node_cert.pem().as_bytes(), 0o644)?;
+    // The daemons' secret beside their certificate: with --tls-dir they find it there.
+    let secret = dir.join(tern_common::config::CLUSTER_SECRET_FILE);
+    match fs::remove_file(&secret) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("replacing {}", secret.display()))
+        }
+        _ => {}
+    }
+    tern_proto::identity::ClusterSecret::generate()
+        .write_new(&secret)
+        .with_context(|| format!("writing {}", secret.display()))?;
     Ok(names)
 }
 

@@ -1,8 +1,12 @@
 //! Where a daemon serves and who may reach it: the block of keys every daemon's config flattens
-//! in (`listen`, `admin_listen`, `tls_dir`, `trusted_network`), and the trusted-network rule.
+//! in (`listen`, `admin_listen`, `tls_dir`, `trusted_network`), the trusted-network rule, and
+//! where the cluster secret is found.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+
+/// The cluster secret's file name, in a TLS directory or a `tern up` directory.
+pub const CLUSTER_SECRET_FILE: &str = "cluster.secret";
 
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +34,14 @@ impl Serve {
             tls_dir: None,
             trusted_network: false,
         }
+    }
+
+    /// Where the daemon's cluster secret is (the daemons that read one have a
+    /// `cluster_secret_file` key): that file when set, else `cluster.secret` in `tls_dir`.
+    pub fn cluster_secret_path(&self, cluster_secret_file: Option<&std::path::Path>) -> Option<PathBuf> {
+        cluster_secret_file
+            .map(std::path::Path::to_path_buf)
+            .or_else(|| self.tls_dir.as_ref().map(|dir| dir.join(CLUSTER_SECRET_FILE)))
     }
 
     /// The trusted-network rule for both endpoints. `service` names what `listen` serves;

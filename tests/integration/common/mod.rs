@@ -46,6 +46,28 @@ pub fn free_port() -> u16 {
     tern_local::free_port().unwrap()
 }
 
+/// Makes the daemons' secret and the shell's credentials in `dir` (`tern cert secret`, as `tern up`
+/// does); returns the `--set` every daemon of the cluster takes to read it.
+pub fn cluster_secret(dir: &Path) -> String {
+    let out = Command::new(TERN).args(["cert", "secret", "--dir"]).arg(dir).output().unwrap();
+    assert!(out.status.success(), "tern cert secret: {}", String::from_utf8_lossy(&out.stderr));
+    format!("cluster_secret_file={}", dir.join("cluster.secret").display())
+}
+
+/// A raw gRPC client of the Metadata service at `addr` (plain), presenting `token` (a job's
+/// token, text form) on every call when given, as the client library does.
+pub async fn raw_metadata(
+    addr: &str,
+    token: Option<&str>,
+) -> tern_proto::v1::metadata_client::MetadataClient<tern_proto::identity::Presenting<tonic::transport::Channel>> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let presents = match token {
+        Some(token) => tern_proto::identity::Presents::job_token(token).unwrap(),
+        None => tern_proto::identity::Presents::default(),
+    };
+    tern_proto::v1::metadata_client::MetadataClient::with_interceptor(channel, presents)
+}
+
 /// Starts `tern ARGS`, its output in `DIR/NAME.log`.
 pub fn spawn_logged(dir: &Path, name: &str, args: &[&str]) -> Daemon {
     let spec = DaemonSpec::new(name, TERN, dir.join(format!("{name}.log"))).args(args);
@@ -107,6 +129,7 @@ impl Cluster {
             let out = Command::new(TERN).args(["cert", "init", "--dir"]).arg(tls_dir).output().unwrap();
             assert!(out.status.success(), "tern cert init: {}", String::from_utf8_lossy(&out.stderr));
         }
+        let secret_set = cluster_secret(dir.path());
         let tls_arg = tls_dir.as_ref().map(|d| d.to_string_lossy().to_string()).unwrap_or_default();
         let storage_tls: Vec<&str> = if tls == Tls::Off { Vec::new() } else { vec!["--tls-dir", &tls_arg] };
         let mut metadata_tls: Vec<&str> = Vec::new();
@@ -133,6 +156,7 @@ impl Cluster {
             .args(["--admin", "127.0.0.1:0"])
             .args(["--set", &format!("heartbeat_interval_ms={HEARTBEAT_MS}")])
             .args(["--set", &format!("server_timeout_ms={SERVER_TIMEOUT_MS}")])
+            .args(["--set", &secret_set])
             .args(&metadata_tls);
         let mut daemons = vec![metadata.spawn().unwrap_or_else(|e| panic!("{e:#}"))];
         let mut storage = Vec::new();
@@ -149,6 +173,8 @@ impl Cluster {
                 "127.0.0.1:0",
                 "--dram",
                 dram,
+                "--set",
+                &secret_set,
             ]
             .into_iter()
             .map(String::from)
@@ -209,10 +235,36 @@ impl Cluster {
         }
     }
 
-    /// Runs the `tern` command line against this cluster.
+    /// The operator's credential file (`tern cert secret` made it, as `tern up` does).
+    pub fn admin_credential(&self) -> PathBuf {
+        self.dir.path().join("credentials").join("admin")
+    }
+
+    /// A client acting as the operator (cordon, drain, end any job).
+    pub async fn admin_client(&self) -> Client {
+        let credential = tern_proto::identity::load_credential(&self.admin_credential()).unwrap();
+        let options = ClientOptions { credential: Some(credential), ..self.options(TransportKind::Tcp) };
+        Client::connect_with(&self.metadata_url(), options).await.unwrap()
+    }
+
+    /// Runs `tern` as the operator (`--as` the admin credential) and returns its output.
+    pub fn tern_admin(&self, args: &[&str]) -> Output {
+        let admin = self.admin_credential().to_string_lossy().into_owned();
+        let with: Vec<&str> = args.iter().copied().chain(["--as", &admin]).collect();
+        self.tern(&with)
+    }
+
+    /// [`Cluster::tern_admin`], failing the test if it fails; its stdout.
+    pub fn tern_admin_ok(&self, args: &[&str]) -> String {
+        let out = self.tern_admin(args);
+        assert!(out.status.success(), "tern {args:?} as admin failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Runs the `tern` command line against this cluster (as a client of the default tenant).
     pub fn tern(&self, args: &[&str]) -> Output {
         let mut command = Command::new(TERN);
-        command.args(args).env("TERN_METADATA", self.metadata_url()).env_remove("TERN_TRANSPORT");
+        command.args(args).env("TERN_METADATA", self.metadata_url()).env_remove("TERN_TRANSPORT").env_remove("TERN_AS");
         match &self.tls_dir {
             Some(dir) => command.env("TERN_TLS_DIR", dir),
             None => command.env_remove("TERN_TLS_DIR"),

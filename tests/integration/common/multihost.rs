@@ -146,7 +146,24 @@ impl MultiHost {
     /// the client starts in the background ends with `f`): what it connects to, it reaches
     /// across the bridge as the `tern` command on that host would.
     pub fn with_client_on<T: Send>(&self, host: &str, f: impl AsyncFnOnce(Client) -> T + Send) -> T {
-        let options = self.options(TransportKind::Auto);
+        self.with_client_options_on(host, self.options(TransportKind::Auto), f)
+    }
+
+    /// [`MultiHost::with_client_on`] with a client acting as the operator (`tern cert init`'s
+    /// admin credential): cordon, drain.
+    pub fn with_admin_on<T: Send>(&self, host: &str, f: impl AsyncFnOnce(Client) -> T + Send) -> T {
+        let admin = self.tls_dir.join("credentials").join("admin");
+        let credential = tern_proto::identity::load_credential(&admin).unwrap_or_else(|e| panic!("{e}"));
+        let options = ClientOptions { credential: Some(credential), ..self.options(TransportKind::Auto) };
+        self.with_client_options_on(host, options, f)
+    }
+
+    fn with_client_options_on<T: Send>(
+        &self,
+        host: &str,
+        options: ClientOptions,
+        f: impl AsyncFnOnce(Client) -> T + Send,
+    ) -> T {
         let run = || {
             current_thread_runtime().block_on(async {
                 let deadline = Deadline::after(Duration::from_secs(20));

@@ -39,7 +39,7 @@ async fn cut_a_second_copy_holder(size: usize, metadata_sets: &[&str], dram: &st
     let cluster = MultiHost::start(Layout { storage_servers: 3, dram, metadata_sets }).await;
     let data = pattern(size);
     let (bytes, third) = (Bytes::from(data.clone()), cluster.storage_addrs[2].clone());
-    cluster.with_client_on(CLIENT_HOST, async |client| {
+    cluster.with_admin_on(CLIENT_HOST, async |client| {
         client.set_server_mode(&third, tern_client::ServerMode::Cordoned, None).await.unwrap();
         let options = CreateOptions { replicas: 2, ..CreateOptions::default() };
         client.put_with_options(PATH, bytes, options).await.unwrap();
@@ -135,7 +135,7 @@ async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_
     let (drained, other) = (cluster.storage_addrs[0].clone(), cluster.storage_addrs[1].clone());
     let data = pattern(1 << 30);
     let bytes = Bytes::from(data.clone());
-    cluster.with_client_on(CLIENT_HOST, async |client| {
+    cluster.with_admin_on(CLIENT_HOST, async |client| {
         client.set_server_mode(&other, tern_client::ServerMode::Cordoned, None).await.unwrap();
         client.put(HELD, bytes).await.unwrap();
         client.set_server_mode(&other, tern_client::ServerMode::Active, None).await.unwrap();
@@ -147,7 +147,7 @@ async fn a_server_holding_1_gib_drains_within_60_s_during_a_1_gib_terasort_that_
         status.servers.iter().any(|s| s.address == target && s.segments > 0).then_some(())
     });
     assert!(sort.try_wait().unwrap().is_none(), "the terasort ended before the drain:\n{}", cluster.logs());
-    let draining = cluster.with_client_on(CLIENT_HOST, async |client| {
+    let draining = cluster.with_admin_on(CLIENT_HOST, async |client| {
         let timeout = Some(Duration::from_secs(120));
         client.set_server_mode(&target, tern_client::ServerMode::Draining, timeout).await.unwrap()
     });

@@ -1,0 +1,241 @@
+//! Who may make each call of the Metadata, Registry and Admin services: the one place that
+//! decides, from the caller's identity (its credential, `tern_proto::identity`), the job tokens it
+//! presents and the state. ARCHITECTURE.md ("Who may do what") lists every RPC's rule; each
+//! service method names its rule as a [`Needs`], and [`Authz::decide`] judges it.
+//!
+//! A refusal is `permission-denied` naming the call, the caller and what it lacked; it is counted
+//! per call and reason (`tern_metadata_refused_total`) and logged at most once a minute per
+//! caller and reason, so a hostile caller cannot flood the log.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use tern_proto::identity::{ClusterSecret, Identity, Role, CREDENTIAL_HEADER, JOB_TOKEN_HEADER, MAX_TOKENS_PER_CALL};
+use tern_proto::v1::ServerMode;
+use tern_proto::ErrorKind;
+use tonic::Status;
+
+use crate::path::{self, Place};
+use crate::state::State;
+
+/// A refusal of one caller for one reason is logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+/// Callers whose last refusal log is remembered; past this the memory starts afresh.
+const MAX_LOGGED_CALLERS: usize = 4096;
+
+/// What a call needs of its caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Needs {
+    /// Nothing: any caller (calls whose own fields carry the proof, like RenewJob's token, or that
+    /// reveal and change nothing of a job).
+    Anyone,
+    /// A token of the job owning the path (files under `/jobs/<job>`); outside `/jobs`, anyone.
+    Path(String),
+    /// Both paths' owners' tokens (a rename).
+    Paths(String, String),
+    /// A token of the job owning the file with this id (an unknown file: the call says so).
+    File(u64),
+    /// A token of this job.
+    Job(String),
+    /// A token of the job owning the shuffle with this id.
+    Shuffle(u64),
+    /// The storage server whose block-service address this is (RegisterServer).
+    ServerAt(String),
+    /// The registered storage server with this id (Heartbeat, ReportInventory).
+    ServerId(u64),
+    /// An operator, or the storage server named, draining itself (its SIGTERM).
+    SetMode { server: String, mode: i32 },
+    /// An operator.
+    Admin,
+}
+
+/// A caller: who it is, and the job tokens it presented.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub identity: Identity,
+    tokens: Vec<String>,
+}
+
+/// The decisions, and their metrics and log.
+#[derive(Debug)]
+pub struct Authz {
+    secret: ClusterSecret,
+    refused: Family<[(&'static str, &'static str); 2], Counter>,
+    logged: Mutex<HashMap<(String, &'static str), Option<Instant>>>,
+}
+
+/// Why a call is refused: the reason's metric label, and what the caller lacked.
+struct Lacks {
+    reason: &'static str,
+    what: String,
+}
+
+impl Authz {
+    pub fn new(secret: ClusterSecret, registry: &mut prometheus_client::registry::Registry) -> Authz {
+        let refused = Family::default();
+        registry.register(
+            "tern_metadata_refused",
+            "Calls refused by authorization, by call and reason",
+            refused.clone(),
+        );
+        Authz { secret, refused, logged: Mutex::new(HashMap::new()) }
+    }
+
+    /// The caller of a request: the identity its credential proves (none: a client of the
+    /// default tenant), and its job tokens. A credential that does not verify is refused here.
+    pub fn caller<T>(&self, method: &'static str, request: &tonic::Request<T>, now: Instant) -> Result<Caller, Status> {
+        let headers = request.metadata();
+        let identity = match headers.get(CREDENTIAL_HEADER) {
+            None => Identity::anonymous(),
+            Some(value) => {
+                let verified = value
+                    .to_str()
+                    .map_err(|_| "it is not text".to_string())
+                    .and_then(|text| self.secret.verify(text).map_err(|e| e.0));
+                match verified {
+                    Ok(identity) => identity,
+                    Err(why) => {
+                        let lacks = Lacks { reason: "bad_credential", what: why };
+                        return Err(self.refuse(method, &Identity::anonymous(), lacks, now));
+                    }
+                }
+            }
+        };
+        let tokens = headers
+            .get_all(JOB_TOKEN_HEADER)
+            .iter()
+            .take(MAX_TOKENS_PER_CALL)
+            .filter_map(|value| value.to_str().ok().map(str::to_string))
+            .collect();
+        Ok(Caller { identity, tokens })
+    }
+
+    /// Ok when `caller` may make call `method` needing `needs`; the refusal otherwise.
+    pub fn decide(
+        &self,
+        method: &'static str,
+        caller: &Caller,
+        needs: &Needs,
+        state: &State,
+        now: Instant,
+    ) -> Result<(), Status> {
+        match judge(caller, needs, state) {
+            Ok(()) => Ok(()),
+            Err(lacks) => Err(self.refuse(method, &caller.identity, lacks, now)),
+        }
+    }
+
+    fn refuse(&self, method: &'static str, identity: &Identity, lacks: Lacks, now: Instant) -> Status {
+        self.refused.get_or_create(&[("method", method), ("reason", lacks.reason)]).inc();
+        let message = format!("permission denied: {method} by {identity}: {}", lacks.what);
+        let mut logged = self.logged.lock();
+        if logged.len() >= MAX_LOGGED_CALLERS {
+            logged.clear();
+        }
+        let last = logged.entry((identity.to_string(), lacks.reason)).or_insert(None);
+        if last.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
+            *last = Some(now);
+            tracing::warn!("{message} (logged once a minute per caller and reason)");
+        }
+        ErrorKind::PermissionDenied.status(message)
+    }
+}
+
+/// The rule of [`Needs`] for `caller`.
+fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
+    let identity = &caller.identity;
+    let admin = identity.role == Role::Admin;
+    let server = |address: &str| -> Result<(), Lacks> {
+        match (identity.role, identity.subject == address) {
+            (Role::Server, true) => Ok(()),
+            (Role::Server, false) => Err(Lacks {
+                reason: "other_server",
+                what: format!("its credential is storage server {}'s, not {address}'s", identity.subject),
+            }),
+            _ => Err(Lacks {
+                reason: "not_server",
+                what: "only storage servers (holding the cluster secret) may do this".to_string(),
+            }),
+        }
+    };
+    match needs {
+        Needs::Anyone => Ok(()),
+        Needs::Admin if admin => Ok(()),
+        Needs::Admin => {
+            Err(Lacks { reason: "not_admin", what: "only an operator (an admin credential) may do this".into() })
+        }
+        _ if admin && job_needs(needs) => Ok(()),
+        Needs::Path(raw) => path_owner(caller, raw, state),
+        Needs::Paths(from, to) => path_owner(caller, from, state).and_then(|()| path_owner(caller, to, state)),
+        Needs::File(file_id) => match state.job_of_file(*file_id) {
+            Some(Some(job)) => job_token(caller, &job, state),
+            // Outside /jobs, or no such file (the call itself says so).
+            _ => Ok(()),
+        },
+        Needs::Job(job) => job_token(caller, job, state),
+        Needs::Shuffle(shuffle_id) => match state.job_of_shuffle(*shuffle_id) {
+            Some(job) => job_token(caller, &job, state),
+            None => Ok(()),
+        },
+        Needs::ServerAt(address) => server(address),
+        Needs::ServerId(id) => match state.address_of_server(&id.to_string()) {
+            Some(address) => server(&address),
+            None => server(&identity.subject),
+        },
+        Needs::SetMode { server: name, mode } => {
+            let own = state.address_of_server(name).is_some_and(|address| {
+                identity.role == Role::Server && identity.subject == address && *mode == ServerMode::Draining as i32
+            });
+            match (admin, own) {
+                (true, _) | (_, true) => Ok(()),
+                _ => Err(Lacks {
+                    reason: "not_admin",
+                    what: "only an operator (an admin credential) may set a server's mode; a storage server may only drain itself".into(),
+                }),
+            }
+        }
+    }
+}
+
+/// Whether `needs` is a job's (which operators may act on too).
+fn job_needs(needs: &Needs) -> bool {
+    matches!(needs, Needs::Path(_) | Needs::Paths(..) | Needs::File(_) | Needs::Job(_) | Needs::Shuffle(_))
+}
+
+fn path_owner(caller: &Caller, raw: &str, state: &State) -> Result<(), Lacks> {
+    // A path that does not normalize is refused by the call itself, with why.
+    let Ok(path) = path::normalize(raw) else {
+        return Ok(());
+    };
+    match Place::of(&path).job() {
+        Some(job) => job_token(caller, job, state),
+        None => Ok(()),
+    }
+}
+
+fn job_token(caller: &Caller, job: &str, state: &State) -> Result<(), Lacks> {
+    // No such job: nothing of it to protect (it ended, and everything it had with it); the call
+    // itself says what is not there.
+    if !state.job_registered(job) {
+        return Ok(());
+    }
+    if caller.tokens.is_empty() {
+        return Err(Lacks {
+            reason: "no_token",
+            what: format!(
+                "it presented no token of job {job} (only the job's holders may act on its files and shuffles)"
+            ),
+        });
+    }
+    let mut why = String::new();
+    for token in &caller.tokens {
+        match state.check_job_token(job, token, "act for") {
+            Ok(()) => return Ok(()),
+            Err(status) => why = status.message().to_string(),
+        }
+    }
+    Err(Lacks { reason: "wrong_token", what: format!("no token it presented is job {job}'s: {why}") })
+}
