@@ -8,6 +8,7 @@ mod common;
 
 mod admin;
 mod bench_io;
+mod bench_scale;
 mod cli;
 mod durability;
 mod failures;
