@@ -7,9 +7,10 @@
 //! Each step is a fresh server with more of everything: S storage servers, and blocks, jobs and
 //! shuffle maps and partitions scaled by S over the largest step's S. Per step it reports:
 //!
-//! - memory per object: growth of this process's RSS over the loading of each kind, divided by
-//!   how many were loaded (the clients keep nothing per object, so the growth is the server's;
-//!   the allocator may keep freed request buffers, which only adds to it);
+//! - memory per object: growth of the allocator's bytes in use (glibc's mallinfo2) over the
+//!   loading of each kind, divided by how many were loaded (the clients keep nothing per object,
+//!   so the growth is the server's; RSS is reported too, but it hides objects in memory an
+//!   earlier step freed and the allocator kept);
 //! - RPC latency p50/p99 of create+allocate+seal, allocate alone (placement), open,
 //!   register_shuffle, commit_map and heartbeat, each kind paced at `--probe-rate` per second, one
 //!   at a time, while the simulated servers heartbeat at `--heartbeat-rate` per second;
@@ -90,6 +91,8 @@ pub struct ScaleStep {
     pub load_seconds: f64,
     pub rss_baseline_bytes: u64,
     pub rss_end_bytes: u64,
+    /// The allocator's bytes in use at the end of the step (see `heap_bytes`).
+    pub heap_end_bytes: u64,
     pub bytes_per_server: f64,
     pub bytes_per_block: f64,
     pub bytes_per_job: f64,
@@ -138,6 +141,17 @@ fn rss_bytes() -> u64 {
         .find_map(|line| line.strip_prefix("VmRSS:"))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kib| kib * 1024)
+}
+
+/// Bytes the allocator has handed out and not had back (glibc's mallinfo2, all arenas): unlike
+/// RSS, it does not hide objects in memory an earlier step freed and the allocator kept.
+// mallinfo2(3): the one call into libc here.
+#[allow(unsafe_code)]
+fn heap_bytes() -> u64 {
+    // SAFETY: mallinfo2 takes no pointers and only reads the allocator's counters (under its
+    // arena locks); it returns a plain struct by value.
+    let info = unsafe { libc::mallinfo2() };
+    (info.uordblks + info.hblkhd) as u64
 }
 
 fn per(delta: u64, count: u64) -> f64 {
@@ -448,9 +462,9 @@ async fn step(
     );
     let loading = Instant::now();
 
-    let before = rss_bytes();
+    let before = heap_bytes();
     let fleet = Arc::new(register_fleet(&registry, servers, options.concurrency).await?);
-    let after_servers = rss_bytes();
+    let after_servers = heap_bytes();
     let stop = Arc::new(AtomicBool::new(false));
     let measure = Arc::new(AtomicBool::new(false));
     let beating = tokio::spawn(heartbeats(
@@ -462,12 +476,12 @@ async fn step(
     ));
 
     let files = load_blocks(&metadata, blocks, options.concurrency).await?;
-    let after_blocks = rss_bytes();
+    let after_blocks = heap_bytes();
     let job_ids = load_jobs(&metadata, jobs, options.concurrency).await?;
-    let after_jobs = rss_bytes();
+    let after_jobs = heap_bytes();
     let probe_job = job_ids.first().cloned().context("no job registered")?;
     load_shuffle(&metadata, &probe_job, maps, partitions, options.concurrency).await?;
-    let after_shuffle = rss_bytes();
+    let after_shuffle = heap_bytes();
     let load_seconds = loading.elapsed().as_secs_f64();
     eprintln!("  loaded in {load_seconds:.1} s; probing ...");
 
@@ -561,6 +575,7 @@ async fn step(
     stop.store(true, Ordering::Relaxed);
     let heartbeat_us = beating.await.context("the heartbeat task failed")??;
     let rss_end_bytes = rss_bytes();
+    let heap_end_bytes = heap_bytes();
 
     let log_bytes = dir_bytes(&dir, "wal-");
     drop(metadata);
@@ -585,6 +600,7 @@ async fn step(
         load_seconds,
         rss_baseline_bytes,
         rss_end_bytes,
+        heap_end_bytes,
         bytes_per_server: per(after_servers.saturating_sub(before), u64::from(servers)),
         bytes_per_block: per(after_blocks.saturating_sub(after_servers), blocks),
         bytes_per_job: per(after_jobs.saturating_sub(after_blocks), u64::from(jobs)),
@@ -685,7 +701,11 @@ pub fn print_table(report: &ScaleReport) {
         println!("raised: {line}");
     }
     if let Some(last) = report.steps.last() {
-        println!("rss at the end of the last step: {}", ByteSize(last.rss_end_bytes));
+        println!(
+            "at the end of the last step: rss {}, heap in use {}",
+            ByteSize(last.rss_end_bytes),
+            ByteSize(last.heap_end_bytes)
+        );
     }
 }
 
