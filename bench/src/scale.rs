@@ -88,7 +88,14 @@ pub struct ScaleStep {
     pub partitions: u32,
     /// Map x partition lengths committed (maps x partitions).
     pub committed_lengths: u64,
+    /// Registering the servers and loading everything below.
     pub load_seconds: f64,
+    /// Creating, allocating and sealing the blocks' files, `--concurrency` at once.
+    pub blocks_seconds: f64,
+    /// Registering the jobs, `--concurrency` at once.
+    pub jobs_seconds: f64,
+    /// Registering the shuffle and committing every map, `--concurrency` at once.
+    pub shuffle_seconds: f64,
     pub rss_baseline_bytes: u64,
     pub rss_end_bytes: u64,
     /// The allocator's bytes in use at the end of the step (see `heap_bytes`).
@@ -475,15 +482,23 @@ async fn step(
         measure.clone(),
     ));
 
+    let phase = Instant::now();
     let files = load_blocks(&metadata, blocks, options.concurrency).await?;
+    let blocks_seconds = phase.elapsed().as_secs_f64();
     let after_blocks = heap_bytes();
+    eprintln!("  {blocks} blocks in {blocks_seconds:.1} s");
+    let phase = Instant::now();
     let job_ids = load_jobs(&metadata, jobs, options.concurrency).await?;
+    let jobs_seconds = phase.elapsed().as_secs_f64();
     let after_jobs = heap_bytes();
+    eprintln!("  {jobs} jobs in {jobs_seconds:.1} s");
     let probe_job = job_ids.first().cloned().context("no job registered")?;
+    let phase = Instant::now();
     load_shuffle(&metadata, &probe_job, maps, partitions, options.concurrency).await?;
+    let shuffle_seconds = phase.elapsed().as_secs_f64();
     let after_shuffle = heap_bytes();
     let load_seconds = loading.elapsed().as_secs_f64();
-    eprintln!("  loaded in {load_seconds:.1} s; probing ...");
+    eprintln!("  a shuffle of {maps} x {partitions} registered and committed in {shuffle_seconds:.1} s; probing ...");
 
     // Probes, one kind after another, with the heartbeats going on.
     let (hb_sum0, hb_count0) = server_time(server.admin_addr(), "heartbeat").await?;
@@ -598,6 +613,9 @@ async fn step(
         partitions,
         committed_lengths: lengths,
         load_seconds,
+        blocks_seconds,
+        jobs_seconds,
+        shuffle_seconds,
         rss_baseline_bytes,
         rss_end_bytes,
         heap_end_bytes,
