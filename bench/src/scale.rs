@@ -13,7 +13,8 @@
 //!   earlier step freed and the allocator kept);
 //! - RPC latency p50/p99 of create+allocate+seal, allocate alone (placement), open,
 //!   register_shuffle, commit_map and heartbeat, each kind paced at `--probe-rate` per second, one
-//!   at a time, while the simulated servers heartbeat at `--heartbeat-rate` per second;
+//!   at a time, while the simulated servers heartbeat at `--heartbeat-rate` per second (open
+//!   loop, up to [`HEARTBEATS_IN_FLIGHT`] at once);
 //! - heartbeat processing time on the server (its own request-duration metric, scraped);
 //! - snapshot size and time: the server is stopped and started again on its directory, which
 //!   replays the snapshot and log and writes a fresh snapshot (the server has no RPC to ask for
@@ -262,10 +263,14 @@ async fn register_fleet(registry: &RegistryClient<Channel>, servers: u32, concur
     Ok(Fleet { ids, free_seqs })
 }
 
+/// Most heartbeats in flight at once: the rate is offered open loop (a slow reply does not delay
+/// the next beat) up to this bound, past which the driver waits and the achieved rate falls.
+const HEARTBEATS_IN_FLIGHT: usize = 32;
+
 /// Heartbeats round robin over the fleet at `rate` per second until `stop`; returns each
-/// heartbeat's latency (microseconds) taken while `measure` was set, and how many were sent then.
+/// heartbeat's latency (microseconds) taken while `measure` was set.
 async fn heartbeats(
-    mut registry: RegistryClient<Channel>,
+    registry: RegistryClient<Channel>,
     fleet: Arc<Fleet>,
     rate: f64,
     stop: Arc<AtomicBool>,
@@ -275,23 +280,43 @@ async fn heartbeats(
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut measured = Vec::new();
+    let mut in_flight = JoinSet::new();
     let mut next = 0usize;
+    let mut take = |done: Result<anyhow::Result<Option<f64>>, tokio::task::JoinError>| -> anyhow::Result<()> {
+        measured.extend(done.context("a heartbeat task failed")??);
+        Ok(())
+    };
     while !stop.load(Ordering::Relaxed) {
         ticks.tick().await;
+        while in_flight.len() >= HEARTBEATS_IN_FLIGHT {
+            if let Some(done) = in_flight.join_next().await {
+                take(done)?;
+            }
+        }
+        while let Some(done) = in_flight.try_join_next() {
+            take(done)?;
+        }
         let i = next % fleet.ids.len().max(1);
         next += 1;
         let Some(&server_id) = fleet.ids.get(i) else { break };
-        let freed = fleet.free_seqs[i].load(Ordering::Relaxed);
-        let started = Instant::now();
-        let reply = registry
-            .heartbeat(HeartbeatRequest { server_id, tiers: tiers(), freed_through_seq: freed, ..Default::default() })
-            .await?
-            .into_inner();
-        if measure.load(Ordering::Relaxed) {
-            measured.push(started.elapsed().as_secs_f64() * 1e6);
-        }
-        anyhow::ensure!(!reply.reregister, "the metadata server asked simulated server {server_id} to register again");
-        fleet.free_seqs[i].store(reply.free_seq, Ordering::Relaxed);
+        let (mut registry, fleet, measure) = (registry.clone(), fleet.clone(), measure.clone());
+        in_flight.spawn(async move {
+            let freed = fleet.free_seqs[i].load(Ordering::Relaxed);
+            let started = Instant::now();
+            let request =
+                HeartbeatRequest { server_id, tiers: tiers(), freed_through_seq: freed, ..Default::default() };
+            let reply = registry.heartbeat(request).await?.into_inner();
+            let us = measure.load(Ordering::Relaxed).then(|| started.elapsed().as_secs_f64() * 1e6);
+            anyhow::ensure!(
+                !reply.reregister,
+                "the metadata server asked simulated server {server_id} to register again"
+            );
+            fleet.free_seqs[i].fetch_max(reply.free_seq, Ordering::Relaxed);
+            Ok(us)
+        });
+    }
+    while let Some(done) = in_flight.join_next().await {
+        take(done)?;
     }
     Ok(measured)
 }
