@@ -41,6 +41,6 @@ fn tiny_steps_report_every_figure() {
         assert!(step["snapshot_bytes"].as_u64().unwrap() > 0, "no snapshot: {step}");
         assert!(step["restart_seconds"].as_f64().unwrap() > 0.0, "{step}");
     }
-    assert!(report["raised"].as_array().unwrap().iter().any(|r| r.as_str().unwrap().starts_with("max_jobs")));
+    assert!(report["raised"].as_array().unwrap().iter().any(|r| r.as_str().unwrap().starts_with("server_timeout_ms")));
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"), "--plot did not draw an SVG");
 }
