@@ -5,6 +5,7 @@
 pub mod core;
 pub mod harness;
 pub mod io;
+pub mod scale;
 // kill(2) on the cold-start benchmark's executor.
 #[allow(unsafe_code)]
 pub mod scheduler;

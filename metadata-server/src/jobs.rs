@@ -137,10 +137,13 @@ impl Jobs {
                 format!("{} jobs are live, the limit (max_jobs); end some first", self.max_jobs),
             ));
         }
-        if quota == Quota::Enforce {
-            let limit = self.quota(tenant).max_jobs;
+        let limit = self.quota(tenant).max_jobs;
+        // Counted only for a tenant with a quota: the count is a pass over every job, and made
+        // for every registration it made registering J jobs O(J^2) (`tern bench scale`: 40,000
+        // jobs took 74 s, 10,000 took 1.8 s).
+        if quota == Quota::Enforce && limit > 0 {
             let live = self.jobs.values().filter(|job| job.tenant == tenant).count() as u64;
-            if limit > 0 && live >= limit {
+            if live >= limit {
                 return Err(Refusal::new(
                     ErrorKind::QuotaExceeded,
                     format!("tenant {tenant}: jobs quota exceeded: limit {limit} jobs, {live} in use"),

@@ -9,6 +9,7 @@ mod common;
 mod admin;
 mod authz;
 mod bench_io;
+mod bench_scale;
 mod cli;
 mod durability;
 mod failures;

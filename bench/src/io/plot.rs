@@ -118,7 +118,7 @@ where
 }
 
 /// Plotters needs a font to lay out text; use the first common sans TTF on this machine.
-fn register_font() -> anyhow::Result<()> {
+pub(crate) fn register_font() -> anyhow::Result<()> {
     static REGISTERED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     REGISTERED
         .get_or_init(|| {
