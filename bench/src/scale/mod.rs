@@ -29,16 +29,20 @@ use anyhow::Context;
 use serde::Serialize;
 use tern_common::config::Serve;
 use tern_common::{percentile, ByteSize, SplitMix64};
+use tern_proto::identity::{ClusterSecret, Presenting, Presents};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::{
-    AllocateBlocksRequest, CommitMapRequest, CreateRequest, HeartbeatRequest, OpenRequest, RegisterJobRequest,
-    RegisterServerRequest, RegisterShuffleRequest, ReportInventoryRequest, SealRequest, TierUsage,
-    UnregisterShuffleRequest,
+    AllocateBlocksRequest, CommitMapRequest, CreateRequest, OpenRequest, RegisterJobRequest, RegisterShuffleRequest,
+    SealRequest, UnregisterShuffleRequest,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
+
+mod fleet;
+
+use fleet::{fleet_credentials, heartbeats, register_fleet};
 
 /// Blocks per file: one AllocateBlocks call at the server's batch limit.
 const BLOCKS_PER_FILE: u32 = 1024;
@@ -171,6 +175,15 @@ fn latency(mut us: Vec<f64>) -> Latency {
     Latency { p50_us: percentile(&us, 50.0), p99_us: percentile(&us, 99.0), samples: us.len() }
 }
 
+/// A Metadata client presenting what the caller holds (a job's token, or nothing).
+type Metadata = MetadataClient<Presenting<Channel>>;
+
+fn metadata_client(channel: Channel, presents: Presents) -> Metadata {
+    MetadataClient::with_interceptor(channel, presents)
+        .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
+}
+
 fn server_config(dir: &Path, servers: u32, jobs: u32, options: &ScaleOptions) -> (tern_metadata::Config, Vec<String>) {
     // Each simulated server heartbeats every servers / rate seconds: tell them so, and give a
     // timeout that a loaded 2-core machine cannot miss (the model measures, it does not test
@@ -208,121 +221,8 @@ fn server_config(dir: &Path, servers: u32, jobs: u32, options: &ScaleOptions) ->
     (config, raised)
 }
 
-fn tiers() -> Vec<TierUsage> {
-    vec![TierUsage {
-        tier: "dram".to_string(),
-        capacity_bytes: SERVER_CAPACITY_BLOCKS * u64::from(tern_proto::DEFAULT_BLOCK_SIZE),
-        capacity_blocks: SERVER_CAPACITY_BLOCKS,
-        ..Default::default()
-    }]
-}
-
-/// The simulated storage servers: their ids and the free sequence each last heard.
-struct Fleet {
-    ids: Vec<u64>,
-    free_seqs: Vec<std::sync::atomic::AtomicU64>,
-}
-
-async fn register_fleet(registry: &RegistryClient<Channel>, servers: u32, concurrency: usize) -> anyhow::Result<Fleet> {
-    let mut ids = vec![0u64; servers as usize];
-    let mut tasks = JoinSet::new();
-    let workers = concurrency.max(1) as u32;
-    for first in 0..workers.min(servers) {
-        let mut registry = registry.clone();
-        tasks.spawn(async move {
-            let mut got = Vec::new();
-            for i in (first..servers).step_by(workers as usize) {
-                let address = format!("10.{}.{}.{}:9070", (i >> 16) & 255, (i >> 8) & 255, i & 255);
-                let reply = registry
-                    .register_server(RegisterServerRequest {
-                        address,
-                        tiers: tiers(),
-                        instance_id: 1 + u64::from(i),
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                registry
-                    .report_inventory(ReportInventoryRequest {
-                        server_id: reply.server_id,
-                        last: true,
-                        ..Default::default()
-                    })
-                    .await?;
-                got.push((i, reply.server_id));
-            }
-            Ok::<_, tonic::Status>(got)
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        for (i, id) in done.context("a registering task failed")?? {
-            ids[i as usize] = id;
-        }
-    }
-    let free_seqs = ids.iter().map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
-    Ok(Fleet { ids, free_seqs })
-}
-
-/// Most heartbeats in flight at once: the rate is offered open loop (a slow reply does not delay
-/// the next beat) up to this bound, past which the driver waits and the achieved rate falls.
-const HEARTBEATS_IN_FLIGHT: usize = 32;
-
-/// Heartbeats round robin over the fleet at `rate` per second until `stop`; returns each
-/// heartbeat's latency (microseconds) taken while `measure` was set.
-async fn heartbeats(
-    registry: RegistryClient<Channel>,
-    fleet: Arc<Fleet>,
-    rate: f64,
-    stop: Arc<AtomicBool>,
-    measure: Arc<AtomicBool>,
-) -> anyhow::Result<Vec<f64>> {
-    let period = Duration::from_secs_f64(1.0 / rate.max(0.001));
-    let mut ticks = tokio::time::interval(period);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut measured = Vec::new();
-    let mut in_flight = JoinSet::new();
-    let mut next = 0usize;
-    let mut take = |done: Result<anyhow::Result<Option<f64>>, tokio::task::JoinError>| -> anyhow::Result<()> {
-        measured.extend(done.context("a heartbeat task failed")??);
-        Ok(())
-    };
-    while !stop.load(Ordering::Relaxed) {
-        ticks.tick().await;
-        while in_flight.len() >= HEARTBEATS_IN_FLIGHT {
-            if let Some(done) = in_flight.join_next().await {
-                take(done)?;
-            }
-        }
-        while let Some(done) = in_flight.try_join_next() {
-            take(done)?;
-        }
-        let i = next % fleet.ids.len().max(1);
-        next += 1;
-        let Some(&server_id) = fleet.ids.get(i) else { break };
-        let (mut registry, fleet, measure) = (registry.clone(), fleet.clone(), measure.clone());
-        in_flight.spawn(async move {
-            let freed = fleet.free_seqs[i].load(Ordering::Relaxed);
-            let started = Instant::now();
-            let request =
-                HeartbeatRequest { server_id, tiers: tiers(), freed_through_seq: freed, ..Default::default() };
-            let reply = registry.heartbeat(request).await?.into_inner();
-            let us = measure.load(Ordering::Relaxed).then(|| started.elapsed().as_secs_f64() * 1e6);
-            anyhow::ensure!(
-                !reply.reregister,
-                "the metadata server asked simulated server {server_id} to register again"
-            );
-            fleet.free_seqs[i].fetch_max(reply.free_seq, Ordering::Relaxed);
-            Ok(us)
-        });
-    }
-    while let Some(done) = in_flight.join_next().await {
-        take(done)?;
-    }
-    Ok(measured)
-}
-
 /// Creates `files` files of [`BLOCKS_PER_FILE`] blocks (the last one the remainder), sealed.
-async fn load_blocks(metadata: &MetadataClient<Channel>, blocks: u64, concurrency: usize) -> anyhow::Result<u64> {
+async fn load_blocks(metadata: &Metadata, blocks: u64, concurrency: usize) -> anyhow::Result<u64> {
     let files = blocks.div_ceil(u64::from(BLOCKS_PER_FILE));
     let block_size = u64::from(tern_proto::DEFAULT_BLOCK_SIZE);
     let workers = concurrency.max(1) as u64;
@@ -349,7 +249,8 @@ async fn load_blocks(metadata: &MetadataClient<Channel>, blocks: u64, concurrenc
     Ok(files)
 }
 
-async fn load_jobs(metadata: &MetadataClient<Channel>, jobs: u32, concurrency: usize) -> anyhow::Result<Vec<String>> {
+/// Registers `jobs` jobs; their ids, and each one's token.
+async fn load_jobs(metadata: &Metadata, jobs: u32, concurrency: usize) -> anyhow::Result<Vec<(String, String)>> {
     let workers = concurrency.max(1) as u32;
     let mut tasks = JoinSet::new();
     for first in 0..workers.min(jobs) {
@@ -364,7 +265,8 @@ async fn load_jobs(metadata: &MetadataClient<Channel>, jobs: u32, concurrency: u
                         ..Default::default()
                     })
                     .await?;
-                ids.push(reply.into_inner().job_id);
+                let reply = reply.into_inner();
+                ids.push((reply.job_id, reply.token));
             }
             Ok::<_, tonic::Status>(ids)
         });
@@ -378,7 +280,7 @@ async fn load_jobs(metadata: &MetadataClient<Channel>, jobs: u32, concurrency: u
 
 /// Registers a shuffle of `maps` x `partitions` under `job` and commits every map.
 async fn load_shuffle(
-    metadata: &MetadataClient<Channel>,
+    metadata: &Metadata,
     job: &str,
     maps: u32,
     partitions: u32,
@@ -484,18 +386,18 @@ async fn step(
     let server = tern_metadata::start(config.clone()).await?;
     let url = format!("http://{}", server.addr());
     let channel = Channel::from_shared(url)?.connect().await?;
-    let metadata = MetadataClient::new(channel.clone())
-        .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
-        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
-    let registry = RegistryClient::new(channel);
+    let metadata = metadata_client(channel.clone(), Presents::default());
+    let registry = RegistryClient::new(channel.clone());
+    let secret = ClusterSecret::load(&dir.join("cluster.secret")).map_err(|e| anyhow::anyhow!("{e}"))?;
     eprintln!(
         "step: {servers} servers, {blocks} blocks, {jobs} jobs, a shuffle of {maps} x {partitions} (dir {})",
         dir.display()
     );
     let loading = Instant::now();
 
+    let credentials = fleet_credentials(&secret, servers)?;
     let before = heap_bytes();
-    let fleet = Arc::new(register_fleet(&registry, servers, options.concurrency).await?);
+    let fleet = Arc::new(register_fleet(&registry, credentials, servers, options.concurrency).await?);
     let after_servers = heap_bytes();
     let stop = Arc::new(AtomicBool::new(false));
     let measure = Arc::new(AtomicBool::new(false));
@@ -517,9 +419,12 @@ async fn step(
     let jobs_seconds = phase.elapsed().as_secs_f64();
     let after_jobs = heap_bytes();
     eprintln!("  {jobs} jobs in {jobs_seconds:.1} s");
-    let probe_job = job_ids.first().cloned().context("no job registered")?;
+    let (probe_job, probe_token) = job_ids.first().cloned().context("no job registered")?;
+    // The probe job's shuffle calls present its token, as its tasks would.
+    let presents = Presents::job_token(&probe_token).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let job_metadata = metadata_client(channel, presents);
     let phase = Instant::now();
-    load_shuffle(&metadata, &probe_job, maps, partitions, options.concurrency).await?;
+    load_shuffle(&job_metadata, &probe_job, maps, partitions, options.concurrency).await?;
     let shuffle_seconds = phase.elapsed().as_secs_f64();
     let after_shuffle = heap_bytes();
     let load_seconds = loading.elapsed().as_secs_f64();
@@ -562,7 +467,7 @@ async fn step(
     })
     .await?;
     let register = paced(options.samples, options.probe_rate, |_| {
-        let mut m = metadata.clone();
+        let mut m = job_metadata.clone();
         let job_id = probe_job.clone();
         async move {
             let started = Instant::now();
@@ -579,11 +484,11 @@ async fn step(
     })
     .await?;
     let (register, probe_shuffles): (Vec<f64>, Vec<u64>) = register.into_iter().unzip();
-    let mut unregister = metadata.clone();
+    let mut unregister = job_metadata.clone();
     for shuffle_id in probe_shuffles {
         unregister.unregister_shuffle(UnregisterShuffleRequest { shuffle_id }).await?;
     }
-    let commit_shuffle = metadata
+    let commit_shuffle = job_metadata
         .clone()
         .register_shuffle(RegisterShuffleRequest {
             job_id: probe_job.clone(),
@@ -595,7 +500,7 @@ async fn step(
         .into_inner()
         .shuffle_id;
     let commit = paced(options.samples, options.probe_rate, |i| {
-        let mut m = metadata.clone();
+        let mut m = job_metadata.clone();
         async move {
             let started = Instant::now();
             m.commit_map(CommitMapRequest {
@@ -618,7 +523,7 @@ async fn step(
     let heap_end_bytes = heap_bytes();
 
     let log_bytes = dir_bytes(&dir, "wal-");
-    drop(metadata);
+    drop((metadata, job_metadata));
     drop(registry);
     server.shutdown().await;
     let restarting = Instant::now();
