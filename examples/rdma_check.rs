@@ -234,12 +234,16 @@ async fn before(metadata: &str, block: usize, servers: &Servers) -> anyhow::Resu
     };
     let refused_right = refused.as_ref().is_some_and(|e| e.kind() == ErrorKind::PermissionDenied);
     check(refused_right, &format!("cross-job read refused by the client (got {refused:?})"))?;
-    // The storage server refuses it too, over RDMA: the stranger's own token bound, then a Read
-    // of keep's block with keep's grant (which stat hands anyone).
+    // The control plane does not tell the stranger where keep's blocks are ...
+    let refused = stranger.stat_with_blocks(&format!("/jobs/keep/f{block}"), true).await.err();
+    let refused_right = refused.as_ref().is_some_and(|e| e.kind() == ErrorKind::PermissionDenied);
+    check(refused_right, &format!("cross-job stat refused by the metadata server (got {refused:?})"))?;
+    // ... and should it learn them anyway (here from keep's owner), the storage server refuses it
+    // too, over RDMA: the stranger's own token bound, then a Read of keep's block with keep's grant.
     // A block of keep's on a server that serves RDMA (not the one started with rdma=off).
     let mut target = None;
     for len in [1, block - 1, block, block + 1, 3 * block + 7] {
-        let (_, blocks) = stranger.stat_with_blocks(&format!("/jobs/keep/f{len}"), true).await?;
+        let (_, blocks) = owner.stat_with_blocks(&format!("/jobs/keep/f{len}"), true).await?;
         target = blocks.into_iter().map(|(b, _)| b).find(|b| b.address != NO_RDMA_SERVER);
         if target.is_some() {
             break;

@@ -135,7 +135,8 @@ for n in $(echo "${ORDER:-123}" | sed 's/./& /g'); do
     rdma=on; [ "$n" = 3 ] && rdma=off
     tern storage-server --listen 10.77.0.1:907$(( 2 * n - 2 )) --admin 127.0.0.1:907$(( 2 * n - 1 )) \
         --trusted-network --metadata 127.0.0.1:9060 --dram 96MiB --set rdma=$rdma --set prefault=false \
-        --set huge_pages=false --set drain_grace_ms=0 >/tmp/s$n.log 2>&1 &
+        --set huge_pages=false --set drain_grace_ms=0 --set cluster_secret_file=/data/meta/cluster.secret \
+        >/tmp/s$n.log 2>&1 &
     [ "$n" = 1 ] && S1=$!
     for i in $(seq 1 60); do grep -q "listening on" /tmp/s$n.log && break; sleep 1; done
     grep -q "listening on" /tmp/s$n.log || { cat /tmp/meta.log /tmp/s$n.log; verdict "FAIL storage server $n did not start"; }
