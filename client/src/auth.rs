@@ -92,7 +92,7 @@ impl Tokens {
 }
 
 /// The metadata channel, with the caller's headers on every call.
-pub(crate) type Calls = tonic::service::interceptor::InterceptedService<tonic::transport::Channel, CallerHeaders>;
+pub(crate) type Calls = tonic::service::interceptor::InterceptedService<crate::leader::Failover, CallerHeaders>;
 
 /// Adds the credential and the job tokens held to each call.
 #[derive(Clone)]
@@ -115,11 +115,7 @@ impl tonic::service::Interceptor for CallerHeaders {
 }
 
 /// `channel` with [`CallerHeaders`]; a credential that cannot be a header is refused.
-pub(crate) fn calls(
-    channel: tonic::transport::Channel,
-    credential: Option<&str>,
-    tokens: Arc<Tokens>,
-) -> Result<Calls> {
+pub(crate) fn calls(channel: crate::leader::Failover, credential: Option<&str>, tokens: Arc<Tokens>) -> Result<Calls> {
     let credential = credential
         .map(|text| text.trim().parse().map_err(|_| Error::invalid("the credential is not one line of printable text")))
         .transpose()?;

@@ -51,6 +51,8 @@ pub enum Needs {
     SetMode { server: String, mode: i32 },
     /// An operator.
     Admin,
+    /// Another metadata server of this cluster (the Raft service): a `metadata` credential.
+    Metadata,
 }
 
 /// A caller: who it is, and the job tokens it presented.
@@ -129,6 +131,21 @@ impl Authz {
         }
     }
 
+    /// Ok when `caller` is one of the cluster's metadata servers (the Raft service: no state).
+    pub fn decide_alone(
+        &self,
+        method: &'static str,
+        caller: &Caller,
+        needs: &Needs,
+        now: Instant,
+    ) -> Result<(), Status> {
+        if *needs == Needs::Metadata && caller.identity.role == Role::Metadata {
+            return Ok(());
+        }
+        let what = "only the cluster's metadata servers (a metadata credential) may do this".to_string();
+        Err(self.refuse(method, &caller.identity, Lacks { reason: "not_metadata", what }, now))
+    }
+
     fn refuse(&self, method: &'static str, identity: &Identity, lacks: Lacks, now: Instant) -> Status {
         self.refused.get_or_create(&[("method", method), ("reason", lacks.reason)]).inc();
         let message = format!("permission denied: {method} by {identity}: {}", lacks.what);
@@ -168,6 +185,11 @@ fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
         Needs::Admin => {
             Err(Lacks { reason: "not_admin", what: "only an operator (an admin credential) may do this".into() })
         }
+        Needs::Metadata if identity.role == Role::Metadata => Ok(()),
+        Needs::Metadata => Err(Lacks {
+            reason: "not_metadata",
+            what: "only the cluster's metadata servers (a metadata credential) may do this".into(),
+        }),
         _ if admin && job_needs(needs) => Ok(()),
         Needs::Path(raw) => path_owner(caller, raw, state),
         Needs::Paths(from, to) => path_owner(caller, from, state).and_then(|()| path_owner(caller, to, state)),

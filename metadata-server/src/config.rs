@@ -77,6 +77,42 @@ pub struct Config {
     pub cluster_secret_file: Option<PathBuf>,
     /// Quotas per tenant, `[tenants.<name>]` tables; a tenant not listed is unlimited.
     pub tenants: BTreeMap<String, TenantQuota>,
+    /// The replicas of a replicated metadata service (Raft, `raft/`), each `"ID=HOST:PORT"` (the
+    /// gRPC address the others reach it at), this server's own among them (`node_id`). Empty:
+    /// one replica, the write-ahead log alone.
+    pub peers: Vec<String>,
+    /// This server's id among `peers` (ignored without peers).
+    pub node_id: u64,
+}
+
+/// Most replicas of one metadata cluster.
+pub const MAX_PEERS: usize = 7;
+
+impl Config {
+    /// The peers as (id, address), checked: ids unique and non-zero, this node among them.
+    pub fn peer_map(&self) -> anyhow::Result<BTreeMap<u64, String>> {
+        let mut peers = BTreeMap::new();
+        if self.peers.len() > MAX_PEERS {
+            bail!("peers lists {} replicas; at most {MAX_PEERS}", self.peers.len());
+        }
+        for peer in &self.peers {
+            let Some((id, addr)) = peer.split_once('=') else {
+                bail!("peers entry {peer:?} is not ID=HOST:PORT");
+            };
+            let id: u64 =
+                id.trim().parse().map_err(|_| anyhow::anyhow!("peers entry {peer:?}: {id:?} is not an id"))?;
+            if id == 0 || addr.trim().is_empty() {
+                bail!("peers entry {peer:?}: ids start at 1 and the address may not be empty");
+            }
+            if peers.insert(id, addr.trim().to_string()).is_some() {
+                bail!("peers lists id {id} twice");
+            }
+        }
+        if !peers.is_empty() && !peers.contains_key(&self.node_id) {
+            bail!("node_id = {} is not among peers ({})", self.node_id, self.peers.join(", "));
+        }
+        Ok(peers)
+    }
 }
 
 /// One tenant's quotas; 0 (the default of each) means unlimited.
@@ -117,6 +153,8 @@ impl Default for Config {
             max_message_size: ByteSize(tern_proto::MAX_GRPC_MESSAGE_BYTES as u64),
             cluster_secret_file: None,
             tenants: BTreeMap::new(),
+            peers: Vec::new(),
+            node_id: 0,
         }
     }
 }
@@ -124,6 +162,7 @@ impl Default for Config {
 impl Config {
     /// Refuses values the server cannot run with, naming the key and the accepted range.
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.peer_map()?;
         let block_size = self.block_size.bytes();
         let (min, max) = (u64::from(tern_proto::MIN_BLOCK_SIZE), u64::from(tern_proto::MAX_BLOCK_SIZE));
         if !block_size.is_power_of_two() || !(min..=max).contains(&block_size) {

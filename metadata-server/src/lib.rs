@@ -34,6 +34,7 @@ mod metrics;
 mod namespace;
 mod path;
 mod planner;
+mod raft;
 mod server;
 mod servers;
 mod service;

@@ -20,7 +20,7 @@ use tracing::{error, info, warn};
 use crate::config::Config;
 use crate::dirlock::DirLock;
 use crate::metrics::Metrics;
-use crate::service::Service;
+use crate::service::{Log, Service};
 use crate::state::State;
 use crate::wal::{self, Wal};
 
@@ -37,6 +37,8 @@ pub struct MetadataServer {
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     readiness: Readiness,
+    /// A replicated server's Raft node, stopped at shutdown (or it would go on voting).
+    replica: Option<Arc<crate::raft::Replica>>,
     _lock: DirLock,
 }
 
@@ -49,13 +51,22 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         grpc = grpc.tls_config(tls.tonic_server()).with_context(|| format!("gRPC TLS from {}", dir.display()))?;
     }
     let lock = DirLock::acquire(&config.dir, "metadata server")?;
-    let (state, wal) = recover(&config)?;
-    let state = Arc::new(Mutex::new(state));
-    let wal = Arc::new(wal);
+    let secret = crate::keyfile::cluster_secret(&config)?;
+    let (state, log) = if crate::raft::replicated(&config) {
+        if config.serve.tls_dir.is_some() {
+            anyhow::bail!("peers with tls_dir: Raft between metadata servers over TLS is not built yet");
+        }
+        let (replica, state) = crate::raft::Replica::start(&config, RealFs::shared(), &secret)
+            .await
+            .with_context(|| format!("starting the Raft node in {}", crate::raft::dir(&config).display()))?;
+        (state, Log::Raft(replica))
+    } else {
+        let (state, wal) = recover(&config)?;
+        (Arc::new(Mutex::new(state)), Log::Wal(Arc::new(wal)))
+    };
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry, state.clone());
-    let secret = crate::keyfile::cluster_secret(&config)?;
-    let authz = crate::authz::Authz::new(secret, &mut registry);
+    let authz = Arc::new(crate::authz::Authz::new(secret, &mut registry));
     let refused = prometheus_client::metrics::counter::Counter::default();
     registry.register(
         "tern_metadata_connections_refused",
@@ -76,7 +87,11 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "metadata-server", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
-    let service = Arc::new(Service::new(state.clone(), wal.clone(), metrics, authz));
+    let raft = match &log {
+        Log::Raft(replica) => crate::raft::RaftService::new(Some(replica.raft.clone()), authz.clone()),
+        Log::Wal(_) => crate::raft::RaftService::new(None, authz.clone()),
+    };
+    let service = Arc::new(Service::new(state.clone(), log.clone(), metrics, authz));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
     let snapshots = Snapshots {
         dir: config.dir.clone(),
@@ -87,15 +102,22 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         readiness.subscribe(),
         &[metadata_server::SERVICE_NAME, registry_server::SERVICE_NAME, admin_server::SERVICE_NAME],
     );
-    let tasks = vec![
-        tokio::spawn(serve(grpc, listener, service, health, limits, stopped.clone())),
-        tokio::spawn(watch_log(wal.clone(), readiness.clone(), stopped.clone())),
-        tokio::spawn(reap(state.clone(), wal.clone(), reap_period, stopped.clone())),
-        tokio::spawn(snapshot_loop(state, wal, snapshots, stopped)),
+    let replica = match &log {
+        Log::Raft(replica) => Some(replica.clone()),
+        Log::Wal(_) => None,
+    };
+    let mut tasks = vec![
+        tokio::spawn(serve(grpc, listener, service, raft, health, limits, stopped.clone())),
+        tokio::spawn(reap(state.clone(), log.clone(), reap_period, stopped.clone())),
     ];
+    if let Log::Wal(wal) = log {
+        // A replicated server's snapshots are openraft's (`raft/store.rs`).
+        tasks.push(tokio::spawn(watch_log(wal.clone(), readiness.clone(), stopped.clone())));
+        tasks.push(tokio::spawn(snapshot_loop(state, wal, snapshots, stopped)));
+    }
     // The log is open and writable and the service bound: clients may come.
     readiness.ready();
-    Ok(MetadataServer { addr, admin_addr, stop, tasks, readiness, _lock: lock })
+    Ok(MetadataServer { addr, admin_addr, stop, tasks, readiness, replica, _lock: lock })
 }
 
 /// Runs a metadata server until SIGINT or SIGTERM.
@@ -133,6 +155,11 @@ impl MetadataServer {
     pub async fn shutdown(self) {
         self.readiness.not_ready("shutting down");
         let _ = self.stop.send(true);
+        if let Some(replica) = &self.replica {
+            if let Err(e) = replica.raft.shutdown().await {
+                warn!("stopping the Raft node: {e}");
+            }
+        }
         let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         for mut task in self.tasks {
             match tokio::time::timeout_at(deadline, &mut task).await {
@@ -159,6 +186,7 @@ async fn serve(
     mut grpc: tonic::transport::Server,
     listener: tokio::net::TcpListener,
     service: Arc<Service>,
+    raft: crate::raft::RaftService,
     health: tern_proto::health::HealthServer<impl tern_proto::health::Health>,
     limits: GrpcLimits,
     mut stopped: watch::Receiver<bool>,
@@ -171,11 +199,15 @@ async fn serve(
     let admin = AdminService::from_arc(service).max_decoding_message_size(limit).max_encoding_message_size(limit);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let incoming = crate::conn_limit::limit(incoming, limits.max_connections, limits.refused);
+    let raft = tern_proto::v1::raft_server::RaftServer::new(raft)
+        .max_decoding_message_size(limit)
+        .max_encoding_message_size(limit);
     let result = grpc
         .add_service(metadata)
         .add_service(registry)
         .add_service(admin)
         .add_service(health)
+        .add_service(raft)
         .serve_with_incoming_shutdown(incoming, async move {
             // Stop when told to, or when the MetadataServer handle is dropped.
             let _ = stopped.wait_for(|&stop| stop).await;
@@ -203,9 +235,14 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
     let recovered = wal::recover(&*fs, &config.dir)
         .with_context(|| format!("recovering the metadata state in {}", config.dir.display()))?;
     let mut state = State::new(config, now);
-    state.set_key(crate::keyfile::load_or_create(&config.dir)?);
     // Every record replays at this one time: what each needs of the wall clock it carries.
     state.restore(&recovered.records, now)?;
+    if !state.key_logged() {
+        // A log from before the key was logged, or a fresh one: the key file's key (made now
+        // if there is none) becomes the logged one; the snapshot below carries it.
+        state.log_key(&crate::keyfile::load_or_create(&config.dir)?, now).map_err(|s| anyhow::anyhow!("{s}"))?;
+        state.take_journal();
+    }
     let snapshot = state.snapshot(now);
     let bytes = wal::write_snapshot(&*fs, &config.dir, recovered.next_seq, &snapshot)?;
     if !recovered.records.is_empty() {
@@ -228,15 +265,21 @@ fn recover(config: &Config) -> anyhow::Result<(State, Wal)> {
 
 /// Ends lapsed jobs and declares silent servers dead, every `period`.
 #[expect(clippy::disallowed_methods, reason = "the edge: each reap pass reads the clock once and passes it in")]
-async fn reap(state: Arc<Mutex<State>>, wal: Arc<Wal>, period: Duration, mut stopped: watch::Receiver<bool>) {
+async fn reap(state: Arc<Mutex<State>>, log: Log, period: Duration, mut stopped: watch::Receiver<bool>) {
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = ticks.tick() => {
                 let mut state = state.lock();
+                // Only the serving leader of a replicated service reaps: its changes are proposed.
+                if let Log::Raft(replica) = &log {
+                    if replica.check_serving().is_err() {
+                        continue;
+                    }
+                }
                 state.reap(Now::read());
-                wal.append(&state.take_journal());
+                log.append(state.take_journal());
             }
             _ = stopped.wait_for(|&stop| stop) => return,
         }

@@ -24,19 +24,46 @@ use tonic::{Request, Response, Status};
 
 use crate::authz::{Authz, Needs};
 use crate::metrics::Metrics;
+use crate::raft::Replica;
 use crate::state::State;
 use crate::wal::Wal;
 
+/// Where a call's changes go to become durable: the write-ahead log of a single server, or the
+/// Raft log of a replicated one (`crate::raft`: committed on a majority).
+#[derive(Debug, Clone)]
+pub enum Log {
+    Wal(Arc<Wal>),
+    Raft(Arc<Replica>),
+}
+
+impl Log {
+    /// Hands `changes` on (under the state's lock); the ticket to wait for.
+    pub fn append(&self, changes: Vec<tern_proto::v1::LogRecord>) -> u64 {
+        match self {
+            Log::Wal(wal) => wal.append(&changes),
+            Log::Raft(replica) => replica.propose(changes),
+        }
+    }
+
+    /// Waits until `ticket` is durable (a majority's, for Raft; a read confirms the leadership).
+    pub async fn wait(&self, ticket: u64, read: bool) -> Result<(), String> {
+        match self {
+            Log::Wal(wal) => wal.wait(ticket).await.map_err(|e| e.to_string()),
+            Log::Raft(replica) => replica.wait(ticket, read).await,
+        }
+    }
+}
+
 pub struct Service {
     state: Arc<Mutex<State>>,
-    wal: Arc<Wal>,
+    log: Log,
     metrics: Metrics,
-    authz: Authz,
+    authz: Arc<Authz>,
 }
 
 impl Service {
-    pub fn new(state: Arc<Mutex<State>>, wal: Arc<Wal>, metrics: Metrics, authz: Authz) -> Service {
-        Service { state, wal, metrics, authz }
+    pub fn new(state: Arc<Mutex<State>>, log: Log, metrics: Metrics, authz: Arc<Authz>) -> Service {
+        Service { state, log, metrics, authz }
     }
 
     /// Serves one call: who the caller is, whether `needs` allows it, then `op` on the state.
@@ -55,16 +82,27 @@ impl Service {
                 let needs = needs(request.get_ref());
                 let req = request.into_inner();
                 let mut state = self.state.lock();
-                let result = self
-                    .authz
-                    .decide(method, &caller, &needs, &state, now.instant)
-                    .and_then(|()| op(&mut state, now, req));
-                let changes = state.take_journal();
-                (result, Some(self.wal.append(&changes)))
+                let serving = match &self.log {
+                    Log::Raft(replica) => replica.check_serving(),
+                    Log::Wal(_) => Ok(()),
+                };
+                match serving {
+                    // Not the leader: nothing was looked at, nothing to wait for.
+                    Err(refused) => (Err(refused), None),
+                    Ok(()) => {
+                        let result = self
+                            .authz
+                            .decide(method, &caller, &needs, &state, now.instant)
+                            .and_then(|()| op(&mut state, now, req));
+                        let changes = state.take_journal();
+                        let read = changes.is_empty();
+                        (result, Some((self.log.append(changes), read)))
+                    }
+                }
             }
         };
-        if let Some(lsn) = lsn {
-            if let Err(why) = self.wal.wait(lsn).await {
+        if let Some((lsn, read)) = lsn {
+            if let Err(why) = self.log.wait(lsn, read).await {
                 result = Err(ErrorKind::Internal.status(format!(
                     "{method}: the metadata log cannot be written, so nothing is acknowledged: {why}"
                 )));

@@ -53,8 +53,8 @@ pub struct State {
     servers: Servers,
     jobs: Jobs,
     shuffles: Shuffles,
-    /// Signs job tokens and grants (kept in the server's directory: `keyfile`).
-    key: TokenKey,
+    /// Signs job tokens and grants; `true` once a log record carries it (`key`: replicated).
+    key: (TokenKey, bool),
     /// Changes committed since the caller last took them, for the write-ahead log.
     journal: Vec<LogRecord>,
     /// Each storage server's last report of its shuffles' bytes, by job (not logged: the next
@@ -84,18 +84,13 @@ impl State {
                 config.max_jobs as usize,
             )
             .with_quotas(config.tenants.clone(), config.block_size_bytes()),
-            key: TokenKey::generate(),
+            key: (TokenKey::generate(), false),
             // Shuffle ids start from the clock, so they stay unique across restarts of this server.
             shuffles: Shuffles::new(ShuffleId::first_at(now.unix_ms)),
             journal: Vec::new(),
             shuffle_usage: HashMap::new(),
             copies: Copies::new(config.copy_rate.0, now.instant),
         }
-    }
-
-    /// Signs tokens and grants with `key` from now on (the server's persisted key).
-    pub fn set_key(&mut self, key: TokenKey) {
-        self.key = key;
     }
 
     /// The serial of the principal owning `path`: its job's, or the volume principal's outside
@@ -109,7 +104,7 @@ impl State {
 
     fn with_grants(&self, mut locations: Vec<BlockLocation>, serial: u64) -> Vec<BlockLocation> {
         for location in &mut locations {
-            location.grant = self.key.grant(GrantKind::Block, location.block_id, serial).to_vec();
+            location.grant = self.key.0.grant(GrantKind::Block, location.block_id, serial).to_vec();
         }
         locations
     }
@@ -120,7 +115,7 @@ impl State {
             return String::new();
         };
         let expires = now.unix_ms.saturating_add(left.as_millis() as u64);
-        self.key.issue(job, serial, expires, lease.as_millis() as u64).to_text()
+        self.key.0.issue(job, serial, expires, lease.as_millis() as u64).to_text()
     }
 
     /// Ok when `token` is a token of job `job`'s current registration signed by this server (it
@@ -132,7 +127,7 @@ impl State {
             return Err(refuse(format!("no token given: only the holder of job {job}'s token may {what} it")));
         }
         let token = JobToken::from_text(token).map_err(|e| Refusal::new(e.kind(), e.to_string()).status(&context))?;
-        self.key.verify(&token).map_err(|e| refuse(e.to_string()))?;
+        self.key.0.verify(&token).map_err(|e| refuse(e.to_string()))?;
         let Some(serial) = self.jobs.serial(job) else {
             return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
         };
@@ -496,7 +491,7 @@ impl State {
             planner::place_segments(&loads, req.partitions as usize, &[], registration.replicas).context(&context)?;
         let mut response = Shuffles::first_segments(registration, &firsts, &self.servers).context(&context)?;
         let serial = self.jobs.serial(&req.job_id).unwrap_or(u64::MAX);
-        response.grant = self.key.grant(GrantKind::Shuffle, response.shuffle_id, serial).to_vec();
+        response.grant = self.key.0.grant(GrantKind::Shuffle, response.shuffle_id, serial).to_vec();
         let record = registration_record(registration.shuffle_id, req, registration.split_size_bytes, &firsts);
         self.commit(Change::RegisterShuffle(record), now).context(&context)?;
         Ok(response)
@@ -541,7 +536,7 @@ impl State {
         let context = format!("locate shuffle {}", req.shuffle_id);
         let mut response = self.shuffles.locate(&req, &self.servers).context(context)?;
         let serial = self.jobs.serial(&response.job_id).unwrap_or(u64::MAX);
-        response.grant = self.key.grant(GrantKind::Shuffle, req.shuffle_id, serial).to_vec();
+        response.grant = self.key.0.grant(GrantKind::Shuffle, req.shuffle_id, serial).to_vec();
         Ok(response)
     }
 
@@ -603,7 +598,7 @@ impl State {
             server_id: server_id.get(),
             block_size: self.block_size,
             heartbeat_interval_ms: self.heartbeat_interval.as_millis() as u64,
-            token_key: self.key.as_bytes().to_vec(),
+            token_key: self.key.0.as_bytes().to_vec(),
         })
     }
 
@@ -894,6 +889,7 @@ mod access;
 mod commit;
 mod copying;
 mod durable;
+mod key;
 mod lost;
 mod quota;
 

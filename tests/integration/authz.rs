@@ -10,6 +10,7 @@ use std::time::Duration;
 use tern_proto::identity::{ClusterSecret, Identity, Presenting, Presents, Role};
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::metadata_client::MetadataClient;
+use tern_proto::v1::raft_client::RaftClient;
 use tern_proto::v1::registry_client::RegistryClient;
 use tern_proto::v1::*;
 use tern_proto::ErrorKind;
@@ -52,6 +53,8 @@ fn allowed(rpc: &str) -> &'static [Kind] {
         }
         "RegisterServer" | "Heartbeat" | "ReportInventory" => &[Server],
         "SetServerMode" | "Admin.EndJob" => &[Admin],
+        // Between metadata servers only (a `metadata` credential, which no kind here holds).
+        "AppendEntries" | "Vote" | "InstallSnapshot" => &[],
         other => {
             panic!("RPC {other} is not in the authorization table (tests/integration/authz.rs and ARCHITECTURE.md)")
         }
@@ -85,6 +88,7 @@ struct Caller {
     metadata: MetadataClient<Presenting<Channel>>,
     registry: RegistryClient<Presenting<Channel>>,
     admin: AdminClient<Presenting<Channel>>,
+    raft: RaftClient<Presenting<Channel>>,
     /// The job token it holds, if any, as text.
     token: Option<String>,
 }
@@ -161,7 +165,8 @@ impl Fixture {
         Caller {
             metadata: MetadataClient::with_interceptor(self.channel.clone(), presents.clone()),
             registry: RegistryClient::with_interceptor(self.channel.clone(), presents.clone()),
-            admin: AdminClient::with_interceptor(self.channel.clone(), presents),
+            admin: AdminClient::with_interceptor(self.channel.clone(), presents.clone()),
+            raft: RaftClient::with_interceptor(self.channel.clone(), presents),
             token,
         }
     }
@@ -281,6 +286,9 @@ impl Fixture {
                 caller.admin.set_server_mode(ask).await.map(drop)
             }
             "Admin.EndJob" => caller.admin.end_job(AdminEndJobRequest { job_id: target.job.clone() }).await.map(drop),
+            "AppendEntries" => caller.raft.append_entries(RaftMessage::default()).await.map(drop),
+            "Vote" => caller.raft.vote(RaftMessage::default()).await.map(drop),
+            "InstallSnapshot" => caller.raft.install_snapshot(RaftMessage::default()).await.map(drop),
             other => panic!("no call for RPC {other}"),
         };
         done

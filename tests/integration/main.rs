@@ -19,6 +19,7 @@ mod monitoring;
 mod multihost;
 mod ops;
 mod quic;
+mod replicated_metadata;
 mod replication;
 mod same_host;
 mod scheduler;

@@ -218,6 +218,7 @@ impl State {
                 self.servers.raise_counters(ServerId::from_wire(log.next_server_id), log.next_block_id);
                 self.shuffles.raise_next_shuffle_id(ShuffleId::from_wire(log.next_shuffle_id));
             }
+            Change::TokenKey(log) => self.apply_key(log)?,
         }
         Ok(applied)
     }

@@ -284,7 +284,7 @@ impl State {
     /// its job's token.
     pub(super) fn hand_out_copies(&mut self, server_id: ServerId, now: Now) -> (Vec<CopyBlock>, Vec<CopySegment>) {
         let (servers, namespace, jobs, key, shuffles) =
-            (&self.servers, &self.namespace, &self.jobs, &self.key, &self.shuffles);
+            (&self.servers, &self.namespace, &self.jobs, &self.key.0, &self.shuffles);
         // The owner's serial and a fresh token: a job's, or the volume principal's (no token).
         let credentials = |job: Option<&str>| match job.and_then(|job| Some((job, jobs.lease_of(job, now.instant)?))) {
             Some((job, (serial, lease, left))) => {

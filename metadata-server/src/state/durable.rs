@@ -49,6 +49,7 @@ impl State {
             next_server_id: next_server_id.get(),
             next_shuffle_id: self.shuffles.next_shuffle_id().get(),
         }));
+        changes.extend(self.key_record());
         changes.extend(self.servers.identities().into_iter().map(Change::Server));
         changes.extend(self.servers.modes(now).into_iter().map(Change::ServerMode));
         let mut records: Vec<LogRecord> =

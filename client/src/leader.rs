@@ -1,0 +1,151 @@
+//! Finding the leader of a replicated metadata service: the client's gRPC channel over several
+//! metadata addresses (`--metadata a,b,c`). A call answered `not the leader; the leader is ADDR`
+//! is sent again to ADDR; a call that cannot reach its server goes to the next address. Each
+//! call makes at most [`MAX_ATTEMPTS_PER_ADDRESS`] tries per address, [`RETRY_PAUSE`] apart
+//! after a failure to connect or while an election is under way; the last answer (or error) is
+//! the call's. With one address the channel passes calls straight through, as before.
+//!
+//! A retried call is not deduplicated yet: a change whose answer was lost to a failover may be
+//! made twice (issue 34's client request ids are not built).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use tonic::body::Body;
+use tonic::transport::Channel;
+use tower::{Service, ServiceExt};
+
+/// Tries per address for one call.
+pub const MAX_ATTEMPTS_PER_ADDRESS: usize = 5;
+/// Pause before trying again after a connection failure or a "no leader yet" answer.
+pub const RETRY_PAUSE: Duration = Duration::from_millis(200);
+/// The metadata server's words for "ask another": see `metadata-server/src/raft/mod.rs`.
+const NOT_LEADER: &str = "not the leader";
+const LEADER_IS: &str = "the leader is ";
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A channel to each metadata address, and the one believed to lead.
+#[derive(Clone)]
+pub struct Failover {
+    addrs: Arc<Vec<String>>,
+    channels: Arc<Vec<Channel>>,
+    current: Arc<AtomicUsize>,
+}
+
+impl Failover {
+    /// `channels[i]` reaches `addrs[i]` (host:port, as the servers name each other in `peers`).
+    pub fn new(addrs: Vec<String>, channels: Vec<Channel>) -> Failover {
+        assert!(!channels.is_empty() && addrs.len() == channels.len(), "one channel per address");
+        Failover { addrs: Arc::new(addrs), channels: Arc::new(channels), current: Arc::new(AtomicUsize::new(0)) }
+    }
+}
+
+/// Where a refusal says the leader is: `Some(Some(addr))`, `Some(None)` when it is a not-leader
+/// answer naming none (an election), `None` for every other answer.
+fn not_leader(response: &http::Response<Body>) -> Option<Option<String>> {
+    let status = tonic::Status::from_header_map(response.headers())?;
+    if status.code() != tonic::Code::Unavailable || !status.message().contains(NOT_LEADER) {
+        return None;
+    }
+    let message = status.message();
+    Some(message.find(LEADER_IS).map(|at| {
+        let rest = &message[at + LEADER_IS.len()..];
+        rest.split(|c: char| c.is_whitespace() || c == ',' || c == ';').next().unwrap_or_default().to_string()
+    }))
+}
+
+impl Service<http::Request<Body>> for Failover {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Each call waits for its own channel's readiness.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            if this.channels.len() == 1 {
+                let mut channel = this.channels[0].clone();
+                return Ok(channel.ready().await?.call(request).await?);
+            }
+            let (parts, body) = request.into_parts();
+            let bytes = body.collect().await?.to_bytes();
+            let n = this.channels.len();
+            let mut last: Option<Result<http::Response<Body>, BoxError>> = None;
+            for _ in 0..n * MAX_ATTEMPTS_PER_ADDRESS {
+                let at = this.current.load(Ordering::Relaxed) % n;
+                let mut again = http::Request::builder().method(parts.method.clone()).uri(parts.uri.clone());
+                for (name, value) in &parts.headers {
+                    again = again.header(name, value);
+                }
+                let again = again
+                    .version(parts.version)
+                    .body(Body::new(http_body_util::Full::new(bytes.clone())))
+                    .expect("rebuilt from a valid request");
+                let mut channel = this.channels[at].clone();
+                let next = |current: &AtomicUsize| {
+                    let _ = current.compare_exchange(at, (at + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+                };
+                match channel.ready().await {
+                    Err(e) => {
+                        last = Some(Err(e.into()));
+                        next(&this.current);
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                        continue;
+                    }
+                    Ok(ready) => match ready.call(again).await {
+                        Err(e) => {
+                            last = Some(Err(e.into()));
+                            next(&this.current);
+                            tokio::time::sleep(RETRY_PAUSE).await;
+                        }
+                        Ok(response) => match not_leader(&response) {
+                            None => return Ok(response),
+                            Some(Some(leader)) => {
+                                match this.addrs.iter().position(|a| *a == leader) {
+                                    Some(i) => this.current.store(i, Ordering::Relaxed),
+                                    None => next(&this.current),
+                                }
+                                last = Some(Ok(response));
+                            }
+                            Some(None) => {
+                                last = Some(Ok(response));
+                                tokio::time::sleep(RETRY_PAUSE).await;
+                            }
+                        },
+                    },
+                }
+            }
+            last.expect("at least one attempt")
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(status: tonic::Status) -> http::Response<Body> {
+        status.into_http()
+    }
+
+    #[test]
+    fn a_not_leader_answer_names_the_leader() {
+        let named = answer(tonic::Status::unavailable("not the leader; the leader is 127.0.0.1:7001"));
+        assert_eq!(not_leader(&named), Some(Some("127.0.0.1:7001".to_string())));
+        let election = answer(tonic::Status::unavailable("not the leader; no leader is known yet"));
+        assert_eq!(not_leader(&election), Some(None));
+        assert_eq!(not_leader(&answer(tonic::Status::unavailable("storage server gone"))), None);
+        assert_eq!(not_leader(&answer(tonic::Status::not_found("not the leader; the leader is x"))), None);
+        assert_eq!(not_leader(&http::Response::new(Body::empty())), None);
+    }
+}

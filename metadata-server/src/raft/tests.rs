@@ -1,0 +1,116 @@
+//! Three real metadata servers in one process, on loopback ports, replicating through the Raft
+//! gRPC service: failover, a token across it, the follower's refusal, a restarted replica.
+
+use std::time::Duration;
+
+use tern_common::config::Serve;
+use tern_proto::v1::metadata_client::MetadataClient;
+use tern_proto::v1::*;
+use tern_proto::ErrorKind;
+use tonic::transport::Channel;
+
+use crate::config::Config;
+use crate::server::{start, MetadataServer};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn configs(dir: &std::path::Path) -> Vec<Config> {
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let peers: Vec<String> = ports.iter().enumerate().map(|(i, p)| format!("{}=127.0.0.1:{p}", i + 1)).collect();
+    let secret = dir.join("cluster.secret");
+    tern_proto::identity::ClusterSecret::generate().write_new(&secret).unwrap();
+    (0..3)
+        .map(|i| Config {
+            serve: Serve::on_loopback(ports[i], 0),
+            dir: dir.join(format!("m{}", i + 1)),
+            peers: peers.clone(),
+            node_id: i as u64 + 1,
+            cluster_secret_file: Some(secret.clone()),
+            ..Config::default()
+        })
+        .collect()
+}
+
+async fn client(config: &Config) -> MetadataClient<Channel> {
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", config.serve.listen)).unwrap().connect_lazy();
+    MetadataClient::new(channel)
+}
+
+/// Polls the servers `alive` (indexes into `configs`) until one answers a status call; its index.
+async fn leader(configs: &[Config], alive: &[usize]) -> usize {
+    for _ in 0..300 {
+        for &i in alive {
+            if client(&configs[i]).await.status(StatusRequest {}).await.is_ok() {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no leader among {alive:?} within 15 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_fail_over_keep_tokens_and_catch_up() {
+    let temp = tempfile::tempdir().unwrap();
+    let configs = configs(temp.path());
+    let mut servers: Vec<Option<MetadataServer>> = Vec::new();
+    for config in &configs {
+        servers.push(Some(start(config.clone()).await.unwrap()));
+    }
+    let first = leader(&configs, &[0, 1, 2]).await;
+    let mut leader_client = client(&configs[first]).await;
+    leader_client.mkdir(MkdirRequest { path: "/before".into(), parents: false }).await.unwrap();
+    let job = RegisterJobRequest { name: "j".into(), lease_ms: 60_000, ..Default::default() };
+    let token = leader_client.register_job(job).await.unwrap().into_inner().token;
+
+    // A follower refuses, naming the leader's address.
+    let follower = (first + 1) % 3;
+    // (It learns who leads from the leader's first heartbeat: until then it says none is known.)
+    let mut refused = None;
+    for _ in 0..100 {
+        let status = client(&configs[follower])
+            .await
+            .mkdir(MkdirRequest { path: "/x".into(), parents: false })
+            .await
+            .unwrap_err();
+        let known = status.message().contains("the leader is");
+        refused = Some(status);
+        if known {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused = refused.unwrap();
+    assert_eq!(ErrorKind::of_status(&refused), ErrorKind::Unavailable, "{refused:?}");
+    let expected = format!("not the leader; the leader is {}", configs[first].serve.listen);
+    assert!(refused.message().contains(&expected), "{}", refused.message());
+
+    // The leader stops; the other two elect one that has the write and verifies the token.
+    servers[first].take().unwrap().shutdown().await;
+    let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+    let second = leader(&configs, &others).await;
+    let mut second_client = client(&configs[second]).await;
+    let stat = second_client.stat(StatRequest { path: "/before".into(), ..Default::default() }).await;
+    assert!(stat.unwrap().into_inner().info.is_some());
+    let renew = RenewJobRequest { job_id: "j".into(), token: token.clone() };
+    second_client.renew_job(renew).await.expect("a token issued before the failover verifies after it");
+    second_client.mkdir(MkdirRequest { path: "/during".into(), parents: false }).await.unwrap();
+
+    // The old leader restarts; the third replica stops, so the next write commits only if the
+    // restarted one has the log up to it (Raft's log matching: everything before it too).
+    servers[first] = Some(start(configs[first].clone()).await.unwrap());
+    let third = (0..3).find(|&i| i != first && i != second).unwrap();
+    servers[third].take().unwrap().shutdown().await;
+    let after = second_client.mkdir(MkdirRequest { path: "/after".into(), parents: false }).await;
+    after.expect("a write with the restarted replica as the only other member of the majority");
+    for path in ["/before", "/during", "/after"] {
+        let stat = second_client.stat(StatRequest { path: path.into(), ..Default::default() }).await;
+        assert!(stat.unwrap_or_else(|e| panic!("{path}: {e}")).into_inner().info.is_some(), "{path}");
+    }
+    for server in servers.into_iter().flatten() {
+        server.shutdown().await;
+    }
+}
