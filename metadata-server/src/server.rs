@@ -56,6 +56,8 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         if config.serve.tls_dir.is_some() {
             anyhow::bail!("peers with tls_dir: Raft between metadata servers over TLS is not built yet");
         }
+        let raft_dir = crate::raft::dir(&config);
+        std::fs::create_dir_all(&raft_dir).with_context(|| format!("creating {}", raft_dir.display()))?;
         let (replica, state) = crate::raft::Replica::start(&config, RealFs::shared(), &secret)
             .await
             .with_context(|| format!("starting the Raft node in {}", crate::raft::dir(&config).display()))?;

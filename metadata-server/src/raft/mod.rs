@@ -16,6 +16,8 @@
 //! (`store::Machine::rebuild`). Other nodes refuse calls with `not the leader; the leader is ADDR`.
 
 mod net;
+#[cfg(test)]
+mod power_loss;
 mod store;
 #[cfg(test)]
 mod tests;
@@ -126,6 +128,7 @@ impl Replica {
         let peers = config.peer_map()?;
         let me = config.node_id;
         let store = store::Store::open(fs, &config.dir, config, Now::read())?;
+        tracing::debug!("Raft files in {}", dir(config).display());
         let state = store.machine.state.clone();
         let (log, sm) = openraft::storage::Adaptor::new(store.clone());
         let network = net::Network::new(secret, me, config.max_message_size.bytes() as usize)?;

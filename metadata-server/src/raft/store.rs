@@ -217,10 +217,8 @@ impl LogStore {
 impl Store {
     /// Opens (or makes) the Raft files in `dir` and loads the snapshot into a state.
     pub fn open(fs: Arc<dyn Fs>, dir: &Path, config: &Config, now: Now) -> anyhow::Result<Store> {
+        // (The directory is made by the caller: `Fs` has no mkdir.)
         let dir = dir.join("raft");
-        if !fs.exists(&dir)? {
-            std::fs::create_dir_all(&dir)?;
-        }
         let read = |name: &str| -> anyhow::Result<Option<Vec<u8>>> {
             let path = dir.join(name);
             if fs.exists(&path)? {
