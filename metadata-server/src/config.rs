@@ -83,6 +83,9 @@ pub struct Config {
     pub peers: Vec<String>,
     /// This server's id among `peers` (ignored without peers).
     pub node_id: u64,
+    /// A replicated server snapshots its state every this many Raft entries and keeps a fifth
+    /// of that behind the snapshot; a replica further behind catches up by the snapshot.
+    pub raft_snapshot_entries: u64,
 }
 
 /// Most replicas of one metadata cluster.
@@ -155,6 +158,7 @@ impl Default for Config {
             tenants: BTreeMap::new(),
             peers: Vec::new(),
             node_id: 0,
+            raft_snapshot_entries: 5000,
         }
     }
 }
@@ -163,6 +167,9 @@ impl Config {
     /// Refuses values the server cannot run with, naming the key and the accepted range.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.peer_map()?;
+        if !(10..=10_000_000).contains(&self.raft_snapshot_entries) {
+            bail!("raft_snapshot_entries = {} is not from 10 to 10000000", self.raft_snapshot_entries);
+        }
         let block_size = self.block_size.bytes();
         let (min, max) = (u64::from(tern_proto::MIN_BLOCK_SIZE), u64::from(tern_proto::MAX_BLOCK_SIZE));
         if !block_size.is_power_of_two() || !(min..=max).contains(&block_size) {

@@ -99,17 +99,19 @@ impl std::fmt::Debug for Replica {
     }
 }
 
-/// openraft's settings: elections in 1.5-3 s, heartbeats every 300 ms, a snapshot every 5000
-/// entries, entries sent in bounded batches.
-fn raft_config() -> anyhow::Result<Arc<openraft::Config>> {
+/// openraft's settings: elections in 1.5-3 s, heartbeats every 300 ms, a snapshot every
+/// `raft_snapshot_entries` entries (a fifth of that kept behind it), entries sent in bounded
+/// batches.
+fn raft_config(snapshot_entries: u64) -> anyhow::Result<Arc<openraft::Config>> {
     let config = openraft::Config {
         cluster_name: "tern-metadata".into(),
         heartbeat_interval: 300,
         election_timeout_min: 1500,
         election_timeout_max: 3000,
         max_payload_entries: 64,
-        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(5000),
-        max_in_snapshot_log_to_keep: 1000,
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(snapshot_entries),
+        max_in_snapshot_log_to_keep: snapshot_entries / 5,
+        purge_batch_size: 1,
         ..Default::default()
     };
     Ok(Arc::new(config.validate()?))
@@ -132,7 +134,7 @@ impl Replica {
         let state = store.machine.state.clone();
         let (log, sm) = openraft::storage::Adaptor::new(store.clone());
         let network = net::Network::new(secret, me, config.max_message_size.bytes() as usize)?;
-        let raft = Raft::new(me, raft_config()?, network, log, sm).await?;
+        let raft = Raft::new(me, raft_config(config.raft_snapshot_entries)?, network, log, sm).await?;
         if !raft.is_initialized().await? {
             let members: BTreeMap<u64, BasicNode> =
                 peers.iter().map(|(&id, addr)| (id, BasicNode::new(addr.clone()))).collect();

@@ -114,3 +114,51 @@ async fn three_replicas_fail_over_keep_tokens_and_catch_up() {
         server.shutdown().await;
     }
 }
+
+/// A replica that was down while the others snapshotted and purged their logs catches up by the
+/// snapshot (InstallSnapshot): with it and the leader the only ones up, a write commits, and the
+/// state it then serves as leader has everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_behind_the_purged_log_catches_up_by_snapshot() {
+    let temp = tempfile::tempdir().unwrap();
+    let mut configs = configs(temp.path());
+    for config in &mut configs {
+        config.raft_snapshot_entries = 10;
+    }
+    let mut servers: Vec<Option<MetadataServer>> = Vec::new();
+    for config in &configs {
+        servers.push(Some(start(config.clone()).await.unwrap()));
+    }
+    let first = leader(&configs, &[0, 1, 2]).await;
+    let behind = (first + 1) % 3;
+    let other = (first + 2) % 3;
+    servers[behind].take().unwrap().shutdown().await;
+    let mut leader_client = client(&configs[first]).await;
+    for i in 0..60 {
+        leader_client.mkdir(MkdirRequest { path: format!("/d{i}"), parents: false }).await.unwrap();
+    }
+    servers[behind] = Some(start(configs[behind].clone()).await.unwrap());
+    servers[other].take().unwrap().shutdown().await;
+    leader_client
+        .mkdir(MkdirRequest { path: "/last".into(), parents: false })
+        .await
+        .expect("committed with the caught-up replica");
+    assert!(
+        configs[behind].dir.join("raft/snapshot").exists(),
+        "the replica that was behind holds an installed snapshot"
+    );
+    // The leader stops and the other comes back: the caught-up replica or the other leads, and
+    // either way every write is there (the other has only what it had before it stopped, so a
+    // leader with everything must have got it from the snapshot's holder or be it).
+    servers[first].take().unwrap().shutdown().await;
+    servers[other] = Some(start(configs[other].clone()).await.unwrap());
+    let next = leader(&configs, &[behind, other]).await;
+    let mut next_client = client(&configs[next]).await;
+    for path in ["/d0", "/d59", "/last"] {
+        let stat = next_client.stat(StatRequest { path: path.into(), ..Default::default() }).await;
+        assert!(stat.unwrap_or_else(|e| panic!("{path}: {e}")).into_inner().info.is_some(), "{path}");
+    }
+    for server in servers.into_iter().flatten() {
+        server.shutdown().await;
+    }
+}
