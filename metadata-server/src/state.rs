@@ -126,13 +126,21 @@ impl State {
     /// Ok when `token` is a token of job `job`'s current registration signed by this server (it
     /// may have expired: a job holder renewing late is still its holder).
     pub fn check_job_token(&self, job: &str, token: &str, what: &str) -> Result<(), Status> {
+        if token.is_empty() {
+            let why = format!("no token given: only the holder of job {job}'s token may {what} it");
+            return Err(Refusal::new(ErrorKind::PermissionDenied, why).status(format_args!("{what} job {job}")));
+        }
+        let token = JobToken::from_text(token)
+            .map_err(|e| Refusal::new(e.kind(), e.to_string()).status(format_args!("{what} job {job}")))?;
+        self.check_decoded_token(job, &token, what)
+    }
+
+    /// [`State::check_job_token`] for a token already decoded (authorization decodes each
+    /// presented token once, to find those naming the call's job).
+    pub fn check_decoded_token(&self, job: &str, token: &JobToken, what: &str) -> Result<(), Status> {
         let context = format!("{what} job {job}");
         let refuse = |why: String| Refusal::new(ErrorKind::PermissionDenied, why).status(&context);
-        if token.is_empty() {
-            return Err(refuse(format!("no token given: only the holder of job {job}'s token may {what} it")));
-        }
-        let token = JobToken::from_text(token).map_err(|e| Refusal::new(e.kind(), e.to_string()).status(&context))?;
-        self.key.verify(&token).map_err(|e| refuse(e.to_string()))?;
+        self.key.verify(token).map_err(|e| refuse(e.to_string()))?;
         let Some(serial) = self.jobs.serial(job) else {
             return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
         };
@@ -150,7 +158,7 @@ impl State {
         let token = JobToken::from_text(&req.token)
             .map_err(|e| Refusal::new(e.kind(), e.to_string()).status("refresh a job token"))?;
         let job = token.job.clone();
-        self.check_job_token(&job, &req.token, "refresh the token of")?;
+        self.check_decoded_token(&job, &token, "refresh the token of")?;
         self.jobs.check_live(&job, now.instant).context(format_args!("refresh the token of job {job}"))?;
         Ok(RefreshTokenResponse { token: self.token_for(&job, now) })
     }
