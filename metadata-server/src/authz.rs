@@ -33,11 +33,13 @@ pub enum Needs {
     /// Nothing: any caller (calls whose own fields carry the proof, like RenewJob's token, or that
     /// reveal and change nothing of a job).
     Anyone,
-    /// A token of the job owning the path (files under `/jobs/<job>`); outside `/jobs`, anyone.
+    /// A token of the job owning the path (files under `/jobs/<job>`); outside `/jobs`, the
+    /// tenant owning it (`Namespace::owner`: the entry's, or the directory a new one goes in).
     Path(String),
     /// Both paths' owners' tokens (a rename).
     Paths(String, String),
-    /// A token of the job owning the file with this id (an unknown file: the call says so).
+    /// A token of the job owning the file with this id, or outside `/jobs` its tenant (an
+    /// unknown file: the call says so).
     File(u64),
     /// A token of this job.
     Job(String),
@@ -173,8 +175,9 @@ fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
         Needs::Paths(from, to) => path_owner(caller, from, state).and_then(|()| path_owner(caller, to, state)),
         Needs::File(file_id) => match state.job_of_file(*file_id) {
             Some(Some(job)) => job_token(caller, &job, state),
-            // Outside /jobs, or no such file (the call itself says so).
-            _ => Ok(()),
+            Some(None) => tenant_owns(identity, state.owner_of_file(*file_id), &format!("file {file_id}")),
+            // No such file: the call itself says so.
+            None => Ok(()),
         },
         Needs::Job(job) => job_token(caller, job, state),
         Needs::Shuffle(shuffle_id) => match state.job_of_shuffle(*shuffle_id) {
@@ -213,7 +216,22 @@ fn path_owner(caller: &Caller, raw: &str, state: &State) -> Result<(), Lacks> {
     };
     match Place::of(&path).job() {
         Some(job) => job_token(caller, job, state),
+        None => tenant_owns(&caller.identity, state.owner_of_path(&path), &path),
+    }
+}
+
+/// Outside `/jobs` an entry is its owning tenant's: that tenant's clients (and executors, which
+/// run its tasks), operators (passed before this) and the scheduler (which runs every tenant's
+/// jobs) may act on it; nobody's entries are everyone's. Storage servers have no business there.
+fn tenant_owns(identity: &Identity, owner: Option<&str>, what: &str) -> Result<(), Lacks> {
+    let tenants_own = matches!(identity.role, Role::Client | Role::Executor) && owner == Some(&identity.tenant);
+    match owner {
         None => Ok(()),
+        Some(_) if tenants_own || identity.role == Role::Scheduler => Ok(()),
+        Some(owner) => Err(Lacks {
+            reason: "other_tenant",
+            what: format!("{what} belongs to tenant {owner} (only its tenant and operators may act on it)"),
+        }),
     }
 }
 

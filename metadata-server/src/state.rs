@@ -123,36 +123,6 @@ impl State {
         self.key.issue(job, serial, expires, lease.as_millis() as u64).to_text()
     }
 
-    /// Ok when `token` is a token of job `job`'s current registration signed by this server (it
-    /// may have expired: a job holder renewing late is still its holder).
-    pub fn check_job_token(&self, job: &str, token: &str, what: &str) -> Result<(), Status> {
-        if token.is_empty() {
-            let why = format!("no token given: only the holder of job {job}'s token may {what} it");
-            return Err(Refusal::new(ErrorKind::PermissionDenied, why).status(format_args!("{what} job {job}")));
-        }
-        let token = JobToken::from_text(token)
-            .map_err(|e| Refusal::new(e.kind(), e.to_string()).status(format_args!("{what} job {job}")))?;
-        self.check_decoded_token(job, &token, what)
-    }
-
-    /// [`State::check_job_token`] for a token already decoded (authorization decodes each
-    /// presented token once, to find those naming the call's job).
-    pub fn check_decoded_token(&self, job: &str, token: &JobToken, what: &str) -> Result<(), Status> {
-        let context = format!("{what} job {job}");
-        let refuse = |why: String| Refusal::new(ErrorKind::PermissionDenied, why).status(&context);
-        self.key.verify(token).map_err(|e| refuse(e.to_string()))?;
-        let Some(serial) = self.jobs.serial(job) else {
-            return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
-        };
-        if token.job != job || token.serial != serial {
-            return Err(refuse(format!(
-                "the token given is job {}'s (another job, or an earlier job of that name)",
-                token.job
-            )));
-        }
-        Ok(())
-    }
-
     /// A fresh token for the holder of a valid one whose job is live; the lease is not renewed.
     pub fn refresh_token(&mut self, req: RefreshTokenRequest, now: Now) -> Result<RefreshTokenResponse, Status> {
         let token = JobToken::from_text(&req.token)
@@ -172,7 +142,8 @@ impl State {
         let context = format!("mkdir {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, true, req.parents, now).context(&context)?;
-        self.commit(Change::Mkdir(MkdirRequest { path, parents: req.parents }), now).context(&context)?;
+        self.commit(Change::Mkdir(MkdirRequest { path, parents: req.parents, owner: req.owner }), now)
+            .context(&context)?;
         Ok(MkdirResponse {})
     }
 

@@ -65,9 +65,13 @@ fn build_plugin(root: &Path) -> (String, String) {
 
 /// Builds the plugin's jars; the path of `line`'s, and what build.sh said on stderr.
 fn build_plugin_for(root: &Path, line: SparkLine) -> (String, String) {
-    let out = Command::new(root.join("spark-shuffle/build.sh")).output().expect("running spark-shuffle/build.sh");
+    // --tests: the x86_64 library is this test build's own (scripts/test.sh builds the same jars).
+    let out = Command::new(root.join("spark-shuffle/build.sh"))
+        .arg("--tests")
+        .output()
+        .expect("running spark-shuffle/build.sh --tests");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "spark-shuffle/build.sh failed:\n{stderr}");
+    assert!(out.status.success(), "spark-shuffle/build.sh --tests failed:\n{stderr}");
     let stdout = String::from_utf8(out.stdout).unwrap();
     let jar = stdout.lines().find(|l| l.ends_with(&format!("/{}", line.jar())));
     (jar.unwrap_or_else(|| panic!("build.sh printed no {}:\n{stdout}", line.jar())).to_string(), stderr)
