@@ -43,6 +43,9 @@ pub enum Needs {
     File(u64),
     /// A token of this job.
     Job(String),
+    /// Acting for this tenant ("": the caller's own): its clients (and executors), the
+    /// scheduler (which registers its submitters' jobs) and operators (RegisterJob).
+    Tenant(String),
     /// A token of the job owning the shuffle with this id.
     Shuffle(u64),
     /// The storage server whose block-service address this is (RegisterServer).
@@ -180,6 +183,7 @@ fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
             None => Ok(()),
         },
         Needs::Job(job) => job_token(caller, job, state),
+        Needs::Tenant(tenant) => acts_for(identity, tenant),
         Needs::Shuffle(shuffle_id) => match state.job_of_shuffle(*shuffle_id) {
             Some(job) => job_token(caller, &job, state),
             None => Ok(()),
@@ -217,6 +221,24 @@ fn path_owner(caller: &Caller, raw: &str, state: &State) -> Result<(), Lacks> {
     match Place::of(&path).job() {
         Some(job) => job_token(caller, job, state),
         None => tenant_owns(&caller.identity, state.owner_of_path(&path), &path),
+    }
+}
+
+/// Whether `identity` may act for `tenant` ("": its own).
+fn acts_for(identity: &Identity, tenant: &str) -> Result<(), Lacks> {
+    match identity.role {
+        Role::Admin | Role::Scheduler => Ok(()),
+        Role::Client | Role::Executor if tenant.is_empty() || tenant == identity.tenant => Ok(()),
+        Role::Client | Role::Executor => Err(Lacks {
+            reason: "other_tenant",
+            what: format!(
+                "it names tenant {tenant}, and a client acts for its own tenant only (a credential of tenant \
+                 {tenant} may)"
+            ),
+        }),
+        _ => {
+            Err(Lacks { reason: "not_client", what: "only a tenant's clients, the scheduler and operators may".into() })
+        }
     }
 }
 

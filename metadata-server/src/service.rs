@@ -170,7 +170,13 @@ impl Metadata for Service {
         &self,
         request: Request<RegisterJobRequest>,
     ) -> Result<Response<RegisterJobResponse>, Status> {
-        self.call("register_job", request, |_| Needs::Anyone, |state, now, req| state.register_job(req, now)).await
+        // A job counts against its caller's tenant unless the request names one (which the
+        // authorization allows only as that tenant, or for the scheduler and operators).
+        let register = |state: &mut State, now, req: RegisterJobRequest, caller: &Identity| {
+            let tenant = if req.tenant.is_empty() { caller.tenant.clone() } else { req.tenant };
+            state.register_job(RegisterJobRequest { tenant, ..req }, now)
+        };
+        self.call_as("register_job", request, |r| Needs::Tenant(r.tenant.clone()), register).await
     }
 
     async fn renew_job(&self, request: Request<RenewJobRequest>) -> Result<Response<RenewJobResponse>, Status> {

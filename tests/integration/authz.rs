@@ -48,9 +48,9 @@ fn allowed(rpc: &str) -> &'static [Kind] {
         | "InvalidateMaps" | "UnregisterShuffle" => &[JobHolder, Admin],
         // The token is in the request: only its holder.
         "RenewJob" | "EndJob" | "RefreshToken" => &[JobHolder],
-        "RegisterJob" | "Status" | "ReportUnreachable" => {
-            &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin]
-        }
+        // Naming the default tenant: its clients (no credential is one) and operators.
+        "RegisterJob" => &[Nobody, TenantClient, JobHolder, Admin],
+        "Status" | "ReportUnreachable" => &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin],
         "RegisterServer" | "Heartbeat" | "ReportInventory" => &[Server],
         "SetServerMode" | "Admin.EndJob" => &[Admin],
         other => {
@@ -225,7 +225,9 @@ impl Fixture {
                 let ask = RenameRequest { from: target.sealed.clone(), to: format!("{root}/moved") };
                 m.rename(ask).await.map(drop)
             }
-            "RegisterJob" => m.register_job(RegisterJobRequest::default()).await.map(drop),
+            "RegisterJob" => {
+                m.register_job(RegisterJobRequest { tenant: "default".into(), ..Default::default() }).await.map(drop)
+            }
             "RenewJob" => {
                 m.renew_job(RenewJobRequest { job_id: target.job.clone(), token: body_token }).await.map(drop)
             }

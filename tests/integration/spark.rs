@@ -111,6 +111,7 @@ async fn suite_across_hosts(root: &Path, python: &Path, line: SparkLine) {
         .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
         .env("TERN_METADATA", &cluster.metadata_url)
         .env("TERN_TLS_DIR", &cluster.tls_dir)
+        .env("TERN_CLUSTER_SECRET", cluster.tls_dir.join("cluster.secret"))
         // Storage server 0's link cut: the veth's bridge end lives in this test's namespace.
         .env("TERN_STORAGE_FAULT", format!("nsenter --net=/proc/{}/ns/net ip link set {cut} down", std::process::id()))
         .env("TERN_WORK", work.path())
@@ -166,6 +167,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     python
         .env("TERN_METADATA", &metadata)
         .env("TERN_WORK", work.path())
+        .env("TERN_CLUSTER_SECRET", dir.path().join("cluster.secret"))
         .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler));
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
@@ -209,6 +211,7 @@ async fn spark_4_0_to_4_2_smoke_on_terns_scheduler() {
         command
             .env("TERN_METADATA", &metadata)
             .env("TERN_WORK", work.path())
+            .env("TERN_CLUSTER_SECRET", dir.path().join("cluster.secret"))
             .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
             .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
             .env("TERN_SPARK_SMOKE", "1");
