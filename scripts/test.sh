@@ -87,13 +87,14 @@ $sudo bash deploy/image/build.sh --profile debug
 step rdma
 bash scripts/rdma-test.sh
 
-# The Spark plugin jars (their native library for x86_64 and aarch64 on glibc 2.17, with
-# cargo-zigbuild): built here, so the Spark tests' own call of build.sh finds them done instead of
-# spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars and 4.3.0's (in
-# its venv under ~/.cache/tern/pyspark, installed there once per machine).
+# The Spark plugin jars the tests run (`build.sh --tests`: the x86_64 native library is the test
+# build's; aarch64 is cross-built against glibc 2.17 with cargo-zigbuild, unoptimised): built here,
+# so the Spark tests' own call of `build.sh --tests` finds them done instead of spending their time
+# limit on it. build.sh compiles against pyspark 3.5.3's jars and 4.3.0's (in its venv under
+# ~/.cache/tern/pyspark, installed there once per machine).
 step spark-jars
 wait "$pyspark_installs" || { echo "test.sh: installing pyspark failed:" >&2; cat "$pyspark_log" >&2; exit 1; }
-bash spark-shuffle/build.sh >/dev/null
+bash spark-shuffle/build.sh --tests >/dev/null
 
 step tests
 cargo nextest run --workspace --profile ci "${features[@]}"

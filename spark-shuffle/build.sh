@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds Tern's Spark shuffle plugin: the native library (cargo) and, from one source tree, a jar
 # per Spark line, each with the libraries inside:
-#   spark-shuffle/build.sh [--release] [--host]
+#   spark-shuffle/build.sh [--release] [--host | --tests]
 #     -> target/tern-spark/tern-spark-3.5.jar   Spark 3.5: Scala 2.12, javac --release 8 against
 #                                               pyspark 3.5.3's jars
 #     -> target/tern-spark/tern-spark-4.jar     Spark 4.0 to 4.3: Scala 2.13, javac --release 17
@@ -17,6 +17,12 @@
 # target cannot be installed, the jars are built for x86_64 alone and this says so on stderr.
 # --host builds for this machine only, with plain cargo (quicker, for development; the jars then
 # need this machine's glibc).
+# --tests makes the jars the test suite runs without building every dependency again: the x86_64
+# library is the one the workspace's test build made (`cargo nextest run --workspace` links
+# target/debug/deps/libtern_spark.so with the features the tests unify; this machine's glibc),
+# and aarch64 is still cross-built against glibc 2.17 and checked, but unoptimised: it is never
+# loaded here, only shown to build, link and need no newer glibc (in CI this saved the second
+# optimised cross build, about 9 of the Spark jars' 13 minutes).
 # SPARK35_HOME defaults to the installed pyspark package (3.5.x; SPARK_HOME if set); SPARK4_HOME to
 # pyspark 4.3.0 in its venv under ~/.cache/tern/pyspark (spark-shuffle/pyspark-venv.sh installs it
 # there once per machine).
@@ -25,13 +31,19 @@ cd "$(dirname "$0")/.."
 profile=debug
 cargo_flags=()
 host=0
+tests=0
 for arg in "$@"; do
     case "$arg" in
         --release) profile=release; cargo_flags=(--release) ;;
         --host) host=1 ;;
-        *) echo "spark-shuffle/build.sh: unknown argument $arg (expected --release, --host)" >&2; exit 2 ;;
+        --tests) tests=1 ;;
+        *) echo "spark-shuffle/build.sh: unknown argument $arg (expected --release, --host, --tests)" >&2; exit 2 ;;
     esac
 done
+if [[ "$tests" -eq 1 && ( "$host" -eq 1 || "$profile" == release ) ]]; then
+    echo "spark-shuffle/build.sh: --tests takes the test build's library; it goes with neither --host nor --release" >&2
+    exit 2
+fi
 # The oldest glibc the library may need: CentOS 7 / RHEL 7 and every newer distribution have it.
 glibc=2.17
 # Fails unless the Spark at $1 is the one a line compiles against (its spark-core jar's name
@@ -69,7 +81,20 @@ else
         python3 -m venv "$venv"
         "$venv/bin/pip" install --quiet cargo-zigbuild ziglang
     fi
-    archs=(x86_64)
+    archs=()
+    if [[ "$tests" -eq 1 ]]; then
+        built="$target_dir/debug/deps/libtern_spark.so"
+        [[ -f "$built" ]] || {
+            echo "spark-shuffle/build.sh --tests: no $built: build the tests first (cargo nextest run --workspace --no-run)" >&2
+            exit 1
+        }
+        add_library x86_64 "$built"
+        # Unoptimised: it is never loaded here, so only its build, link and glibc bound matter.
+        cargo_flags=(--config 'profile.dev.opt-level=0' --config 'profile.dev.package."*".opt-level=0'
+            --config 'profile.dev.debug=false')
+    else
+        archs=(x86_64)
+    fi
     if rustup target list --installed | grep -qx aarch64-unknown-linux-gnu \
         || rustup target add aarch64-unknown-linux-gnu >&2; then
         archs+=(aarch64)
@@ -80,7 +105,9 @@ else
     # One cargo run for every arch: build scripts and proc macros (host code) are built once.
     targets=()
     for arch in "${archs[@]}"; do targets+=(--target "$arch-unknown-linux-gnu.$glibc"); done
-    PATH="$venv/bin:$PATH" cargo-zigbuild zigbuild -p tern-spark "${cargo_flags[@]}" "${targets[@]}" >&2
+    if [[ ${#targets[@]} -gt 0 ]]; then
+        PATH="$venv/bin:$PATH" cargo-zigbuild zigbuild -p tern-spark "${cargo_flags[@]}" "${targets[@]}" >&2
+    fi
     for arch in "${archs[@]}"; do
         triple="$arch-unknown-linux-gnu"
         built="$target_dir/$triple/$profile/libtern_spark.so"
@@ -98,7 +125,7 @@ fi
 jars=("$out/tern-spark-3.5.jar" "$out/tern-spark-4.jar")
 # Each Spark test calls this script: when both jars were built from these libraries, Sparks and
 # sources (none newer than the first jar), they are printed as they are instead of compiled again.
-inputs="$profile ${libraries[*]} $SPARK35_HOME $SPARK4_HOME"
+inputs="$profile tests=$tests ${libraries[*]} $SPARK35_HOME $SPARK4_HOME"
 if [[ -f "${jars[0]}" && -f "${jars[1]}" && "$(cat "$out/inputs" 2>/dev/null)" == "$inputs" ]] \
     && [[ -z "$(find spark-shuffle/src spark-shuffle/build.sh "${libraries[@]#*=}" -newer "${jars[0]}" -print -quit)" ]]; then
     printf '%s\n' "${jars[@]}"

@@ -146,39 +146,8 @@ enum BenchCommand {
     /// partitions scaled alike. Reports memory per object, RPC latency p50/p99 of each kind at a
     /// stated load, the server's heartbeat time, snapshot size and restart time, per step.
     Scale {
-        /// Storage servers of each step, comma-separated (the sizes: 1000,10000).
-        #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
-        servers: Vec<u32>,
-        /// Blocks at the largest step (the 10 million: 10000000).
-        #[arg(long, default_value_t = 1_000_000)]
-        blocks: u64,
-        /// Live jobs at the largest step (the 100000).
-        #[arg(long, default_value_t = 10_000)]
-        jobs: u32,
-        /// Maps of the step's shuffle at the largest step (the 10000).
-        #[arg(long, default_value_t = 1000)]
-        maps: u32,
-        /// Partitions of the step's shuffle at the largest step (the 10000).
-        #[arg(long, default_value_t = 1000)]
-        partitions: u32,
-        /// Heartbeats per second offered by all simulated servers together.
-        #[arg(long, default_value_t = 500.0)]
-        heartbeat_rate: f64,
-        /// Calls per second of each probed RPC kind, one at a time.
-        #[arg(long, default_value_t = 100.0)]
-        probe_rate: f64,
-        /// Calls of each probed kind (p99 needs 100).
-        #[arg(long, default_value_t = 200)]
-        samples: usize,
-        /// Clients loading at once.
-        #[arg(long, default_value_t = 16)]
-        concurrency: usize,
-        /// Directory in which each step's metadata directory is made.
-        #[arg(long, default_value_os_t = std::env::temp_dir())]
-        dir: PathBuf,
-        /// Turn the metadata log's fsync off (it is on by default, as in production).
-        #[arg(long)]
-        no_fsync: bool,
+        #[command(flatten)]
+        options: tern_bench::scale::ScaleOptions,
         /// Draw each figure against the step's servers to FILE (.svg or .png).
         #[arg(long, value_name = "FILE")]
         plot: Option<PathBuf>,
@@ -443,34 +412,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        BenchCommand::Scale {
-            servers,
-            blocks,
-            jobs,
-            maps,
-            partitions,
-            heartbeat_rate,
-            probe_rate,
-            samples,
-            concurrency,
-            dir,
-            no_fsync,
-            plot,
-            json,
-        } => {
-            let options = tern_bench::scale::ScaleOptions {
-                servers,
-                blocks,
-                jobs,
-                maps,
-                partitions,
-                heartbeat_rate,
-                probe_rate,
-                samples,
-                concurrency,
-                dir,
-                fsync: !no_fsync,
-            };
+        BenchCommand::Scale { options, plot, json } => {
             let report = tern_bench::scale::run(&options).await?;
             if let Some(path) = &plot {
                 tern_bench::scale::plot(&report, path)?;

@@ -187,7 +187,9 @@ fn refusal_for_users(error: &str) -> Option<String> {
     let (_, rest) = error.split_once("permission denied: ")?;
     let (_rpc, rest) = rest.split_once(" by ")?;
     let (caller, lacked) = rest.split_once(": ")?;
-    let todo = if lacked.contains("operator") {
+    let todo = if lacked.contains("belongs to tenant") {
+        "act as a client of that tenant (--as its credential: `tern cert credential --role client --tenant NAME`) or as an operator"
+    } else if lacked.contains("operator") {
         "run it as an operator: --as DIR/credentials/admin (`tern up` writes it; TERN_AS works too)"
     } else if lacked.contains("token of job") || lacked.contains("token it presented") {
         "only the job's own processes (holding its token, TERN_JOB_TOKEN) or an operator (--as DIR/credentials/admin) may"

@@ -354,6 +354,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                 &scheduler_admin,
                 "--metadata",
                 &metadata_url,
+                "--set",
+                &secret_set,
             ];
             if args.tls {
                 scheduler_args.extend(["--tls-dir", &tls_dir_arg]);

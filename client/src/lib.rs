@@ -337,7 +337,7 @@ impl Client {
 
     /// Creates a directory; with `parents`, missing parents too and an existing directory is fine.
     pub async fn mkdir(&self, path: &str, parents: bool) -> Result<()> {
-        self.metadata().mkdir(pb::MkdirRequest { path: path.into(), parents }).await?;
+        self.metadata().mkdir(pb::MkdirRequest { path: path.into(), parents, ..Default::default() }).await?;
         Ok(())
     }
 
@@ -369,6 +369,7 @@ impl Client {
             sealed: false,
             storage_class: options.class.name().to_string(),
             replicas: options.replicas,
+            ..Default::default()
         };
         let created = self.metadata().create(request).await?.into_inner();
         Ok(FileWriter::new(

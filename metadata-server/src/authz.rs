@@ -33,14 +33,19 @@ pub enum Needs {
     /// Nothing: any caller (calls whose own fields carry the proof, like RenewJob's token, or that
     /// reveal and change nothing of a job).
     Anyone,
-    /// A token of the job owning the path (files under `/jobs/<job>`); outside `/jobs`, anyone.
+    /// A token of the job owning the path (files under `/jobs/<job>`); outside `/jobs`, the
+    /// tenant owning it (`Namespace::owner`: the entry's, or the directory a new one goes in).
     Path(String),
     /// Both paths' owners' tokens (a rename).
     Paths(String, String),
-    /// A token of the job owning the file with this id (an unknown file: the call says so).
+    /// A token of the job owning the file with this id, or outside `/jobs` its tenant (an
+    /// unknown file: the call says so).
     File(u64),
     /// A token of this job.
     Job(String),
+    /// Acting for this tenant ("": the caller's own): its clients (and executors), the
+    /// scheduler (which registers its submitters' jobs) and operators (RegisterJob).
+    Tenant(String),
     /// A token of the job owning the shuffle with this id.
     Shuffle(u64),
     /// The storage server whose block-service address this is (RegisterServer).
@@ -195,10 +200,12 @@ fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
         Needs::Paths(from, to) => path_owner(caller, from, state).and_then(|()| path_owner(caller, to, state)),
         Needs::File(file_id) => match state.job_of_file(*file_id) {
             Some(Some(job)) => job_token(caller, &job, state),
-            // Outside /jobs, or no such file (the call itself says so).
-            _ => Ok(()),
+            Some(None) => tenant_owns(identity, state.owner_of_file(*file_id), &format!("file {file_id}")),
+            // No such file: the call itself says so.
+            None => Ok(()),
         },
         Needs::Job(job) => job_token(caller, job, state),
+        Needs::Tenant(tenant) => acts_for(identity, tenant),
         Needs::Shuffle(shuffle_id) => match state.job_of_shuffle(*shuffle_id) {
             Some(job) => job_token(caller, &job, state),
             None => Ok(()),
@@ -235,7 +242,40 @@ fn path_owner(caller: &Caller, raw: &str, state: &State) -> Result<(), Lacks> {
     };
     match Place::of(&path).job() {
         Some(job) => job_token(caller, job, state),
+        None => tenant_owns(&caller.identity, state.owner_of_path(&path), &path),
+    }
+}
+
+/// Whether `identity` may act for `tenant` ("": its own).
+fn acts_for(identity: &Identity, tenant: &str) -> Result<(), Lacks> {
+    match identity.role {
+        Role::Admin | Role::Scheduler => Ok(()),
+        Role::Client | Role::Executor if tenant.is_empty() || tenant == identity.tenant => Ok(()),
+        Role::Client | Role::Executor => Err(Lacks {
+            reason: "other_tenant",
+            what: format!(
+                "it names tenant {tenant}, and a client acts for its own tenant only (a credential of tenant \
+                 {tenant} may)"
+            ),
+        }),
+        _ => {
+            Err(Lacks { reason: "not_client", what: "only a tenant's clients, the scheduler and operators may".into() })
+        }
+    }
+}
+
+/// Outside `/jobs` an entry is its owning tenant's: that tenant's clients (and executors, which
+/// run its tasks), operators (passed before this) and the scheduler (which runs every tenant's
+/// jobs) may act on it; nobody's entries are everyone's. Storage servers have no business there.
+fn tenant_owns(identity: &Identity, owner: Option<&str>, what: &str) -> Result<(), Lacks> {
+    let tenants_own = matches!(identity.role, Role::Client | Role::Executor) && owner == Some(&identity.tenant);
+    match owner {
         None => Ok(()),
+        Some(_) if tenants_own || identity.role == Role::Scheduler => Ok(()),
+        Some(owner) => Err(Lacks {
+            reason: "other_tenant",
+            what: format!("{what} belongs to tenant {owner} (only its tenant and operators may act on it)"),
+        }),
     }
 }
 
@@ -256,11 +296,8 @@ fn job_token(caller: &Caller, job: &str, state: &State) -> Result<(), Lacks> {
     // A client presents every token it holds (up to 16): only those naming the job are checked,
     // so a busy executor's call costs one HMAC, not sixteen (each about 1.3 us here).
     let mut why = "it presented tokens of other jobs only".to_string();
-    for token in &caller.tokens {
-        if !JobToken::from_text(token).is_ok_and(|decoded| decoded.job == job) {
-            continue;
-        }
-        match state.check_job_token(job, token, "act for") {
+    for token in caller.tokens.iter().filter_map(|text| JobToken::from_text(text).ok()).filter(|t| t.job == job) {
+        match state.check_decoded_token(job, &token, "act for") {
             Ok(()) => return Ok(()),
             Err(status) => why = status.message().to_string(),
         }

@@ -6,6 +6,11 @@
 //! however many files lie below it, and a recursive delete visits exactly the removed subtree.
 //! Files are also indexed by file id, because writers address unsealed files by id.
 //!
+//! Each entry records the tenant that made it (its owner, an index into a table of tenant names
+//! so a node carries 4 bytes of it): outside `/jobs` an entry belongs to that tenant
+//! (`crate::authz`). The root, `/jobs` and entries made before owners were recorded are
+//! everyone's.
+//!
 //! Durable state (a write-ahead log and snapshots) comes in a later issue; today a restarted
 //! metadata server starts with an empty namespace.
 
@@ -19,6 +24,10 @@ use crate::error::{already_exists, invalid, not_found, Refusal};
 use crate::path::{self, Place};
 
 type NodeId = u64;
+
+/// An entry's owning tenant: an index into [`Namespace::owners`]; [`NOBODY`]: everyone's.
+type Owner = u32;
+const NOBODY: Owner = 0;
 
 /// The root directory's node id; it always exists.
 const ROOT: NodeId = 0;
@@ -70,6 +79,7 @@ struct Node {
     parent: NodeId,
     name: String,
     created_unix_ms: u64,
+    owner: Owner,
     body: Body,
 }
 
@@ -92,11 +102,20 @@ pub struct Namespace {
     directories: u64,
     /// Files plus directories (not counting the root) may not exceed this.
     max_entries: u64,
+    /// Owning tenants' names by [`Owner`] (index 0, [`NOBODY`], is ""), and their indexes.
+    owners: Vec<String>,
+    owner_ids: HashMap<String, Owner>,
 }
 
 impl Namespace {
     pub fn new(max_entries: u64) -> Namespace {
-        let root = Node { parent: ROOT, name: String::new(), created_unix_ms: 0, body: Body::Dir(BTreeMap::new()) };
+        let root = Node {
+            parent: ROOT,
+            name: String::new(),
+            created_unix_ms: 0,
+            owner: NOBODY,
+            body: Body::Dir(BTreeMap::new()),
+        };
         Namespace {
             nodes: HashMap::from([(ROOT, root)]),
             file_nodes: HashMap::new(),
@@ -105,7 +124,47 @@ impl Namespace {
             files: 0,
             directories: 0,
             max_entries,
+            owners: vec![String::new()],
+            owner_ids: HashMap::from([(String::new(), NOBODY)]),
         }
+    }
+
+    /// The index of tenant `tenant` ("": nobody), added when new.
+    fn owner_id(&mut self, tenant: &str) -> Owner {
+        if let Some(&id) = self.owner_ids.get(tenant) {
+            return id;
+        }
+        let id = self.owners.len() as Owner;
+        self.owners.push(tenant.to_string());
+        self.owner_ids.insert(tenant.to_string(), id);
+        id
+    }
+
+    /// The tenant owning `path` (normalised): that of the deepest entry on the way to it that
+    /// has an owner (the entry itself, or for a path not there yet the directory it would be made
+    /// in); None when everything on the way is everyone's.
+    pub fn owner(&self, path: &str) -> Option<&str> {
+        let mut id = ROOT;
+        let mut owner = NOBODY;
+        for name in path::components(path) {
+            let Body::Dir(children) = &self.node(id).body else {
+                break;
+            };
+            let Some(&child) = children.get(name) else {
+                break;
+            };
+            id = child;
+            if self.node(id).owner != NOBODY {
+                owner = self.node(id).owner;
+            }
+        }
+        (owner != NOBODY).then(|| self.owners[owner as usize].as_str())
+    }
+
+    /// The tenant owning file `file_id` (None: everyone's, or no such file).
+    pub fn file_owner(&self, file_id: FileId) -> Option<&str> {
+        let path = self.file_path(file_id).ok()?;
+        self.owner(&path)
     }
 
     pub fn files(&self) -> u64 {
@@ -116,9 +175,9 @@ impl Namespace {
         self.directories
     }
 
-    /// Makes directory `path` (normalised); `parents` makes missing parents and accepts an
-    /// existing directory, as `mkdir -p` does.
-    pub fn mkdir(&mut self, path: &str, parents: bool, now_unix_ms: u64) -> Result<(), Refusal> {
+    /// Makes directory `path` (normalised), owned by tenant `owner` ("": everyone's); `parents`
+    /// makes missing parents (owned alike) and accepts an existing directory, as `mkdir -p` does.
+    pub fn mkdir(&mut self, path: &str, parents: bool, owner: &str, now_unix_ms: u64) -> Result<(), Refusal> {
         if let Some(id) = self.lookup(path) {
             return match (&self.node(id).body, parents) {
                 (Body::Dir(_), true) => Ok(()),
@@ -126,26 +185,30 @@ impl Namespace {
                 (Body::File(_), _) => Err(already_exists("already exists as a file")),
             };
         }
-        let (parent, name) = self.parent_dir(path, parents, now_unix_ms)?;
-        self.insert(parent, name, Body::Dir(BTreeMap::new()), now_unix_ms)?;
+        let owner = self.owner_id(owner);
+        let (parent, name) = self.parent_dir(path, parents, owner, now_unix_ms)?;
+        self.insert(parent, name, Body::Dir(BTreeMap::new()), owner, now_unix_ms)?;
         Ok(())
     }
 
-    /// Creates an unsealed, empty file at `path` (normalised); returns its file id.
+    /// Creates an unsealed, empty file at `path` (normalised), owned by tenant `owner` (as
+    /// [`Namespace::mkdir`] says); returns its file id.
     pub fn create_file(
         &mut self,
         path: &str,
         parents: bool,
         storage_class: StorageClass,
+        owner: &str,
         now_unix_ms: u64,
     ) -> Result<FileId, Refusal> {
         if self.lookup(path).is_some() {
             return Err(already_exists("already exists"));
         }
-        let (parent, name) = self.parent_dir(path, parents, now_unix_ms)?;
+        let owner = self.owner_id(owner);
+        let (parent, name) = self.parent_dir(path, parents, owner, now_unix_ms)?;
         let file_id = self.next_file_id;
         let meta = FileMeta { file_id, sealed: false, length: 0, blocks: Vec::new(), storage_class, replicas: 1 };
-        let node = self.insert(parent, name, Body::File(meta), now_unix_ms)?;
+        let node = self.insert(parent, name, Body::File(meta), owner, now_unix_ms)?;
         self.next_file_id = file_id.next();
         self.file_nodes.insert(file_id, node);
         Ok(file_id)
@@ -158,11 +221,12 @@ impl Namespace {
         path: &str,
         parents: bool,
         storage_class: StorageClass,
+        owner: &str,
         now_unix_ms: u64,
     ) -> Result<(), Refusal> {
         let next = self.next_file_id;
         self.next_file_id = file_id;
-        let created = self.create_file(path, parents, storage_class, now_unix_ms);
+        let created = self.create_file(path, parents, storage_class, owner, now_unix_ms);
         self.next_file_id = next.max(file_id.next());
         created.map(|_| ())
     }
@@ -190,9 +254,9 @@ impl Namespace {
         })
     }
 
-    /// Every entry below the root, parents before children: (path, creation time, file metadata
-    /// for files). What a snapshot records.
-    pub fn walk(&self) -> Vec<(String, u64, Option<&FileMeta>)> {
+    /// Every entry below the root, parents before children: (path, creation time, owning tenant
+    /// or "", file metadata for files). What a snapshot records.
+    pub fn walk(&self) -> Vec<(String, u64, &str, Option<&FileMeta>)> {
         let mut out = Vec::new();
         let mut pending = vec![(ROOT, String::from("/"))];
         while let Some((id, path)) = pending.pop() {
@@ -203,12 +267,13 @@ impl Namespace {
             for (name, &child) in children.iter().rev() {
                 let child_path = path::join(&path, name);
                 let node = self.node(child);
+                let owner = self.owners[node.owner as usize].as_str();
                 match &node.body {
                     Body::Dir(_) => {
-                        out.push((child_path.clone(), node.created_unix_ms, None));
+                        out.push((child_path.clone(), node.created_unix_ms, owner, None));
                         pending.push((child, child_path));
                     }
-                    Body::File(meta) => out.push((child_path, node.created_unix_ms, Some(meta))),
+                    Body::File(meta) => out.push((child_path, node.created_unix_ms, owner, Some(meta))),
                 }
             }
         }
@@ -357,7 +422,13 @@ impl Namespace {
 
     /// The directory that is to hold `path`, made (with its parents) when `parents` is set, and
     /// the new entry's name.
-    fn parent_dir<'p>(&mut self, path: &'p str, parents: bool, now_unix_ms: u64) -> Result<(NodeId, &'p str), Refusal> {
+    fn parent_dir<'p>(
+        &mut self,
+        path: &'p str,
+        parents: bool,
+        owner: Owner,
+        now_unix_ms: u64,
+    ) -> Result<(NodeId, &'p str), Refusal> {
         let (parent_path, name) = path::split_last(path).ok_or_else(|| already_exists("/ always exists"))?;
         let mut id = ROOT;
         let mut walked = String::new();
@@ -371,7 +442,7 @@ impl Namespace {
             id = match child {
                 Some(child) if matches!(self.node(child).body, Body::Dir(_)) => child,
                 Some(_) => return Err(invalid(format!("{walked} is a file, not a directory"))),
-                None if parents => self.insert(id, component, Body::Dir(BTreeMap::new()), now_unix_ms)?,
+                None if parents => self.insert(id, component, Body::Dir(BTreeMap::new()), owner, now_unix_ms)?,
                 None => return Err(not_found(format!("parent directory {walked} does not exist"))),
             };
         }
@@ -379,7 +450,14 @@ impl Namespace {
     }
 
     /// Adds a child to directory `parent`, within the namespace's size limit.
-    fn insert(&mut self, parent: NodeId, name: &str, body: Body, now_unix_ms: u64) -> Result<NodeId, Refusal> {
+    fn insert(
+        &mut self,
+        parent: NodeId,
+        name: &str,
+        body: Body,
+        owner: Owner,
+        now_unix_ms: u64,
+    ) -> Result<NodeId, Refusal> {
         if self.files + self.directories >= self.max_entries {
             return Err(Refusal::new(
                 ErrorKind::OutOfSpace,
@@ -395,7 +473,7 @@ impl Namespace {
         if let Body::Dir(children) = &mut self.node_mut(parent).body {
             children.insert(name.to_string(), id);
         }
-        self.nodes.insert(id, Node { parent, name: name.to_string(), created_unix_ms: now_unix_ms, body });
+        self.nodes.insert(id, Node { parent, name: name.to_string(), created_unix_ms: now_unix_ms, owner, body });
         Ok(id)
     }
 
@@ -471,18 +549,18 @@ mod tests {
     #[test]
     fn mkdir_and_create() {
         let mut ns = Namespace::new(100);
-        ns.mkdir("/a", false, 1).unwrap();
-        assert_eq!(ns.mkdir("/a", false, 1).unwrap_err().kind, ErrorKind::AlreadyExists);
-        ns.mkdir("/a", true, 1).unwrap();
-        assert_eq!(ns.mkdir("/x/y", false, 1).unwrap_err().kind, ErrorKind::NotFound);
-        ns.mkdir("/x/y", true, 1).unwrap();
-        let id = ns.create_file("/a/f", false, StorageClass::Any, 2).unwrap();
-        assert_eq!(ns.create_file("/a/f", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(ns.create_file("/a", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(ns.mkdir("/a/f", true, 2).unwrap_err().kind, ErrorKind::AlreadyExists);
-        assert_eq!(ns.create_file("/a/f/g", true, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::Invalid);
-        assert_eq!(ns.create_file("/b/c/f", false, StorageClass::Any, 2).unwrap_err().kind, ErrorKind::NotFound);
-        let id2 = ns.create_file("/b/c/f", true, StorageClass::Any, 2).unwrap();
+        ns.mkdir("/a", false, "", 1).unwrap();
+        assert_eq!(ns.mkdir("/a", false, "", 1).unwrap_err().kind, ErrorKind::AlreadyExists);
+        ns.mkdir("/a", true, "", 1).unwrap();
+        assert_eq!(ns.mkdir("/x/y", false, "", 1).unwrap_err().kind, ErrorKind::NotFound);
+        ns.mkdir("/x/y", true, "", 1).unwrap();
+        let id = ns.create_file("/a/f", false, StorageClass::Any, "", 2).unwrap();
+        assert_eq!(ns.create_file("/a/f", false, StorageClass::Any, "", 2).unwrap_err().kind, ErrorKind::AlreadyExists);
+        assert_eq!(ns.create_file("/a", false, StorageClass::Any, "", 2).unwrap_err().kind, ErrorKind::AlreadyExists);
+        assert_eq!(ns.mkdir("/a/f", true, "", 2).unwrap_err().kind, ErrorKind::AlreadyExists);
+        assert_eq!(ns.create_file("/a/f/g", true, StorageClass::Any, "", 2).unwrap_err().kind, ErrorKind::Invalid);
+        assert_eq!(ns.create_file("/b/c/f", false, StorageClass::Any, "", 2).unwrap_err().kind, ErrorKind::NotFound);
+        let id2 = ns.create_file("/b/c/f", true, StorageClass::Any, "", 2).unwrap();
         assert!(id2 > id);
         assert_eq!((ns.files(), ns.directories()), (2, 5));
         let (info, meta) = ns.stat("/a/f").unwrap();
@@ -500,7 +578,7 @@ mod tests {
     fn lists_sorted_in_pages() {
         let mut ns = Namespace::new(100);
         for name in ["d", "b", "a", "e", "c"] {
-            ns.create_file(&format!("/dir/{name}"), true, StorageClass::Any, 0).unwrap();
+            ns.create_file(&format!("/dir/{name}"), true, StorageClass::Any, "", 0).unwrap();
         }
         let (page, truncated) = ns.list("/dir", "", 2).unwrap();
         assert_eq!((names(&page), truncated), (vec!["/dir/a", "/dir/b"], true));
@@ -520,8 +598,8 @@ mod tests {
     #[test]
     fn removes_recursively_only_when_asked() {
         let mut ns = Namespace::new(100);
-        let a = ns.create_file("/d/a", true, StorageClass::Any, 0).unwrap();
-        ns.create_file("/d/sub/b", true, StorageClass::Any, 0).unwrap();
+        let a = ns.create_file("/d/a", true, StorageClass::Any, "", 0).unwrap();
+        ns.create_file("/d/sub/b", true, StorageClass::Any, "", 0).unwrap();
         let meta = ns.file_mut(a).unwrap();
         let block = |id| BlockRef { block_id: BlockId::from_wire(id), server_id: ServerId::from_wire(id) };
         meta.blocks = vec![block(1), block(2)];
@@ -536,7 +614,7 @@ mod tests {
         assert_eq!((ns.files(), ns.directories()), (0, 0));
         assert_eq!(ns.file_path(a).unwrap_err().kind, ErrorKind::NotFound);
         assert_eq!(ns.remove("/d", true).unwrap_err().kind, ErrorKind::NotFound);
-        ns.mkdir("/empty", false, 0).unwrap();
+        ns.mkdir("/empty", false, "", 0).unwrap();
         ns.remove("/empty", false).unwrap();
         assert_eq!(ns.directories(), 0);
     }
@@ -544,8 +622,8 @@ mod tests {
     #[test]
     fn renames_directories_with_descendants() {
         let mut ns = Namespace::new(100);
-        let id = ns.create_file("/a/b/c/f", true, StorageClass::Any, 0).unwrap();
-        ns.mkdir("/z", false, 0).unwrap();
+        let id = ns.create_file("/a/b/c/f", true, StorageClass::Any, "", 0).unwrap();
+        ns.mkdir("/z", false, "", 0).unwrap();
         ns.rename("/a/b", "/z/moved").unwrap();
         assert_eq!(ns.file_path(id).unwrap(), "/z/moved/c/f");
         assert_eq!(ns.stat("/z/moved/c/f").unwrap().1.unwrap().file_id, id);
@@ -570,11 +648,32 @@ mod tests {
     #[test]
     fn refuses_past_max_entries() {
         let mut ns = Namespace::new(3);
-        ns.create_file("/a/b/f", true, StorageClass::Any, 0).unwrap();
-        let refusal = ns.create_file("/a/g", false, StorageClass::Any, 0).unwrap_err();
+        ns.create_file("/a/b/f", true, StorageClass::Any, "", 0).unwrap();
+        let refusal = ns.create_file("/a/g", false, StorageClass::Any, "", 0).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
         assert!(refusal.reason.contains("max_entries"), "{}", refusal.reason);
         ns.remove("/a/b", true).unwrap();
-        ns.create_file("/a/g", false, StorageClass::Any, 0).unwrap();
+        ns.create_file("/a/g", false, StorageClass::Any, "", 0).unwrap();
+    }
+
+    #[test]
+    fn entries_belong_to_their_maker_and_the_way_to_them_says_whose_a_new_one_is() {
+        let mut ns = Namespace::new(100);
+        assert_eq!(ns.owner("/"), None, "the root is everyone's");
+        ns.mkdir("/etl/in", true, "etl", 1).unwrap();
+        let file = ns.create_file("/etl/in/f", false, StorageClass::Any, "etl", 1).unwrap();
+        ns.mkdir("/legacy", false, "", 1).unwrap();
+        assert_eq!(ns.owner("/etl"), Some("etl"), "parents made by -p are the maker's too");
+        assert_eq!(ns.owner("/etl/in/f"), Some("etl"));
+        assert_eq!(ns.file_owner(file), Some("etl"));
+        assert_eq!(ns.owner("/etl/in/not-yet"), Some("etl"), "a new entry's is its directory's");
+        assert_eq!(ns.owner("/legacy/x"), None);
+        assert_eq!(ns.owner("/nothing/here"), None);
+        // Moved, an entry keeps its owner; snapshots carry it.
+        ns.rename("/etl/in/f", "/legacy/f").unwrap();
+        assert_eq!(ns.owner("/legacy/f"), Some("etl"));
+        let walked: Vec<(String, &str)> = ns.walk().into_iter().map(|(path, _, owner, _)| (path, owner)).collect();
+        assert!(walked.contains(&("/legacy/f".to_string(), "etl")), "{walked:?}");
+        assert!(walked.contains(&("/legacy".to_string(), "")), "{walked:?}");
     }
 }

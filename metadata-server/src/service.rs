@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tern_common::Now;
+use tern_proto::identity::Identity;
 use tern_proto::v1::admin_server::Admin;
 use tern_proto::v1::metadata_server::Metadata;
 use tern_proto::v1::registry_server::Registry;
@@ -74,6 +75,18 @@ impl Service {
         needs: impl FnOnce(&R) -> Needs,
         op: impl FnOnce(&mut State, Now, R) -> Result<T, Status>,
     ) -> Result<Response<T>, Status> {
+        self.call_as(method, request, needs, |state, now, req, _| op(state, now, req)).await
+    }
+
+    /// [`Service::call`] for an `op` that needs the caller's identity too (what it makes is
+    /// the caller's tenant's).
+    async fn call_as<R, T>(
+        &self,
+        method: &'static str,
+        request: Request<R>,
+        needs: impl FnOnce(&R) -> Needs,
+        op: impl FnOnce(&mut State, Now, R, &Identity) -> Result<T, Status>,
+    ) -> Result<Response<T>, Status> {
         #[expect(clippy::disallowed_methods, reason = "the edge: each call reads the clock once and passes it in")]
         let now = Now::read();
         let (mut result, lsn) = match self.authz.caller(method, &request, now.instant) {
@@ -93,7 +106,7 @@ impl Service {
                         let result = self
                             .authz
                             .decide(method, &caller, &needs, &state, now.instant)
-                            .and_then(|()| op(&mut state, now, req));
+                            .and_then(|()| op(&mut state, now, req, &caller.identity));
                         let changes = state.take_journal();
                         let read = changes.is_empty();
                         (result, Some((self.log.append(changes), read)))
@@ -123,11 +136,17 @@ impl Service {
 #[tonic::async_trait]
 impl Metadata for Service {
     async fn mkdir(&self, request: Request<MkdirRequest>) -> Result<Response<MkdirResponse>, Status> {
-        self.call("mkdir", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.mkdir(req, now)).await
+        let mkdir = |state: &mut State, now, req, caller: &Identity| {
+            state.mkdir(MkdirRequest { owner: caller.tenant.clone(), ..req }, now)
+        };
+        self.call_as("mkdir", request, |r| Needs::Path(r.path.clone()), mkdir).await
     }
 
     async fn create(&self, request: Request<CreateRequest>) -> Result<Response<CreateResponse>, Status> {
-        self.call("create", request, |r| Needs::Path(r.path.clone()), |state, now, req| state.create(req, now)).await
+        let create = |state: &mut State, now, req, caller: &Identity| {
+            state.create(CreateRequest { owner: caller.tenant.clone(), ..req }, now)
+        };
+        self.call_as("create", request, |r| Needs::Path(r.path.clone()), create).await
     }
 
     async fn allocate_blocks(
@@ -189,7 +208,13 @@ impl Metadata for Service {
         &self,
         request: Request<RegisterJobRequest>,
     ) -> Result<Response<RegisterJobResponse>, Status> {
-        self.call("register_job", request, |_| Needs::Anyone, |state, now, req| state.register_job(req, now)).await
+        // A job counts against its caller's tenant unless the request names one (which the
+        // authorization allows only as that tenant, or for the scheduler and operators).
+        let register = |state: &mut State, now, req: RegisterJobRequest, caller: &Identity| {
+            let tenant = if req.tenant.is_empty() { caller.tenant.clone() } else { req.tenant };
+            state.register_job(RegisterJobRequest { tenant, ..req }, now)
+        };
+        self.call_as("register_job", request, |r| Needs::Tenant(r.tenant.clone()), register).await
     }
 
     async fn renew_job(&self, request: Request<RenewJobRequest>) -> Result<Response<RenewJobResponse>, Status> {

@@ -118,34 +118,12 @@ impl State {
         self.key.0.issue(job, serial, expires, lease.as_millis() as u64).to_text()
     }
 
-    /// Ok when `token` is a token of job `job`'s current registration signed by this server (it
-    /// may have expired: a job holder renewing late is still its holder).
-    pub fn check_job_token(&self, job: &str, token: &str, what: &str) -> Result<(), Status> {
-        let context = format!("{what} job {job}");
-        let refuse = |why: String| Refusal::new(ErrorKind::PermissionDenied, why).status(&context);
-        if token.is_empty() {
-            return Err(refuse(format!("no token given: only the holder of job {job}'s token may {what} it")));
-        }
-        let token = JobToken::from_text(token).map_err(|e| Refusal::new(e.kind(), e.to_string()).status(&context))?;
-        self.key.0.verify(&token).map_err(|e| refuse(e.to_string()))?;
-        let Some(serial) = self.jobs.serial(job) else {
-            return Err(not_found(format!("job {job} is not registered (ended or lease lapsed)")).status(&context));
-        };
-        if token.job != job || token.serial != serial {
-            return Err(refuse(format!(
-                "the token given is job {}'s (another job, or an earlier job of that name)",
-                token.job
-            )));
-        }
-        Ok(())
-    }
-
     /// A fresh token for the holder of a valid one whose job is live; the lease is not renewed.
     pub fn refresh_token(&mut self, req: RefreshTokenRequest, now: Now) -> Result<RefreshTokenResponse, Status> {
         let token = JobToken::from_text(&req.token)
             .map_err(|e| Refusal::new(e.kind(), e.to_string()).status("refresh a job token"))?;
         let job = token.job.clone();
-        self.check_job_token(&job, &req.token, "refresh the token of")?;
+        self.check_decoded_token(&job, &token, "refresh the token of")?;
         self.jobs.check_live(&job, now.instant).context(format_args!("refresh the token of job {job}"))?;
         Ok(RefreshTokenResponse { token: self.token_for(&job, now) })
     }
@@ -159,7 +137,8 @@ impl State {
         let context = format!("mkdir {}", req.path);
         let path = path::normalize(&req.path).context(&context)?;
         self.check_new_entry(&path, true, req.parents, now).context(&context)?;
-        self.commit(Change::Mkdir(MkdirRequest { path, parents: req.parents }), now).context(&context)?;
+        self.commit(Change::Mkdir(MkdirRequest { path, parents: req.parents, owner: req.owner }), now)
+            .context(&context)?;
         Ok(MkdirResponse {})
     }
 

@@ -536,7 +536,10 @@ mod tests {
     }
 
     fn mkdir(i: u64) -> LogRecord {
-        LogRecord { unix_ms: i, change: Some(Change::Mkdir(MkdirRequest { path: format!("/d{i}"), parents: false })) }
+        LogRecord {
+            unix_ms: i,
+            change: Some(Change::Mkdir(MkdirRequest { path: format!("/d{i}"), parents: false, ..Default::default() })),
+        }
     }
 
     async fn write(dir: &Path, seq: u64, count: u64) {

@@ -83,13 +83,14 @@ fn request(rng: &mut Rng, method: u8) -> Vec<u8> {
     let lengths: Vec<u64> = (0..rng.below(6)).map(|_| rng.count()).collect();
     let segments: Vec<u32> = (0..rng.below(6)).map(|_| rng.count() as u32).collect();
     match method % METHODS {
-        0 => MkdirRequest { path: rng.path(), parents: rng.below(2) == 0 }.encode_to_vec(),
+        0 => MkdirRequest { path: rng.path(), parents: rng.below(2) == 0, owner: rng.path() }.encode_to_vec(),
         1 => CreateRequest {
             path: rng.path(),
             parents: rng.below(2) == 0,
             sealed: rng.below(4) == 0,
             storage_class: rng.class(),
             replicas: rng.below(4) as u32,
+            owner: rng.path(),
         }
         .encode_to_vec(),
         2 => AllocateBlocksRequest { file_id: small, count: rng.count() as u32, client_host: "127.0.0.1".into() }
@@ -217,7 +218,10 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
     let mut refused = 0;
     for _ in 0..600 {
         let status = match rng.below(8) {
-            0 => client.mkdir(MkdirRequest { path: rng.path(), parents: rng.below(2) == 0 }).await.err(),
+            0 => client
+                .mkdir(MkdirRequest { path: rng.path(), parents: rng.below(2) == 0, owner: rng.path() })
+                .await
+                .err(),
             1 => {
                 let req = CreateRequest {
                     path: rng.path(),
@@ -225,6 +229,7 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
                     sealed: rng.below(2) == 0,
                     storage_class: rng.class(),
                     replicas: rng.below(4) as u32,
+                    owner: rng.path(),
                 };
                 client.create(req).await.err()
             }
@@ -257,7 +262,7 @@ async fn bad_requests_over_grpc_get_statuses_and_the_server_goes_on() {
     let status = client.stat(StatRequest { path: huge, with_blocks: false }).await.unwrap_err();
     assert!(!status.message().is_empty(), "{status:?}");
     // And a good request still works.
-    client.mkdir(MkdirRequest { path: "/after/fuzz".into(), parents: true }).await.unwrap();
+    client.mkdir(MkdirRequest { path: "/after/fuzz".into(), parents: true, ..Default::default() }).await.unwrap();
     client.stat(StatRequest { path: "/after/fuzz".into(), with_blocks: false }).await.unwrap();
     server.shutdown().await;
 }

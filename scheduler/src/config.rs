@@ -19,6 +19,10 @@ pub struct Config {
     pub serve: Serve,
     /// The metadata server the scheduler's jobs use (told to executors).
     pub metadata: String,
+    /// The cluster secret, with which the scheduler proves its role to the metadata server (it
+    /// registers the Tern job of every queue's tenant). Unset: `cluster.secret` in `tls_dir`;
+    /// without either it does not start.
+    pub cluster_secret_file: Option<std::path::PathBuf>,
     /// Queue weights by name; queues not listed get `default_queue_weight`.
     pub queues: BTreeMap<String, u32>,
     /// Weight of a queue not listed in `queues`.
@@ -61,6 +65,7 @@ impl Default for Config {
         Config {
             serve: Serve::on_loopback(tern_common::ports::SCHEDULER, tern_common::ports::SCHEDULER_ADMIN),
             metadata: tern_common::ports::default_metadata(),
+            cluster_secret_file: None,
             queues: BTreeMap::from([("default".to_string(), 1)]),
             default_queue_weight: 1,
             heartbeat_interval_ms: 1000,

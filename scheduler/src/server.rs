@@ -24,6 +24,7 @@ use anyhow::Context;
 use parking_lot::Mutex;
 use tern_client::{JobSession, ShuffleOptions};
 use tern_common::unix_ms;
+use tern_proto::identity::{ClusterSecret, Identity, Role};
 use tern_proto::sched as pb;
 use tern_proto::sched::scheduler_server::{Scheduler, SchedulerServer as SchedulerService};
 use tern_proto::ErrorKind;
@@ -59,6 +60,16 @@ pub struct SchedulerServer {
 /// Validates `config`, binds, and starts serving in the background.
 pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
     config.validate().context("invalid scheduler configuration")?;
+    // The scheduler acts for every queue's tenant on the metadata server: it proves its role.
+    let secret_path = config.serve.cluster_secret_path(config.cluster_secret_file.as_deref()).ok_or_else(|| {
+        anyhow::anyhow!(
+            "no cluster secret: the scheduler proves its role to the metadata server with it (it registers \
+             every queue's jobs); set cluster_secret_file (`tern up` and `tern cert init` make one; with \
+             --tls-dir, cluster.secret there)"
+        )
+    })?;
+    let secret = ClusterSecret::load(&secret_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let credential = secret.credential(&Identity::new(Role::Scheduler, "", ""));
     let mut grpc = tonic::transport::Server::builder();
     if let Some(dir) = &config.serve.tls_dir {
         let tls = tern_transport::tls::TlsMaterial::load(dir)?;
@@ -74,7 +85,7 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "scheduler", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared::new(config, metrics));
+    let shared = Arc::new(Shared::new(config, credential, metrics));
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
     let service = SchedulerService::from_arc(Arc::new(Service { shared: shared.clone() }))
         .max_decoding_message_size(limit)
@@ -185,11 +196,13 @@ struct Shared {
     started: Instant,
     /// The wall clock at `started`: stage times are kept relative to it.
     started_unix_ms: u64,
+    /// Its `scheduler` credential, for the metadata server.
+    credential: String,
     tern: OnceCell<tern_client::Client>,
 }
 
 impl Shared {
-    fn new(config: Config, metrics: Metrics) -> Shared {
+    fn new(config: Config, credential: String, metrics: Metrics) -> Shared {
         let policy = Policy::new(PolicyConfig {
             default_max_attempts: config.default_max_attempts,
             default_backoff_ms: config.default_backoff_ms,
@@ -202,6 +215,7 @@ impl Shared {
         Shared {
             config,
             metrics,
+            credential,
             state: Mutex::new(State {
                 policy,
                 executors: HashMap::new(),
@@ -230,6 +244,7 @@ impl Shared {
             .get_or_try_init(|| async {
                 let options = tern_client::ClientOptions {
                     tls_dir: self.config.serve.tls_dir.clone(),
+                    credential: Some(self.credential.clone()),
                     ..tern_client::ClientOptions::default()
                 };
                 tern_client::Client::connect_with(&self.config.metadata, options).await

@@ -45,7 +45,12 @@ async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     })
     .await
     .unwrap();
-    let mut config = Config { serve: Serve::on_loopback(0, 0), metadata: metadata_addr.clone(), ..Config::default() };
+    let mut config = Config {
+        serve: Serve::on_loopback(0, 0),
+        metadata: metadata_addr.clone(),
+        cluster_secret_file: Some(dir.path().join("metadata").join("cluster.secret")),
+        ..Config::default()
+    };
     tune(&mut config);
     let scheduler = server::start(config).await.unwrap();
     let client = SchedulerClient::connect(&scheduler.addr().to_string(), None).await.unwrap();

@@ -224,7 +224,9 @@ struct Writer {
 
 /// Connects to the metadata server. Every string may be empty (unset): `transport` is `auto`
 /// then; TLS material comes from `tls_dir`, or from the three PEM texts (all three or none), or
-/// is absent (a trusted network); `tenant` is the tenant the application's job counts against.
+/// is absent (a trusted network); `tenant` is the tenant the application's job counts against
+/// ("": the credential's); `credential_file` holds the credential it acts with (a client of its
+/// tenant; "": none, a client of the default tenant).
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
@@ -237,6 +239,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
     cert_pem: JString<'l>,
     key_pem: JString<'l>,
     tenant: JString<'l>,
+    credential_file: JString<'l>,
 ) -> jlong {
     entry(&mut env, |env| {
         let addr = string(env, &addr)?;
@@ -245,6 +248,12 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
         let tenant = string(env, &tenant)?;
         if !tenant.is_empty() {
             options.tenant = tenant;
+        }
+        let credential_file = string(env, &credential_file)?;
+        if !credential_file.is_empty() {
+            let credential = tern_proto::identity::load_credential(std::path::Path::new(&credential_file))
+                .map_err(|e| invalid(format!("spark.tern.credentialFile: {e}")))?;
+            options.credential = Some(credential);
         }
         if !transport.is_empty() {
             options.transport = transport.parse().map_err(|e| invalid(format!("spark.tern.transport: {e}")))?;

@@ -20,7 +20,9 @@ of 2 CPUs with GPUs). The storage-server fault needs
 TERN_STORAGE_FAULT; without it that case is not run, and the suite says so.
 
 Environment: TERN_METADATA (host:port of a running cluster), TERN_SPARK_JAR (the jar for the
-running Spark's line), TERN_BIN (the tern binary), TERN_WORK (a scratch directory); optionally
+running Spark's line), TERN_BIN (the tern binary), TERN_WORK (a scratch directory),
+TERN_CLUSTER_SECRET (the cluster secret's file: the child, a job of its own tenant, is issued that
+tenant's credential with it, spark.tern.credentialFile); optionally
 TERN_SPARK_SHUFFLE_MANAGER (the running Spark's manager class: Spark 4.3's is
 io.tern.spark.TernBlockingShuffleManager; default io.tern.spark.TernShuffleManager), TERN_STORAGE_FAULT (a shell command that
 takes one storage server of that cluster away: the multi-host test cuts its link, so its packets
@@ -353,6 +355,20 @@ CHILD_TENANT = "spark-child"
 CHILD_PARTITIONS = 4
 
 
+def tenant_credential(tenant):
+    """A credential file of a client of `tenant`, issued with the cluster secret (TERN_CLUSTER_SECRET)
+    as an operator would: a job of that tenant needs it."""
+    secret = os.environ.get("TERN_CLUSTER_SECRET", "")
+    assert secret, "TERN_CLUSTER_SECRET (the cluster secret's file) is required: the child acts for its own tenant"
+    path = os.path.join(WORK, f"credential-{tenant}")
+    if not os.path.exists(path):
+        # Its report is not the child's: the child's stdout carries only its JSON lines.
+        made = subprocess.run([TERN, "cert", "credential", "--secret", secret, "--role", "client", "--tenant", tenant,
+                               "--out", path], capture_output=True, text=True)
+        assert made.returncode == 0, f"tern cert credential failed: {made.stderr}"
+    return path
+
+
 def child():
     """A second driver: dynamic allocation without an external shuffle service, then it waits to
     be killed (the parent kills its JVM with SIGKILL, so no shutdown hook ends its Tern job)."""
@@ -367,6 +383,7 @@ def child():
         ("spark.dynamicAllocation.maxExecutors", "2"),
         ("spark.tern.jobLease", f"{CHILD_LEASE_S}s"),
         ("spark.tern.tenant", CHILD_TENANT),
+        ("spark.tern.credentialFile", tenant_credential(CHILD_TENANT)),
         ("spark.tern.copies", "2"),
     ] + tls_conf(as_text=False))
     jsc = sc._jsc.sc()

@@ -2,7 +2,8 @@
 //! cluster: every RPC of the Metadata, Registry and Admin services, called by every kind of
 //! caller, is allowed or refused (`permission-denied`) as the table says, on a plain loopback
 //! cluster and on one whose gRPC is mutual TLS. An RPC added to `tern.proto` fails the test until
-//! the table lists it.
+//! the table lists it. The namespace's calls are tried twice: on a job's files under `/jobs`, and
+//! on files outside it, which belong to the tenant that made them.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -48,9 +49,9 @@ fn allowed(rpc: &str) -> &'static [Kind] {
         | "InvalidateMaps" | "UnregisterShuffle" => &[JobHolder, Admin],
         // The token is in the request: only its holder.
         "RenewJob" | "EndJob" | "RefreshToken" => &[JobHolder],
-        "RegisterJob" | "Status" | "ReportUnreachable" => {
-            &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin]
-        }
+        // Naming the default tenant: its clients (no credential is one) and operators.
+        "RegisterJob" => &[Nobody, TenantClient, JobHolder, Admin],
+        "Status" | "ReportUnreachable" => &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin],
         "RegisterServer" | "Heartbeat" | "ReportInventory" => &[Server],
         "SetServerMode" | "Admin.EndJob" => &[Admin],
         // Between metadata servers only (a `metadata` credential, which no kind here holds).
@@ -58,6 +59,18 @@ fn allowed(rpc: &str) -> &'static [Kind] {
         other => {
             panic!("RPC {other} is not in the authorization table (tests/integration/authz.rs and ARCHITECTURE.md)")
         }
+    }
+}
+
+/// Who is allowed each namespace RPC on files outside `/jobs` made by a client of the default
+/// tenant (a caller without a credential is one): that tenant's clients and operators. None for
+/// the RPCs that act on no path.
+fn allowed_outside_jobs(rpc: &str) -> Option<&'static [Kind]> {
+    use Kind::*;
+    match rpc {
+        "Mkdir" | "Create" | "AllocateBlocks" | "Seal" | "RenewWriter" | "Abort" | "Open" | "Stat" | "List"
+        | "Delete" | "Rename" => Some(&[Nobody, TenantClient, JobHolder, Admin]),
+        _ => None,
     }
 }
 
@@ -93,11 +106,13 @@ struct Caller {
     token: Option<String>,
 }
 
-/// What one cell of the table acts on: a job of the default tenant with a sealed file, an
-/// unsealed one and a shuffle, made fresh for each cell so destructive calls do not disturb others.
+/// What one cell of the table acts on: a job of the default tenant with a shuffle, and a directory
+/// (the job's root, or one outside `/jobs`) with a sealed file and an unsealed one, made fresh for
+/// each cell so destructive calls do not disturb others.
 struct Target {
     job: String,
     token: String,
+    root: String,
     sealed: String,
     unsealed: u64,
     shuffle: u64,
@@ -171,32 +186,34 @@ impl Fixture {
         }
     }
 
-    /// A fresh job with its objects, made by its holder.
-    async fn target(&mut self) -> Target {
+    /// A fresh job with its objects, made by its holder (a client of the default tenant without
+    /// a credential); its files are in the job's root, or `outside_jobs` in a directory of theirs.
+    async fn target(&mut self, outside_jobs: bool) -> Target {
         self.cells += 1;
         let ask = RegisterJobRequest { name: format!("cell-{}", self.cells), ..Default::default() };
         let job = MetadataClient::new(self.channel.clone()).register_job(ask).await.unwrap().into_inner();
         let mut holder =
             MetadataClient::with_interceptor(self.channel.clone(), Presents::job_token(&job.token).unwrap());
-        let sealed = format!("{}/sealed", job.root);
-        let ask = CreateRequest { path: sealed.clone(), sealed: true, ..Default::default() };
+        let root = if outside_jobs { format!("/tenant-files/cell-{}", self.cells) } else { job.root.clone() };
+        let sealed = format!("{root}/sealed");
+        let ask = CreateRequest { path: sealed.clone(), sealed: true, parents: true, ..Default::default() };
         holder.create(ask).await.unwrap();
-        let ask = CreateRequest { path: format!("{}/unsealed", job.root), ..Default::default() };
+        let ask = CreateRequest { path: format!("{root}/unsealed"), ..Default::default() };
         let unsealed = holder.create(ask).await.unwrap().into_inner().file_id;
         let ask = RegisterShuffleRequest { job_id: job.job_id.clone(), partitions: 1, maps: 1, ..Default::default() };
         let shuffle = holder.register_shuffle(ask).await.unwrap().into_inner().shuffle_id;
-        Target { job: job.job_id, token: job.token, sealed, unsealed, shuffle }
+        Target { job: job.job_id, token: job.token, root, sealed, unsealed, shuffle }
     }
 
     /// Calls `rpc` as `caller` on `target`; the status it failed with, if it did.
     async fn call(&self, rpc: &str, caller: &mut Caller, target: &Target) -> Result<(), tonic::Status> {
-        let root = format!("/jobs/{}", target.job);
+        let root = &target.root;
         // The body's token, for the calls that carry it: the holder's, or another job's.
         let body_token =
             caller.token.clone().filter(|t| *t == target.token).unwrap_or_else(|| self.other_token.clone());
         let m = &mut caller.metadata;
         let done = match rpc {
-            "Mkdir" => m.mkdir(MkdirRequest { path: format!("{root}/dir"), parents: false }).await.map(drop),
+            "Mkdir" => m.mkdir(MkdirRequest { path: format!("{root}/dir"), ..Default::default() }).await.map(drop),
             "Create" => m.create(CreateRequest { path: format!("{root}/new"), ..Default::default() }).await.map(drop),
             "AllocateBlocks" => {
                 let ask = AllocateBlocksRequest { file_id: target.unsealed, count: 1, client_host: "127.0.0.1".into() };
@@ -213,7 +230,9 @@ impl Fixture {
                 let ask = RenameRequest { from: target.sealed.clone(), to: format!("{root}/moved") };
                 m.rename(ask).await.map(drop)
             }
-            "RegisterJob" => m.register_job(RegisterJobRequest::default()).await.map(drop),
+            "RegisterJob" => {
+                m.register_job(RegisterJobRequest { tenant: "default".into(), ..Default::default() }).await.map(drop)
+            }
             "RenewJob" => {
                 m.renew_job(RenewJobRequest { job_id: target.job.clone(), token: body_token }).await.map(drop)
             }
@@ -307,13 +326,18 @@ async fn every_rpc_by_every_caller(tls: Tls) {
     let mut fixture = Fixture::start(tls).await;
     let mut wrong = Vec::new();
     let mut seen: BTreeMap<Kind, (u32, u32)> = BTreeMap::new();
-    for rpc in rpcs() {
+    let cells = rpcs().into_iter().flat_map(|rpc| {
+        let outside = allowed_outside_jobs(&rpc).map(|kinds| (rpc.clone(), true, kinds));
+        [(rpc.clone(), false, allowed(&rpc))].into_iter().chain(outside)
+    });
+    for (rpc, outside_jobs, allowed) in cells.collect::<Vec<_>>() {
+        let where_ = if outside_jobs { " outside /jobs" } else { "" };
         for kind in KINDS {
-            let target = fixture.target().await;
+            let target = fixture.target(outside_jobs).await;
             let mut caller = fixture.caller(kind, &target);
             let result = fixture.call(&rpc, &mut caller, &target).await;
             let refused = result.as_ref().err().filter(|s| ErrorKind::of_status(s) == ErrorKind::PermissionDenied);
-            let expected = allowed(&rpc).contains(&kind);
+            let expected = allowed.contains(&kind);
             let counts = seen.entry(kind).or_default();
             match (expected, refused) {
                 (true, None) => counts.0 += 1,
@@ -323,12 +347,14 @@ async fn every_rpc_by_every_caller(tls: Tls) {
                         status.message().starts_with("permission denied:")
                             || rpc.ends_with("Job")
                             || rpc == "RefreshToken",
-                        "{rpc} by {kind:?}: the refusal does not say so: {}",
+                        "{rpc}{where_} by {kind:?}: the refusal does not say so: {}",
                         status.message()
                     );
                 }
-                (true, Some(status)) => wrong.push(format!("{rpc} by {kind:?} was refused: {}", status.message())),
-                (false, None) => wrong.push(format!("{rpc} by {kind:?} was allowed ({result:?})")),
+                (true, Some(status)) => {
+                    wrong.push(format!("{rpc}{where_} by {kind:?} was refused: {}", status.message()))
+                }
+                (false, None) => wrong.push(format!("{rpc}{where_} by {kind:?} was allowed ({result:?})")),
             }
         }
     }
@@ -416,12 +442,39 @@ async fn a_caller_holding_nothing_gets_no_key_no_listing_no_delete_no_end_and_se
     let own = fake_admin.set_server_mode(drain(&fixture.server_address)).await;
     assert!(own.as_ref().err().is_none_or(|s| ErrorKind::of_status(s) != ErrorKind::PermissionDenied), "{own:?}");
 
+    // Outside /jobs the victim's files are its tenant's: a client of another tenant (its own
+    // credential, through the CLI) cannot list, read or delete them, and is told whose they are.
+    victim.put("/victim-data/f", bytes::Bytes::from_static(b"tenant file")).await.unwrap();
+    let other = cluster.dir.path().join("other-tenant.credential");
+    tern_proto::identity::write_credential(
+        &other,
+        &fixture.secret.credential(&Identity::new(Role::Client, "other", "")),
+    )
+    .unwrap();
+    let other = other.to_string_lossy();
+    for args in [["fs", "ls", "/victim-data"], ["fs", "cat", "/victim-data/f"], ["fs", "rm", "/victim-data/f"]] {
+        let out = cluster.tern(&[&args[..], &["--as", &other][..]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "tern {args:?} by tenant other succeeded");
+        for said in ["you act as client of tenant other", "belongs to tenant default", "act as a client of that tenant"]
+        {
+            assert!(stderr.contains(said), "tern {args:?}: no {said:?} in: {stderr}");
+        }
+    }
+
     // The victim's job and data are untouched; the refusals are counted per call and reason.
     let kept = victim.open("/jobs/victim/secret").await.unwrap().read_to_end().await.unwrap();
     assert_eq!(&kept[..], b"tenant data");
+    let kept = victim.open("/victim-data/f").await.unwrap().read_to_end().await.unwrap();
+    assert_eq!(&kept[..], b"tenant file");
     job.end().await.unwrap();
     let metrics = crate::monitoring::http_get(cluster.metadata_admin_addr().parse().unwrap(), "/metrics").unwrap();
-    for counted in ["method=\"register_server\",reason=\"not_server\"", "method=\"list\",reason=\"no_token\""] {
+    let counted = [
+        "method=\"register_server\",reason=\"not_server\"",
+        "method=\"list\",reason=\"no_token\"",
+        "method=\"list\",reason=\"other_tenant\"",
+    ];
+    for counted in counted {
         assert!(metrics.contains(&format!("tern_metadata_refused_total{{{counted}}}")), "no {counted} in\n{metrics}");
     }
 }

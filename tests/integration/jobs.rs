@@ -51,6 +51,8 @@ async fn job_commands_submit_show_list_and_cancel() {
             &cluster.metadata_addr,
             "--set",
             "queues.batch=2",
+            "--set",
+            &cluster.secret_setting(),
         ],
     );
     let tern = |args: &[&str]| {

@@ -159,6 +159,8 @@ impl Daemons {
                 &scheduler_admin.to_string(),
                 "--metadata",
                 &metadata.to_string(),
+                "--set",
+                &secret,
             ],
         ));
         daemons.push(spawn_logged(

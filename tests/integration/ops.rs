@@ -129,6 +129,8 @@ async fn readiness_waits_for_registration_and_systemd_hears_ready_watchdog_and_s
             &scheduler.to_string(),
             "--admin",
             &scheduler_admin.to_string(),
+            "--set",
+            &secret,
         ])
     });
     assert_eq!(wait_for_status(scheduler_admin, "/ready", 200).await, "ready\n");

@@ -51,8 +51,12 @@ impl Scheduler {
             ),
         )
         .unwrap();
-        let child =
-            spawn_logged(cluster.dir.path(), "scheduler", &["scheduler", "--config", &config.to_string_lossy()]);
+        let secret = cluster.secret_setting();
+        let child = spawn_logged(
+            cluster.dir.path(),
+            "scheduler",
+            &["scheduler", "--config", &config.to_string_lossy(), "--set", &secret],
+        );
         Scheduler { addr, executors: Vec::new(), _scheduler: child }
     }
 

@@ -188,7 +188,15 @@ async fn tenant(client: &Client, name: &str) -> tern_proto::v1::TenantStatus {
 #[tokio::test]
 async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
     let mut cluster = Cluster::start_with_metadata_config(1, "64MiB", QUOTAS).await;
-    let client = cluster.client().await;
+    // Nobody spends a tenant's quota but its own clients: a client of the default tenant naming
+    // tenant small is refused, and counts nothing against it.
+    let stranger = cluster.client().await;
+    let Err(err) = stranger.start_job_for("small", Some("q0"), Duration::from_secs(30)).await else {
+        panic!("a client of the default tenant registered a job of tenant small");
+    };
+    assert_eq!(err.kind(), ErrorKind::PermissionDenied, "{err}");
+    assert!(err.message().contains("it names tenant small"), "{err}");
+    let client = cluster.tenant_client("small").await;
     let job = client.start_job_for("small", Some("q1"), Duration::from_secs(30)).await.unwrap();
     // The second job of the tenant is refused, naming tenant, resource, limit and use.
     let Err(err) = client.start_job_for("small", Some("q2"), Duration::from_secs(30)).await else {
@@ -199,7 +207,7 @@ async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
         assert!(err.message().contains(part), "{part:?} missing: {err}");
     }
     // Other tenants are unlimited.
-    client.start_job(Some("other"), Duration::from_secs(30)).await.unwrap().end().await.unwrap();
+    stranger.start_job(Some("other"), Duration::from_secs(30)).await.unwrap().end().await.unwrap();
 
     // 2 MiB + 1 byte: three blocks, within the 3 MiB.
     client.put("/jobs/q1/kept", Bytes::from(random_bytes(2 * MIB + 1))).await.unwrap();
@@ -217,7 +225,7 @@ async fn tenant_quotas_bound_jobs_and_dram_bytes_exactly() {
 
     // Exact across a restart: rebuilt from the log, the job and its token still good.
     cluster.restart_metadata(1);
-    let client = cluster.client().await;
+    let client = cluster.tenant_client("small").await;
     client.add_job_token(&job.token()).unwrap();
     let small = cluster
         .wait_for("the metadata server to come back", Duration::from_secs(20), || async {
@@ -271,7 +279,7 @@ async fn etl_shuffles(cluster: &Cluster, client: &Client, at_least: (u64, u64)) 
 async fn tenant_quotas_count_shuffle_bytes_per_tier_and_hold_pushes_to_them() {
     let nvme = Nvme { size: "64MiB", engine: "psync" };
     let cluster = Cluster::start_with_nvme_and_metadata_config(1, "64MiB", nvme, SHUFFLE_QUOTAS).await;
-    let client = cluster.client().await;
+    let client = cluster.tenant_client("etl").await;
     let job = client.start_job_for("etl", Some("s"), Duration::from_secs(30)).await.unwrap();
     let shuffle = client.register_shuffle("s", 1, ShuffleOptions::default()).await.unwrap();
     let mib = MIB as u64;

@@ -65,9 +65,13 @@ fn build_plugin(root: &Path) -> (String, String) {
 
 /// Builds the plugin's jars; the path of `line`'s, and what build.sh said on stderr.
 fn build_plugin_for(root: &Path, line: SparkLine) -> (String, String) {
-    let out = Command::new(root.join("spark-shuffle/build.sh")).output().expect("running spark-shuffle/build.sh");
+    // --tests: the x86_64 library is this test build's own (scripts/test.sh builds the same jars).
+    let out = Command::new(root.join("spark-shuffle/build.sh"))
+        .arg("--tests")
+        .output()
+        .expect("running spark-shuffle/build.sh --tests");
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "spark-shuffle/build.sh failed:\n{stderr}");
+    assert!(out.status.success(), "spark-shuffle/build.sh --tests failed:\n{stderr}");
     let stdout = String::from_utf8(out.stdout).unwrap();
     let jar = stdout.lines().find(|l| l.ends_with(&format!("/{}", line.jar())));
     (jar.unwrap_or_else(|| panic!("build.sh printed no {}:\n{stdout}", line.jar())).to_string(), stderr)
@@ -107,6 +111,7 @@ async fn suite_across_hosts(root: &Path, python: &Path, line: SparkLine) {
         .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
         .env("TERN_METADATA", &cluster.metadata_url)
         .env("TERN_TLS_DIR", &cluster.tls_dir)
+        .env("TERN_CLUSTER_SECRET", cluster.tls_dir.join("cluster.secret"))
         // Storage server 0's link cut: the veth's bridge end lives in this test's namespace.
         .env("TERN_STORAGE_FAULT", format!("nsenter --net=/proc/{}/ns/net ip link set {cut} down", std::process::id()))
         .env("TERN_WORK", work.path())
@@ -162,6 +167,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     python
         .env("TERN_METADATA", &metadata)
         .env("TERN_WORK", work.path())
+        .env("TERN_CLUSTER_SECRET", dir.path().join("cluster.secret"))
         .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler));
     let script = root.join("spark-shuffle/tests/spark_suite.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
@@ -205,6 +211,7 @@ async fn spark_4_0_to_4_2_smoke_on_terns_scheduler() {
         command
             .env("TERN_METADATA", &metadata)
             .env("TERN_WORK", work.path())
+            .env("TERN_CLUSTER_SECRET", dir.path().join("cluster.secret"))
             .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
             .env("TERN_SPARK_SHUFFLE_MANAGER", line.shuffle_manager_class())
             .env("TERN_SPARK_SMOKE", "1");

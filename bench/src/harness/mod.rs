@@ -9,10 +9,12 @@
 //! - `samples.rs`: [`Samples`], every worker's recorders of one cell merged: ops, seconds and
 //!   latency percentiles.
 //! - `histogram.rs`: [`Histogram`], the log-linear latency histogram behind them.
+//! - `chart.rs`: the `--plot` charts (panels of labelled points, SVG or PNG).
 //! - `data.rs`: [`payload`] (the same incompressible bytes for every system) and [`AlignedVec`]
 //!   (a 4 KiB-aligned buffer for O_DIRECT).
 
 mod budget;
+pub(crate) mod chart;
 mod data;
 mod histogram;
 mod samples;

@@ -58,7 +58,6 @@ use crate::harness::Budget;
 use target::Target;
 
 pub use plot::plot;
-pub(crate) use plot::register_font;
 pub use redis::{redis_installed, REDIS_INSTALL_HINT};
 pub use report::{human_size, print_table, write_json_lines};
 pub use result::CellResult;

@@ -118,6 +118,7 @@ impl TernTarget {
                         sealed: false,
                         storage_class: self.class.to_string(),
                         replicas: 1,
+                        ..Default::default()
                     })
                     .await?
                     .into_inner()

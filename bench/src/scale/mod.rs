@@ -44,6 +44,8 @@ mod fleet;
 
 use fleet::{fleet_credentials, heartbeats, register_fleet};
 
+use crate::harness::chart::{self, Panel};
+
 /// Blocks per file: one AllocateBlocks call at the server's batch limit.
 const BLOCKS_PER_FILE: u32 = 1024;
 /// Partitions of the shuffles the register_shuffle and commit_map probes use, the same at every
@@ -52,27 +54,43 @@ const PROBE_PARTITIONS: u32 = 100;
 /// DRAM blocks each simulated server offers: more than any step places on it.
 const SERVER_CAPACITY_BLOCKS: u64 = 1 << 32;
 
+/// `tern bench scale`'s flags.
+#[derive(Debug, Clone, clap::Args)]
 pub struct ScaleOptions {
-    /// Storage servers of each step, ascending.
+    /// Storage servers of each step, comma-separated, ascending (the sizes: 1000,10000).
+    #[arg(long, value_delimiter = ',', default_value = "10,100,1000")]
     pub servers: Vec<u32>,
-    /// Blocks, jobs, maps and partitions at the largest step; smaller steps scale them by their
-    /// servers over the largest step's.
+    /// Blocks at the largest step (the 10 million: 10000000); smaller steps scale blocks,
+    /// jobs, maps and partitions by their servers over the largest step's.
+    #[arg(long, default_value_t = 1_000_000)]
     pub blocks: u64,
+    /// Live jobs at the largest step (the 100000).
+    #[arg(long, default_value_t = 10_000)]
     pub jobs: u32,
+    /// Maps of the step's shuffle at the largest step (the 10000).
+    #[arg(long, default_value_t = 1000)]
     pub maps: u32,
+    /// Partitions of the step's shuffle at the largest step (the 10000).
+    #[arg(long, default_value_t = 1000)]
     pub partitions: u32,
-    /// Heartbeats per second offered, all simulated servers together, round robin.
+    /// Heartbeats per second offered by all simulated servers together, round robin.
+    #[arg(long, default_value_t = 500.0)]
     pub heartbeat_rate: f64,
-    /// Calls per second of each probed kind, one at a time.
+    /// Calls per second of each probed RPC kind, one at a time.
+    #[arg(long, default_value_t = 100.0)]
     pub probe_rate: f64,
-    /// Calls of each probed kind.
+    /// Calls of each probed kind (p99 needs 100).
+    #[arg(long, default_value_t = 200)]
     pub samples: usize,
     /// Clients loading at once.
+    #[arg(long, default_value_t = 16)]
     pub concurrency: usize,
-    /// Where each step's metadata directory is made (a temp dir inside).
+    /// Directory in which each step's metadata directory is made (a temp dir inside).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
     pub dir: PathBuf,
-    /// Keep the server's fsync of its log (the default, as in production).
-    pub fsync: bool,
+    /// Turn the metadata log's fsync off (it is on by default, as in production).
+    #[arg(long)]
+    pub no_fsync: bool,
 }
 
 /// Latency of one probed kind, microseconds.
@@ -196,7 +214,7 @@ fn server_config(dir: &Path, servers: u32, jobs: u32, options: &ScaleOptions) ->
         heartbeat_interval_ms: interval_ms,
         server_timeout_ms: (interval_ms * 10).max(3_600_000),
         max_jobs: defaults.max_jobs.max(jobs + 16),
-        fsync: options.fsync,
+        fsync: !options.no_fsync,
         ..defaults.clone()
     };
     let mut raised = Vec::new();
@@ -586,7 +604,7 @@ pub async fn run(options: &ScaleOptions) -> anyhow::Result<ScaleReport> {
     Ok(ScaleReport {
         heartbeat_rate: options.heartbeat_rate,
         probe_rate: options.probe_rate,
-        fsync: options.fsync,
+        fsync: !options.no_fsync,
         raised,
         steps,
     })
@@ -657,44 +675,13 @@ pub fn print_table(report: &ScaleReport) {
     }
 }
 
+/// A series' name and its value at each step.
+type Series = (&'static str, Vec<Option<f64>>);
+
 /// Draws each figure against the number of storage servers, a panel per kind, SVG or PNG.
 pub fn plot(report: &ScaleReport, path: &Path) -> anyhow::Result<()> {
-    use plotters::prelude::*;
-
-    crate::io::register_font()?;
-    let extension = path.extension().and_then(|e| e.to_str()).unwrap_or_default().to_ascii_lowercase();
-    let size = (1200u32, 800u32);
-    match extension.as_str() {
-        "svg" => {
-            let root = SVGBackend::new(path, size).into_drawing_area();
-            draw(&root, report)?;
-            root.present().with_context(|| format!("writing {}", path.display()))?;
-        }
-        "png" => {
-            let root = BitMapBackend::new(path, size).into_drawing_area();
-            draw(&root, report)?;
-            root.present().with_context(|| format!("writing {}", path.display()))?;
-        }
-        _ => anyhow::bail!("--plot {}: the file must end in .svg or .png", path.display()),
-    }
-    Ok(())
-}
-
-type Series = (&'static str, Vec<f64>);
-
-fn draw<DB: plotters::prelude::DrawingBackend>(
-    root: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    report: &ScaleReport,
-) -> anyhow::Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    use plotters::prelude::*;
-
-    let fail = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing the chart: {e}");
-    root.fill(&WHITE).map_err(|e| fail(&e))?;
     let steps = &report.steps;
-    let of = |f: fn(&ScaleStep) -> f64| steps.iter().map(f).collect::<Vec<f64>>();
+    let of = |f: fn(&ScaleStep) -> f64| steps.iter().map(|s| Some(f(s))).collect::<Vec<_>>();
     let panels: [(&str, &str, Vec<Series>); 4] = [
         (
             "RPC latency p50",
@@ -742,48 +729,14 @@ where
         ),
     ];
     let labels: Vec<String> = steps.iter().map(|s| format!("{} srv", s.servers)).collect();
-    for (area, (title, unit, series)) in root.split_evenly((2, 2)).iter().zip(panels) {
-        let top =
-            series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|v| v.is_finite()).fold(1.0, f64::max) * 1.15;
-        let mut chart = ChartBuilder::on(area)
-            .caption(title, ("sans-serif", 18))
-            .margin(8)
-            .x_label_area_size(30)
-            .y_label_area_size(60)
-            .build_cartesian_2d(-0.5f64..(labels.len() as f64 - 0.5), 0f64..top)
-            .map_err(|e| fail(&e))?;
-        chart
-            .configure_mesh()
-            .x_labels(labels.len().max(1))
-            .x_label_formatter(&|x| {
-                let i = x.round();
-                if (x - i).abs() < 1e-6 && i >= 0.0 {
-                    labels.get(i as usize).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc(unit)
-            .draw()
-            .map_err(|e| fail(&e))?;
-        for (k, (name, values)) in series.iter().enumerate() {
-            let color = Palette99::pick(k).to_rgba();
-            let points: Vec<(f64, f64)> =
-                values.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(x, v)| (x as f64, *v)).collect();
-            chart
-                .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
-                .map_err(|e| fail(&e))?
-                .label(*name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2)));
-            chart.draw_series(points.iter().map(|p| Circle::new(*p, 3, color.filled()))).map_err(|e| fail(&e))?;
-        }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(|e| fail(&e))?;
-    }
-    Ok(())
+    let panels: Vec<Panel> = panels
+        .into_iter()
+        .map(|(title, unit, series)| Panel {
+            title: title.into(),
+            unit: unit.into(),
+            labels: labels.clone(),
+            series: series.into_iter().map(|(name, values)| (name.into(), values)).collect(),
+        })
+        .collect();
+    chart::save(path, (1200, 800), (2, 2), &panels)
 }

@@ -62,7 +62,7 @@ async fn three_replicas_fail_over_keep_tokens_and_catch_up() {
     }
     let first = leader(&configs, &[0, 1, 2]).await;
     let mut leader_client = client(&configs[first]).await;
-    leader_client.mkdir(MkdirRequest { path: "/before".into(), parents: false }).await.unwrap();
+    leader_client.mkdir(MkdirRequest { path: "/before".into(), parents: false, ..Default::default() }).await.unwrap();
     let job = RegisterJobRequest { name: "j".into(), lease_ms: 60_000, ..Default::default() };
     let token = leader_client.register_job(job).await.unwrap().into_inner().token;
 
@@ -73,7 +73,7 @@ async fn three_replicas_fail_over_keep_tokens_and_catch_up() {
     for _ in 0..100 {
         let status = client(&configs[follower])
             .await
-            .mkdir(MkdirRequest { path: "/x".into(), parents: false })
+            .mkdir(MkdirRequest { path: "/x".into(), parents: false, ..Default::default() })
             .await
             .unwrap_err();
         let known = status.message().contains("the leader is");
@@ -97,14 +97,14 @@ async fn three_replicas_fail_over_keep_tokens_and_catch_up() {
     assert!(stat.unwrap().into_inner().info.is_some());
     let renew = RenewJobRequest { job_id: "j".into(), token: token.clone() };
     second_client.renew_job(renew).await.expect("a token issued before the failover verifies after it");
-    second_client.mkdir(MkdirRequest { path: "/during".into(), parents: false }).await.unwrap();
+    second_client.mkdir(MkdirRequest { path: "/during".into(), parents: false, ..Default::default() }).await.unwrap();
 
     // The old leader restarts; the third replica stops, so the next write commits only if the
     // restarted one has the log up to it (Raft's log matching: everything before it too).
     servers[first] = Some(start(configs[first].clone()).await.unwrap());
     let third = (0..3).find(|&i| i != first && i != second).unwrap();
     servers[third].take().unwrap().shutdown().await;
-    let after = second_client.mkdir(MkdirRequest { path: "/after".into(), parents: false }).await;
+    let after = second_client.mkdir(MkdirRequest { path: "/after".into(), parents: false, ..Default::default() }).await;
     after.expect("a write with the restarted replica as the only other member of the majority");
     for path in ["/before", "/during", "/after"] {
         let stat = second_client.stat(StatRequest { path: path.into(), ..Default::default() }).await;
@@ -135,12 +135,15 @@ async fn a_replica_behind_the_purged_log_catches_up_by_snapshot() {
     servers[behind].take().unwrap().shutdown().await;
     let mut leader_client = client(&configs[first]).await;
     for i in 0..60 {
-        leader_client.mkdir(MkdirRequest { path: format!("/d{i}"), parents: false }).await.unwrap();
+        leader_client
+            .mkdir(MkdirRequest { path: format!("/d{i}"), parents: false, ..Default::default() })
+            .await
+            .unwrap();
     }
     servers[behind] = Some(start(configs[behind].clone()).await.unwrap());
     servers[other].take().unwrap().shutdown().await;
     leader_client
-        .mkdir(MkdirRequest { path: "/last".into(), parents: false })
+        .mkdir(MkdirRequest { path: "/last".into(), parents: false, ..Default::default() })
         .await
         .expect("committed with the caught-up replica");
     assert!(

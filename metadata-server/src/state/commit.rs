@@ -50,12 +50,12 @@ impl State {
     pub fn apply(&mut self, change: &Change, unix_ms: u64, now: Now) -> Result<Applied, Refusal> {
         let mut applied = Applied::default();
         match change {
-            Change::Mkdir(req) => self.namespace.mkdir(&req.path, req.parents, unix_ms)?,
+            Change::Mkdir(req) => self.namespace.mkdir(&req.path, req.parents, &req.owner, unix_ms)?,
             Change::Create(log) => {
                 let req = log.request.as_ref().ok_or_else(|| invalid("a logged create without its request"))?;
                 let class = parse_storage_class(&req.storage_class)?;
                 let file_id = FileId::from_wire(log.file_id);
-                self.namespace.create_file_as(file_id, &req.path, req.parents, class, unix_ms)?;
+                self.namespace.create_file_as(file_id, &req.path, req.parents, class, &req.owner, unix_ms)?;
                 let file = self.namespace.file_mut(file_id)?;
                 file.sealed = req.sealed;
                 file.replicas = req.replicas.max(1);
@@ -126,9 +126,9 @@ impl State {
             }
             Change::Rename(req) => self.namespace.rename(&req.from, &req.to)?,
             Change::RegisterJob(req) => {
-                self.namespace.mkdir(JOBS_DIR, true, unix_ms)?;
+                self.namespace.mkdir(JOBS_DIR, true, "", unix_ms)?;
                 // Present already when a snapshot listed the job's directory first.
-                self.namespace.mkdir(&path::job_root(&req.name), true, unix_ms)?;
+                self.namespace.mkdir(&path::job_root(&req.name), true, "", unix_ms)?;
                 // Logs from before serials (0) get a new one: their tokens no longer verify. The
                 // live call checked the tenant's quota; a replay does not (it may have been
                 // lowered since).

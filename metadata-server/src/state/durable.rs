@@ -57,15 +57,15 @@ impl State {
         // Directories first (with their creation times), then the jobs (whose directories exist
         // by then), then the files, which count in their jobs' usage.
         let entries = self.namespace.walk();
-        for (path, unix_ms, _) in entries.iter().filter(|(_, _, file)| file.is_none()) {
-            let change = Change::Mkdir(MkdirRequest { path: path.clone(), parents: true });
+        for (path, unix_ms, owner, _) in entries.iter().filter(|(_, _, _, file)| file.is_none()) {
+            let change = Change::Mkdir(MkdirRequest { path: path.clone(), parents: true, owner: owner.to_string() });
             records.push(LogRecord { unix_ms: *unix_ms, change: Some(change) });
         }
         for (name, lease_ms, tenant, serial) in self.jobs.registrations() {
             let change = Change::RegisterJob(RegisterJobRequest { name, lease_ms, tenant, serial });
             records.push(LogRecord { unix_ms: 0, change: Some(change) });
         }
-        for (path, unix_ms, file) in entries {
+        for (path, unix_ms, owner, file) in entries {
             let Some(file) = file else {
                 continue;
             };
@@ -75,6 +75,7 @@ impl State {
                 sealed: false,
                 storage_class: file.storage_class.to_string(),
                 replicas: file.replicas,
+                owner: owner.to_string(),
             };
             let change = Change::Create(LogCreate { request: Some(request), file_id: file.file_id.get() });
             records.push(LogRecord { unix_ms, change: Some(change) });
@@ -112,7 +113,7 @@ mod tests {
     fn a_replay_takes_its_time_from_the_records_and_its_caller() {
         let (mut state, now) = state();
         add_server(&mut state, "10.0.0.1:7000", 64, now);
-        state.mkdir(MkdirRequest { path: "/d".into(), parents: false }, now).unwrap();
+        state.mkdir(MkdirRequest { path: "/d".into(), parents: false, ..Default::default() }, now).unwrap();
         let drain = SetServerModeRequest {
             server: "10.0.0.1:7000".into(),
             mode: ServerMode::Draining as i32,
@@ -143,8 +144,8 @@ mod tests {
             .register_job(RegisterJobRequest { name: "j".into(), lease_ms: 0, ..Default::default() }, now)
             .unwrap();
         let root = job.root.clone();
-        state.mkdir(MkdirRequest { path: format!("{root}/a/b"), parents: true }, now).unwrap();
-        state.mkdir(MkdirRequest { path: "/vol".into(), parents: false }, now).unwrap();
+        state.mkdir(MkdirRequest { path: format!("{root}/a/b"), parents: true, ..Default::default() }, now).unwrap();
+        state.mkdir(MkdirRequest { path: "/vol".into(), parents: false, ..Default::default() }, now).unwrap();
         let mut files = Vec::new();
         for (i, length) in [0, 10, BLOCK * 3 + 1].into_iter().enumerate() {
             let path = format!("{root}/a/b/f{i}");

@@ -129,9 +129,10 @@ fn refuses_what_the_namespace_forbids() {
         state.create(CreateRequest { path: "/a/b".into(), parents: false, sealed: false, ..Default::default() }, now),
     );
     assert_eq!((kind, message.as_str()), (ErrorKind::AlreadyExists, "create /a/b: already exists"));
-    let (kind, message) = refused(state.mkdir(MkdirRequest { path: "/a".into(), parents: false }, now));
+    let (kind, message) =
+        refused(state.mkdir(MkdirRequest { path: "/a".into(), parents: false, ..Default::default() }, now));
     assert_eq!(kind, ErrorKind::AlreadyExists, "{message}");
-    state.mkdir(MkdirRequest { path: "/a".into(), parents: true }, now).unwrap();
+    state.mkdir(MkdirRequest { path: "/a".into(), parents: true, ..Default::default() }, now).unwrap();
     let (kind, message) = refused(open(&mut state, "/a/b", now));
     assert_eq!((kind, message.as_str()), (ErrorKind::NotFound, "open /a/b: is not sealed yet"));
     let (kind, message) = refused(open(&mut state, "/a", now));
@@ -259,7 +260,7 @@ fn rename_moves_subtrees_within_bounds() {
     let (mut state, now) = state();
     add_server(&mut state, "10.0.0.1:7000", 100, now);
     let file_id = write(&mut state, "/a/b/f", 10, now);
-    state.mkdir(MkdirRequest { path: "/z".into(), parents: false }, now).unwrap();
+    state.mkdir(MkdirRequest { path: "/z".into(), parents: false, ..Default::default() }, now).unwrap();
     rename(&mut state, "/a/b", "/z/b2", now).unwrap();
     let info = state.stat(StatRequest { path: "/z/b2/f".into(), with_blocks: false }, now).unwrap().info.unwrap();
     assert_eq!((info.file_id, info.length), (file_id, 10));
@@ -370,7 +371,7 @@ fn jobs_own_their_directory() {
     assert_eq!(long.lease_ms, 3_600_000);
     // Inside a live job: fine. Under an unknown one, or a job root by hand: refused.
     write(&mut state, "/jobs/j1/x/y", 1, now);
-    state.mkdir(MkdirRequest { path: "/jobs/j1".into(), parents: true }, now).unwrap();
+    state.mkdir(MkdirRequest { path: "/jobs/j1".into(), parents: true, ..Default::default() }, now).unwrap();
     let (kind, message) = refused(state.create(
         CreateRequest { path: "/jobs/ghost/f".into(), parents: true, sealed: false, ..Default::default() },
         now,
@@ -379,9 +380,10 @@ fn jobs_own_their_directory() {
         (kind, message.as_str()),
         (ErrorKind::NotFound, "create /jobs/ghost/f: job ghost is not registered (ended or lease lapsed)")
     );
-    assert_eq!(refused(state.mkdir(MkdirRequest { path: "/jobs/ghost".into(), parents: true }, now)).0, {
-        ErrorKind::Invalid
-    });
+    assert_eq!(
+        refused(state.mkdir(MkdirRequest { path: "/jobs/ghost".into(), parents: true, ..Default::default() }, now)).0,
+        { ErrorKind::Invalid }
+    );
     assert_eq!(
         refused(
             state.create(

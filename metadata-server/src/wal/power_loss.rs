@@ -22,7 +22,10 @@ use super::*;
 const DIR: &str = "/meta";
 
 fn mkdir(i: u64) -> LogRecord {
-    LogRecord { unix_ms: i, change: Some(Change::Mkdir(MkdirRequest { path: format!("/d{i}"), parents: false })) }
+    LogRecord {
+        unix_ms: i,
+        change: Some(Change::Mkdir(MkdirRequest { path: format!("/d{i}"), parents: false, ..Default::default() })),
+    }
 }
 
 /// What the server does at start (`server::recover`): recover, snapshot all of it, open a new log.

@@ -235,6 +235,25 @@ impl Cluster {
         }
     }
 
+    /// The daemons' `--set` of the cluster secret (`cluster_secret_file=...`), for daemons a test
+    /// starts beside the cluster (a scheduler).
+    pub fn secret_setting(&self) -> String {
+        format!("cluster_secret_file={}", self.dir.path().join("cluster.secret").display())
+    }
+
+    /// A client of tenant `tenant`, holding that tenant's credential (made from the secret).
+    pub async fn tenant_client(&self, tenant: &str) -> Client {
+        let secret = tern_proto::identity::ClusterSecret::load(&self.dir.path().join("cluster.secret")).unwrap();
+        let identity = tern_proto::identity::Identity::new(tern_proto::identity::Role::Client, tenant, "");
+        let options =
+            ClientOptions { credential: Some(secret.credential(&identity)), ..self.options(TransportKind::Tcp) };
+        let (deadline, url) = (Deadline::after(Duration::from_secs(20)), self.metadata_url());
+        match tern_local::poll_until(&deadline, || Client::connect_with(&url, options.clone())).await {
+            Ok(client) => client,
+            Err(e) => panic!("metadata server never answered: {e}\n{}", self.logs()),
+        }
+    }
+
     /// The operator's credential file (`tern cert secret` made it, as `tern up` does).
     pub fn admin_credential(&self) -> PathBuf {
         self.dir.path().join("credentials").join("admin")

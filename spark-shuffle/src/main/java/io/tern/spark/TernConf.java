@@ -17,6 +17,12 @@ final class TernConf {
     static final String TLS_SECRET_KEY = "spark.tern.tls.secretKey";
     /** The tenant the application's Tern job counts against (quotas, fair share). */
     static final String TENANT = "spark.tern.tenant";
+    /**
+     * A credential file (`tern cert credential --role client --tenant NAME`) the driver acts with
+     * on the control plane: a client of its tenant, which a tenant other than the default needs.
+     * Unset: a client of the default tenant.
+     */
+    static final String CREDENTIAL_FILE = "spark.tern.credentialFile";
     /** Copies of each shuffle segment, on different storage servers: 1 or 2. */
     static final String COPIES = "spark.tern.copies";
     /** "dram", "nvme" or "any". */
@@ -51,6 +57,7 @@ final class TernConf {
     final String tlsCert;
     final String tlsSecretKey;
     final String tenant;
+    final String credentialFile;
     final int copies;
     final String storageClass;
     final long splitSizeBytes;
@@ -72,6 +79,7 @@ final class TernConf {
         tlsCert = conf.get(TLS_CERT, "");
         tlsSecretKey = conf.get(TLS_SECRET_KEY, "");
         tenant = conf.get(TENANT, "");
+        credentialFile = conf.get(CREDENTIAL_FILE, "");
         copies = conf.getInt(COPIES, 1);
         if (copies < 1 || copies > 2) {
             throw new IllegalArgumentException(COPIES + " is " + copies + ": Tern keeps 1 or 2 copies of a shuffle segment");

@@ -21,7 +21,8 @@ public final class TernNative {
 
     /**
      * Connects to the metadata server; empty strings mean unset: transport "auto", no TLS
-     * material (tlsDir, or all three PEM texts), the default tenant.
+     * material (tlsDir, or all three PEM texts), the credential's tenant (else the default one),
+     * no credential (a client of the default tenant).
      */
     public static native long connect(
             String metadataAddr,
@@ -30,7 +31,8 @@ public final class TernNative {
             String caPem,
             String certPem,
             String secretKeyPem,
-            String tenant);
+            String tenant,
+            String credentialFile);
 
     public static native void closeClient(long client);
 

@@ -114,7 +114,10 @@ public class TernShuffleManager implements ShuffleManager {
                     conf.tlsCa,
                     conf.tlsCert,
                     conf.tlsSecretKey,
-                    conf.tenant);
+                    conf.tenant,
+                    // Only the driver registers the application's job: executors act with its
+                    // token, so the credential file need not be on their hosts.
+                    isDriver ? conf.credentialFile : "");
         }
         return client;
     }
