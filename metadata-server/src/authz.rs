@@ -56,8 +56,6 @@ pub enum Needs {
     SetMode { server: String, mode: i32 },
     /// An operator.
     Admin,
-    /// Another metadata server of this cluster (the Raft service): a `metadata` credential.
-    Metadata,
 }
 
 /// A caller: who it is, and the job tokens it presented.
@@ -136,19 +134,10 @@ impl Authz {
         }
     }
 
-    /// Ok when `caller` is one of the cluster's metadata servers (the Raft service: no state).
-    pub fn decide_alone(
-        &self,
-        method: &'static str,
-        caller: &Caller,
-        needs: &Needs,
-        now: Instant,
-    ) -> Result<(), Status> {
-        if *needs == Needs::Metadata && caller.identity.role == Role::Metadata {
-            return Ok(());
-        }
-        let what = "only the cluster's metadata servers (a metadata credential) may do this".to_string();
-        Err(self.refuse(method, &caller.identity, Lacks { reason: "not_metadata", what }, now))
+    /// Ok when `caller` is one of the cluster's metadata servers (the Raft service's one rule,
+    /// decided without the state).
+    pub fn decide_metadata(&self, method: &'static str, caller: &Caller, now: Instant) -> Result<(), Status> {
+        metadata_only(&caller.identity).map_err(|lacks| self.refuse(method, &caller.identity, lacks, now))
     }
 
     fn refuse(&self, method: &'static str, identity: &Identity, lacks: Lacks, now: Instant) -> Status {
@@ -190,11 +179,6 @@ fn judge(caller: &Caller, needs: &Needs, state: &State) -> Result<(), Lacks> {
         Needs::Admin => {
             Err(Lacks { reason: "not_admin", what: "only an operator (an admin credential) may do this".into() })
         }
-        Needs::Metadata if identity.role == Role::Metadata => Ok(()),
-        Needs::Metadata => Err(Lacks {
-            reason: "not_metadata",
-            what: "only the cluster's metadata servers (a metadata credential) may do this".into(),
-        }),
         _ if admin && job_needs(needs) => Ok(()),
         Needs::Path(raw) => path_owner(caller, raw, state),
         Needs::Paths(from, to) => path_owner(caller, from, state).and_then(|()| path_owner(caller, to, state)),
@@ -243,6 +227,17 @@ fn path_owner(caller: &Caller, raw: &str, state: &State) -> Result<(), Lacks> {
     match Place::of(&path).job() {
         Some(job) => job_token(caller, job, state),
         None => tenant_owns(&caller.identity, state.owner_of_path(&path), &path),
+    }
+}
+
+/// Another metadata server of this cluster: a `metadata` credential.
+fn metadata_only(identity: &Identity) -> Result<(), Lacks> {
+    match identity.role {
+        Role::Metadata => Ok(()),
+        _ => Err(Lacks {
+            reason: "not_metadata",
+            what: "only the cluster's metadata servers (a metadata credential) may do this".into(),
+        }),
     }
 }
 

@@ -2,7 +2,7 @@
 //! own port) and the client side openraft calls through. Each message is openraft's request or
 //! `Result<response, error>` as JSON in a `RaftMessage`, bounded by `max_message_size`; callers
 //! present a `metadata` credential made from the cluster secret, and the service admits no
-//! other (`authz`, `Needs::Metadata`). Every RPC has a deadline (openraft's TTL, at most
+//! other (`Authz::decide_metadata`). Every RPC has a deadline (openraft's TTL, at most
 //! `RPC_DEADLINE`).
 
 use std::sync::Arc;
@@ -26,7 +26,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use super::{TypeConfig, RPC_DEADLINE};
-use crate::authz::{Authz, Needs};
+use crate::authz::Authz;
 
 /// Makes a client per peer, each presenting this node's `metadata` credential.
 pub struct Network {
@@ -165,7 +165,7 @@ impl RaftService {
         #[expect(clippy::disallowed_methods, reason = "the edge: the refusal log's time is read here")]
         let now = Now::read();
         let caller = self.authz.caller(method, &request, now.instant)?;
-        self.authz.decide_alone(method, &caller, &Needs::Metadata, now.instant)?;
+        self.authz.decide_metadata(method, &caller, now.instant)?;
         let Some(raft) = &self.raft else {
             return Err(
                 ErrorKind::Invalid.status(format!("{method}: this metadata server is not replicated (no peers)"))
