@@ -58,8 +58,9 @@ struct CredentialArgs {
     /// The cluster secret (`tern up`'s DIR/cluster.secret, or cluster.secret in a TLS directory).
     #[arg(long)]
     secret: PathBuf,
-    /// client (a tenant's applications) or admin (an operator). The daemons' roles (server,
-    /// metadata, scheduler, executor) are made by the daemons from the secret, never handed out.
+    /// client (a tenant's applications), executor (an executor of the pool) or admin (an
+    /// operator). The other daemons' roles (server, metadata, scheduler) are made by those
+    /// daemons from the secret, never handed out.
     #[arg(long, value_parser = parse_handed_out_role)]
     role: Role,
     /// The tenant of a client credential.
@@ -72,10 +73,10 @@ struct CredentialArgs {
 
 fn parse_handed_out_role(name: &str) -> Result<Role, String> {
     match Role::parse(name).map_err(|e| e.0)? {
-        role @ (Role::Client | Role::Admin) => Ok(role),
-        role => {
-            Err(format!("{role} credentials are made by the daemons from the cluster secret; issue client or admin"))
-        }
+        role @ (Role::Client | Role::Executor | Role::Admin) => Ok(role),
+        role => Err(format!(
+            "{role} credentials are made by the daemons from the cluster secret; issue client, executor or admin"
+        )),
     }
 }
 
@@ -128,8 +129,9 @@ pub fn run(args: CertArgs) -> anyhow::Result<()> {
 }
 
 /// The cluster secret (`DIR/cluster.secret`, which the daemons read) and the credentials made
-/// from it for the shell (`DIR/credentials/admin`, `DIR/credentials/default`), each made once and
-/// kept; a credential of an earlier secret is made anew. Returns the secret's path.
+/// from it for the shell (`DIR/credentials/admin`, `DIR/credentials/default`) and for executors
+/// (`DIR/credentials/executor`, which hold no secret), each made once and kept; a credential of
+/// an earlier secret is made anew. Returns the secret's path.
 pub fn ensure_credentials(dir: &Path) -> anyhow::Result<PathBuf> {
     let path = dir.join(tern_common::config::CLUSTER_SECRET_FILE);
     if !path.exists() {
@@ -138,7 +140,11 @@ pub fn ensure_credentials(dir: &Path) -> anyhow::Result<PathBuf> {
     let secret = ClusterSecret::load(&path).map_err(|e| anyhow::anyhow!("{e}"))?;
     let credentials = dir.join(CREDENTIALS_DIR);
     std::fs::create_dir_all(&credentials).with_context(|| format!("creating {}", credentials.display()))?;
-    let shell = [("admin", Identity::new(Role::Admin, "", "")), (DEFAULT_TENANT, Identity::new(Role::Client, "", ""))];
+    let shell = [
+        ("admin", Identity::new(Role::Admin, "", "")),
+        (DEFAULT_TENANT, Identity::new(Role::Client, "", "")),
+        ("executor", Identity::new(Role::Executor, "", "")),
+    ];
     for (name, identity) in shell {
         let file = credentials.join(name);
         let current = identity::load_credential(&file).is_ok_and(|text| secret.verify(&text).is_ok());

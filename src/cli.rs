@@ -101,7 +101,13 @@ pub struct MetadataAddr {
 #[derive(Clone, Debug)]
 pub struct Credential(String);
 
-fn read_credential(path: &str) -> Result<Credential, String> {
+impl Credential {
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+}
+
+pub fn read_credential(path: &str) -> Result<Credential, String> {
     tern_proto::identity::load_credential(std::path::Path::new(path)).map(Credential).map_err(|e| e.0)
 }
 
@@ -145,11 +151,13 @@ impl Deadlines {
 
 impl MetadataAddr {
     pub fn options(&self) -> ClientOptions {
+        let defaults = ClientOptions::default();
         self.deadlines.apply(ClientOptions {
             transport: self.transport,
             tls_dir: self.tls_dir.clone(),
-            credential: self.credential.as_ref().map(|credential| credential.0.clone()),
-            ..ClientOptions::default()
+            // `--as` first; then a task's own (TERN_CREDENTIAL, which its executor sets).
+            credential: self.credential.as_ref().map(|credential| credential.0.clone()).or(defaults.credential.clone()),
+            ..defaults
         })
     }
 
@@ -187,7 +195,7 @@ fn refusal_for_users(error: &str) -> Option<String> {
     let (_, rest) = error.split_once("permission denied: ")?;
     let (_rpc, rest) = rest.split_once(" by ")?;
     let (caller, lacked) = rest.split_once(": ")?;
-    let todo = if lacked.contains("belongs to tenant") {
+    let todo = if lacked.contains("belongs to tenant") || lacked.contains("'s queue") {
         "act as a client of that tenant (--as its credential: `tern cert credential --role client --tenant NAME`) or as an operator"
     } else if lacked.contains("operator") {
         "run it as an operator: --as DIR/credentials/admin (`tern up` writes it; TERN_AS works too)"
@@ -195,6 +203,8 @@ fn refusal_for_users(error: &str) -> Option<String> {
         "only the job's own processes (holding its token, TERN_JOB_TOKEN) or an operator (--as DIR/credentials/admin) may"
     } else if lacked.contains("storage server") {
         "only storage servers, which hold the cluster secret, may"
+    } else if lacked.contains("executor credential") {
+        "run it as an executor of the pool: --credential-file DIR/credentials/executor (`tern up` writes it)"
     } else {
         "ask the cluster's operator for a credential that may (--as FILE)"
     };

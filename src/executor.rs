@@ -18,6 +18,11 @@ pub struct ExecutorArgs {
     /// TLS material (mutual TLS towards the scheduler and the metadata server).
     #[arg(long, env = "TERN_TLS_DIR")]
     tls_dir: Option<PathBuf>,
+    /// Its executor credential, which the scheduler hands tasks to (`tern up` writes
+    /// DIR/credentials/executor; `tern cert credential --role executor` issues one)
+    /// [default: TLS_DIR/credentials/executor].
+    #[arg(long, env = "TERN_EXECUTOR_CREDENTIAL_FILE", value_name = "FILE")]
+    credential_file: Option<PathBuf>,
     /// CPUs offered to tasks; fractions allowed [default: this machine's cores].
     #[arg(long)]
     cpus: Option<f64>,
@@ -55,10 +60,21 @@ pub async fn run(args: ExecutorArgs) -> anyhow::Result<()> {
         None => tern_executor::machine_memory_bytes()?,
     };
     let gpus = tern_gpu::resolve(args.gpus, args.gpu_discovery_script.as_deref())?;
+    let credential_file = args
+        .credential_file
+        .or_else(|| args.tls_dir.as_ref().map(|dir| dir.join(crate::cert::CREDENTIALS_DIR).join("executor")))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "an executor proves its role to the scheduler with an executor credential: --credential-file FILE \
+                 (`tern up` writes DIR/credentials/executor; `tern cert credential --role executor` issues one)"
+            )
+        })?;
+    let credential = tern_proto::identity::load_credential(&credential_file).map_err(|e| anyhow::anyhow!("{e}"))?;
     let config = ExecutorConfig {
         scheduler: args.scheduler,
         metadata: args.metadata,
         tls_dir: args.tls_dir,
+        credential,
         name: args.name.unwrap_or_default(),
         host: args.host,
         cpu_milli: (cpus * 1000.0).round() as u64,

@@ -21,6 +21,12 @@ pub struct JobArgs {
     /// TLS material for mutual TLS to the scheduler.
     #[arg(long = "tls-dir", env = "TERN_TLS_DIR", global = true)]
     tls_dir: Option<PathBuf>,
+    /// Act with the credential in this file: a tenant's (`DIR/credentials/<tenant>` of `tern up`,
+    /// `tern cert credential`), which submits to that tenant's queue and sees its jobs only, or an
+    /// operator's (`DIR/credentials/admin`), which sees every queue. Without it, a client of the
+    /// default tenant.
+    #[arg(long = "as", env = "TERN_AS", global = true, value_name = "FILE", value_parser = crate::cli::read_credential)]
+    credential: Option<crate::cli::Credential>,
 }
 
 #[derive(Subcommand)]
@@ -101,7 +107,8 @@ pub async fn run(args: JobArgs) -> anyhow::Result<()> {
         JobCommand::Submit { file, .. } => Some(tern_scheduler_api::spec::load(file)?),
         _ => None,
     };
-    let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref()).await?;
+    let credential = args.credential.as_ref().map(|c| c.text());
+    let client = SchedulerClient::connect(&args.scheduler, args.tls_dir.as_deref(), credential).await?;
     match args.command {
         JobCommand::Submit { wait, json, tenant, .. } => {
             let mut spec = file_spec.unwrap_or_default();

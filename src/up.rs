@@ -163,6 +163,7 @@ impl PoolArgs {
         &self,
         scheduler: &str,
         tls_dir: Option<&Path>,
+        credential_file: PathBuf,
         logs: &Path,
         log_max_bytes: u64,
     ) -> anyhow::Result<PoolConfig> {
@@ -186,6 +187,7 @@ impl PoolArgs {
             scheduler: scheduler.to_string(),
             metadata: None,
             tls_dir: tls_dir.map(Path::to_path_buf),
+            credential_file,
             executor_cpu_milli: (cpus * 1000.0).round() as u64,
             executor_memory_bytes: memory,
             executor_gpus: self.executor_gpus,
@@ -243,7 +245,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let scheduler_addr = host.addr(ports.scheduler()).to_string();
     let scheduler_tls = args.tls.then_some(tls_dir.as_path());
     let pool_config = match args.pool.wanted() {
-        true => Some(args.pool.config(&scheduler_addr, scheduler_tls, &logs, args.log_max_size.bytes())?),
+        true => {
+            // `ensure_credentials` below writes it.
+            let credential = args.dir.join(crate::cert::CREDENTIALS_DIR).join("executor");
+            Some(args.pool.config(&scheduler_addr, scheduler_tls, credential, &logs, args.log_max_size.bytes())?)
+        }
         false => None,
     };
     let tern = std::env::current_exe().context("locating the tern binary")?;
@@ -370,7 +376,7 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             let deadline = Deadline::after(STARTUP_TIMEOUT);
             let addr = scheduler_addr.as_str();
             let answers = move || async move {
-                let client = tern_scheduler_api::SchedulerClient::connect(addr, scheduler_tls).await?;
+                let client = tern_scheduler_api::SchedulerClient::connect(addr, scheduler_tls, None).await?;
                 client.pool_status().await?;
                 Ok::<_, anyhow::Error>(())
             };

@@ -141,7 +141,7 @@ pub async fn run(options: &SchedulerBenchOptions) -> anyhow::Result<SchedulerBen
     let hold_id = scheduler.submit(hold).await?;
     let mut starts_ms = Vec::with_capacity(options.cold_starts as usize);
     for run in 0..options.cold_starts {
-        let ms = time_executor_start(&options.tern, &cluster.scheduler_addr()).await?;
+        let ms = time_executor_start(&options.tern, &cluster).await?;
         say(format!("  start {}: {ms:.1} ms", run + 1));
         starts_ms.push(ms);
     }
@@ -226,7 +226,7 @@ async fn start_cluster(tern: &std::path::Path, extra: &[String]) -> anyhow::Resu
 async fn connect(cluster: &EmbeddedCluster) -> anyhow::Result<SchedulerClient> {
     let started = Instant::now();
     loop {
-        if let Ok(client) = SchedulerClient::connect(&cluster.scheduler_addr(), None).await {
+        if let Ok(client) = SchedulerClient::connect(&cluster.scheduler_addr(), None, None).await {
             if client.pool_status().await.is_ok() {
                 return Ok(client);
             }
@@ -288,10 +288,12 @@ async fn run_noop_job(scheduler: &SchedulerClient, name: &str, tasks: u32, cpu_m
 }
 
 /// Starts one executor and times it to its "first task running" log line; then stops it.
-async fn time_executor_start(tern: &std::path::Path, scheduler: &str) -> anyhow::Result<f64> {
+async fn time_executor_start(tern: &std::path::Path, cluster: &EmbeddedCluster) -> anyhow::Result<f64> {
     let started = Instant::now();
     let mut child = tokio::process::Command::new(tern)
-        .args(["executor", "--scheduler", scheduler, "--cpus", "1", "--memory", "1GiB", "--gpus", "0"])
+        .args(["executor", "--scheduler", &cluster.scheduler_addr(), "--cpus", "1", "--memory", "1GiB", "--gpus", "0"])
+        .arg("--credential-file")
+        .arg(cluster.credential_file("executor"))
         .env("RUST_LOG", "info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -297,7 +297,7 @@ fn cpu_jiffies() -> Option<(u64, u64)> {
 async fn wait_for_pool(scheduler: &str, executors: u32) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        if let Ok(client) = tern_scheduler_api::SchedulerClient::connect(scheduler, None).await {
+        if let Ok(client) = tern_scheduler_api::SchedulerClient::connect(scheduler, None, None).await {
             if client.pool_status().await.is_ok_and(|p| p.executors >= executors) {
                 return Ok(());
             }

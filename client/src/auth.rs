@@ -27,6 +27,9 @@ use crate::Client;
 pub const TOKEN_ENV: &str = "TERN_JOB_TOKEN";
 /// Environment variable naming the tenant jobs are registered for (default "default").
 pub const TENANT_ENV: &str = "TERN_TENANT";
+/// Environment variable holding the credential a client acts with (its text, not a file): an
+/// executor sets it for each task to a client credential of the task's tenant.
+pub const CREDENTIAL_ENV: &str = "TERN_CREDENTIAL";
 
 /// One job's token as held.
 #[derive(Debug)]

@@ -38,7 +38,7 @@ use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
 use tonic::transport::{Channel, Endpoint};
 
-pub use auth::{TENANT_ENV, TOKEN_ENV};
+pub use auth::{CREDENTIAL_ENV, TENANT_ENV, TOKEN_ENV};
 pub use error::{Error, ErrorKind, Result};
 pub use job::JobSession;
 pub use reader::FileReader;
@@ -108,7 +108,8 @@ pub struct ClientOptions {
     pub tenant: String,
     /// The credential this client acts with on the control plane (`tern_proto::identity`: an
     /// operator's or a tenant's, as `tern up` writes them under `DIR/credentials/`); none: a
-    /// client of the default tenant. Default: none (the CLI sets it from `--as` or `TERN_AS`).
+    /// client of the default tenant. Default: the `TERN_CREDENTIAL` environment variable (a
+    /// task's, set by its executor), else none (the CLI's `--as` or `TERN_AS` comes first).
     pub credential: Option<String>,
 }
 
@@ -127,7 +128,7 @@ impl Default for ClientOptions {
             transport: TransportKind::Auto,
             tls_dir: None,
             tenant: std::env::var(auth::TENANT_ENV).unwrap_or_default(),
-            credential: None,
+            credential: std::env::var(auth::CREDENTIAL_ENV).ok().filter(|c| !c.trim().is_empty()),
         }
     }
 }

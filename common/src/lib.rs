@@ -1,7 +1,7 @@
 //! What every Tern daemon and command shares, and nothing else: the default ports, the Spark
 //! plugin's class names, sizes with units, durations, the layered config loader and the
 //! listen/admin/TLS block of every daemon's config, the Prometheus admin endpoint, retry backoff,
-//! the lock on a state directory (`dirlock`), logging and shutdown signals, percentiles, the
+//! the lock on a state directory (`dirlock`), the record of authorization's refusals (`refusals`), logging and shutdown signals, percentiles, the
 //! contract between task code and the executor (`task_error`), the file layer of durable state
 //! (`durable`, with a power-cut simulation for tests), and the time passed into state machines
 //! (`now`).
@@ -15,6 +15,7 @@ pub mod duration;
 pub mod now;
 pub mod ports;
 mod process_metrics;
+pub mod refusals;
 pub mod rng;
 pub mod size;
 pub mod spark;

@@ -44,6 +44,8 @@ pub struct PoolConfig {
     /// Passed on to executors (`None`: they use the scheduler's).
     pub metadata: Option<String>,
     pub tls_dir: Option<PathBuf>,
+    /// The executors' `executor` credential file (`--credential-file`).
+    pub credential_file: PathBuf,
     /// Each executor's offer.
     pub executor_cpu_milli: u64,
     pub executor_memory_bytes: u64,
@@ -197,7 +199,9 @@ impl Pool {
 
     async fn status(&mut self) -> anyhow::Result<tern_proto::sched::PoolStatusResponse> {
         if self.client.is_none() {
-            self.client = Some(SchedulerClient::connect(&self.config.scheduler, self.config.tls_dir.as_deref()).await?);
+            // PoolStatus is anyone's: the pool needs no credential to watch the backlog.
+            self.client =
+                Some(SchedulerClient::connect(&self.config.scheduler, self.config.tls_dir.as_deref(), None).await?);
         }
         let client = self.client.as_ref().context("no scheduler client")?;
         match client.pool_status().await {
@@ -237,7 +241,8 @@ impl Pool {
             .args(["executor", "--scheduler", &config.scheduler])
             .args(["--cpus", &format!("{}", config.executor_cpu_milli as f64 / 1000.0)])
             .args(["--memory", &config.executor_memory_bytes.to_string()])
-            .args(["--name", &format!("pool-{slot}")]);
+            .args(["--name", &format!("pool-{slot}")])
+            .args([std::ffi::OsStr::new("--credential-file"), config.credential_file.as_os_str()]);
         if let Some(bytes) = config.log_max_bytes {
             spec = spec.rotate_log_at(bytes);
         }
@@ -289,6 +294,7 @@ mod tests {
             scheduler: "127.0.0.1:1".into(),
             metadata: None,
             tls_dir: None,
+            credential_file: PathBuf::from("executor.credential"),
             executor_cpu_milli: 2000,
             executor_memory_bytes: 4 << 30,
             executor_gpus: None,

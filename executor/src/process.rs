@@ -52,6 +52,9 @@ pub struct ExecutorConfig {
     pub metadata: Option<String>,
     /// TLS material towards the scheduler and the metadata server.
     pub tls_dir: Option<PathBuf>,
+    /// Its `executor` credential (`tern_proto::identity`): the scheduler hands tasks to its
+    /// holders only.
+    pub credential: String,
     /// Name in the scheduler's logs ("" = its executor id).
     pub name: String,
     /// Host it runs on, for locality (as storage servers name theirs).
@@ -127,7 +130,7 @@ pub async fn run(config: ExecutorConfig, shutdown: impl Future<Output = ()>) -> 
         bail!("an executor needs some CPU to offer (--cpus above 0)");
     }
     let client = tokio::select! {
-        connected = connect(&config.scheduler, config.tls_dir.as_deref()) => connected?,
+        connected = connect(&config.scheduler, config.tls_dir.as_deref(), &config.credential) => connected?,
         _ = &mut shutdown => return Ok(Exit::Shutdown),
     };
     let registration = tokio::select! {
@@ -314,11 +317,11 @@ async fn heartbeats(
     }
 }
 
-async fn connect(addr: &str, tls_dir: Option<&std::path::Path>) -> anyhow::Result<SchedulerClient> {
+async fn connect(addr: &str, tls_dir: Option<&std::path::Path>, credential: &str) -> anyhow::Result<SchedulerClient> {
     let started = Instant::now();
     let mut backoff = retry_backoff();
     loop {
-        match SchedulerClient::connect(addr, tls_dir).await {
+        match SchedulerClient::connect(addr, tls_dir, Some(credential)).await {
             Ok(client) => return Ok(client),
             Err(e) if e.kind() == ErrorKind::Unavailable && started.elapsed() < SCHEDULER_PATIENCE => {
                 let pause = backoff.next().expect("an unbounded backoff always has a next delay");

@@ -72,6 +72,11 @@ impl EmbeddedCluster {
         self.dir.path().join("tls")
     }
 
+    /// The credential file `tern up` wrote for `name` (`admin`, `default`, `executor`).
+    pub fn credential_file(&self, name: &str) -> PathBuf {
+        self.dir.path().join("credentials").join(name)
+    }
+
     /// The task scheduler's address, when `tern up` was given executor flags.
     pub fn scheduler_addr(&self) -> String {
         self.host.addr(self.ports.scheduler()).to_string()

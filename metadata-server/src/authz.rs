@@ -7,13 +7,10 @@
 //! per call and reason (`tern_metadata_refused_total`) and logged at most once a minute per
 //! caller and reason, so a hostile caller cannot flood the log.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use parking_lot::Mutex;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use tern_proto::identity::{ClusterSecret, Identity, Role, CREDENTIAL_HEADER, JOB_TOKEN_HEADER, MAX_TOKENS_PER_CALL};
+use tern_common::refusals::Refusals;
+use tern_proto::identity::{ClusterSecret, Identity, Role, JOB_TOKEN_HEADER, MAX_TOKENS_PER_CALL};
 use tern_proto::token::JobToken;
 use tern_proto::v1::ServerMode;
 use tern_proto::ErrorKind;
@@ -21,11 +18,6 @@ use tonic::Status;
 
 use crate::path::{self, Place};
 use crate::state::State;
-
-/// A refusal of one caller for one reason is logged at most this often.
-const LOG_EVERY: Duration = Duration::from_secs(60);
-/// Callers whose last refusal log is remembered; past this the memory starts afresh.
-const MAX_LOGGED_CALLERS: usize = 4096;
 
 /// What a call needs of its caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,8 +61,7 @@ pub struct Caller {
 #[derive(Debug)]
 pub struct Authz {
     secret: ClusterSecret,
-    refused: Family<[(&'static str, &'static str); 2], Counter>,
-    logged: Mutex<HashMap<(String, &'static str), Option<Instant>>>,
+    refusals: Refusals,
 }
 
 /// Why a call is refused: the reason's metric label, and what the caller lacked.
@@ -81,35 +72,16 @@ struct Lacks {
 
 impl Authz {
     pub fn new(secret: ClusterSecret, registry: &mut prometheus_client::registry::Registry) -> Authz {
-        let refused = Family::default();
-        registry.register(
-            "tern_metadata_refused",
-            "Calls refused by authorization, by call and reason",
-            refused.clone(),
-        );
-        Authz { secret, refused, logged: Mutex::new(HashMap::new()) }
+        Authz { secret, refusals: Refusals::register(registry, "tern_metadata_refused") }
     }
 
     /// The caller of a request: the identity its credential proves (none: a client of the
     /// default tenant), and its job tokens. A credential that does not verify is refused here.
     pub fn caller<T>(&self, method: &'static str, request: &tonic::Request<T>, now: Instant) -> Result<Caller, Status> {
         let headers = request.metadata();
-        let identity = match headers.get(CREDENTIAL_HEADER) {
-            None => Identity::anonymous(),
-            Some(value) => {
-                let verified = value
-                    .to_str()
-                    .map_err(|_| "it is not text".to_string())
-                    .and_then(|text| self.secret.verify(text).map_err(|e| e.0));
-                match verified {
-                    Ok(identity) => identity,
-                    Err(why) => {
-                        let lacks = Lacks { reason: "bad_credential", what: why };
-                        return Err(self.refuse(method, &Identity::anonymous(), lacks, now));
-                    }
-                }
-            }
-        };
+        let identity = self.secret.caller(headers).map_err(|e| {
+            self.refuse(method, &Identity::anonymous(), Lacks { reason: "bad_credential", what: e.0 }, now)
+        })?;
         let tokens = headers
             .get_all(JOB_TOKEN_HEADER)
             .iter()
@@ -141,17 +113,8 @@ impl Authz {
     }
 
     fn refuse(&self, method: &'static str, identity: &Identity, lacks: Lacks, now: Instant) -> Status {
-        self.refused.get_or_create(&[("method", method), ("reason", lacks.reason)]).inc();
         let message = format!("permission denied: {method} by {identity}: {}", lacks.what);
-        let mut logged = self.logged.lock();
-        if logged.len() >= MAX_LOGGED_CALLERS {
-            logged.clear();
-        }
-        let last = logged.entry((identity.to_string(), lacks.reason)).or_insert(None);
-        if last.is_none_or(|at| now.duration_since(at) >= LOG_EVERY) {
-            *last = Some(now);
-            tracing::warn!("{message} (logged once a minute per caller and reason)");
-        }
+        self.refusals.record(method, &identity.to_string(), lacks.reason, &message, now);
         ErrorKind::PermissionDenied.status(message)
     }
 }

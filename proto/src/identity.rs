@@ -83,11 +83,6 @@ impl Role {
             IdentityError(format!("unknown role {name:?}: one of {}", names.join(", ")))
         })
     }
-
-    /// Daemons: the roles a cluster's own processes hold (made from the secret, never handed out).
-    pub fn is_daemon(self) -> bool {
-        matches!(self, Role::Server | Role::Metadata | Role::Scheduler | Role::Executor)
-    }
 }
 
 impl fmt::Display for Role {
@@ -199,6 +194,17 @@ impl ClusterSecret {
         constant_time::verify_slices_are_equal(expected.as_ref(), &mac)
             .map_err(|_| bad("it is not signed with this cluster's secret (forged, or from another cluster)"))?;
         Ok(identity)
+    }
+}
+
+impl ClusterSecret {
+    /// The identity a call's [`CREDENTIAL_HEADER`] proves: none is a client of the default
+    /// tenant ([`Identity::anonymous`]); one that does not verify is an error saying why.
+    pub fn caller(&self, headers: &tonic::metadata::MetadataMap) -> Result<Identity, IdentityError> {
+        match headers.get(CREDENTIAL_HEADER) {
+            None => Ok(Identity::anonymous()),
+            Some(value) => self.verify(value.to_str().map_err(|_| IdentityError("the credential is not text".into()))?),
+        }
     }
 }
 

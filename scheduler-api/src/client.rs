@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tern_client::{Error, ErrorKind, Result};
+use tern_proto::identity::{Presenting, Presents};
 use tern_proto::sched as pb;
 use tern_proto::sched::scheduler_client::SchedulerClient as Grpc;
 use tonic::transport::Channel;
@@ -16,24 +17,35 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A connection to `tern scheduler`. Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct SchedulerClient {
-    grpc: Grpc<Channel>,
+    grpc: Grpc<Presenting<Channel>>,
     addr: String,
 }
 
 impl SchedulerClient {
     /// Connects to `addr` (`host:port`, `http://` or `https://`); with `tls_dir`, mutual TLS.
-    pub async fn connect(addr: &str, tls_dir: Option<&Path>) -> Result<SchedulerClient> {
-        SchedulerClient::connect_with_tls(addr, tern_client::load_tls(tls_dir)?.as_ref()).await
+    /// Every call presents `credential` (`tern_proto::identity`): a tenant's client submits to and
+    /// sees its tenant's queue, an executor's takes tasks; none is a client of the default tenant.
+    pub async fn connect(addr: &str, tls_dir: Option<&Path>, credential: Option<&str>) -> Result<SchedulerClient> {
+        SchedulerClient::connect_with_tls(addr, tern_client::load_tls(tls_dir)?.as_ref(), credential).await
     }
 
     /// As [`SchedulerClient::connect`], with TLS material already loaded (the Spark plugin's).
-    pub async fn connect_with_tls(addr: &str, tls: Option<&tern_client::TlsMaterial>) -> Result<SchedulerClient> {
+    pub async fn connect_with_tls(
+        addr: &str,
+        tls: Option<&tern_client::TlsMaterial>,
+        credential: Option<&str>,
+    ) -> Result<SchedulerClient> {
+        let presents = match credential {
+            Some(credential) => Presents::credential(credential).map_err(|e| Error::new(ErrorKind::Invalid, e.0))?,
+            None => Presents::default(),
+        };
         let channel = tern_client::grpc_channel(addr, tls, "the scheduler", |endpoint| {
             endpoint.connect_timeout(Duration::from_secs(5))
         })
         .await?;
         let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
-        let grpc = Grpc::new(channel).max_decoding_message_size(limit).max_encoding_message_size(limit);
+        let grpc =
+            Grpc::with_interceptor(channel, presents).max_decoding_message_size(limit).max_encoding_message_size(limit);
         Ok(SchedulerClient { grpc, addr: addr.to_string() })
     }
 

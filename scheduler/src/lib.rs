@@ -9,9 +9,11 @@
 //! hold no state a later stage needs and may join or leave at any moment.
 //! - [`policy`]: placement decisions, pure and deterministic (fair share, gangs, GPUs, retries);
 //! - [`server`]: the `tern scheduler` gRPC service around the policy;
+//! - [`authz`]: who may make each call of the service;
 //! - [`config`]: the scheduler's configuration;
 //! - [`metrics`]: the scheduler's Prometheus metrics.
 
+pub mod authz;
 pub mod config;
 pub mod metrics;
 pub mod policy;

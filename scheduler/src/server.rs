@@ -36,6 +36,7 @@ use tracing::{info, warn};
 
 use tern_scheduler_api::Operator;
 
+use crate::authz::{self, Authz, Needs};
 use crate::config::Config;
 use crate::metrics::{Metrics, OutcomeLabel};
 use crate::policy::{AssignmentId, Event, ExecutorSlot, JobInfo, Policy, PolicyConfig, Res, StageInfo};
@@ -69,7 +70,6 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
         )
     })?;
     let secret = ClusterSecret::load(&secret_path).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let credential = secret.credential(&Identity::new(Role::Scheduler, "", ""));
     let mut grpc = tonic::transport::Server::builder();
     if let Some(dir) = &config.serve.tls_dir {
         let tls = tern_transport::tls::TlsMaterial::load(dir)?;
@@ -77,6 +77,7 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
     }
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry);
+    let authz = Authz::new(secret, &mut registry);
     let listener = tokio::net::TcpListener::bind(config.serve.listen)
         .await
         .with_context(|| format!("binding scheduler to {}", config.serve.listen))?;
@@ -85,7 +86,7 @@ pub async fn start(config: Config) -> anyhow::Result<SchedulerServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "scheduler", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
-    let shared = Arc::new(Shared::new(config, credential, metrics));
+    let shared = Arc::new(Shared::new(config, authz, metrics));
     let limit = tern_proto::MAX_GRPC_MESSAGE_BYTES;
     let service = SchedulerService::from_arc(Arc::new(Service { shared: shared.clone() }))
         .max_decoding_message_size(limit)
@@ -196,13 +197,15 @@ struct Shared {
     started: Instant,
     /// The wall clock at `started`: stage times are kept relative to it.
     started_unix_ms: u64,
+    /// Who may make each call; holds the cluster secret.
+    authz: Authz,
     /// Its `scheduler` credential, for the metadata server.
     credential: String,
     tern: OnceCell<tern_client::Client>,
 }
 
 impl Shared {
-    fn new(config: Config, credential: String, metrics: Metrics) -> Shared {
+    fn new(config: Config, authz: Authz, metrics: Metrics) -> Shared {
         let policy = Policy::new(PolicyConfig {
             default_max_attempts: config.default_max_attempts,
             default_backoff_ms: config.default_backoff_ms,
@@ -212,9 +215,11 @@ impl Shared {
             default_queue_weight: config.default_queue_weight,
             queue_weights: config.queues.clone(),
         });
+        let credential = authz.secret().credential(&Identity::new(Role::Scheduler, "", ""));
         Shared {
             config,
             metrics,
+            authz,
             credential,
             state: Mutex::new(State {
                 policy,
@@ -397,6 +402,12 @@ async fn refuse_stale_parts(tern: &tern_client::Client, spec: &pb::JobSpec) -> R
 }
 
 impl Service {
+    /// Ok when the caller is one of the pool's executors.
+    fn executor_only<T>(&self, method: &'static str, request: &Request<T>) -> Result<(), Status> {
+        let caller = self.shared.authz.caller(method, request)?;
+        self.shared.authz.decide(method, &caller, Needs::Executor)
+    }
+
     /// Registers the job's Tern job and shuffles, and works out each stage's facts.
     async fn prepare(&self, job_id: &str, spec: &pb::JobSpec) -> Result<(JobSession, Vec<StageInfo>), Status> {
         let tern = self.shared.tern().await?;
@@ -493,7 +504,11 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::SubmitJobRequest>,
     ) -> Result<Response<pb::SubmitJobResponse>, Status> {
-        let spec = request.into_inner().job.ok_or_else(|| invalid("SubmitJob without a job"))?;
+        let caller = self.shared.authz.caller("submit_job", &request)?;
+        let mut spec = request.into_inner().job.ok_or_else(|| invalid("SubmitJob without a job"))?;
+        // The job's queue is its tenant's: the submitter's own unless it names one it may use.
+        spec.queue = authz::queue_of(&caller, &spec.queue).to_string();
+        self.shared.authz.decide("submit_job", &caller, Needs::Tenant(Some(&spec.queue)))?;
         let config = &self.shared.config;
         let dag = crate::spec::validate(&spec, &config.spec_limits()).map_err(|e| invalid(format!("{e:#}")))?;
         let tasks: u64 = spec.stages.iter().map(|s| u64::from(s.tasks)).sum();
@@ -541,6 +556,7 @@ impl Scheduler for Service {
             tern_job_id: session.id().to_string(),
             tern_job_root: session.root().to_string(),
             tern_job_token: session.token(),
+            tenant_credential: self.shared.authz.secret().credential(&Identity::new(Role::Client, &spec.queue, "")),
             copies: spec.copies.max(1),
             submitted_unix_ms: unix_ms(),
         };
@@ -557,8 +573,10 @@ impl Scheduler for Service {
     }
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {
+        let caller = self.shared.authz.caller("get_job", &request)?;
         let job_id = request.into_inner().job_id;
         let state = self.shared.state.lock();
+        self.shared.authz.decide("get_job", &caller, Needs::Tenant(state.policy.job_queue(&job_id)))?;
         let mut job = state
             .policy
             .job_status(&job_id, true)
@@ -576,6 +594,8 @@ impl Scheduler for Service {
     }
 
     async fn list_jobs(&self, request: Request<pb::ListJobsRequest>) -> Result<Response<pb::ListJobsResponse>, Status> {
+        let caller = self.shared.authz.caller("list_jobs", &request)?;
+        self.shared.authz.decide("list_jobs", &caller, Needs::Client)?;
         let active_only = request.into_inner().active_only;
         let state = self.shared.state.lock();
         let jobs = state
@@ -583,7 +603,7 @@ impl Scheduler for Service {
             .job_ids()
             .iter()
             .filter_map(|id| state.policy.job_status(id, false))
-            .filter(|j| !active_only || j.finished_unix_ms == 0)
+            .filter(|j| authz::sees(&caller, &j.queue) && (!active_only || j.finished_unix_ms == 0))
             .collect();
         Ok(Response::new(pb::ListJobsResponse { jobs }))
     }
@@ -592,8 +612,10 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        let caller = self.shared.authz.caller("cancel_job", &request)?;
         let job_id = request.into_inner().job_id;
         let mut state = self.shared.state.lock();
+        self.shared.authz.decide("cancel_job", &caller, Needs::Tenant(state.policy.job_queue(&job_id)))?;
         let now_ms = self.shared.now_ms();
         let job_state = state
             .policy
@@ -607,6 +629,7 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::ScaleStageRequest>,
     ) -> Result<Response<pb::ScaleStageResponse>, Status> {
+        let caller = self.shared.authz.caller("scale_stage", &request)?;
         let r = request.into_inner();
         let config = &self.shared.config;
         let limits = config.spec_limits();
@@ -614,6 +637,7 @@ impl Scheduler for Service {
             return Err(invalid(format!("ScaleStage: more than {} tasks to cancel", limits.max_tasks_per_stage)));
         }
         let mut state = self.shared.state.lock();
+        self.shared.authz.decide("scale_stage", &caller, Needs::Tenant(state.policy.job_queue(&r.job_id)))?;
         if state.active_tasks + u64::from(r.add) > config.max_queued_tasks {
             return Err(ErrorKind::Unavailable.status(format!(
                 "{} tasks of unfinished jobs plus {} more exceed max_queued_tasks = {}; retry later",
@@ -671,7 +695,12 @@ impl Scheduler for Service {
         }))
     }
 
-    async fn pool_status(&self, _: Request<pb::PoolStatusRequest>) -> Result<Response<pb::PoolStatusResponse>, Status> {
+    async fn pool_status(
+        &self,
+        request: Request<pb::PoolStatusRequest>,
+    ) -> Result<Response<pb::PoolStatusResponse>, Status> {
+        let caller = self.shared.authz.caller("pool_status", &request)?;
+        self.shared.authz.decide("pool_status", &caller, Needs::Anyone)?;
         let counts = self.shared.state.lock().policy.pool_counts();
         Ok(Response::new(pb::PoolStatusResponse {
             backlog_tasks: counts.backlog_tasks,
@@ -688,6 +717,7 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::RegisterExecutorRequest>,
     ) -> Result<Response<pb::RegisterExecutorResponse>, Status> {
+        self.executor_only("register_executor", &request)?;
         let r = request.into_inner();
         let config = &self.shared.config;
         let capacity: Res = r.capacity.unwrap_or_default().into();
@@ -742,6 +772,7 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        self.executor_only("heartbeat", &request)?;
         let id = request.into_inner().executor_id;
         let mut state = self.shared.state.lock();
         let entry = state.executors.get_mut(&id).ok_or_else(|| unknown_executor(&id))?;
@@ -753,6 +784,7 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::PollTasksRequest>,
     ) -> Result<Response<pb::PollTasksResponse>, Status> {
+        self.executor_only("poll_tasks", &request)?;
         let r = request.into_inner();
         let config = &self.shared.config;
         if r.results.len() > config.max_batch as usize {
@@ -808,6 +840,7 @@ impl Scheduler for Service {
         &self,
         request: Request<pb::LeaveExecutorRequest>,
     ) -> Result<Response<pb::LeaveExecutorResponse>, Status> {
+        self.executor_only("leave_executor", &request)?;
         let r = request.into_inner();
         if r.results.len() > self.shared.config.max_batch as usize {
             return Err(invalid("LeaveExecutor carries more results than max_batch"));

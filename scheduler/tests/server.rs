@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use tern_common::config::Serve;
+use tern_proto::identity::{ClusterSecret, Identity, Role};
 use tern_proto::sched as pb;
 use tern_scheduler::{server, Config};
 use tern_scheduler_api::{spec, SchedulerClient};
@@ -18,7 +19,10 @@ struct Cluster {
     _storage: tern_storage::StorageServer,
     metadata_addr: String,
     scheduler: server::SchedulerServer,
+    /// A client of the default tenant (no credential): submits and watches jobs.
     client: SchedulerClient,
+    /// The test's executors: an executor credential.
+    pool: SchedulerClient,
 }
 
 async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
@@ -53,8 +57,12 @@ async fn cluster(tune: impl FnOnce(&mut Config)) -> Cluster {
     };
     tune(&mut config);
     let scheduler = server::start(config).await.unwrap();
-    let client = SchedulerClient::connect(&scheduler.addr().to_string(), None).await.unwrap();
-    Cluster { _dir: dir, _metadata: metadata, _storage: storage, metadata_addr, scheduler, client }
+    let addr = scheduler.addr().to_string();
+    let client = SchedulerClient::connect(&addr, None, None).await.unwrap();
+    let secret = ClusterSecret::load(&dir.path().join("metadata").join("cluster.secret")).unwrap();
+    let executor = secret.credential(&Identity::new(Role::Executor, "", ""));
+    let pool = SchedulerClient::connect(&addr, None, Some(&executor)).await.unwrap();
+    Cluster { _dir: dir, _metadata: metadata, _storage: storage, metadata_addr, scheduler, client, pool }
 }
 
 async fn executor(client: &SchedulerClient, host: &str, cpus: u64) -> String {
@@ -123,8 +131,8 @@ async fn take(
 async fn a_job_runs_its_stages_over_its_own_tern_job_and_shuffles() {
     let c = cluster(|_| {}).await;
     let job_id = c.client.submit(spec::parse(SORT, false).unwrap()).await.unwrap();
-    let e = executor(&c.client, "127.0.0.1", 8).await;
-    let maps = take(&c.client, &e, 2, vec![]).await;
+    let e = executor(&c.pool, "127.0.0.1", 8).await;
+    let maps = take(&c.pool, &e, 2, vec![]).await;
     assert!(maps.iter().all(|a| a.stage == "map" && a.operator.as_ref().unwrap().name == "terasort-map"));
     let shuffle = maps[0].output_shuffle_id;
     assert!(shuffle != 0 && maps[0].output_partitions == 3 && !maps[0].tern_job_id.is_empty());
@@ -142,13 +150,13 @@ async fn a_job_runs_its_stages_over_its_own_tern_job_and_shuffles() {
     tern.open_shuffle(tern_client::ShuffleId::from_wire(shuffle)).await.unwrap();
 
     // Results ride on the next poll, which also hands out the reduce tasks (the map stage is done).
-    let reduces = take(&c.client, &e, 3, maps.iter().map(ok).collect()).await;
+    let reduces = take(&c.pool, &e, 3, maps.iter().map(ok).collect()).await;
     assert!(reduces.iter().all(|a| a.stage == "reduce" && a.input_shuffle_id == shuffle && a.input_maps == 2));
     assert_eq!(reduces[0].output_path, "/out/sorted");
     let mut indexes: Vec<u32> = reduces.iter().map(|a| a.task_index).collect();
     indexes.sort();
     assert_eq!(indexes, [0, 1, 2]);
-    c.client.poll(&e, reduces.iter().map(ok).collect(), 0, Duration::ZERO).await.unwrap();
+    c.pool.poll(&e, reduces.iter().map(ok).collect(), 0, Duration::ZERO).await.unwrap();
     let status = c.client.job(&job_id).await.unwrap();
     assert_eq!(status.state(), pb::JobState::Succeeded, "{status:?}");
     assert_eq!(status.stages[1].paths.get("cpu"), Some(&3));
@@ -173,11 +181,11 @@ async fn a_lost_executors_tasks_run_elsewhere_and_metrics_say_so() {
     .await;
     let job = "name = \"n\"\n[[stages]]\nname = \"s\"\noperator = \"noop\"\ntasks = 4\nmax_attempts = 1\n";
     let job_id = c.client.submit(spec::parse(job, false).unwrap()).await.unwrap();
-    let doomed = executor(&c.client, "a", 4).await;
-    let first = take(&c.client, &doomed, 4, vec![]).await;
+    let doomed = executor(&c.pool, "a", 4).await;
+    let first = take(&c.pool, &doomed, 4, vec![]).await;
     // It goes silent; another executor joins and gets the same tasks, as new attempts.
-    let survivor = executor(&c.client, "b", 4).await;
-    let again = take(&c.client, &survivor, 4, vec![]).await;
+    let survivor = executor(&c.pool, "b", 4).await;
+    let again = take(&c.pool, &survivor, 4, vec![]).await;
     assert!(again.iter().all(|a| a.attempt == 1));
     let mut a: Vec<u32> = first.iter().map(|a| a.task_index).collect();
     let mut b: Vec<u32> = again.iter().map(|a| a.task_index).collect();
@@ -185,16 +193,16 @@ async fn a_lost_executors_tasks_run_elsewhere_and_metrics_say_so() {
     b.sort();
     assert_eq!(a, b);
     // The lost executor is told so when it comes back.
-    let err = c.client.heartbeat(&doomed).await.unwrap_err();
+    let err = c.pool.heartbeat(&doomed).await.unwrap_err();
     assert_eq!(err.kind(), tern_client::ErrorKind::NotFound);
-    c.client.poll(&survivor, again.iter().map(ok).collect(), 0, Duration::ZERO).await.unwrap();
+    c.pool.poll(&survivor, again.iter().map(ok).collect(), 0, Duration::ZERO).await.unwrap();
     let status = c.client.job(&job_id).await.unwrap();
     assert_eq!(status.state(), pb::JobState::Succeeded, "max_attempts = 1 not used up by the loss");
     assert_eq!(status.stages[0].lost, 4);
 
     // Past a gauge refresh, the survivor heartbeating meanwhile.
     for _ in 0..7 {
-        c.client.heartbeat(&survivor).await.unwrap();
+        c.pool.heartbeat(&survivor).await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let url = format!("http://{}/metrics", c.scheduler.admin_addr());
@@ -215,9 +223,9 @@ async fn a_lost_executors_tasks_run_elsewhere_and_metrics_say_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_poll_wakes_when_work_arrives_and_cancels_reach_executors() {
     let c = cluster(|_| {}).await;
-    let e = executor(&c.client, "h", 2).await;
+    let e = executor(&c.pool, "h", 2).await;
     let poller = {
-        let client = c.client.clone();
+        let client = c.pool.clone();
         let e = e.clone();
         tokio::spawn(async move {
             let started = Instant::now();
@@ -235,7 +243,7 @@ async fn a_waiting_poll_wakes_when_work_arrives_and_cancels_reach_executors() {
     assert!(waited < Duration::from_secs(4), "the poll waited {waited:?}: it was not woken");
 
     assert_eq!(c.client.cancel(&job_id).await.unwrap(), pb::JobState::Cancelled);
-    let reply = c.client.poll(&e, vec![], 16, Duration::from_secs(1)).await.unwrap();
+    let reply = c.pool.poll(&e, vec![], 16, Duration::from_secs(1)).await.unwrap();
     assert!(reply.assignments.is_empty());
     let mut cancelled = reply.cancel.clone();
     cancelled.sort();
@@ -260,7 +268,7 @@ async fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     job.stages[0].tasks = 1;
     let err = c.client.submit(job.clone()).await.unwrap_err();
     assert!(err.message().contains("\"nowhere\""), "{err}");
-    let err = c.client.poll("e-404", vec![], 1, Duration::ZERO).await.unwrap_err();
+    let err = c.pool.poll("e-404", vec![], 1, Duration::ZERO).await.unwrap_err();
     assert_eq!(err.kind(), tern_client::ErrorKind::NotFound);
     let err = c.client.job("nope").await.unwrap_err();
     assert_eq!(err.kind(), tern_client::ErrorKind::NotFound);
@@ -285,10 +293,10 @@ async fn http_get(url: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gang_placed_during_one_poll_wakes_the_other_executors_poll() {
     let c = cluster(|_| {}).await;
-    let a = executor(&c.client, "a", 2).await;
-    let b = executor(&c.client, "b", 2).await;
+    let a = executor(&c.pool, "a", 2).await;
+    let b = executor(&c.pool, "b", 2).await;
     let waiting = {
-        let client = c.client.clone();
+        let client = c.pool.clone();
         let a = a.clone();
         tokio::spawn(async move { client.poll(&a, vec![], 16, Duration::from_secs(5)).await.unwrap() })
     };
@@ -296,7 +304,7 @@ async fn a_gang_placed_during_one_poll_wakes_the_other_executors_poll() {
     let job = "name = \"g\"\n[[stages]]\nname = \"s\"\noperator = \"noop\"\ntasks = 4\ngang = true\n";
     c.client.submit(spec::parse(job, false).unwrap()).await.unwrap();
     // Whichever poll places the gang, both executors get two tasks each, promptly.
-    let mine = c.client.poll(&b, vec![], 16, Duration::from_secs(2)).await.unwrap();
+    let mine = c.pool.poll(&b, vec![], 16, Duration::from_secs(2)).await.unwrap();
     let theirs = tokio::time::timeout(Duration::from_secs(3), waiting).await.unwrap().unwrap();
     assert_eq!((mine.assignments.len(), theirs.assignments.len()), (2, 2));
     let pool = c.client.pool_status().await.unwrap();

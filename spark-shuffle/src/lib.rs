@@ -249,10 +249,7 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
         if !tenant.is_empty() {
             options.tenant = tenant;
         }
-        let credential_file = string(env, &credential_file)?;
-        if !credential_file.is_empty() {
-            let credential = tern_proto::identity::load_credential(std::path::Path::new(&credential_file))
-                .map_err(|e| invalid(format!("spark.tern.credentialFile: {e}")))?;
+        if let Some(credential) = credential_setting(env, &credential_file)? {
             options.credential = Some(credential);
         }
         if !transport.is_empty() {
@@ -262,6 +259,27 @@ pub extern "system" fn Java_io_tern_spark_TernNative_connect<'l>(
         let client = runtime().block_on(Client::connect_with_tls(&addr, options, tls))?;
         Ok(into_handle(client))
     })
+}
+
+/// The credential in the file `spark.tern.credentialFile` names ("": none).
+pub(crate) fn credential_setting(env: &mut JNIEnv, file: &JString) -> Outcome<Option<String>> {
+    let file = string(env, file)?;
+    if file.is_empty() {
+        return Ok(None);
+    }
+    let credential = tern_proto::identity::load_credential(std::path::Path::new(&file))
+        .map_err(|e| invalid(format!("spark.tern.credentialFile: {e}")))?;
+    Ok(Some(credential))
+}
+
+/// The version of the functions this library exports to Java, which the jar's
+/// `NativeLibrary.ABI` must equal: JNI binds by name only, so a stale library on
+/// `java.library.path` would otherwise be called with arguments it does not take.
+const JNI_ABI: jint = 2;
+
+#[no_mangle]
+pub extern "system" fn Java_io_tern_spark_NativeLibrary_abi<'l>(_: JNIEnv<'l>, _: JClass<'l>) -> jint {
+    JNI_ABI
 }
 
 /// [`tls_material`] of the settings as Java passes them (directory, then CA, cert and key PEM).

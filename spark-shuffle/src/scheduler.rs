@@ -37,6 +37,7 @@ fn pairs(env: &mut JNIEnv, keys: &JObjectArray, values: &JObjectArray) -> Outcom
 }
 
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_connect<'l>(
     mut env: JNIEnv<'l>,
     _: JClass<'l>,
@@ -45,11 +46,15 @@ pub extern "system" fn Java_io_tern_spark_TernSchedulerNative_connect<'l>(
     ca_pem: JString<'l>,
     cert_pem: JString<'l>,
     key_pem: JString<'l>,
+    credential_file: JString<'l>,
 ) -> jlong {
     entry(&mut env, |env| {
         let addr = string(env, &addr)?;
         let tls = crate::tls_settings(env, &tls_dir, [&ca_pem, &cert_pem, &key_pem])?;
-        let client = runtime().block_on(SchedulerClient::connect_with_tls(&addr, tls.as_ref()))?;
+        // The driver submits into its tenant's queue with its tenant's credential.
+        let credential = crate::credential_setting(env, &credential_file)?;
+        let client =
+            runtime().block_on(SchedulerClient::connect_with_tls(&addr, tls.as_ref(), credential.as_deref()))?;
         Ok(into_handle(client))
     })
 }

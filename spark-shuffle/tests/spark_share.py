@@ -30,6 +30,8 @@ def main():
         .set("spark.shuffle.sort.io.plugin.class", "io.tern.spark.TernShuffleDataIO")
         .set("spark.tern.metadata", os.environ["TERN_METADATA"])
         .set("spark.tern.queue", queue)
+        # The queue is a tenant's: the driver submits into it with that tenant's credential.
+        .set("spark.tern.credentialFile", os.environ["TERN_CREDENTIAL_FILE"])
         .set("spark.executor.instances", os.environ["TERN_EXECUTORS"])
         .set("spark.executor.cores", "1")
         .set("spark.executor.memory", "512m")

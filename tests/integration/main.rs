@@ -23,6 +23,7 @@ mod replicated_metadata;
 mod replication;
 mod same_host;
 mod scheduler;
+mod scheduler_authz;
 mod security;
 mod shuffle;
 mod soak;

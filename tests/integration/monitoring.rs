@@ -166,7 +166,19 @@ impl Daemons {
         daemons.push(spawn_logged(
             dir.path(),
             "executor",
-            &["executor", "--scheduler", &scheduler.to_string(), "--cpus", "1", "--memory", "256MiB", "--gpus", "0"],
+            &[
+                "executor",
+                "--scheduler",
+                &scheduler.to_string(),
+                "--cpus",
+                "1",
+                "--memory",
+                "256MiB",
+                "--gpus",
+                "0",
+                "--credential-file",
+                &dir.path().join("credentials/executor").to_string_lossy(),
+            ],
         ));
         Daemons {
             dir,

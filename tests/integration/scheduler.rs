@@ -25,29 +25,37 @@ const EXECUTOR_TIMEOUT_MS: u64 = 1500;
 
 /// A scheduler beside a test cluster, and executors started one by one (dropped, hence killed,
 /// before the scheduler).
-struct Scheduler {
-    addr: String,
+pub(crate) struct Scheduler {
+    pub(crate) addr: String,
+    /// Its admin (metrics) address.
+    pub(crate) admin_addr: String,
     executors: Vec<Option<Daemon>>,
     /// Held so that dropping the struct stops the scheduler.
     _scheduler: Daemon,
 }
 
 impl Scheduler {
-    fn start(cluster: &Cluster) -> Scheduler {
+    pub(crate) fn start(cluster: &Cluster) -> Scheduler {
         Scheduler::start_with(cluster, "")
     }
 
     /// A scheduler whose config file ends with `extra` (TOML lines).
+    /// With a cluster serving mutual TLS, the scheduler does too, with the cluster's material.
     fn start_with(cluster: &Cluster, extra: &str) -> Scheduler {
         let addr = format!("127.0.0.1:{}", free_port());
+        let admin_addr = format!("127.0.0.1:{}", free_port());
         let config = cluster.dir.path().join("scheduler.toml");
+        let tls = match (&cluster.tls, &cluster.tls_dir) {
+            (common::Tls::Full, Some(dir)) => format!("tls_dir = \"{}\"\n", dir.display()),
+            _ => String::new(),
+        };
         std::fs::write(
             &config,
             format!(
-                "listen = \"{addr}\"\nadmin_listen = \"127.0.0.1:0\"\nmetadata = \"{}\"\n\
+                "listen = \"{addr}\"\nadmin_listen = \"{admin_addr}\"\nmetadata = \"{}\"\n\
                  heartbeat_interval_ms = {HEARTBEAT_MS}\nexecutor_timeout_ms = {EXECUTOR_TIMEOUT_MS}\n\
-                 default_backoff_ms = 50\n{extra}",
-                cluster.metadata_addr
+                 default_backoff_ms = 50\n{tls}{extra}",
+                cluster.metadata_url()
             ),
         )
         .unwrap();
@@ -57,11 +65,11 @@ impl Scheduler {
             "scheduler",
             &["scheduler", "--config", &config.to_string_lossy(), "--set", &secret],
         );
-        Scheduler { addr, executors: Vec::new(), _scheduler: child }
+        Scheduler { addr, admin_addr, executors: Vec::new(), _scheduler: child }
     }
 
     /// Starts an executor offering `cpus` and `memory`; returns its index.
-    fn executor(&mut self, cluster: &Cluster, cpus: &str, memory: &str) -> usize {
+    pub(crate) fn executor(&mut self, cluster: &Cluster, cpus: &str, memory: &str) -> usize {
         self.executor_with_gpus(cluster, cpus, memory, "0")
     }
 
@@ -71,7 +79,19 @@ impl Scheduler {
         let child = spawn_logged(
             cluster.dir.path(),
             &format!("executor-{i}"),
-            &["executor", "--scheduler", &self.addr, "--cpus", cpus, "--memory", memory, "--gpus", gpus],
+            &[
+                "executor",
+                "--scheduler",
+                &self.addr,
+                "--cpus",
+                cpus,
+                "--memory",
+                memory,
+                "--gpus",
+                gpus,
+                "--credential-file",
+                &cluster.executor_credential().to_string_lossy(),
+            ],
         );
         self.executors.push(Some(child));
         i
@@ -86,7 +106,7 @@ impl Scheduler {
     async fn client(&self, cluster: &Cluster) -> SchedulerClient {
         let client = cluster
             .wait_for("the scheduler to answer", Duration::from_secs(20), || async {
-                let client = SchedulerClient::connect(&self.addr, None).await.ok()?;
+                let client = SchedulerClient::connect(&self.addr, None, None).await.ok()?;
                 client.pool_status().await.ok().map(|_| client)
             })
             .await;
@@ -407,7 +427,7 @@ async fn the_pool_scales_from_zero_to_n_and_back_to_zero() {
     };
     let check = wait("the scheduler", Duration::from_secs(60));
     let client = loop {
-        if let Ok(client) = SchedulerClient::connect(&scheduler_addr, None).await {
+        if let Ok(client) = SchedulerClient::connect(&scheduler_addr, None, None).await {
             if client.pool_status().await.is_ok() {
                 break client;
             }

@@ -147,7 +147,7 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
     let (jar, _) = build_plugin(root);
     let dir = tempfile::tempdir().unwrap();
     let (_up, metadata, scheduler) = up_with_spark_pool(dir.path());
-    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None, None).await.unwrap();
     // Samples the pool while Spark runs: its most executors.
     let peak = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let sampler = {
@@ -335,7 +335,16 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
     // The pool starts nothing (max 0): the test starts the executors itself, at the moment it picks.
     let _up = TernUp::start(dir.path(), port, &["--queue", "gold=2", "--queue", "bronze=1", "--max-executors", "0"]);
     let scheduler = format!("127.0.0.1:{}", ports.scheduler());
-    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    // The test watches both queues as an operator; each application acts as its queue's tenant.
+    let admin = tern_proto::identity::load_credential(&dir.path().join("credentials/admin")).unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None, Some(&admin)).await.unwrap();
+    let secret = tern_proto::identity::ClusterSecret::load(&dir.path().join("cluster.secret")).unwrap();
+    let credential_of = |tenant: &str| {
+        let path = dir.path().join(format!("credentials/{tenant}"));
+        let identity = tern_proto::identity::Identity::new(tern_proto::identity::Role::Client, tenant, "");
+        tern_proto::identity::write_credential(&path, &secret.credential(&identity)).unwrap();
+        path
+    };
     let stop = dir.path().join("stop");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     let script = root.join("spark-shuffle/tests/spark_share.py");
@@ -348,6 +357,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
                 .env("TERN_SPARK_JAR", &jar)
                 .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
                 .env("TERN_QUEUE", queue)
+                .env("TERN_CREDENTIAL_FILE", credential_of(queue))
                 .env("TERN_EXECUTORS", "6")
                 .env("TERN_STOP", &stop)
                 .stdout(std::process::Stdio::piped())
@@ -376,6 +386,8 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
         .map(|i| {
             tokio::process::Command::new(TERN)
                 .args(["executor", "--scheduler", &scheduler, "--cpus", "3", "--memory", "3GiB"])
+                .arg("--credential-file")
+                .arg(dir.path().join("credentials/executor"))
                 .args(["--name", &format!("share-{i}")])
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
@@ -475,7 +487,7 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
     for wanted in [&master, &jar, "io.tern.spark.TernShuffleManager"] {
         assert!(defaults.contains(wanted), "spark-defaults.conf lacks {wanted}:\n{defaults}");
     }
-    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None).await.unwrap();
+    let client = tern_scheduler_api::SchedulerClient::connect(&scheduler, None, None).await.unwrap();
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     let pyspark = Command::new("python3")
         .args(["-c", "import os, pyspark; print(os.path.dirname(pyspark.__file__))"])
@@ -537,6 +549,8 @@ async fn a_spark_gang_starts_together_with_tern_ups_spark_defaults() {
     let joined_ms = unix_ms();
     let _extra = tokio::process::Command::new(TERN)
         .args(["executor", "--scheduler", &scheduler, "--name", "gang-extra", "--cpus", "1", "--memory", "1536MiB"])
+        .arg("--credential-file")
+        .arg(dir.path().join("credentials/executor"))
         .env_remove("LD_LIBRARY_PATH")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -84,7 +84,9 @@ pub struct Services {
     /// This executor's host, as it registered (Spark executors announce it to their driver).
     host: String,
     options: ClientOptions,
-    client: tokio::sync::OnceCell<Client>,
+    /// A Tern client per tenant credential the scheduler handed out (at most
+    /// [`MAX_TENANT_CLIENTS`]): a task acts for its own tenant, with its job's token.
+    clients: parking_lot::Mutex<HashMap<String, Arc<tokio::sync::OnceCell<Client>>>>,
     sorters: parking_lot::Mutex<HashMap<String, Arc<parking_lot::Mutex<GpuSorter>>>>,
     warm_spark: spark_warm::WarmJvms,
 }
@@ -95,7 +97,7 @@ impl Services {
             metadata,
             host: "localhost".into(),
             options,
-            client: tokio::sync::OnceCell::new(),
+            clients: Default::default(),
             sorters: Default::default(),
             warm_spark: spark_warm::WarmJvms::new(0),
         }
@@ -127,19 +129,28 @@ impl Services {
         &self.metadata
     }
 
-    /// The Tern client, connecting on first use.
-    pub async fn client(&self) -> anyhow::Result<Client> {
-        let client = self
-            .client
-            .get_or_try_init(|| Client::connect_with(&self.metadata, self.options.clone()))
-            .await
-            .map_err(|e| anyhow::anyhow!("connecting to the metadata server {}: {e}", self.metadata))?;
-        Ok(client.clone())
-    }
-
-    /// The Tern client, holding the token of `task`'s Tern job (its data frames need it).
+    /// The Tern client acting for `task`'s tenant (its `tenant_credential`; none: the options'
+    /// own), connecting on first use, and holding the token of the task's Tern job (its files
+    /// and data frames need it).
     pub async fn client_for(&self, task: &pb::Assignment) -> anyhow::Result<Client> {
-        let client = self.client().await?;
+        let cell = {
+            let mut clients = self.clients.lock();
+            if clients.len() >= MAX_TENANT_CLIENTS && !clients.contains_key(&task.tenant_credential) {
+                // A tenant not seen for a while: its client goes when its running tasks drop it.
+                let some = clients.keys().next().cloned().unwrap_or_default();
+                clients.remove(&some);
+            }
+            clients.entry(task.tenant_credential.clone()).or_default().clone()
+        };
+        let mut options = self.options.clone();
+        if !task.tenant_credential.is_empty() {
+            options.credential = Some(task.tenant_credential.clone());
+        }
+        let client = cell
+            .get_or_try_init(|| Client::connect_with(&self.metadata, options))
+            .await
+            .map_err(|e| anyhow::anyhow!("connecting to the metadata server {}: {e}", self.metadata))?
+            .clone();
         if !task.tern_job_token.is_empty() {
             client
                 .add_job_token(&task.tern_job_token)
@@ -159,6 +170,9 @@ impl Services {
         Ok(self.sorters.lock().entry(address.to_string()).or_insert(sorter).clone())
     }
 }
+
+/// Most tenants whose Tern clients an executor keeps at once.
+const MAX_TENANT_CLIENTS: usize = 64;
 
 /// Runs one task to its end. Never panics on bad input: a malformed task fails with a message
 /// naming what is wrong.
@@ -188,7 +202,9 @@ pub async fn run(task: &pb::Assignment, services: &Services) -> Report {
 /// (with the shuffles), TERN_INPUT_MAPS (maps of the input shuffle), TERN_GPU_ADDRESSES
 /// (comma-separated, "" when none), TERN_GPU_MILLI (the fraction of each, comma-separated),
 /// TERN_JOB_ROOT and TERN_TERN_JOB (the Tern job owning the job's data), TERN_JOB_TOKEN (its
-/// token: a Tern client connecting in the task picks it up), TERN_MEMORY_BYTES and
+/// token: a Tern client connecting in the task picks it up), TERN_CREDENTIAL (a client
+/// credential of the job's tenant, which such a client acts with: files the task makes outside
+/// its job's root are its tenant's), TERN_MEMORY_BYTES and
 /// TERN_CPU_MILLI (what the task was granted); with GPUs granted, CUDA_VISIBLE_DEVICES (the
 /// granted addresses: a CUDA program in the task sees only its devices).
 pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, String)> {
@@ -207,6 +223,7 @@ pub fn task_env(task: &pb::Assignment, metadata: &str) -> Vec<(&'static str, Str
         ("TERN_JOB_ROOT", task.tern_job_root.clone()),
         ("TERN_TERN_JOB", task.tern_job_id.clone()),
         ("TERN_JOB_TOKEN", task.tern_job_token.clone()),
+        ("TERN_CREDENTIAL", task.tenant_credential.clone()),
         ("TERN_MEMORY_BYTES", granted.memory_bytes.to_string()),
         ("TERN_CPU_MILLI", granted.cpu_milli.to_string()),
     ];

@@ -90,6 +90,7 @@ impl Policy {
             tern_job_id: job.info.tern_job_id.clone(),
             tern_job_root: job.info.tern_job_root.clone(),
             tern_job_token: job.info.tern_job_token.clone(),
+            tenant_credential: job.info.tenant_credential.clone(),
             copies: job.info.copies,
             input_shuffle_id: stage.info.input_shuffle_id,
             input_partitions: stage.info.input_partitions,

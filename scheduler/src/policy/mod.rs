@@ -152,6 +152,8 @@ pub struct JobInfo {
     pub tern_job_root: String,
     /// The Tern job's token, handed to its tasks.
     pub tern_job_token: String,
+    /// A client credential of the job's tenant (its queue), handed to its tasks.
+    pub tenant_credential: String,
     /// Copies of what its built-ins write (at least 1).
     pub copies: u32,
     pub submitted_unix_ms: u64,

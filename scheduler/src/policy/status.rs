@@ -131,6 +131,11 @@ impl Policy {
         self.job_keys.get(job_id).map(|k| self.jobs[k].state)
     }
 
+    /// The job's queue (its tenant), or None for a job the policy does not know.
+    pub fn job_queue(&self, job_id: &str) -> Option<&str> {
+        self.job_keys.get(job_id).map(|k| self.jobs[k].info.queue.as_str())
+    }
+
     pub fn job_count(&self) -> usize {
         self.jobs.len()
     }

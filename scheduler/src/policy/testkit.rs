@@ -44,6 +44,7 @@ pub(super) fn add(policy: &mut Policy, id: &str, queue: &str, priority: i32, sta
         tern_job_id: String::new(),
         tern_job_root: String::new(),
         tern_job_token: String::new(),
+        tenant_credential: String::new(),
         copies: 1,
         submitted_unix_ms: 1,
     };

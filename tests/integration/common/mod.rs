@@ -254,6 +254,11 @@ impl Cluster {
         }
     }
 
+    /// The executors' credential file (`tern cert secret` made it, as `tern up` does).
+    pub fn executor_credential(&self) -> PathBuf {
+        self.dir.path().join("credentials").join("executor")
+    }
+
     /// The operator's credential file (`tern cert secret` made it, as `tern up` does).
     pub fn admin_credential(&self) -> PathBuf {
         self.dir.path().join("credentials").join("admin")

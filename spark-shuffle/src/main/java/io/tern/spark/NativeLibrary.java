@@ -27,7 +27,16 @@ public final class NativeLibrary {
     /** The setting that names the directory, as errors tell users to set it. */
     static final String SETTING = "spark.tern.nativeDir (or -Dtern.nativeDir=DIR, or TERN_SPARK_NATIVE_DIR)";
 
+    /**
+     * The version of the native functions this jar calls; the library's {@code abi()} must say
+     * the same (spark-shuffle/src/lib.rs, JNI_ABI). JNI binds by name only, so without this a
+     * stale library found on java.library.path would be called with arguments it does not take.
+     */
+    static final int ABI = 2;
+
     private static String loadedFrom;
+
+    private static native int abi();
 
     /** Loads the library unless it is loaded; {@code dir} (may be null) is where to unpack it. */
     public static synchronized String load(String dir) {
@@ -36,9 +45,12 @@ public final class NativeLibrary {
         }
         try {
             System.loadLibrary("tern_spark");
-            loadedFrom = "java.library.path";
+            loadedFrom = checkAbi("java.library.path");
             return loadedFrom;
         } catch (UnsatisfiedLinkError notOnPath) {
+            if (isAbiMismatch(notOnPath)) {
+                throw notOnPath; // A stale library is loaded: the bundled one cannot replace it.
+            }
             // The copy bundled in the jar, then.
         }
         String platform = platform();
@@ -61,8 +73,30 @@ public final class NativeLibrary {
             }
             throw e;
         }
-        loadedFrom = file.getAbsolutePath();
+        loadedFrom = checkAbi(file.getAbsolutePath());
         return loadedFrom;
+    }
+
+    private static final String MISMATCH = "is not the one this Tern Spark jar was built with";
+
+    /** {@code from} when the loaded library's functions are this jar's; a one-line error if not. */
+    private static String checkAbi(String from) {
+        int found;
+        try {
+            found = abi();
+        } catch (UnsatisfiedLinkError old) {
+            found = 1; // Libraries before the check had no abi().
+        }
+        if (found != ABI) {
+            throw new UnsatisfiedLinkError("the libtern_spark.so loaded from " + from + " (native ABI " + found
+                    + ") " + MISMATCH + " (ABI " + ABI + "): remove the stale library from java.library.path"
+                    + " or rebuild both with spark-shuffle/build.sh");
+        }
+        return from;
+    }
+
+    private static boolean isAbiMismatch(UnsatisfiedLinkError e) {
+        return String.valueOf(e.getMessage()).contains(MISMATCH);
     }
 
     /** {@code linux-x86_64} or {@code linux-aarch64}, as the jar's paths name platforms. */

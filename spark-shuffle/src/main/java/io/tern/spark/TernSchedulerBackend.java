@@ -323,7 +323,8 @@ public final class TernSchedulerBackend extends SparkLine.CoarseGrainedBackend {
             }
         });
         TernConf tern = new TernConf(conf);
-        client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey);
+        client = TernSchedulerNative.connect(schedulerAddr, tern.tlsDir, tern.tlsCa, tern.tlsCert, tern.tlsSecretKey,
+                tern.credentialFile);
         synchronized (this) {
             long asked = System.currentTimeMillis();
             String[][] params = params(first);

@@ -15,9 +15,12 @@ final class TernSchedulerNative {
 
     /**
      * Connects to the scheduler at host:port, with the TLS material of the plugin's settings
-     * (tlsDir, or all three PEM texts; empty strings: none), as {@link TernNative#connect}.
+     * (tlsDir, or all three PEM texts; empty strings: none), as {@link TernNative#connect}, acting
+     * with the credential in {@code credentialFile} (a client of the application's tenant, whose
+     * queue it submits to; "": a client of the default tenant).
      */
-    static native long connect(String schedulerAddr, String tlsDir, String caPem, String certPem, String secretKeyPem);
+    static native long connect(String schedulerAddr, String tlsDir, String caPem, String certPem, String secretKeyPem,
+            String credentialFile);
 
     static native void closeScheduler(long client);
 
