@@ -112,7 +112,8 @@ impl Service {
                         // Not the leader: nothing was looked at, nothing to wait for.
                         Err(refused) => (Err(refused), None),
                         Ok(()) => {
-                            let who = caller.identity.to_string();
+                            // Only a call with an id needs its caller's name (reads have none).
+                            let who = id.map(|_| caller.identity.to_string()).unwrap_or_default();
                             let result = match id.and_then(|id| state.answered(id, method, &who)) {
                                 Some(answered) => answered,
                                 None => {
