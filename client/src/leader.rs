@@ -5,8 +5,11 @@
 //! after a failure to connect or while an election is under way; the last answer (or error) is
 //! the call's. With one address the channel passes calls straight through, as before.
 //!
-//! A retried call is not deduplicated yet: a change whose answer was lost to a failover may be
-//! made twice (issue 34's client request ids are not built).
+//! Every call that changes metadata ([`tern_proto::request_id::is_mutating`]) gets a request id
+//! here, once, in its [`REQUEST_ID_HEADER`]: its tries resend the same bytes and headers, so the
+//! server, which remembers each completed call's answer by its id in its replicated state,
+//! answers a retry of a change it made (its answer lost to a failover or a dropped connection)
+//! with that answer instead of making it twice.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,6 +19,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http_body_util::BodyExt;
+use tern_proto::request_id::{is_mutating, RequestIds, REQUEST_ID_HEADER};
 use tonic::body::Body;
 use tonic::transport::Channel;
 use tower::{Service, ServiceExt};
@@ -36,13 +40,20 @@ pub struct Failover {
     addrs: Arc<Vec<String>>,
     channels: Arc<Vec<Channel>>,
     current: Arc<AtomicUsize>,
+    /// This client's request ids (one random client id for all its calls).
+    ids: Arc<RequestIds>,
 }
 
 impl Failover {
     /// `channels[i]` reaches `addrs[i]` (host:port, as the servers name each other in `peers`).
     pub fn new(addrs: Vec<String>, channels: Vec<Channel>) -> Failover {
         assert!(!channels.is_empty() && addrs.len() == channels.len(), "one channel per address");
-        Failover { addrs: Arc::new(addrs), channels: Arc::new(channels), current: Arc::new(AtomicUsize::new(0)) }
+        Failover {
+            addrs: Arc::new(addrs),
+            channels: Arc::new(channels),
+            current: Arc::new(AtomicUsize::new(0)),
+            ids: Arc::new(RequestIds::new()),
+        }
     }
 }
 
@@ -60,6 +71,14 @@ fn not_leader(response: &http::Response<Body>) -> Option<Option<String>> {
     }))
 }
 
+/// Gives a call that changes metadata its request id, unless it has one already.
+fn with_request_id<B>(request: &mut http::Request<B>, ids: &RequestIds) {
+    if is_mutating(request.uri().path()) && !request.headers().contains_key(REQUEST_ID_HEADER) {
+        let id = http::HeaderValue::from_str(&ids.next().to_string()).expect("hex digits are a header value");
+        request.headers_mut().insert(REQUEST_ID_HEADER, id);
+    }
+}
+
 impl Service<http::Request<Body>> for Failover {
     type Response = http::Response<Body>;
     type Error = BoxError;
@@ -70,8 +89,10 @@ impl Service<http::Request<Body>> for Failover {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
         let this = self.clone();
+        // Here, before the first try, so that every try carries the same id.
+        with_request_id(&mut request, &this.ids);
         Box::pin(async move {
             if this.channels.len() == 1 {
                 let mut channel = this.channels[0].clone();
@@ -132,10 +153,35 @@ impl Service<http::Request<Body>> for Failover {
 
 #[cfg(test)]
 mod tests {
+    use tern_proto::request_id::RequestId;
+
     use super::*;
 
     fn answer(status: tonic::Status) -> http::Response<Body> {
         status.into_http()
+    }
+
+    /// Changes get an id, one per call, kept if the call has one; reads get none.
+    #[test]
+    fn changes_get_a_request_id_once() {
+        let ids = RequestIds::new();
+        let request = |path: &str| http::Request::builder().uri(path).body(()).unwrap();
+        let id_of = |request: &http::Request<()>| {
+            request.headers().get(REQUEST_ID_HEADER).map(|v| v.to_str().unwrap().parse::<RequestId>().unwrap())
+        };
+        let mut create = request("http://m/tern.v1.Metadata/Create");
+        with_request_id(&mut create, &ids);
+        let first = id_of(&create).expect("a change carries an id");
+        with_request_id(&mut create, &ids);
+        assert_eq!(id_of(&create), Some(first), "given once: a resend keeps it");
+        let mut commit = request("http://m/tern.v1.Metadata/CommitMap");
+        with_request_id(&mut commit, &ids);
+        let second = id_of(&commit).unwrap();
+        assert_ne!(second, first);
+        assert_eq!(second.client(), first.client());
+        let mut stat = request("http://m/tern.v1.Metadata/Stat");
+        with_request_id(&mut stat, &ids);
+        assert_eq!(id_of(&stat), None, "reads carry none");
     }
 
     #[test]

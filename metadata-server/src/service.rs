@@ -16,6 +16,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tern_common::Now;
 use tern_proto::identity::Identity;
+use tern_proto::request_id::RequestId;
 use tern_proto::v1::admin_server::Admin;
 use tern_proto::v1::metadata_server::Metadata;
 use tern_proto::v1::registry_server::Registry;
@@ -68,7 +69,7 @@ impl Service {
     }
 
     /// Serves one call: who the caller is, whether `needs` allows it, then `op` on the state.
-    async fn call<R, T>(
+    async fn call<R, T: prost::Message + Default>(
         &self,
         method: &'static str,
         request: Request<R>,
@@ -80,7 +81,13 @@ impl Service {
 
     /// [`Service::call`] for an `op` that needs the caller's identity too (what it makes is
     /// the caller's tenant's).
-    async fn call_as<R, T>(
+    ///
+    /// A call carrying a request id ([`RequestId`]) that the state remembers is answered as it
+    /// was the first time, without running `op` or deciding again (the same caller was allowed
+    /// it then; what it changed may since refuse it, a deleted file say); it then waits as a
+    /// read does, for what it saw to be committed. One that succeeds and changes something is
+    /// remembered, its answer logged after its changes (`state/requests.rs`).
+    async fn call_as<R, T: prost::Message + Default>(
         &self,
         method: &'static str,
         request: Request<R>,
@@ -91,28 +98,44 @@ impl Service {
         let now = Now::read();
         let (mut result, lsn) = match self.authz.caller(method, &request, now.instant) {
             Err(refused) => (Err(refused), None),
-            Ok(caller) => {
-                let needs = needs(request.get_ref());
-                let req = request.into_inner();
-                let mut state = self.state.lock();
-                let serving = match &self.log {
-                    Log::Raft(replica) => replica.check_serving(),
-                    Log::Wal(_) => Ok(()),
-                };
-                match serving {
-                    // Not the leader: nothing was looked at, nothing to wait for.
-                    Err(refused) => (Err(refused), None),
-                    Ok(()) => {
-                        let result = self
-                            .authz
-                            .decide(method, &caller, &needs, &state, now.instant)
-                            .and_then(|()| op(&mut state, now, req, &caller.identity));
-                        let changes = state.take_journal();
-                        let read = changes.is_empty();
-                        (result, Some((self.log.append(changes), read)))
+            Ok(caller) => match RequestId::of(request.metadata()) {
+                Err(why) => (Err(ErrorKind::Invalid.status(format!("{method}: {why}"))), None),
+                Ok(id) => {
+                    let needs = needs(request.get_ref());
+                    let req = request.into_inner();
+                    let mut state = self.state.lock();
+                    let serving = match &self.log {
+                        Log::Raft(replica) => replica.check_serving(),
+                        Log::Wal(_) => Ok(()),
+                    };
+                    match serving {
+                        // Not the leader: nothing was looked at, nothing to wait for.
+                        Err(refused) => (Err(refused), None),
+                        Ok(()) => {
+                            // Only a call with an id needs its caller's name (reads have none).
+                            let who = id.map(|_| caller.identity.to_string()).unwrap_or_default();
+                            let result = match id.and_then(|id| state.answered(id, method, &who)) {
+                                Some(answered) => answered,
+                                None => {
+                                    let result = self
+                                        .authz
+                                        .decide(method, &caller, &needs, &state, now.instant)
+                                        .and_then(|()| op(&mut state, now, req, &caller.identity));
+                                    if let (Some(id), Ok(response)) = (id, &result) {
+                                        if state.has_journal() {
+                                            state.remember(id, method, &who, response, now);
+                                        }
+                                    }
+                                    result
+                                }
+                            };
+                            let changes = state.take_journal();
+                            let read = changes.is_empty();
+                            (result, Some((self.log.append(changes), read)))
+                        }
                     }
                 }
-            }
+            },
         };
         if let Some((lsn, read)) = lsn {
             if let Err(why) = self.log.wait(lsn, read).await {
@@ -392,3 +415,7 @@ impl Admin for Service {
         self.call("admin_end_job", request, |_| Needs::Admin, |state, now, req| state.admin_end_job(req, now)).await
     }
 }
+
+#[cfg(test)]
+#[path = "service_tests.rs"]
+mod tests;

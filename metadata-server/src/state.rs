@@ -62,6 +62,8 @@ pub struct State {
     shuffle_usage: HashMap<ServerId, quota::UsageByJob>,
     /// Re-replication and drain copies under way (not logged: see `copies`).
     copies: Copies,
+    /// Completed mutating calls by request id, so a retry is answered, not done twice (logged).
+    requests: requests::Requests,
 }
 
 impl State {
@@ -90,6 +92,7 @@ impl State {
             journal: Vec::new(),
             shuffle_usage: HashMap::new(),
             copies: Copies::new(config.copy_rate.0, now.instant),
+            requests: requests::Requests::default(),
         }
     }
 
@@ -131,6 +134,11 @@ impl State {
     /// The changes made since the last call, in order.
     pub fn take_journal(&mut self) -> Vec<LogRecord> {
         std::mem::take(&mut self.journal)
+    }
+
+    /// Whether anything changed since the journal was last taken.
+    pub fn has_journal(&self) -> bool {
+        !self.journal.is_empty()
     }
 
     pub fn mkdir(&mut self, req: MkdirRequest, now: Now) -> Result<MkdirResponse, Status> {
@@ -871,6 +879,7 @@ mod durable;
 mod key;
 mod lost;
 mod quota;
+mod requests;
 
 #[cfg(test)]
 #[allow(clippy::disallowed_methods, reason = "tests may read the clock")]

@@ -8,13 +8,15 @@
 //! - [`tier`]: storage tiers and storage classes, with their names;
 //! - [`identity`]: roles, tenants and the credentials that prove them on the control plane;
 //! - [`ids`]: typed ids of servers, shuffles and blocks (a block id names its tier);
-//! - [`token`]: job tokens and grants, the data plane's capabilities.
+//! - [`token`]: job tokens and grants, the data plane's capabilities;
+//! - [`request_id`]: client request ids, so a retried change is answered, not done twice.
 
 pub mod error;
 pub mod frame;
 pub mod health;
 pub mod identity;
 pub mod ids;
+pub mod request_id;
 pub mod shuffle;
 pub mod tier;
 pub mod token;

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use tern_common::config::Serve;
+use tern_proto::request_id::{RequestId, REQUEST_ID_HEADER};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::*;
 use tern_proto::ErrorKind;
@@ -161,6 +162,41 @@ async fn a_replica_behind_the_purged_log_catches_up_by_snapshot() {
         let stat = next_client.stat(StatRequest { path: path.into(), ..Default::default() }).await;
         assert!(stat.unwrap_or_else(|e| panic!("{path}: {e}")).into_inner().info.is_some(), "{path}");
     }
+    for server in servers.into_iter().flatten() {
+        server.shutdown().await;
+    }
+}
+
+/// A change whose answer is lost to a failover, sent again with its request id to the next
+/// leader, is answered as the first time (the id and answer were in the committed entry) and not
+/// made again: one job, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_change_retried_after_a_failover_is_answered_not_made_again() {
+    let temp = tempfile::tempdir().unwrap();
+    let configs = configs(temp.path());
+    let mut servers: Vec<Option<MetadataServer>> = Vec::new();
+    for config in &configs {
+        servers.push(Some(start(config.clone()).await.unwrap()));
+    }
+    let with_id = |id: RequestId| {
+        let mut request = tonic::Request::new(RegisterJobRequest::default());
+        request.metadata_mut().insert(REQUEST_ID_HEADER, id.to_string().parse().unwrap());
+        request
+    };
+    let id = RequestId::new(0x5eed, 1);
+    let first = leader(&configs, &[0, 1, 2]).await;
+    let job = client(&configs[first]).await.register_job(with_id(id)).await.unwrap().into_inner();
+
+    servers[first].take().unwrap().shutdown().await;
+    let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+    let second = leader(&configs, &others).await;
+    let mut second_client = client(&configs[second]).await;
+    let again = second_client.register_job(with_id(id)).await.unwrap().into_inner();
+    assert_eq!(again, job, "the new leader answers the retry as the old one did");
+    assert_eq!(second_client.status(StatusRequest {}).await.unwrap().into_inner().jobs.len(), 1);
+    // Another id is another call: a second job.
+    second_client.register_job(with_id(RequestId::new(0x5eed, 2))).await.unwrap();
+    assert_eq!(second_client.status(StatusRequest {}).await.unwrap().into_inner().jobs.len(), 2);
     for server in servers.into_iter().flatten() {
         server.shutdown().await;
     }

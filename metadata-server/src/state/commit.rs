@@ -219,6 +219,7 @@ impl State {
                 self.shuffles.raise_next_shuffle_id(ShuffleId::from_wire(log.next_shuffle_id));
             }
             Change::TokenKey(log) => self.apply_key(log)?,
+            Change::RequestDone(log) => self.requests.insert(log, unix_ms),
         }
         Ok(applied)
     }

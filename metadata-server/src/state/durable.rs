@@ -39,7 +39,7 @@ impl State {
     }
 
     /// The records that rebuild this state, taken at `now`: counters, servers, jobs, the
-    /// namespace (parents first), then the shuffles.
+    /// namespace (parents first), the shuffles, then the calls remembered by request id.
     pub fn snapshot(&self, now: Now) -> Vec<LogRecord> {
         let mut changes = Vec::new();
         let (next_server_id, next_block_id) = self.servers.counters();
@@ -94,6 +94,8 @@ impl State {
         }
         self.shuffles.snapshot(&mut changes);
         records.extend(changes.into_iter().map(|change| LogRecord { unix_ms: 0, change: Some(change) }));
+        // Last, the calls remembered by request id, oldest first, each at its log time.
+        records.extend(self.requests.snapshot());
         records
     }
 }
