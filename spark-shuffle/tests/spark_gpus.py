@@ -53,6 +53,8 @@ def main():
         .set("spark.task.resource.gpu.amount", "1")
         .set("spark.ui.enabled", "false")
         .set("spark.tern.queue", "gpu-team")
+        # The queue is tenant gpu-team's: the driver submits into it with that tenant's credential.
+        .set("spark.tern.credentialFile", os.environ["TERN_CREDENTIAL_FILE"])
         .set("spark.tern.priority", "3")
     )
     sc = SparkContext(conf=conf)
@@ -75,7 +77,8 @@ def main():
         # `tern job cancel` ends the application like any Tern job.
         job = jsc.schedulerBackend().ternJobId()
         scheduler = os.environ["TERN_SPARK_MASTER"].split("://", 1)[1]
-        listed = subprocess.run([os.environ["TERN_BIN"], "job", "list", "--json", "--scheduler", scheduler],
+        as_tenant = ["--as", os.environ["TERN_CREDENTIAL_FILE"]]
+        listed = subprocess.run([os.environ["TERN_BIN"], "job", "list", "--json", "--scheduler", scheduler] + as_tenant,
                                 check=True, capture_output=True, text=True).stdout
         mine = [j for j in json.loads(listed) if j["job_id"] == job]
         assert mine and mine[0]["state"] == "running" and (mine[0]["queue"], mine[0]["priority"]) == ("gpu-team", 3), \
@@ -87,8 +90,8 @@ def main():
         assert shuffles == mine[0]["tern_job_id"], \
             f"the shuffles are in Tern job {shuffles}, not the application job's {mine[0]['tern_job_id']}"
         assert shuffles in tern_jobs(), f"Tern job {shuffles} is not live"
-        subprocess.run([os.environ["TERN_BIN"], "job", "cancel", job, "--scheduler", scheduler], check=True,
-                       capture_output=True)
+        subprocess.run([os.environ["TERN_BIN"], "job", "cancel", job, "--scheduler", scheduler] + as_tenant,
+                       check=True, capture_output=True)
         deadline = time.time() + 30
         while not jsc.isStopped():
             assert time.time() < deadline, "the application did not stop after tern job cancel"

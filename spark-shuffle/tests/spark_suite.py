@@ -264,10 +264,12 @@ def frees_unregistered_shuffles(sc):
     return len(shuffles)
 
 
-def scheduler_job(job_id):
-    """`tern job status --json` of the application's job on Tern's scheduler."""
+def scheduler_job(job_id, tenant=None):
+    """`tern job status --json` of the application's job on Tern's scheduler, as a client of its
+    queue's tenant (`tenant`, or the default one)."""
     scheduler = MASTER.split("://", 1)[1]
-    out = subprocess.run([TERN, "job", "status", job_id, "--json", "--scheduler", scheduler],
+    as_tenant = ["--as", tenant_credential(tenant)] if tenant else []
+    out = subprocess.run([TERN, "job", "status", job_id, "--json", "--scheduler", scheduler] + as_tenant,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
@@ -455,7 +457,7 @@ def stage_level_scheduling(sc, rdd, expected, log, app_job):
         assert added.get(executor) == (rp.id, PROFILE_CORES) and int(executor) // 1_000_000 == rp.id, \
             f"a task of profile {rp.id} ran on executor {executor}: {added.get(executor)} (profile, cores)"
     name = f"executors-rp{rp.id}"
-    stages = {st["name"]: st for st in scheduler_job(app_job)["stages"]}
+    stages = {st["name"]: st for st in scheduler_job(app_job, CHILD_TENANT)["stages"]}
     want = {"cpus": float(PROFILE_CORES), "memory_bytes": (PROFILE_HEAP_MIB + 384) << 20, "gpus": 1.0}
     assert name in stages and stages[name]["needs"] == want and stages[name]["attempts"] >= len(ran_on), \
         f"Tern's stage {name} for profile {rp.id} (wanted needs {want}): {stages}"
@@ -493,7 +495,7 @@ def dynamic_allocation_and_crashed_driver():
         lapsed = time.time() - killed
         if ready["app_job"]:
             wait_for("the crashed driver's application job to be cancelled",
-                     lambda: scheduler_job(ready["app_job"])["state"] == "cancelled", CHILD_LEASE_S + 15)
+                     lambda: scheduler_job(ready["app_job"], CHILD_TENANT)["state"] == "cancelled", CHILD_LEASE_S + 15)
         return ready, lapsed
     finally:
         proc.kill()
