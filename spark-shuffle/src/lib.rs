@@ -777,6 +777,17 @@ mod tests {
         ["ca.pem", "node.pem", "node.key"].map(|name| std::fs::read_to_string(dir.join(name)).unwrap())
     }
 
+    /// The two sides of JNI name one ABI: the jar's `NativeLibrary.ABI` is this library's.
+    #[test]
+    fn the_jar_and_the_library_name_the_same_abi() {
+        let java = include_str!("main/java/io/tern/spark/NativeLibrary.java");
+        let declared = java
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("static final int ABI = "))
+            .and_then(|rest| rest.trim_end_matches(';').parse::<jint>().ok());
+        assert_eq!(declared, Some(JNI_ABI), "NativeLibrary.ABI must equal JNI_ABI");
+    }
+
     #[test]
     fn tls_material_comes_from_the_directory_or_all_three_pem_settings() {
         let dir = tempfile::tempdir().unwrap();
