@@ -5,7 +5,6 @@
 //! the table lists it. The namespace's calls are tried twice: on a job's files under `/jobs`, and
 //! on files outside it, which belong to the tenant that made them.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tern_proto::identity::{ClusterSecret, Identity, Presenting, Presents, Role};
@@ -17,6 +16,7 @@ use tern_proto::v1::*;
 use tern_proto::ErrorKind;
 use tonic::transport::Channel;
 
+use crate::common::table::Table;
 use crate::common::{Cluster, Tls};
 
 /// The kinds of caller every RPC is tried with.
@@ -324,48 +324,28 @@ async fn channel(cluster: &Cluster) -> Channel {
 /// (permission-denied, naming the call and the caller) as the table says.
 async fn every_rpc_by_every_caller(tls: Tls) {
     let mut fixture = Fixture::start(tls).await;
-    let mut wrong = Vec::new();
-    let mut seen: BTreeMap<Kind, (u32, u32)> = BTreeMap::new();
+    let mut table = Table::new();
     let cells = rpcs().into_iter().flat_map(|rpc| {
         let outside = allowed_outside_jobs(&rpc).map(|kinds| (rpc.clone(), true, kinds));
         [(rpc.clone(), false, allowed(&rpc))].into_iter().chain(outside)
     });
     for (rpc, outside_jobs, allowed) in cells.collect::<Vec<_>>() {
-        let where_ = if outside_jobs { " outside /jobs" } else { "" };
+        let name = if outside_jobs { format!("{rpc} outside /jobs") } else { rpc.clone() };
         for kind in KINDS {
             let target = fixture.target(outside_jobs).await;
             let mut caller = fixture.caller(kind, &target);
             let result = fixture.call(&rpc, &mut caller, &target).await;
             let refused = result.as_ref().err().filter(|s| ErrorKind::of_status(s) == ErrorKind::PermissionDenied);
-            let expected = allowed.contains(&kind);
-            let counts = seen.entry(kind).or_default();
-            match (expected, refused) {
-                (true, None) => counts.0 += 1,
-                (false, Some(status)) => {
-                    counts.1 += 1;
-                    assert!(
-                        status.message().starts_with("permission denied:")
-                            || rpc.ends_with("Job")
-                            || rpc == "RefreshToken",
-                        "{rpc}{where_} by {kind:?}: the refusal does not say so: {}",
-                        status.message()
-                    );
-                }
-                (true, Some(status)) => {
-                    wrong.push(format!("{rpc}{where_} by {kind:?} was refused: {}", status.message()))
-                }
-                (false, None) => wrong.push(format!("{rpc}{where_} by {kind:?} was allowed ({result:?})")),
+            let refusal = refused.map(|s| s.message().to_string());
+            if let Some(message) = table.cell(&name, kind, allowed.contains(&kind), refusal, &result) {
+                assert!(
+                    message.starts_with("permission denied:") || rpc.ends_with("Job") || rpc == "RefreshToken",
+                    "{name} by {kind:?}: the refusal does not say so: {message}"
+                );
             }
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "{} cells differ from the table:\n{}\n{}",
-        wrong.len(),
-        wrong.join("\n"),
-        fixture.cluster.logs()
-    );
-    eprintln!("authz table ({tls:?}): (allowed, refused) per caller kind: {seen:?}");
+    table.finish(&format!("authz table ({tls:?})"), || fixture.cluster.logs());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

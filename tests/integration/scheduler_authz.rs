@@ -6,7 +6,6 @@
 //! nor submit into its queue, and a client credential cannot take tasks; and a task acts for its
 //! job's tenant, so what it writes outside its job's root is that tenant's.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tern_proto::identity::{ClusterSecret, Identity, Role};
@@ -14,6 +13,7 @@ use tern_proto::sched as pb;
 use tern_proto::ErrorKind;
 use tern_scheduler_api::SchedulerClient;
 
+use crate::common::table::Table;
 use crate::common::{Cluster, Tls};
 use crate::scheduler::Scheduler;
 
@@ -173,33 +173,19 @@ async fn connect(cluster: &Cluster, scheduler: &Scheduler, credential: Option<&s
 /// (permission-denied, naming the call and the caller) as the table says.
 async fn every_scheduler_rpc_by_every_caller(tls: Tls) {
     let mut fixture = Fixture::start(tls).await;
-    let mut wrong = Vec::new();
-    let mut seen: BTreeMap<Kind, (u32, u32)> = BTreeMap::new();
+    let mut table = Table::new();
     for rpc in rpcs() {
         for kind in KINDS {
             let caller = fixture.client(kind).await;
             let result = fixture.call(&rpc, &caller).await;
             let refused = result.as_ref().err().filter(|e| e.kind() == ErrorKind::PermissionDenied);
-            let counts = seen.entry(kind).or_default();
-            match (allowed(&rpc).contains(&kind), refused) {
-                (true, None) => counts.0 += 1,
-                (false, Some(e)) => {
-                    counts.1 += 1;
-                    assert!(e.to_string().contains("permission denied: "), "{rpc} by {kind:?}: {e}");
-                }
-                (true, Some(e)) => wrong.push(format!("{rpc} by {kind:?} was refused: {e}")),
-                (false, None) => wrong.push(format!("{rpc} by {kind:?} was allowed ({result:?})")),
+            let refusal = refused.map(|e| e.to_string());
+            if let Some(message) = table.cell(&rpc, kind, allowed(&rpc).contains(&kind), refusal, &result) {
+                assert!(message.contains("permission denied: "), "{rpc} by {kind:?}: {message}");
             }
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "{} cells differ from the table:\n{}\n{}",
-        wrong.len(),
-        wrong.join("\n"),
-        fixture.cluster.logs()
-    );
-    eprintln!("scheduler authz table ({tls:?}): (allowed, refused) per caller kind: {seen:?}");
+    table.finish(&format!("scheduler authz table ({tls:?})"), || fixture.cluster.logs());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,14 +208,8 @@ async fn another_tenant_cannot_touch_a_tenants_jobs_and_tasks_act_for_their_tena
     let mut fixture = Fixture::start(Tls::Off).await;
     let cluster = &fixture.cluster;
     fixture.scheduler.executor(cluster, "1", "256MiB");
-    let credential_file = |tenant: &str| {
-        let path = cluster.dir.path().join(format!("{tenant}.credential"));
-        if !path.exists() {
-            let identity = Identity::new(Role::Client, tenant, "");
-            tern_proto::identity::write_credential(&path, &fixture.secret.credential(&identity)).unwrap();
-        }
-        path.to_string_lossy().into_owned()
-    };
+    let credential_file =
+        |tenant: &str| crate::common::tenant_credential(cluster.dir.path(), tenant).to_string_lossy().into_owned();
     let (etl, ml) = (credential_file(TENANT), credential_file("ml"));
     let job = cluster.dir.path().join("mkdir.toml");
     std::fs::write(

@@ -281,20 +281,6 @@ except Exception as e:
 /// `TaskContext.resources()` and `CUDA_VISIBLE_DEVICES`, the two executors hold different devices;
 /// `tern job list` shows the application, a shuffle lands in the application job's own Tern job, and
 /// `tern job cancel` stops the application and frees that Tern job.
-/// A client credential of `tenant` for the `tern up` cluster in `dir` (made from its secret, as
-/// `tern cert credential` makes one): a queue is a tenant's, so an application submits into it
-/// with that tenant's `spark.tern.credentialFile`.
-fn tenant_credential(dir: &Path, tenant: &str) -> std::path::PathBuf {
-    use tern_proto::identity::{ClusterSecret, Identity, Role};
-    let path = dir.join(format!("credentials/{tenant}"));
-    if !path.exists() {
-        let secret = ClusterSecret::load(&dir.join("cluster.secret")).unwrap();
-        tern_proto::identity::write_credential(&path, &secret.credential(&Identity::new(Role::Client, tenant, "")))
-            .unwrap();
-    }
-    path
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_gpu_executors_get_distinct_granted_devices() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -326,7 +312,7 @@ async fn spark_gpu_executors_get_distinct_granted_devices() {
     python
         .env("TERN_METADATA", format!("127.0.0.1:{}", ports.metadata()))
         .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&format!("127.0.0.1:{}", ports.scheduler())))
-        .env("TERN_CREDENTIAL_FILE", tenant_credential(dir.path(), "gpu-team"));
+        .env("TERN_CREDENTIAL_FILE", crate::common::tenant_credential(dir.path(), "gpu-team"));
     let script = root.join("spark-shuffle/tests/spark_gpus.py");
     let logs = || crate::common::logs_in(&dir.path().join("logs"));
     run_script(python, &jar, &script, "GPU executors right", &logs).await;
@@ -365,7 +351,7 @@ async fn two_spark_applications_share_executors_by_queue_weight() {
                 .env("TERN_SPARK_JAR", &jar)
                 .env("TERN_SPARK_MASTER", tern_scheduler_api::spark_master_url(&scheduler))
                 .env("TERN_QUEUE", queue)
-                .env("TERN_CREDENTIAL_FILE", tenant_credential(dir.path(), queue))
+                .env("TERN_CREDENTIAL_FILE", crate::common::tenant_credential(dir.path(), queue))
                 .env("TERN_EXECUTORS", "6")
                 .env("TERN_STOP", &stop)
                 .stdout(std::process::Stdio::piped())

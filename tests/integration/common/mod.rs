@@ -3,6 +3,7 @@
 //! [`multihost`], the same on several hosts (network namespaces) with TLS between them.
 
 pub mod multihost;
+pub mod table;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -384,6 +385,19 @@ impl Cluster {
     pub fn logs(&self) -> String {
         logs_in(self.dir.path())
     }
+}
+
+/// A client credential file of `tenant` for the cluster in `dir` (made from `dir/cluster.secret`
+/// as `tern cert credential` makes one, at `dir/credentials/<tenant>`; kept if there).
+pub fn tenant_credential(dir: &Path, tenant: &str) -> PathBuf {
+    use tern_proto::identity::{ClusterSecret, Identity, Role};
+    let path = dir.join("credentials").join(tenant);
+    if !path.exists() {
+        let secret = ClusterSecret::load(&dir.join("cluster.secret")).unwrap();
+        tern_proto::identity::write_credential(&path, &secret.credential(&Identity::new(Role::Client, tenant, "")))
+            .unwrap();
+    }
+    path
 }
 
 /// The end of every `*.log` file in `dir`, each under its name: what a failing test prints.
