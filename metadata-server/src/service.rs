@@ -96,47 +96,7 @@ impl Service {
     ) -> Result<Response<T>, Status> {
         #[expect(clippy::disallowed_methods, reason = "the edge: each call reads the clock once and passes it in")]
         let now = Now::read();
-        let (mut result, lsn) = match self.authz.caller(method, &request, now.instant) {
-            Err(refused) => (Err(refused), None),
-            Ok(caller) => match RequestId::of(request.metadata()) {
-                Err(why) => (Err(ErrorKind::Invalid.status(format!("{method}: {why}"))), None),
-                Ok(id) => {
-                    let needs = needs(request.get_ref());
-                    let req = request.into_inner();
-                    let mut state = self.state.lock();
-                    let serving = match &self.log {
-                        Log::Raft(replica) => replica.check_serving(),
-                        Log::Wal(_) => Ok(()),
-                    };
-                    match serving {
-                        // Not the leader: nothing was looked at, nothing to wait for.
-                        Err(refused) => (Err(refused), None),
-                        Ok(()) => {
-                            // Only a call with an id needs its caller's name (reads have none).
-                            let who = id.map(|_| caller.identity.to_string()).unwrap_or_default();
-                            let result = match id.and_then(|id| state.answered(id, method, &who)) {
-                                Some(answered) => answered,
-                                None => {
-                                    let result = self
-                                        .authz
-                                        .decide(method, &caller, &needs, &state, now.instant)
-                                        .and_then(|()| op(&mut state, now, req, &caller.identity));
-                                    if let (Some(id), Ok(response)) = (id, &result) {
-                                        if state.has_journal() {
-                                            state.remember(id, method, &who, response, now);
-                                        }
-                                    }
-                                    result
-                                }
-                            };
-                            let changes = state.take_journal();
-                            let read = changes.is_empty();
-                            (result, Some((self.log.append(changes), read)))
-                        }
-                    }
-                }
-            },
-        };
+        let (mut result, lsn) = self.serve(method, request, needs, op, now);
         if let Some((lsn, read)) = lsn {
             if let Err(why) = self.log.wait(lsn, read).await {
                 result = Err(ErrorKind::Internal.status(format!(
@@ -153,6 +113,56 @@ impl Service {
             }
         }
         result.map(Response::new)
+    }
+
+    /// The part of [`Service::call_as`] under the state's lock: who the caller is, whether it may,
+    /// and `op` (or the answer remembered for its request id); with the log ticket to wait for
+    /// and whether the call was a read, or no ticket when nothing was looked at.
+    fn serve<R, T: prost::Message + Default>(
+        &self,
+        method: &'static str,
+        request: Request<R>,
+        needs: impl FnOnce(&R) -> Needs,
+        op: impl FnOnce(&mut State, Now, R, &Identity) -> Result<T, Status>,
+        now: Now,
+    ) -> (Result<T, Status>, Option<(u64, bool)>) {
+        let caller = match self.authz.caller(method, &request, now.instant) {
+            Ok(caller) => caller,
+            Err(refused) => return (Err(refused), None),
+        };
+        let id = match RequestId::of(request.metadata()) {
+            Ok(id) => id,
+            Err(why) => return (Err(ErrorKind::Invalid.status(format!("{method}: {why}"))), None),
+        };
+        let needs = needs(request.get_ref());
+        let req = request.into_inner();
+        let mut state = self.state.lock();
+        if let Log::Raft(replica) = &self.log {
+            // Not the leader: nothing was looked at, nothing to wait for.
+            if let Err(refused) = replica.check_serving() {
+                return (Err(refused), None);
+            }
+        }
+        // Only a call with an id needs its caller's name (reads have none).
+        let who = id.map(|_| caller.identity.to_string()).unwrap_or_default();
+        let result = match id.and_then(|id| state.answered(id, method, &who)) {
+            Some(answered) => answered,
+            None => {
+                let result = self
+                    .authz
+                    .decide(method, &caller, &needs, &state, now.instant)
+                    .and_then(|()| op(&mut state, now, req, &caller.identity));
+                if let (Some(id), Ok(response)) = (id, &result) {
+                    if state.has_journal() {
+                        state.remember(id, method, &who, response, now);
+                    }
+                }
+                result
+            }
+        };
+        let changes = state.take_journal();
+        let read = changes.is_empty();
+        (result, Some((self.log.append(changes), read)))
     }
 }
 
