@@ -15,7 +15,13 @@ step() {
     fi
     step_name=$1 step_started=$SECONDS
 }
-trap 'step ""; printf "test.sh: steps (%dm%02ds in all):\n%s" $((SECONDS / 60)) $((SECONDS % 60)) "$steps" >&2' EXIT
+report_times() {
+    step ""
+    printf "test.sh: steps (%dm%02ds in all):\n%s" $((SECONDS / 60)) $((SECONDS % 60)) "$steps" >&2
+    # The tests step's own breakdown, once it has run (nextest's JUnit report, .config/nextest.toml).
+    [ ! -f target/nextest/ci/junit.xml ] || python3 scripts/slowest-tests.py 15 >&2 || true
+}
+trap report_times EXIT
 
 step setup
 

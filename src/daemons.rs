@@ -99,8 +99,8 @@ pub async fn run_metadata(args: MetadataArgs) -> anyhow::Result<()> {
 pub struct StorageArgs {
     #[command(flatten)]
     daemon: DaemonArgs,
-    /// Metadata server address (key `metadata`).
-    #[arg(long, value_name = "ADDR")]
+    /// Metadata server address, or its replicas' `a,b,c` (key `metadata`).
+    #[arg(long, value_name = "ADDR[,ADDR...]")]
     metadata: Option<String>,
     /// Address clients use to reach this server (key `advertise`).
     #[arg(long, value_name = "ADDR")]
@@ -143,8 +143,8 @@ pub async fn run_storage(args: StorageArgs) -> anyhow::Result<()> {
 pub struct SchedulerArgs {
     #[command(flatten)]
     daemon: DaemonArgs,
-    /// Metadata server the jobs' shuffles live on (key `metadata`).
-    #[arg(long, value_name = "ADDR")]
+    /// Metadata server the jobs' shuffles live on, or its replicas' `a,b,c` (key `metadata`).
+    #[arg(long, value_name = "ADDR[,ADDR...]")]
     metadata: Option<String>,
 }
 

@@ -18,6 +18,7 @@ use parking_lot::Mutex;
 use tern_proto::identity::{CREDENTIAL_HEADER, JOB_TOKEN_HEADER};
 use tern_proto::token::{Grant, JobToken, GRANT_LEN};
 use tern_proto::v1 as pb;
+use tern_transport::failover::Failover;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::Client;
@@ -95,7 +96,7 @@ impl Tokens {
 }
 
 /// The metadata channel, with the caller's headers on every call.
-pub(crate) type Calls = tonic::service::interceptor::InterceptedService<crate::leader::Failover, CallerHeaders>;
+pub(crate) type Calls = tonic::service::interceptor::InterceptedService<Failover, CallerHeaders>;
 
 /// Adds the credential and the job tokens held to each call.
 #[derive(Clone)]
@@ -118,7 +119,7 @@ impl tonic::service::Interceptor for CallerHeaders {
 }
 
 /// `channel` with [`CallerHeaders`]; a credential that cannot be a header is refused.
-pub(crate) fn calls(channel: crate::leader::Failover, credential: Option<&str>, tokens: Arc<Tokens>) -> Result<Calls> {
+pub(crate) fn calls(channel: Failover, credential: Option<&str>, tokens: Arc<Tokens>) -> Result<Calls> {
     let credential = credential
         .map(|text| text.trim().parse().map_err(|_| Error::invalid("the credential is not one line of printable text")))
         .transpose()?;

@@ -21,7 +21,6 @@ mod auth;
 mod conn;
 mod error;
 mod job;
-mod leader;
 mod liveness;
 mod location;
 mod reader;
@@ -36,6 +35,7 @@ use std::time::Duration;
 use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{self as pb};
+use tern_transport::failover::{self, Failover};
 use tonic::transport::{Channel, Endpoint};
 
 pub use auth::{CREDENTIAL_ENV, TENANT_ENV, TOKEN_ENV};
@@ -52,10 +52,10 @@ pub use tern_transport::tls::{PemOrigin, TlsMaterial};
 pub use tern_transport::TransportKind;
 pub use writer::FileWriter;
 
+/// Most metadata addresses one client takes (the replicas of one metadata service).
+pub use tern_transport::failover::MAX_METADATA_ADDRESSES;
 /// Default [`ClientOptions::rdma_connect_timeout`] (defined by the transport that applies it).
 pub use tern_transport::rdma_or::DEFAULT_RDMA_CONNECT_TIMEOUT;
-/// Most metadata addresses one client takes (the replicas of one metadata service).
-pub const MAX_METADATA_ADDRESSES: usize = 7;
 
 /// Default [`ClientOptions::connect_timeout`]: a handshake on a live network takes milliseconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -237,19 +237,10 @@ impl Client {
     /// in a Spark configuration) instead of `options.tls_dir`, which is ignored.
     pub async fn connect_with_tls(addr: &str, options: ClientOptions, tls: Option<TlsMaterial>) -> Result<Client> {
         // Several addresses (`a,b,c`): the replicas of a replicated metadata service, the
-        // leader followed (`leader`). The scheme (if any) decides TLS; the bare host:port of the
+        // leader followed (`failover`). The scheme (if any) decides TLS; the bare host:port of the
         // first is what the client reports.
-        let given: Vec<&str> = addr.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
-        if given.is_empty() || given.len() > MAX_METADATA_ADDRESSES {
-            return Err(Error::invalid(format!(
-                "the metadata address {addr:?} names {} servers; give 1 to {MAX_METADATA_ADDRESSES}",
-                given.len()
-            )));
-        }
-        let bare =
-            |a: &str| a.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/').to_string();
-        let addrs: Vec<String> = given.iter().map(|a| bare(a)).collect();
-        let addr = addrs[0].clone();
+        let given = failover::metadata_addresses(addr).map_err(Error::invalid)?;
+        let addr = failover::bare_address(given[0]).to_string();
         let socket_addr = resolve(&addr).map_err(|e| e.context("metadata server"))?;
         let tune = |endpoint: Endpoint| {
             endpoint
@@ -258,19 +249,14 @@ impl Client {
                 .initial_connection_window_size(Some(64 << 20))
                 .initial_stream_window_size(Some(16 << 20))
         };
-        let channels = if given.len() == 1 {
-            vec![grpc_channel(given[0], tls.as_ref(), "the metadata server", tune).await?]
+        let channel = if given.len() == 1 {
+            // One server, connected now: a wrong address fails here, naming it.
+            let channel = grpc_channel(given[0], tls.as_ref(), "the metadata server", tune).await?;
+            Failover::new(vec![addr.clone()], vec![channel])
         } else {
-            // Lazily: a replica that is down must not keep the client from the others.
-            let mut channels = Vec::new();
-            for one in &given {
-                let endpoint = tern_transport::tls::grpc_endpoint(one, tls.as_ref())
-                    .map_err(|e| Error::invalid(format!("address of a metadata server: {e:#}")))?;
-                channels.push(tune(endpoint.tcp_nodelay(true)).connect_lazy());
-            }
-            channels
+            failover::lazy_failover(&given, tls.as_ref(), |endpoint| tune(endpoint.tcp_nodelay(true)))
+                .map_err(|e| Error::invalid(format!("address of a metadata server: {e:#}")))?
         };
-        let channel = leader::Failover::new(addrs, channels);
         let connector = connector(options.transport, tls.as_ref(), options.rdma_connect_timeout)?;
         let tokens = Arc::new(auth::Tokens::default());
         tokens.add_from_env()?;

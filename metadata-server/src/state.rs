@@ -655,6 +655,18 @@ impl State {
         Ok(response)
     }
 
+    /// Starts every lease and timeout kept in local time over from `now`: jobs' leases, writers'
+    /// leases and storage servers' heartbeat timeouts (a server that has not registered here gets
+    /// the whole timeout to). A replica that begins to serve (after a failover) calls it: renewals,
+    /// writes and heartbeats reached the old leader, and none is logged, so how long ago this replica
+    /// applied a registration says nothing about whether its holder is alive. A single server's
+    /// restart gets the same from its replay, which applies everything at the start-up's time.
+    pub fn count_leases_from(&mut self, now: Instant) {
+        self.jobs.count_leases_from(now);
+        self.writers.values_mut().for_each(|renewed| *renewed = now);
+        self.servers.count_timeouts_from(now);
+    }
+
     /// Ends jobs whose lease lapsed and declares silent storage servers dead. Run periodically.
     pub fn reap(&mut self, now: Now) {
         self.reap_writers(now);

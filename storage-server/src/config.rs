@@ -22,7 +22,8 @@ pub struct Config {
     /// non-loopback `listen` needs `trusted_network`.
     #[serde(flatten)]
     pub serve: Serve,
-    /// host:port of the metadata server's gRPC endpoint.
+    /// host:port of the metadata server's gRPC endpoint; of a replicated one, its members'
+    /// (`a,b,c`): the server registers with, heartbeats to and follows whichever leads.
     pub metadata: String,
     /// The cluster secret, with which the server proves it is one (its credential, bound to its
     /// advertised address). Unset: `cluster.secret` in `tls_dir`; without either it does not start.
@@ -108,8 +109,8 @@ impl Default for Config {
 impl Config {
     /// Refuses settings that cannot work, before anything is mapped or bound.
     pub(crate) fn validate(&self) -> anyhow::Result<()> {
-        if self.metadata.trim().is_empty() {
-            bail!("metadata: the metadata server address is empty (expected host:port)");
+        if let Err(why) = tern_transport::failover::metadata_addresses(&self.metadata) {
+            bail!("metadata: {why} (expected host:port, or a,b,c for a replicated metadata service)");
         }
         if self.dram.bytes() == 0 {
             bail!("dram: the DRAM tier size is 0; give it at least one block (e.g. 1GiB)");

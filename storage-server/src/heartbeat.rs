@@ -28,9 +28,11 @@ use tern_proto::v1::{
 };
 use tern_proto::{BlockId, ServerId, ShuffleId, Tier};
 use tern_proto::{ErrorKind, PartitionIndex};
+use tern_transport::failover::{self, Failover};
 use tokio::time::{Instant, MissedTickBehavior};
-/// The control-plane channel, this server's credential on every call.
-pub(crate) type Channel = tern_proto::identity::Presenting<tonic::transport::Channel>;
+/// The control-plane channel, this server's credential on every call, to whichever metadata
+/// server leads.
+pub(crate) type Channel = tern_proto::identity::Presenting<Failover>;
 
 use crate::copier::Copier;
 use crate::metrics::Metrics;
@@ -52,20 +54,21 @@ const MAX_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(60);
 /// At most one warning this often while the metadata server cannot be reached.
 const UNREACHABLE_LOG_EVERY: Duration = Duration::from_secs(30);
 
-/// A gRPC client of the metadata server's Registry service. The channel connects lazily and
-/// reconnects by itself, so one client serves the server's whole life.
-/// Every call carries `credential`: this server's, bound to its address.
+/// A gRPC client of the metadata server's Registry service (of the leader, given several
+/// addresses). The channel connects lazily and reconnects by itself, so one client serves the
+/// server's whole life. Every call carries `credential`: this server's, bound to its address.
 pub(crate) fn connect(
     metadata: &str,
     tls: Option<&tern_transport::tls::TlsMaterial>,
     credential: &str,
 ) -> anyhow::Result<(RegistryClient<Channel>, AdminClient<Channel>)> {
-    let endpoint = tern_transport::tls::grpc_endpoint(metadata, tls)
-        .with_context(|| format!("metadata server address {metadata:?}"))?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .timeout(RPC_TIMEOUT);
+    let addresses = failover::metadata_addresses(metadata).map_err(anyhow::Error::msg)?;
+    let leader = failover::lazy_failover(&addresses, tls, |endpoint| {
+        endpoint.connect_timeout(CONNECT_TIMEOUT).timeout(RPC_TIMEOUT)
+    })
+    .with_context(|| format!("metadata server address {metadata:?}"))?;
     let channel = tonic::service::interceptor::InterceptedService::new(
-        endpoint.connect_lazy(),
+        leader,
         tern_proto::identity::Presents::credential(credential)?,
     );
     let registry = RegistryClient::new(channel.clone())

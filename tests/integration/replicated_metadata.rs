@@ -1,10 +1,13 @@
 //! Three real `tern metadata-server` processes replicating over Raft (issue 34) on loopback
-//! ports, and the Rust client given all three addresses: it follows the leader, and after the
-//! leader is killed (SIGKILL) it finds the new one, which has every acknowledged write.
+//! ports, and the Rust client and a storage server given all three addresses: they follow the
+//! leader, and after the leader is killed (SIGKILL) they find the new one, which has every
+//! acknowledged write and counts leases and the storage server's timeout from the failover.
 
 use std::time::{Duration, Instant};
 
 use tern_client::{Client, ErrorKind};
+
+use tern_local::Daemon;
 
 use crate::common::{cluster_secret, free_port, logs_in, spawn_logged};
 
@@ -39,10 +42,9 @@ async fn eventually<T, F: AsyncFnMut() -> tern_client::Result<T>>(what: &str, mu
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
-    let dir = tempfile::tempdir().unwrap();
-    let secret = cluster_secret(dir.path());
+/// Three metadata replicas in `dir`, each with `settings` (`key=value`); their addresses and
+/// processes.
+fn start_replicas(dir: &std::path::Path, secret: &str, settings: &[&str]) -> (Vec<String>, Vec<Daemon>) {
     let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
     let peers = format!(
         "peers=[{}]",
@@ -50,13 +52,24 @@ async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
     );
     let mut daemons = Vec::new();
     for (i, addr) in addrs.iter().enumerate() {
-        let data = dir.path().join(format!("metadata-{}", i + 1)).to_string_lossy().into_owned();
+        let data = dir.join(format!("metadata-{}", i + 1)).to_string_lossy().into_owned();
         let node = format!("node_id={}", i + 1);
         let args = ["metadata-server", "--listen", addr, "--dir", &data, "--admin", "127.0.0.1:0", "--set", &peers];
         let mut args: Vec<&str> = args.to_vec();
-        args.extend(["--set", &node, "--set", &secret]);
-        daemons.push(spawn_logged(dir.path(), &format!("metadata-{}", i + 1), &args));
+        args.extend(["--set", &node, "--set", secret]);
+        for setting in settings {
+            args.extend(["--set", setting]);
+        }
+        daemons.push(spawn_logged(dir, &format!("metadata-{}", i + 1), &args));
     }
+    (addrs, daemons)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = cluster_secret(dir.path());
+    let (addrs, mut daemons) = start_replicas(dir.path(), &secret, &[]);
     let first = leader(&addrs, &[0, 1, 2]).await;
     // A client given a follower first is sent on to the leader.
     let follower = (first + 1) % 3;
@@ -73,6 +86,78 @@ async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
     let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
     let second = leader(&addrs, &others).await;
     assert_ne!(second, first);
+    for daemon in &mut daemons {
+        let _ = daemon.kill();
+    }
+}
+
+/// A storage server and a job across a failover. The storage server is given every replica's
+/// address and heartbeats to the leader; a job (3 s lease, renewed in the background) writes a
+/// file there. For longer than the lease and the server timeout the renewals and heartbeats go to
+/// the leader only (neither is logged), then the leader is SIGKILLed. The new leader keeps the job
+/// (its lease counts from the failover), asks the storage server to register again instead of
+/// declaring it dead, and takes its inventory: the file reads back, and a new one is written to the
+/// same server, which never exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storage_server_and_a_job_follow_the_leader_across_a_failover() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = cluster_secret(dir.path());
+    let (addrs, mut daemons) =
+        start_replicas(dir.path(), &secret, &["heartbeat_interval_ms=200", "server_timeout_ms=2000"]);
+    let first = leader(&addrs, &[0, 1, 2]).await;
+    let all = addrs.join(",");
+    let block = format!("127.0.0.1:{}", free_port());
+    let args = ["storage-server", "--metadata", &all, "--listen", &block, "--admin", "127.0.0.1:0"];
+    let mut args = args.to_vec();
+    args.extend(["--dram", "64MiB", "--set", &secret]);
+    let mut storage = spawn_logged(dir.path(), "storage", &args);
+    let logs = || logs_in(dir.path());
+
+    let client = Client::connect(&all).await.unwrap();
+    let alive = async || {
+        let status = client.status().await.ok()?;
+        status.servers.iter().any(|s| s.address == block && s.state == "alive").then_some(())
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive().await.is_none() {
+        assert!(Instant::now() < deadline, "the storage server never came up\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let job = client.start_job(None, Duration::from_secs(3)).await.unwrap();
+    let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
+    let before = format!("{}/before", job.root());
+    let mut writer = client.create(&before, false).await.unwrap();
+    writer.write(&data).await.unwrap();
+    writer.close().await.unwrap();
+    // Past the lease and the server timeout, on the leader only.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    daemons[first].kill().unwrap();
+    let back =
+        eventually("reading the file after the failover", async || client.open(&before).await?.read_to_end().await)
+            .await;
+    assert!(back == data, "the file read back after the failover differs\n{}", logs());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive().await.is_none() {
+        assert!(Instant::now() < deadline, "the storage server is not alive on the new leader\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = format!("{}/after", job.root());
+    eventually("writing a file after the failover", async || {
+        let mut writer = client.create(&after, false).await?;
+        writer.write(&data[..1 << 20]).await?;
+        writer.close().await
+    })
+    .await;
+    let back = client.open(&after).await.unwrap().read_to_end().await.unwrap();
+    assert!(back == data[..1 << 20], "the file written after the failover reads back different");
+    let status = client.status().await.unwrap();
+    assert!(status.jobs.iter().any(|j| j.job_id == job.id()), "the job outlived the failover:\n{}", logs());
+    let dead: Vec<_> = status.servers.iter().filter(|s| !s.alive).collect();
+    assert!(dead.is_empty(), "no server declared dead: {dead:?}\n{}", logs());
+    assert!(storage.try_wait().unwrap().is_none(), "the storage server exited\n{}", logs());
+    let _ = job.end().await;
+    let _ = storage.kill();
     for daemon in &mut daemons {
         let _ = daemon.kill();
     }

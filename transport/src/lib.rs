@@ -11,10 +11,13 @@
 //! between hosts by default), QUIC with mutual TLS ([`quic`]: one bidirectional stream per
 //! block connection, spread over several endpoints so more than one core carries traffic), and a
 //! Unix socket to a storage server on the client's own host ([`local`]), which also shares the
-//! server's DRAM arena read-only so leased blocks are read with no request at all. [`tls`] makes and loads the certificates, which the gRPC control plane uses too.
+//! server's DRAM arena read-only so leased blocks are read with no request at all. [`tls`] makes and loads the certificates, which the gRPC control plane uses too,
+//! and [`failover`] is the control plane's channel to a replicated metadata service: every
+//! caller's, so all follow its leader the same way.
 //! (The rule that keeps plain TCP on loopback unless a network is trusted is daemon config:
 //! `tern_common::config::check_listen`.)
 
+pub mod failover;
 pub mod local;
 pub mod quic;
 pub mod rdma_or;

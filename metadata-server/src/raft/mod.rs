@@ -292,6 +292,8 @@ impl Replica {
                         meta.serving = Some(*m.vote.leader_id());
                         meta.applied_seq = meta.proposed_seq;
                         drop(meta);
+                        // Leases count from the failover.
+                        state.count_leases_from(Now::read().instant);
                         info!("metadata node {} leads (term {}) and serves", self.me, m.current_term);
                         if !state.key_logged() {
                             // The cluster's first leader chooses the token key, once.

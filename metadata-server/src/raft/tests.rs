@@ -201,3 +201,73 @@ async fn a_change_retried_after_a_failover_is_answered_not_made_again() {
         server.shutdown().await;
     }
 }
+
+/// Leases count from the failover: the job's renewals and the storage server's heartbeats reached
+/// only the old leader (neither is logged), for longer than the lease and the server timeout after
+/// the replicas applied their registrations. The new leader still has the job (its token renews
+/// it) and does not declare the server dead: it asks it to register again, and once it has, the
+/// server is alive there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_and_server_timeouts_count_from_the_failover() {
+    use tern_proto::identity::{ClusterSecret, Identity, Presents, Role};
+    use tern_proto::v1::registry_client::RegistryClient;
+
+    let temp = tempfile::tempdir().unwrap();
+    let mut configs = configs(temp.path());
+    for config in &mut configs {
+        config.server_timeout_ms = 1500;
+        config.heartbeat_interval_ms = 100;
+    }
+    let mut servers: Vec<Option<MetadataServer>> = Vec::new();
+    for config in &configs {
+        servers.push(Some(start(config.clone()).await.unwrap()));
+    }
+    let secret = ClusterSecret::load(&temp.path().join("cluster.secret")).unwrap();
+    let address = "127.0.0.1:9".to_string();
+    let credential = secret.credential(&Identity::new(Role::Server, "", &address));
+    let registry = |config: &Config| {
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://{}", config.serve.listen)).unwrap().connect_lazy();
+        RegistryClient::with_interceptor(channel, Presents::credential(&credential).unwrap())
+    };
+    let tiers = vec![TierUsage { tier: "dram".into(), capacity_blocks: 64, ..TierUsage::default() }];
+    let register = RegisterServerRequest { address: address.clone(), tiers, instance_id: 1, ..Default::default() };
+
+    let first = leader(&configs, &[0, 1, 2]).await;
+    let mut leader_client = client(&configs[first]).await;
+    let job = RegisterJobRequest { name: "j".into(), lease_ms: 1500, ..Default::default() };
+    let token = leader_client.register_job(job).await.unwrap().into_inner().token;
+    let mut leader_registry = registry(&configs[first]);
+    let server_id = leader_registry.register_server(register.clone()).await.unwrap().into_inner().server_id;
+    let inventory = ReportInventoryRequest { server_id, last: true, ..Default::default() };
+    leader_registry.report_inventory(inventory.clone()).await.unwrap();
+    let renew = RenewJobRequest { job_id: "j".into(), token: token.clone() };
+    let heartbeat = HeartbeatRequest { server_id, ..Default::default() };
+    for _ in 0..30 {
+        leader_client.renew_job(renew.clone()).await.unwrap();
+        let beat = leader_registry.heartbeat(heartbeat.clone()).await.unwrap().into_inner();
+        assert!(!beat.reregister);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    servers[first].take().unwrap().shutdown().await;
+    let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+    let second = leader(&configs, &others).await;
+    let mut second_client = client(&configs[second]).await;
+    second_client.renew_job(renew).await.expect("the job's lease counts from the failover");
+    let mut second_registry = registry(&configs[second]);
+    let beat = second_registry.heartbeat(heartbeat.clone()).await.unwrap().into_inner();
+    assert!(beat.reregister, "the new leader has not heard from the server: it asks it to register");
+    let again = second_registry.register_server(register).await.unwrap().into_inner();
+    assert_eq!(again.server_id, server_id, "the same server, by its address");
+    second_registry.report_inventory(inventory).await.unwrap();
+    let beat = second_registry.heartbeat(heartbeat).await.unwrap().into_inner();
+    assert!(!beat.reregister);
+    let status = second_client.status(StatusRequest {}).await.unwrap().into_inner();
+    let listed = status.servers.iter().find(|s| s.server_id == server_id).expect("the server is listed");
+    assert!(listed.alive, "the server is alive on the new leader: {listed:?}");
+    assert!(status.jobs.iter().any(|j| j.job_id == "j"), "the job is live on the new leader");
+    for server in servers.into_iter().flatten() {
+        server.shutdown().await;
+    }
+}

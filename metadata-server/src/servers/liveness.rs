@@ -33,6 +33,14 @@ impl Servers {
         reply
     }
 
+    /// Counts every server's silence from `now` (see `State::count_leases_from`); a client's
+    /// report that one is unreachable stands.
+    pub fn count_timeouts_from(&mut self, now: Instant) {
+        for server in self.servers.values_mut() {
+            server.last_seen = now;
+        }
+    }
+
     /// Declares dead every live server silent for longer than `timeout`; returns their ids and
     /// descriptions.
     pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(ServerId, String)> {

@@ -1,5 +1,6 @@
-//! Finding the leader of a replicated metadata service: the client's gRPC channel over several
-//! metadata addresses (`--metadata a,b,c`). A call answered `not the leader; the leader is ADDR`
+//! Finding the leader of a replicated metadata service: the gRPC channel of every caller of the
+//! metadata service (clients, storage servers, the scheduler, executors, the Spark plugin) over
+//! its addresses (`--metadata a,b,c`, [`metadata_addresses`]). A call answered `not the leader; the leader is ADDR`
 //! is sent again to ADDR; a call that cannot reach its server goes to the next address. Each
 //! call makes at most [`MAX_ATTEMPTS_PER_ADDRESS`] tries per address, [`RETRY_PAUSE`] apart
 //! after a failure to connect or while an election is under way; the last answer (or error) is
@@ -23,6 +24,46 @@ use tern_proto::request_id::{is_mutating, RequestIds, REQUEST_ID_HEADER};
 use tonic::body::Body;
 use tonic::transport::Channel;
 use tower::{Service, ServiceExt};
+
+/// Most metadata addresses one caller is given (a replicated service has 3 or 5 members; 7 leaves
+/// room for one being replaced).
+pub const MAX_METADATA_ADDRESSES: usize = 7;
+
+/// The addresses in a metadata address list (`a,b,c`, spaces allowed, each `host:port` with or
+/// without an `http://` or `https://` scheme), as given (the scheme decides TLS), or why the list
+/// is not one.
+pub fn metadata_addresses(list: &str) -> Result<Vec<&str>, String> {
+    let given: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    if given.is_empty() || given.len() > MAX_METADATA_ADDRESSES {
+        return Err(format!(
+            "the metadata address {list:?} names {} servers; give 1 to {MAX_METADATA_ADDRESSES}",
+            given.len()
+        ));
+    }
+    Ok(given)
+}
+
+/// An address of the list without its scheme: `host:port`, as replicas name each other (and
+/// the leader) in their answers.
+pub fn bare_address(address: &str) -> &str {
+    address.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/')
+}
+
+/// A failover channel over lazy channels to each of `addresses` (as [`metadata_addresses`] gives
+/// them; TLS by each one's scheme, else when `tls` is given), each endpoint `tune`d. Lazy: a
+/// replica that is down must not keep the caller from the others.
+pub fn lazy_failover(
+    addresses: &[&str],
+    tls: Option<&crate::tls::TlsMaterial>,
+    tune: impl Fn(tonic::transport::Endpoint) -> tonic::transport::Endpoint,
+) -> anyhow::Result<Failover> {
+    let mut channels = Vec::with_capacity(addresses.len());
+    for one in addresses {
+        let endpoint = crate::tls::grpc_endpoint(one, tls)?;
+        channels.push(tune(endpoint).connect_lazy());
+    }
+    Ok(Failover::new(addresses.iter().map(|a| bare_address(a).to_string()).collect(), channels))
+}
 
 /// Tries per address for one call.
 pub const MAX_ATTEMPTS_PER_ADDRESS: usize = 5;
@@ -159,6 +200,16 @@ mod tests {
 
     fn answer(status: tonic::Status) -> http::Response<Body> {
         status.into_http()
+    }
+
+    #[test]
+    fn address_lists_name_one_to_seven_servers() {
+        assert_eq!(metadata_addresses(" a:1, http://b:2 ,").unwrap(), vec!["a:1", "http://b:2"]);
+        assert_eq!(bare_address("https://b:2/"), "b:2");
+        for bad in ["", " , ", "a,b,c,d,e,f,g,h"] {
+            let why = metadata_addresses(bad).unwrap_err();
+            assert!(why.contains("give 1 to 7"), "{bad:?}: {why}");
+        }
     }
 
     /// Changes get an id, one per call, kept if the call has one; reads get none.
