@@ -103,4 +103,11 @@ wait "$pyspark_installs" || { echo "test.sh: installing pyspark failed:" >&2; ca
 bash spark-shuffle/build.sh --tests >/dev/null
 
 step tests
+# Every JVM the tests start (Spark drivers and executors, through pyspark, local-cluster, Tern's
+# executors and the benches) compiles with C1 only: they live seconds to minutes, and C2's
+# compiler threads on 2 cores cost more than its faster code gives back. Measured on 2026-12-02:
+# spark::the_small_jobs_bench_compares_results_and_times 78.5 s with the default tiers, 46.6 s with
+# C1 only. (Each JVM prints "Picked up JAVA_TOOL_OPTIONS" on stderr.) The benchmarks themselves
+# run without it.
+export JAVA_TOOL_OPTIONS="-XX:TieredStopAtLevel=1"
 cargo nextest run --workspace --profile ci "${features[@]}"

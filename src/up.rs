@@ -35,6 +35,12 @@ pub struct UpArgs {
     /// Number of storage servers.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=32))]
     storage_servers: u16,
+    /// Metadata servers: 1, or the 3 or 5 replicas of one replicated metadata service (Raft),
+    /// which keeps serving while a majority is up (a restarted replica catches up). Replica 1
+    /// is on PORT; replica K on PORT+12+2S+2(K-2) for S storage servers, metrics on the port
+    /// after; state in DIR/metadata, or DIR/metadata-K for replicas. Not yet with --tls.
+    #[arg(long, default_value_t = 1, value_parser = parse_replicas)]
+    metadata_replicas: u16,
     /// DRAM tier of each storage server.
     #[arg(long, default_value = "1GiB")]
     dram: ByteSize,
@@ -141,6 +147,15 @@ struct PoolArgs {
     queues: Vec<(String, u32)>,
 }
 
+/// `--metadata-replicas`: 1, 3 or 5 (an even count tolerates no more failures than the odd one
+/// below it, and more than 5 is slower for nothing on one machine).
+fn parse_replicas(s: &str) -> Result<u16, String> {
+    match s.parse::<u16>() {
+        Ok(n @ (1 | 3 | 5)) => Ok(n),
+        _ => Err(format!("{s:?}: give 1, 3 or 5")),
+    }
+}
+
 /// `NAME=WEIGHT` of `--queue`: the scheduler checks the name; a weight is a whole number >= 1.
 fn parse_queue(s: &str) -> Result<(String, u32), String> {
     let (name, weight) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected NAME=WEIGHT"))?;
@@ -215,7 +230,11 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // The lock before anything else in DIR: a second `tern up` on a running cluster's directory
     // must find out before it touches that cluster's logs, Spark configuration or NVMe files.
     let _lock = DirLock::acquire(&args.dir, "tern up")?;
+    if args.tls && args.metadata_replicas > 1 {
+        bail!("--metadata-replicas {} with --tls: Raft between metadata replicas does not run over TLS yet; leave out one of them", args.metadata_replicas);
+    }
     let ports = PortLayout::new(args.port, args.storage_servers)
+        .and_then(|ports| ports.with_metadata_replicas(args.metadata_replicas))
         .context("--port is too high for the ports the cluster needs")?;
     let host = Host::local();
     // Every check that can fail comes before the first write in DIR, each a line naming the flag
@@ -238,10 +257,13 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     let logs = args.dir.join("logs");
     let tls_dir = args.dir.join("tls");
     let tls_dir_arg = tls_dir.to_string_lossy().to_string();
-    let metadata_addr = host.addr(ports.metadata()).to_string();
+    let replicas = metadata_replicas(&args.dir, &host, &ports)?;
+    // Every replica's address, as clients are given them (`a,b,c`; one for a single server).
+    let metadata_addr = replicas.iter().map(|r| r.addr.as_str()).collect::<Vec<_>>().join(",");
     // The scheme tells storage servers (which have TLS material for QUIC either way) whether the
     // control plane is TLS.
-    let metadata_url = format!("{}://{metadata_addr}", if args.tls { "https" } else { "http" });
+    let scheme = if args.tls { "https" } else { "http" };
+    let metadata_url = replicas.iter().map(|r| format!("{scheme}://{}", r.addr)).collect::<Vec<_>>().join(",");
     let scheduler_addr = host.addr(ports.scheduler()).to_string();
     let scheduler_tls = args.tls.then_some(tls_dir.as_path());
     let pool_config = match args.pool.wanted() {
@@ -279,27 +301,39 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
             .rotate_log_at(args.log_max_size.bytes())
             .without_tern_env()
     };
-    let metadata_dir = args.dir.join("metadata").to_string_lossy().to_string();
-    let (admin, block_size) = (host.addr(ports.metadata_admin()).to_string(), args.block_size.to_string());
-    let mut metadata_args = vec![
-        "metadata-server",
-        "--listen",
-        &metadata_addr,
-        "--dir",
-        &metadata_dir,
-        "--admin",
-        &admin,
-        "--block-size",
-        &block_size,
-    ];
-    if args.tls {
-        metadata_args.extend(["--tls-dir", &tls_dir_arg]);
+    let block_size = args.block_size.to_string();
+    // Raft's members, each `ID=HOST:PORT` (ids from 1).
+    let peers = format!(
+        "peers=[{}]",
+        replicas.iter().enumerate().map(|(i, r)| format!("\"{}={}\"", i + 1, r.addr)).collect::<Vec<_>>().join(",")
+    );
+    let mut daemons = Vec::new();
+    for (i, replica) in replicas.iter().enumerate() {
+        let metadata_dir = replica.dir.to_string_lossy().to_string();
+        let node_id = format!("node_id={}", i + 1);
+        let mut metadata_args = vec![
+            "metadata-server",
+            "--listen",
+            &replica.addr,
+            "--dir",
+            &metadata_dir,
+            "--admin",
+            &replica.admin,
+            "--block-size",
+            &block_size,
+        ];
+        if args.tls {
+            metadata_args.extend(["--tls-dir", &tls_dir_arg]);
+        }
+        if args.durable {
+            metadata_args.extend(["--set", "durable_files=true"]);
+        }
+        if replicas.len() > 1 {
+            metadata_args.extend(["--set", &peers, "--set", &node_id]);
+        }
+        metadata_args.extend(["--set", &secret_set]);
+        daemons.push(daemon(&replica.name, replica.port).args(metadata_args).spawn()?);
     }
-    if args.durable {
-        metadata_args.extend(["--set", "durable_files=true"]);
-    }
-    metadata_args.extend(["--set", &secret_set]);
-    let mut daemons = vec![daemon("metadata", ports.metadata()).args(metadata_args).spawn()?];
     if nvme_sizes.is_some() {
         std::fs::create_dir_all(&nvme_dir).with_context(|| format!("creating {}", nvme_dir.display()))?;
     }
@@ -485,6 +519,44 @@ fn ensure_tls(dir: &Path) -> anyhow::Result<()> {
     })
 }
 
+/// One metadata server `tern up` starts: its daemon name, ports and directory.
+struct Replica {
+    name: String,
+    port: u16,
+    addr: String,
+    admin: String,
+    dir: PathBuf,
+}
+
+/// The metadata servers of `ports`' layout: one, `metadata` in DIR/metadata, or replicas
+/// `metadata-K` in DIR/metadata-K. Refuses to start the one kind where the other left its state:
+/// that state would not be carried over, and the cluster would come up without its namespace.
+fn metadata_replicas(dir: &Path, host: &Host, ports: &PortLayout) -> anyhow::Result<Vec<Replica>> {
+    let count = ports.metadata_replicas();
+    let single = dir.join("metadata");
+    let first_replica = dir.join("metadata-1");
+    let (found, wanted) = if count == 1 { (&first_replica, "one metadata server") } else { (&single, "replicas") };
+    if found.exists() {
+        bail!(
+            "{} holds the state of {} and --metadata-replicas {count} would start {wanted} without it: give the \
+             --metadata-replicas it was started with, or another --dir",
+            found.display(),
+            if count == 1 { "replicated metadata servers" } else { "a single metadata server" }
+        );
+    }
+    Ok((0..count)
+        .map(|k| {
+            let (name, dir) = match count {
+                1 => ("metadata".to_string(), single.clone()),
+                _ => (format!("metadata-{}", k + 1), dir.join(format!("metadata-{}", k + 1))),
+            };
+            let port = ports.metadata_replica(k);
+            let admin = host.addr(ports.metadata_replica_admin(k)).to_string();
+            Replica { name, port, addr: host.addr(port).to_string(), admin, dir }
+        })
+        .collect())
+}
+
 /// The scheduler first, then storage servers, then the metadata server, each stopped in turn:
 /// SIGTERM, then SIGKILL after a grace period.
 async fn stop_all(daemons: &mut [Daemon]) {
@@ -525,7 +597,11 @@ fn print_banner(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "Tern is up: metadata server {metadata_addr}, {} with {} of DRAM each, {} blocks.",
+        "Tern is up: {} {metadata_addr}, {} with {} of DRAM each, {} blocks.",
+        match ports.metadata_replicas() {
+            1 => "metadata server".to_string(),
+            n => format!("{n} metadata replicas (Raft)"),
+        },
         tern_common::text::count(u64::from(args.storage_servers), "storage server"),
         args.dram,
         args.block_size
@@ -552,9 +628,12 @@ fn print_banner(
     if args.tls {
         let _ = writeln!(out, "  tern fs --transport tls get /data/some-file ./copy   # block data over TLS (or quic)");
     } else {
+        // The scheme says the control plane is plain, though --tls-dir is given for the blocks.
+        let plain: Vec<String> = metadata_addr.split(',').map(|addr| format!("http://{addr}")).collect();
         let _ = writeln!(
-        out,
-            "  tern fs --metadata http://{metadata_addr} --tls-dir {} --transport tls ls /data   # block data over TLS (or quic)",
+            out,
+            "  tern fs --metadata {} --tls-dir {} --transport tls ls /data   # block data over TLS (or quic)",
+            plain.join(","),
             tls_dir.display()
         );
     }

@@ -5,11 +5,14 @@ use anyhow::{bail, Context};
 
 /// A cluster's ports from `base`: the metadata server on `base` with its admin (metrics)
 /// endpoint on `base+1`; the task scheduler on `base+2`, admin `base+3`; storage server `i` on
-/// `base+10+2i`, admin `base+11+2i`.
+/// `base+10+2i`, admin `base+11+2i`; with more metadata replicas than one, replica `k` (from 1;
+/// replica 0 is the metadata server above) on the two ports from `base+12+2s+2(k-1)` for `s`
+/// storage servers, after every port of a layout of one replica.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PortLayout {
     base: u16,
     storage_servers: u16,
+    metadata_replicas: u16,
 }
 
 use tern_common::ports;
@@ -25,35 +28,74 @@ const STORAGE_ADMIN_OFFSET: u16 = ports::STORAGE_ADMIN - ports::STORAGE;
 impl PortLayout {
     /// The layout from `base` for `storage_servers`; an error when its ports pass 65535.
     pub fn new(base: u16, storage_servers: u16) -> anyhow::Result<PortLayout> {
-        let span = PortLayout::span(storage_servers).context("too many storage servers for one port range")?;
+        PortLayout { base, storage_servers, metadata_replicas: 1 }.checked()
+    }
+
+    /// This layout with `replicas` metadata servers (replicating over Raft) instead of one.
+    pub fn with_metadata_replicas(self, replicas: u16) -> anyhow::Result<PortLayout> {
+        anyhow::ensure!(replicas >= 1, "a cluster needs at least one metadata server");
+        PortLayout { metadata_replicas: replicas, ..self }.checked()
+    }
+
+    fn checked(self) -> anyhow::Result<PortLayout> {
+        let span = self.span().context("too many daemons for one port range")?;
+        let base = self.base;
         if u32::from(base) + u32::from(span) - 1 > u32::from(u16::MAX) {
             bail!("ports {base} to {base}+{} pass 65535", span - 1);
         }
-        Ok(PortLayout { base, storage_servers })
+        Ok(self)
     }
 
     /// A layout on a range of loopback ports that was free a moment ago ([`free_port_range`]).
     pub fn free(storage_servers: u16) -> anyhow::Result<PortLayout> {
-        let span = PortLayout::span(storage_servers).context("too many storage servers for one port range")?;
+        let span = PortLayout::single_span(storage_servers).context("too many storage servers for one port range")?;
         PortLayout::new(free_port_range(span)?, storage_servers)
     }
 
-    /// How many consecutive ports a layout with `storage_servers` takes (the two past the last
-    /// storage server's admin port are kept free too).
-    fn span(storage_servers: u16) -> Option<u16> {
+    /// How many consecutive ports a layout of one metadata server with `storage_servers` takes
+    /// (the two past the last storage server's admin port are kept free too).
+    fn single_span(storage_servers: u16) -> Option<u16> {
         storage_servers.checked_mul(2)?.checked_add(STORAGE_OFFSET + 2)
+    }
+
+    /// How many consecutive ports this layout takes.
+    fn span(&self) -> Option<u16> {
+        PortLayout::single_span(self.storage_servers)?.checked_add((self.metadata_replicas - 1).checked_mul(2)?)
     }
 
     pub fn storage_servers(&self) -> u16 {
         self.storage_servers
     }
 
+    pub fn metadata_replicas(&self) -> u16 {
+        self.metadata_replicas
+    }
+
+    /// The (first) metadata server's port.
     pub fn metadata(&self) -> u16 {
         self.base
     }
 
+    /// The (first) metadata server's admin (metrics) port.
     pub fn metadata_admin(&self) -> u16 {
         self.base + METADATA_ADMIN_OFFSET
+    }
+
+    /// Metadata replica `k`'s gRPC port (`k` from 0: replica 0 is [`PortLayout::metadata`]).
+    pub fn metadata_replica(&self, k: u16) -> u16 {
+        assert!(k < self.metadata_replicas, "metadata replica {k} of {}", self.metadata_replicas);
+        match k {
+            0 => self.metadata(),
+            k => self.base + PortLayout::single_span(self.storage_servers).expect("checked") + 2 * (k - 1),
+        }
+    }
+
+    /// Metadata replica `k`'s admin (metrics) port.
+    pub fn metadata_replica_admin(&self, k: u16) -> u16 {
+        match k {
+            0 => self.metadata_admin(),
+            k => self.metadata_replica(k) + 1,
+        }
     }
 
     pub fn scheduler(&self) -> u16 {
@@ -81,6 +123,10 @@ impl PortLayout {
             ("the metadata server".to_string(), self.metadata()),
             ("the metadata server's admin endpoint".to_string(), self.metadata_admin()),
         ];
+        for k in 1..self.metadata_replicas {
+            ports.push((format!("metadata replica {}", k + 1), self.metadata_replica(k)));
+            ports.push((format!("metadata replica {}'s admin endpoint", k + 1), self.metadata_replica_admin(k)));
+        }
         if scheduler {
             ports.push(("the scheduler".to_string(), self.scheduler()));
             ports.push(("the scheduler's admin endpoint".to_string(), self.scheduler_admin()));
@@ -178,6 +224,19 @@ mod tests {
         assert_eq!((layout.metadata(), layout.metadata_admin()), (ports::METADATA, ports::METADATA_ADMIN));
         assert_eq!((layout.scheduler(), layout.scheduler_admin()), (ports::SCHEDULER, ports::SCHEDULER_ADMIN));
         assert_eq!((layout.storage(0), layout.storage_admin(0)), (ports::STORAGE, ports::STORAGE_ADMIN));
+    }
+
+    #[test]
+    fn metadata_replicas_come_after_every_port_of_one() {
+        let layout = PortLayout::new(9060, 2).unwrap().with_metadata_replicas(3).unwrap();
+        let replicas: Vec<(u16, u16)> =
+            (0..3).map(|k| (layout.metadata_replica(k), layout.metadata_replica_admin(k))).collect();
+        assert_eq!(replicas, [(9060, 9061), (9076, 9077), (9078, 9079)]);
+        assert_eq!(layout.storage_admin(1), 9073, "the storage servers' ports are as with one");
+        let named: Vec<u16> = layout.ports(true).into_iter().map(|(_, port)| port).collect();
+        assert!(named.contains(&9079) && named.len() == 12, "{named:?}");
+        let high = PortLayout::new(65_515, 2).expect("one replica fits below 65536");
+        assert!(high.with_metadata_replicas(5).is_err(), "five do not");
     }
 
     #[test]

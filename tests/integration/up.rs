@@ -316,6 +316,97 @@ async fn up_restarts_a_killed_storage_server_and_a_two_copy_file_stays_readable(
     assert!(!dir.path().join("daemons.json").exists(), "nothing runs: the daemons file goes");
 }
 
+/// `tern up --metadata-replicas 3`: three metadata servers replicating over Raft, which the
+/// storage servers and clients are given as one list. The leader is SIGKILLed: the cluster keeps
+/// serving (the file written before reads back, a new one is written), and `tern up` restarts the
+/// killed replica while the others keep running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_three_metadata_replicas_serves_through_the_leaders_death() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = tern_local::free_port_range(20).unwrap();
+    let (up, banner) = start_up(dir.path(), port, &["--metadata-replicas", "3"]);
+    let mut up = Up(Some(up));
+    assert!(banner.contains("3 metadata replicas (Raft)"), "{banner}");
+    let list = banner
+        .lines()
+        .find_map(|line| line.trim().strip_prefix("export TERN_METADATA="))
+        .unwrap_or_else(|| panic!("the banner exports the replicas' list:\n{banner}"))
+        .to_string();
+    let addrs: Vec<&str> = list.split(',').collect();
+    assert_eq!(addrs.len(), 3, "{list}");
+    assert_eq!(addrs[0], format!("127.0.0.1:{port}"), "replica 1 is on --port");
+    let client = tern_client::Client::connect(&list).await.unwrap();
+    let data = Bytes::from(common::random_bytes((3 << 20) + 5));
+    client.put("/kept", data.clone()).await.unwrap();
+
+    // The leader is the one replica that answers a status call itself.
+    let mut leader = None;
+    for (i, addr) in addrs.iter().enumerate() {
+        if common::raw_metadata(addr, None).await.status(tern_proto::v1::StatusRequest {}).await.is_ok() {
+            leader = Some(i);
+        }
+    }
+    let name = format!("metadata-{}", leader.expect("one replica leads") + 1);
+    let pid = daemon_entry(dir.path(), &name)["pid"].as_u64().unwrap();
+    // SAFETY: kill(2) on a daemon of our own `tern up`, by the pid it reported.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let back = loop {
+        match async { client.open("/kept").await?.read_to_end().await }.await {
+            Ok(back) => break back,
+            Err(e) if Instant::now() < deadline => println!("reading /kept after the leader's death: {e}"),
+            Err(e) => panic!("/kept unreadable 30 s after the leader's death: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(back, data);
+    let more = Bytes::from(common::random_bytes((1 << 20) + 9));
+    let mut attempt = 0;
+    let path = loop {
+        let path = format!("/after-{attempt}");
+        match client.put(&path, more.clone()).await {
+            Ok(_) => break path,
+            Err(e) if Instant::now() < deadline => println!("put {path}: {e}; trying again"),
+            Err(e) => panic!("no put within 30 s of the leader's death: {e}"),
+        }
+        attempt += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(client.open(&path).await.unwrap().read_to_end().await.unwrap(), more);
+    let dir_path = dir.path().to_path_buf();
+    wait_until("the killed replica to be restarted", Duration::from_secs(30), || {
+        let now = daemon_entry(&dir_path, &name);
+        now["state"] == "running" && now["restarts"] == 1
+    })
+    .await;
+    for other in (1..=3).map(|k| format!("metadata-{k}")).filter(|other| *other != name) {
+        assert_eq!(daemon_entry(dir.path(), &other)["restarts"], 0, "{other} was restarted too");
+    }
+    assert!(up.0.as_mut().unwrap().try_wait().unwrap().is_none(), "tern up stopped the cluster");
+    up.interrupt();
+}
+
+/// `--metadata-replicas` is 1, 3 or 5, not with --tls (yet), and not on a directory that holds
+/// the other kind's state: each refused in one line before anything is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_refuses_metadata_replicas_it_cannot_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (out, _) = up_refused(&["--dir", d, "--metadata-replicas", "2"], Duration::from_secs(10));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give 1, 3 or 5"), "{out:?}");
+    let (out, _) = up_refused(&["--dir", d, "--metadata-replicas", "3", "--tls"], Duration::from_secs(10));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not run over TLS yet"), "{out:?}");
+    std::fs::create_dir(dir.path().join("metadata")).unwrap();
+    let before = snapshot(dir.path());
+    let port = tern_local::free_port_range(20).unwrap().to_string();
+    let (out, _) = up_refused(&["--dir", d, "--port", &port, "--metadata-replicas", "3"], Duration::from_secs(10));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("holds the state of a single metadata server"), "{said}");
+    assert_eq!(snapshot(dir.path()), before, "a refused start writes nothing");
+}
+
 /// Live storage servers, as `tern status` counts them (a blocking call, for `wait_until`).
 fn live_storage_servers(port: u16) -> usize {
     let out = Command::new(common::TERN)
