@@ -529,19 +529,27 @@ struct Replica {
 }
 
 /// The metadata servers of `ports`' layout: one, `metadata` in DIR/metadata, or replicas
-/// `metadata-K` in DIR/metadata-K. Refuses to start the one kind where the other left its state:
-/// that state would not be carried over, and the cluster would come up without its namespace.
+/// `metadata-K` in DIR/metadata-K. Refuses a layout other than the one whose state DIR holds: a
+/// single server's log is not a Raft log, and `tern up` cannot change a replicated service's
+/// membership, so the cluster would come up without its namespace or with two views of it.
 fn metadata_replicas(dir: &Path, host: &Host, ports: &PortLayout) -> anyhow::Result<Vec<Replica>> {
     let count = ports.metadata_replicas();
     let single = dir.join("metadata");
-    let first_replica = dir.join("metadata-1");
-    let (found, wanted) = if count == 1 { (&first_replica, "one metadata server") } else { (&single, "replicas") };
-    if found.exists() {
+    let found = (1..).take_while(|k| dir.join(format!("metadata-{k}")).exists()).count() as u16;
+    let had = match (single.exists(), found) {
+        (true, _) => Some(1),
+        (false, 0) => None,
+        (false, found) => Some(found),
+    };
+    if let Some(had) = had.filter(|&had| had != count) {
         bail!(
-            "{} holds the state of {} and --metadata-replicas {count} would start {wanted} without it: give the \
-             --metadata-replicas it was started with, or another --dir",
-            found.display(),
-            if count == 1 { "replicated metadata servers" } else { "a single metadata server" }
+            "{} holds the state of {} and --metadata-replicas {count} would start another: give \
+             --metadata-replicas {had}, or another --dir",
+            dir.display(),
+            match had {
+                1 => "a single metadata server".to_string(),
+                n => format!("{n} metadata replicas"),
+            }
         );
     }
     Ok((0..count)

@@ -389,7 +389,7 @@ async fn up_with_three_metadata_replicas_serves_through_the_leaders_death() {
 }
 
 /// `--metadata-replicas` is 1, 3 or 5, not with --tls (yet), and not on a directory that holds
-/// the other kind's state: each refused in one line before anything is written.
+/// the state of another count: each refused in one line before anything is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_refuses_metadata_replicas_it_cannot_start() {
     let dir = tempfile::tempdir().unwrap();
@@ -405,6 +405,17 @@ async fn up_refuses_metadata_replicas_it_cannot_start() {
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && said.contains("holds the state of a single metadata server"), "{said}");
     assert_eq!(snapshot(dir.path()), before, "a refused start writes nothing");
+    // Three replicas' state, and five asked for: the membership cannot change yet.
+    std::fs::remove_dir(dir.path().join("metadata")).unwrap();
+    for k in 1..=3 {
+        std::fs::create_dir(dir.path().join(format!("metadata-{k}"))).unwrap();
+    }
+    let (out, _) = up_refused(&["--dir", d, "--port", &port, "--metadata-replicas", "5"], Duration::from_secs(10));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("holds the state of 3 metadata replicas") && said.contains("give --metadata-replicas 3"),
+        "{said}"
+    );
 }
 
 /// Live storage servers, as `tern status` counts them (a blocking call, for `wait_until`).
