@@ -444,7 +444,8 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
                     None => report.write(&daemons.iter().map(DaemonReport::running).collect::<Vec<_>>()),
                 }
                 let spark = spark_conf.banner(&spark_conf_dir);
-                print_banner(&args, &ports, &metadata_addr, &tls_dir, &logs, &spark, nvme_sizes.is_some());
+                let metadata = (metadata_addr.as_str(), metadata_url.as_str());
+                print_banner(&args, &ports, metadata, &tls_dir, &logs, &spark, nvme_sizes.is_some());
                 match supervisor {
                     Some(mut supervisor) => {
                         let outcome = supervise(&mut supervisor, &mut report, &mut shutdown, &mut pool).await;
@@ -595,7 +596,7 @@ fn restart_line(nvme: bool, durable: bool) -> String {
 fn print_banner(
     args: &UpArgs,
     ports: &PortLayout,
-    metadata_addr: &str,
+    (metadata_addr, metadata_url): (&str, &str),
     tls_dir: &Path,
     logs: &Path,
     spark: &str,
@@ -636,12 +637,10 @@ fn print_banner(
     if args.tls {
         let _ = writeln!(out, "  tern fs --transport tls get /data/some-file ./copy   # block data over TLS (or quic)");
     } else {
-        // The scheme says the control plane is plain, though --tls-dir is given for the blocks.
-        let plain: Vec<String> = metadata_addr.split(',').map(|addr| format!("http://{addr}")).collect();
+        // The URL's scheme says the control plane is plain, though --tls-dir is given for the blocks.
         let _ = writeln!(
             out,
-            "  tern fs --metadata {} --tls-dir {} --transport tls ls /data   # block data over TLS (or quic)",
-            plain.join(","),
+            "  tern fs --metadata {metadata_url} --tls-dir {} --transport tls ls /data   # block data over TLS (or quic)",
             tls_dir.display()
         );
     }
