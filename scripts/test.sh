@@ -79,6 +79,21 @@ bash scripts/check-layout.sh
 step build
 cargo nextest run --workspace --profile ci --no-run "${features[@]}"
 
+# The Spark plugin jars the tests run (`build.sh --tests`: the x86_64 native library is the test
+# build's; aarch64 is cross-built against glibc 2.17 with cargo-zigbuild, unoptimised): built in
+# the background from here, beside the deploy step (apt, debootstrap and image layers: disk and
+# network more than CPU), so the Spark tests' own call of `build.sh --tests` finds them done
+# instead of spending their time limit on it. build.sh compiles against pyspark 3.5.3's jars and
+# 4.3.0's (in its venv under ~/.cache/tern/pyspark, installed there once per machine). The RDMA
+# step's cargo call waits for cargo's lock on target/ while the cross build holds it.
+jars_log=$(mktemp /tmp/tern-spark-jars.XXXXXX)
+(
+    wait_for_pyspark() { while kill -0 "$pyspark_installs" 2>/dev/null; do sleep 1; done; }
+    wait_for_pyspark
+    bash spark-shuffle/build.sh --tests
+) >"$jars_log" 2>&1 &
+spark_jars=$!
+
 # deploy/: manifests rendered and validated, systemd units verified, and the container image
 # built from that debug binary and smoke-tested.
 step deploy
@@ -93,14 +108,10 @@ $sudo bash deploy/image/build.sh --profile debug
 step rdma
 bash scripts/rdma-test.sh
 
-# The Spark plugin jars the tests run (`build.sh --tests`: the x86_64 native library is the test
-# build's; aarch64 is cross-built against glibc 2.17 with cargo-zigbuild, unoptimised): built here,
-# so the Spark tests' own call of `build.sh --tests` finds them done instead of spending their time
-# limit on it. build.sh compiles against pyspark 3.5.3's jars and 4.3.0's (in its venv under
-# ~/.cache/tern/pyspark, installed there once per machine).
+# What is left of the jars' build (above) once RDMA is done.
 step spark-jars
 wait "$pyspark_installs" || { echo "test.sh: installing pyspark failed:" >&2; cat "$pyspark_log" >&2; exit 1; }
-bash spark-shuffle/build.sh --tests >/dev/null
+wait "$spark_jars" || { echo "test.sh: spark-shuffle/build.sh --tests failed:" >&2; cat "$jars_log" >&2; exit 1; }
 
 step tests
 # Every JVM the tests start (Spark drivers and executors, through pyspark, local-cluster, Tern's

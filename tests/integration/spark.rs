@@ -187,12 +187,13 @@ async fn spark_applications_run_on_terns_scheduler_and_pool() {
 }
 
 /// The Spark lines tested less often, 4.0.5, 4.1.4 and 4.2.1 (each pyspark in its own venv), with
-/// the Spark 4 jar on Tern's scheduler as the suite above runs it, less its JVM cases and TeraSort
-/// (TERN_SPARK_SMOKE): RDD and SQL shuffles against the built-in shuffle (AQE coalescing and a
-/// skew split), Spark's order-independent checksums equal to the built-in shuffle's (4.1 on), an
-/// executor SIGKILLed mid-stage, and the dynamic-allocation child (executors released and new
-/// ones reading the shuffle, a stage of its own resource profile, a SIGKILLed driver's data
-/// freed). One `tern up` serves the three in turn.
+/// the Spark 4 jar on Tern's scheduler as the suite above runs it, less its JVM cases, TeraSort
+/// and the child's stage of its own resource profile (TERN_SPARK_SMOKE; the 4.3 suite runs those):
+/// RDD and SQL shuffles against the built-in shuffle (AQE coalescing and a skew split), Spark's
+/// order-independent checksums equal to the built-in shuffle's (4.1 on), an executor SIGKILLed
+/// mid-stage, a TaskResourceProfile's stage, and the dynamic-allocation child (executors released
+/// and new ones reading the shuffle, a SIGKILLed driver's data freed). One `tern up` serves the
+/// three in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spark_4_0_to_4_2_smoke_on_terns_scheduler() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
