@@ -25,6 +25,13 @@ trap report_times EXIT
 
 step setup
 
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+apt_install() {
+    $sudo apt-get update
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y "$@"
+}
+
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "installing cargo-nextest..." >&2
     cargo install cargo-nextest --locked
@@ -34,20 +41,20 @@ rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup com
 # `tern bench io` measures a real redis-server beside Tern; its test requires one here.
 if ! command -v redis-server >/dev/null 2>&1; then
     echo "installing redis-server..." >&2
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update
-    $sudo apt-get install -y redis-server
+    apt_install redis-server
 fi
 export TERN_TEST_REQUIRE_REDIS=1
 
 # The multi-host tests make network namespaces, veths and a bridge (ip) and slow links (tc).
 if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
     echo "installing iproute2..." >&2
-    sudo=""
-    [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update
-    $sudo apt-get install -y iproute2
+    apt_install iproute2
+fi
+
+# .ci/run compiles C through ccache (CC="ccache cc").
+if [[ "${CC:-}" == ccache* ]] && ! command -v ccache >/dev/null 2>&1; then
+    echo "installing ccache..." >&2
+    apt_install ccache
 fi
 
 # The test build carries RDMA (the `rdma` feature: verbs through rdma-sys, which needs headers and
@@ -88,8 +95,8 @@ cargo nextest run --workspace --profile ci --no-run "${features[@]}"
 # step's cargo call waits for cargo's lock on target/ while the cross build holds it.
 jars_log=$(mktemp /tmp/tern-spark-jars.XXXXXX)
 (
-    wait_for_pyspark() { while kill -0 "$pyspark_installs" 2>/dev/null; do sleep 1; done; }
-    wait_for_pyspark
+    # The pyspark installs are this shell's job, not the subshell's: it cannot `wait` for them.
+    while kill -0 "$pyspark_installs" 2>/dev/null; do sleep 1; done
     bash spark-shuffle/build.sh --tests
 ) >"$jars_log" 2>&1 &
 spark_jars=$!
@@ -98,8 +105,6 @@ spark_jars=$!
 # built from that debug binary and smoke-tested.
 step deploy
 bash deploy/check.sh
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
 $sudo bash deploy/image/build.sh --profile debug
 
 # RDMA over soft-RoCE in a QEMU guest: takes the test build's `tern` (the build there is a no-op)
