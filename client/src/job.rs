@@ -59,7 +59,7 @@ impl JobSession {
 
     /// Renews the lease now.
     pub async fn renew(&self) -> Result<()> {
-        renew_once(&self.client, &self.job_id).await
+        renew_once(&self.client, &self.job_id, self.lease).await
     }
 
     /// Ends the job: every file under its root is deleted and its blocks freed.
@@ -86,10 +86,12 @@ impl JobSession {
     }
 }
 
-/// Renews the lease with the token held, and holds the fresh token the reply brings.
-async fn renew_once(client: &Client, job_id: &str) -> Result<()> {
+/// Renews the lease (of `lease`) with the token held, and holds the fresh token the reply brings.
+async fn renew_once(client: &Client, job_id: &str, lease: Duration) -> Result<()> {
     let token = client.job_token(job_id).unwrap_or_default();
-    let reply = client.metadata().renew_job(pb::RenewJobRequest { job_id: job_id.to_string(), token }).await?;
+    let mut request = tonic::Request::new(pb::RenewJobRequest { job_id: job_id.to_string(), token });
+    request.set_timeout(crate::renewal_deadline(lease));
+    let reply = client.metadata().renew_job(request).await?;
     client.add_job_token(&reply.into_inner().token)?;
     Ok(())
 }
@@ -98,7 +100,7 @@ async fn renew_forever(client: Client, job_id: String, lease: Duration) {
     let period = (lease / 3).max(Duration::from_millis(10));
     loop {
         tokio::time::sleep(period).await;
-        match renew_once(&client, &job_id).await {
+        match renew_once(&client, &job_id, lease).await {
             Ok(()) => {}
             Err(e) => {
                 if e.kind() == ErrorKind::NotFound {
@@ -129,5 +131,20 @@ impl Drop for JobSession {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::renewal_deadline;
+
+    /// A renewal's tries hold a silent leader a third of the lease, within 1 s and 30 s.
+    #[test]
+    fn renewal_deadlines_are_a_third_of_the_lease_within_bounds() {
+        assert_eq!(renewal_deadline(Duration::from_secs(2)), Duration::from_secs(1));
+        assert_eq!(renewal_deadline(Duration::from_secs(6)), Duration::from_secs(2));
+        assert_eq!(renewal_deadline(Duration::from_secs(600)), Duration::from_secs(30));
     }
 }

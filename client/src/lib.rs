@@ -62,6 +62,19 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default [`ClientOptions::request_timeout`]: metadata calls are small but some walk many
 /// entries (a recursive delete, a shuffle's locations).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// Shortest deadline of a lease renewal (see [`renewal_deadline`]).
+const MIN_RENEWAL_DEADLINE: Duration = Duration::from_secs(1);
+
+/// Each lease renewal's deadline (its grpc-timeout) for a lease of `lease`: a third of it, from
+/// [`MIN_RENEWAL_DEADLINE`] to [`DEFAULT_RPC_TIMEOUT`]. Renewals go every third of the lease, and
+/// given several metadata addresses a leader whose packets vanish holds each try only this long
+/// before the next address is asked (`tern_transport::failover`): the renewal reaches the new
+/// leader, which counts the lease from its election, before the lease runs out there. With the
+/// request timeout alone a renewal could wait 30 s on the silent leader, past a shorter lease.
+pub(crate) fn renewal_deadline(lease: Duration) -> Duration {
+    (lease / 3).clamp(MIN_RENEWAL_DEADLINE, DEFAULT_RPC_TIMEOUT)
+}
+
 /// Default [`ClientOptions::block_request_timeout`]: a 1 MiB block takes about 10 ms at 1 Gbit/s,
 /// and the requests queued ahead of it on a connection (64 by default) about 0.6 s; 10 s leaves
 /// room for a loaded server and a 100 Mbit/s link, and is short enough that a job stalls on a

@@ -349,7 +349,9 @@ async fn renew_lease(client: Client, file_id: FileId, lease: std::time::Duration
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        match client.metadata().renew_writer(pb::RenewWriterRequest { file_id: file_id.get() }).await {
+        let mut request = tonic::Request::new(pb::RenewWriterRequest { file_id: file_id.get() });
+        request.set_timeout(crate::renewal_deadline(lease));
+        match client.metadata().renew_writer(request).await {
             Ok(_) => {}
             // Sealed or deleted: nothing left to keep.
             Err(status) if matches!(ErrorKind::of_status(&status), ErrorKind::NotFound | ErrorKind::Invalid) => return,

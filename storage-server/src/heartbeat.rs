@@ -44,6 +44,8 @@ use crate::Usage;
 const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+/// Shortest deadline of a heartbeat (see [`heartbeat_deadline`]).
+const MIN_HEARTBEAT_DEADLINE: Duration = Duration::from_secs(1);
 /// Backoff between registration attempts, doubling from the first to the last (with jitter).
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
@@ -199,6 +201,16 @@ pub(crate) async fn register_at_start(
             }
         }
     }
+}
+
+/// Each heartbeat's deadline (its grpc-timeout): the interval, within [`MIN_HEARTBEAT_DEADLINE`]
+/// and [`RPC_TIMEOUT`]. Given several metadata addresses, a leader whose packets vanish then holds
+/// a heartbeat that long before the failover channel asks the next address, not the whole
+/// RPC_TIMEOUT, which is the default server timeout: the heartbeat reaches the new leader well
+/// within the server timeout the new leader counts from its election, so the server is never
+/// declared dead for its leader's failure.
+pub(crate) fn heartbeat_deadline(interval: Duration) -> Duration {
+    interval.clamp(MIN_HEARTBEAT_DEADLINE, RPC_TIMEOUT)
 }
 
 /// The heartbeat interval the metadata server asked for, within sane bounds.
@@ -399,7 +411,8 @@ impl Heartbeater {
     pub(crate) async fn beat(&mut self) -> anyhow::Result<()> {
         self.metrics.observe_store(&self.store);
         let copies_done = self.copier.take_done();
-        let request = self.session.request(&self.store, copies_done.clone());
+        let mut request = tonic::Request::new(self.session.request(&self.store, copies_done.clone()));
+        request.set_timeout(heartbeat_deadline(self.interval));
         let reply = match self.client.heartbeat(request).await {
             Ok(reply) => reply.into_inner(),
             Err(status) => {
@@ -654,6 +667,9 @@ mod tests {
         assert_eq!(heartbeat_interval(1), MIN_HEARTBEAT_INTERVAL);
         assert_eq!(heartbeat_interval(500), Duration::from_millis(500));
         assert_eq!(heartbeat_interval(u64::MAX), MAX_HEARTBEAT_INTERVAL);
+        assert_eq!(heartbeat_deadline(Duration::from_millis(10)), MIN_HEARTBEAT_DEADLINE);
+        assert_eq!(heartbeat_deadline(Duration::from_secs(2)), Duration::from_secs(2));
+        assert_eq!(heartbeat_deadline(MAX_HEARTBEAT_INTERVAL), RPC_TIMEOUT);
     }
 
     #[test]

@@ -417,3 +417,4 @@ async fn a_storage_server_killed_mid_terasort_across_hosts_costs_its_maps_and_th
 }
 
 mod copies;
+mod replicated;

@@ -12,7 +12,7 @@ use tern_local::Daemon;
 use crate::common::{cluster_secret, free_port, logs_in, spawn_logged};
 
 /// The index of the replica that answers a Status call (the serving leader), within 20 s.
-async fn leader(addrs: &[String], alive: &[usize]) -> usize {
+pub(crate) async fn leader(addrs: &[String], alive: &[usize]) -> usize {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         for &i in alive {

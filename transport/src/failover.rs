@@ -6,6 +6,12 @@
 //! after a failure to connect or while an election is under way; the last answer (or error) is
 //! the call's. With one address the channel passes calls straight through, as before.
 //!
+//! A call's own deadline (its `grpc-timeout`, as `tonic::Request::set_timeout` writes it) bounds
+//! each try, not only the whole call: tonic's connection enforces the shorter of it and the
+//! endpoint's timeout on every request it sends, so a leader whose packets vanish holds a try
+//! that long before the next address is asked. Calls that must reach a new leader quickly (lease
+//! renewals, heartbeats) set one; a test below holds tonic to it.
+//!
 //! Every call that changes metadata ([`tern_proto::request_id::is_mutating`]) gets a request id
 //! here, once, in its [`REQUEST_ID_HEADER`]: its tries resend the same bytes and headers, so the
 //! server, which remembers each completed call's answer by its id in its replicated state,
@@ -233,6 +239,73 @@ mod tests {
         let mut stat = request("http://m/tern.v1.Metadata/Stat");
         with_request_id(&mut stat, &ids);
         assert_eq!(id_of(&stat), None, "reads carry none");
+    }
+
+    /// Answers every call with NOT_FOUND naming itself: an address that is reachable and not a
+    /// follower.
+    #[derive(Clone)]
+    struct Answers;
+
+    impl tonic::server::NamedService for Answers {
+        const NAME: &'static str = "test.Answers";
+    }
+
+    impl Service<http::Request<Body>> for Answers {
+        type Response = http::Response<Body>;
+        type Error = std::convert::Infallible;
+        type Future = std::future::Ready<Result<http::Response<Body>, std::convert::Infallible>>;
+
+        fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _request: http::Request<Body>) -> Self::Future {
+            std::future::ready(Ok(answer(tonic::Status::not_found("answered by the second address"))))
+        }
+    }
+
+    /// The first address accepts connections and never answers (a leader whose packets vanish
+    /// after the connection was made): a call with a deadline of its own gives up on it after
+    /// that deadline and is answered by the second address, though the endpoints have no timeout.
+    #[tokio::test]
+    async fn a_try_that_outlives_the_calls_deadline_moves_to_the_next_address() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent_address = silent.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = silent.accept().await {
+                held.push(socket);
+            }
+        });
+        let answering = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let answering_address = answering.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(Answers)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(answering)),
+        );
+        let addresses = [format!("{silent_address}"), format!("{answering_address}")];
+        let channels = addresses
+            .iter()
+            .map(|a| tonic::transport::Endpoint::from_shared(format!("http://{a}")).unwrap().connect_lazy())
+            .collect();
+        let mut failover = Failover::new(addresses.to_vec(), channels);
+        let call = http::Request::builder()
+            .method("POST")
+            .uri("http://metadata/test.Answers/Call")
+            .header("content-type", "application/grpc")
+            .header("grpc-timeout", "300m")
+            .body(Body::empty())
+            .unwrap();
+        let started = std::time::Instant::now();
+        let response = tokio::time::timeout(Duration::from_secs(10), failover.ready().await.unwrap().call(call))
+            .await
+            .expect("the call ended: the silent address held it past its deadline")
+            .unwrap();
+        let status = tonic::Status::from_header_map(response.headers()).expect("a gRPC status");
+        assert_eq!((status.code(), status.message()), (tonic::Code::NotFound, "answered by the second address"));
+        assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+        assert_eq!(failover.current.load(Ordering::Relaxed), 1, "the next call starts at the address that answered");
     }
 
     #[test]

@@ -1,0 +1,148 @@
+//! Replicated metadata across hosts (issue 34): three metadata replicas, each on a host of its own,
+//! a storage server and a client on two more. Raft does not run over TLS yet, so this cluster is
+//! plain gRPC on a network declared trusted (`trusted_network`), unlike the other multi-host tests.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tern_client::Client;
+use tern_local::{Daemon, DaemonSpec, Network};
+
+use crate::common::{cluster_secret, logs_in, TERN};
+use crate::replicated_metadata::leader;
+
+const METADATA_PORT: u16 = 9060;
+const STORAGE_PORT: u16 = 9070;
+const METADATA_HOSTS: [&str; 3] = ["m1", "m2", "m3"];
+const STORAGE_HOST: &str = "s1";
+const CLIENT_HOST: &str = "client";
+/// Twice the heartbeat interval (1 s), counted by the new leader from its election. A heartbeat
+/// stuck on the silent leader gives up after its own deadline (1 s here) rather than the 5 s RPC
+/// timeout; followers hold an election off until their leader's lease (3 s) lapsed, so with
+/// these settings the server reaches the new leader in time either way, and what this test
+/// proves of heartbeats is that none is lost across the cut.
+const SERVER_TIMEOUT_MS: u64 = 2000;
+/// The job's lease, renewed every second: a renewal's try of the silent leader once waited out
+/// the client's 30 s request timeout, and the new leader, counting the lease from its election,
+/// ended the job first (this test failed so before renewals had deadlines of their own).
+const JOB_LEASE: Duration = Duration::from_secs(3);
+
+fn daemon(dir: &Path, name: &str) -> DaemonSpec {
+    DaemonSpec::new(name, TERN, dir.join(format!("{name}.log"))).without_tern_env()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+/// The leader's host is cut off (its packets vanish; nothing is refused). The client, renewing a
+/// job's 3 s lease every second, and the storage server, heartbeating every second, give up on
+/// each silent try after the call's own deadline and find the new leader through the others: the
+/// job lives on, no replica that stayed connected declares the server dead, the file written
+/// before the cut reads back, and a new one is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
+    let mut hosts = METADATA_HOSTS.to_vec();
+    hosts.extend([STORAGE_HOST, CLIENT_HOST]);
+    let network =
+        Network::create(&hosts).unwrap_or_else(|e| panic!("this test needs network namespaces (root): {e:#}"));
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let secret = cluster_secret(dir.path());
+    let addrs: Vec<String> = METADATA_HOSTS.iter().map(|h| network.host(h).addr(METADATA_PORT).to_string()).collect();
+    let peers = format!(
+        "peers=[{}]",
+        addrs.iter().enumerate().map(|(i, a)| format!("\"{}={a}\"", i + 1)).collect::<Vec<_>>().join(",")
+    );
+    let timeout = format!("server_timeout_ms={SERVER_TIMEOUT_MS}");
+    let mut daemons: Vec<Daemon> = Vec::new();
+    for (i, host) in METADATA_HOSTS.iter().enumerate() {
+        let data = dir.path().join(host).to_string_lossy().into_owned();
+        let node = format!("node_id={}", i + 1);
+        let spec = daemon(dir.path(), host)
+            .on(network.host(host).clone())
+            .args(["metadata-server", "--listen", &addrs[i], "--dir", &data, "--admin", "127.0.0.1:9072"])
+            .args(["--set", &peers, "--set", &node, "--set", &secret, "--set", &timeout])
+            .args(["--set", "trusted_network=true"]);
+        daemons.push(spec.spawn().unwrap_or_else(|e| panic!("{e:#}")));
+    }
+    let all = addrs.join(",");
+    let block = network.host(STORAGE_HOST).addr(STORAGE_PORT).to_string();
+    let storage = daemon(dir.path(), "storage")
+        .on(network.host(STORAGE_HOST).clone())
+        .args(["storage-server", "--metadata", &all, "--listen", &block, "--admin", "127.0.0.1:9071"])
+        .args(["--dram", "64MiB", "--set", &secret, "--set", "trusted_network=true"]);
+    daemons.push(storage.spawn().unwrap_or_else(|e| panic!("{e:#}")));
+    let logs = || logs_in(dir.path());
+
+    let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
+    // The client's calls run on the client host; the cut is made from here, the root namespace
+    // (where the hosts' links are), when the client asks for it.
+    let (cut_leader, leader_to_cut) = std::sync::mpsc::channel::<usize>();
+    let (cut_made, when_cut) = std::sync::mpsc::channel::<()>();
+    let hosts = &network;
+    let first = std::thread::scope(|scope| {
+        scope.spawn(move || {
+            if let Ok(leader) = leader_to_cut.recv() {
+                hosts.cut(METADATA_HOSTS[leader]).unwrap();
+                let _ = cut_made.send(());
+            }
+        });
+        network.on_host(CLIENT_HOST, move || {
+            runtime().block_on(async {
+                let first = leader(&addrs, &[0, 1, 2]).await;
+                let client = Client::connect(&all).await.unwrap();
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    let status = client.status().await.ok();
+                    if status.is_some_and(|s| s.servers.iter().any(|s| s.address == block && s.state == "alive")) {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "the storage server never came up\n{}", logs());
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let job = client.start_job(None, JOB_LEASE).await.unwrap();
+                let before = format!("{}/before", job.root());
+                let mut writer = client.create(&before, false).await.unwrap();
+                writer.write(&data).await.unwrap();
+                writer.close().await.unwrap();
+
+                cut_leader.send(first).unwrap();
+                when_cut.recv().unwrap();
+                let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+                leader(&addrs, &others).await;
+                // The new leader counts the lease and the server timeout from its election, which
+                // a follower holds off until its leader's lease lapsed: wait a whole lease and
+                // more after it serves. The job's lease is renewed in the background all along,
+                // through the same client.
+                let settled = Instant::now() + JOB_LEASE + Duration::from_secs(1);
+                tokio::time::sleep_until(settled.into()).await;
+                let status = client.status().await.unwrap();
+                assert!(status.jobs.iter().any(|j| j.job_id == job.id()), "the job's lease lapsed:\n{}", logs());
+                let server = status.servers.iter().find(|s| s.address == block).expect("the storage server is known");
+                assert!(server.alive, "the storage server is not alive on the new leader: {server:?}\n{}", logs());
+                let back = client.open(&before).await.unwrap().read_to_end().await.unwrap();
+                assert!(back == data, "the file read back after the cut differs\n{}", logs());
+                let after = format!("{}/after", job.root());
+                let mut writer = client.create(&after, false).await.unwrap();
+                writer.write(&data[..1 << 20]).await.unwrap();
+                writer.close().await.unwrap();
+                job.end().await.unwrap();
+                first
+            })
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", logs()));
+    let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
+    for &i in &others {
+        let log = std::fs::read_to_string(dir.path().join(format!("{}.log", METADATA_HOSTS[i]))).unwrap();
+        assert!(
+            !log.contains("its blocks are lost"),
+            "replica {} declared the storage server dead after the leader was cut off:\n{}",
+            METADATA_HOSTS[i],
+            logs()
+        );
+    }
+    for daemon in &mut daemons {
+        let _ = daemon.kill();
+    }
+}
