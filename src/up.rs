@@ -38,7 +38,8 @@ pub struct UpArgs {
     /// Metadata servers: 1, or the 3 or 5 replicas of one replicated metadata service (Raft),
     /// which keeps serving while a majority is up (a restarted replica catches up). Replica 1
     /// is on PORT; replica K on PORT+12+2S+2(K-2) for S storage servers, metrics on the port
-    /// after; state in DIR/metadata, or DIR/metadata-K for replicas. Not yet with --tls.
+    /// after; state in DIR/metadata, or DIR/metadata-K for replicas. With --tls, Raft runs over
+    /// mutual TLS too.
     #[arg(long, default_value_t = 1, value_parser = parse_replicas)]
     metadata_replicas: u16,
     /// DRAM tier of each storage server.
@@ -230,9 +231,6 @@ pub async fn run(args: UpArgs) -> anyhow::Result<()> {
     // The lock before anything else in DIR: a second `tern up` on a running cluster's directory
     // must find out before it touches that cluster's logs, Spark configuration or NVMe files.
     let _lock = DirLock::acquire(&args.dir, "tern up")?;
-    if args.tls && args.metadata_replicas > 1 {
-        bail!("--metadata-replicas {} with --tls: Raft between metadata replicas does not run over TLS yet; leave out one of them", args.metadata_replicas);
-    }
     let ports = PortLayout::new(args.port, args.storage_servers)
         .and_then(|ports| ports.with_metadata_replicas(args.metadata_replicas))
         .context("--port is too high for the ports the cluster needs")?;

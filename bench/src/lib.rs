@@ -3,6 +3,9 @@
 //! only figures taken side by side compare.
 
 pub mod core;
+// kill(2) on the leader's process.
+#[allow(unsafe_code)]
+pub mod failover;
 pub mod harness;
 pub mod io;
 pub mod scale;

@@ -15,6 +15,7 @@ pub struct EmbeddedCluster {
     dir: tempfile::TempDir,
     host: Host,
     ports: PortLayout,
+    /// The metadata server's address; with replicas, their comma-separated list.
     pub metadata_addr: String,
 }
 
@@ -40,31 +41,81 @@ impl EmbeddedCluster {
         parent: &Path,
         extra: &[String],
     ) -> anyhow::Result<EmbeddedCluster> {
+        let ports = PortLayout::free(servers)?;
+        let args: Vec<String> = ["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size]
+            .into_iter()
+            .map(String::from)
+            // A measurement or a sort must fail with the daemon that died, not go on against a
+            // restarted one that lost its DRAM tier.
+            .chain(["--exit-on-failure".to_string()])
+            .chain(nvme.map(|size| ["--nvme-size".to_string(), size.to_string()]).into_iter().flatten())
+            .chain(extra.iter().cloned())
+            .collect();
+        EmbeddedCluster::launch(tern, ports, parent, &args).await
+    }
+
+    /// `tern up --metadata-replicas replicas` with one storage server and no NVMe tier, supervised
+    /// as an operator's is (a daemon that dies is restarted; nothing else stops), everything else
+    /// at its defaults: what `tern bench failover` kills replicas of. `metadata_addr` is then the
+    /// replicas' list.
+    pub async fn start_replicated(tern: &Path, replicas: u16) -> anyhow::Result<EmbeddedCluster> {
+        let ports = PortLayout::free_with_replicas(1, replicas)?;
+        let args = ["--storage-servers", "1", "--nvme-size", "off", "--metadata-replicas", &replicas.to_string()]
+            .map(String::from);
+        EmbeddedCluster::launch(tern, ports, &std::env::temp_dir(), &args).await
+    }
+
+    /// Starts `tern up` on `ports` in a temp dir in `parent` with `args`, and waits until every
+    /// storage server has registered.
+    async fn launch(tern: &Path, ports: PortLayout, parent: &Path, args: &[String]) -> anyhow::Result<EmbeddedCluster> {
         let dir = tempfile::Builder::new()
             .prefix("tern-up-")
             .tempdir_in(parent)
             .with_context(|| format!("making a temp dir in {}", parent.display()))?;
-        let ports = PortLayout::free(servers)?;
         let host = Host::local();
         let metadata = host.addr(ports.metadata());
         let mut up = [DaemonSpec::new("tern up", tern, dir.path().join("up.log"))
             .on(host.clone())
             .serving(metadata)
             .args(["up", "--dir", &dir.path().to_string_lossy(), "--port", &ports.metadata().to_string()])
-            .args(["--storage-servers", &servers.to_string(), "--dram", dram, "--block-size", block_size])
-            // A measurement or a sort must fail with the daemon that died, not go on against a
-            // restarted one that lost its DRAM tier.
-            .args(["--exit-on-failure"])
-            .args(nvme.map(|size| ["--nvme-size", size]).into_iter().flatten())
-            .args(extra)
+            .args(args)
             .spawn()?];
         // `tern up` runs every daemon, so it is the one to blame for any of them.
-        let storage: Vec<_> = (0..servers).map(|i| (0, host.addr(ports.storage(i)))).collect();
+        let storage: Vec<_> = (0..ports.storage_servers()).map(|i| (0, host.addr(ports.storage(i)))).collect();
+        let metadata_addr = (0..ports.metadata_replicas())
+            .map(|k| host.addr(ports.metadata_replica(k)).to_string())
+            .collect::<Vec<_>>();
+        let metadata_addr = metadata_addr.join(",");
         let options = tern_client::ClientOptions::default();
         let deadline = Deadline::after(STARTUP_TIMEOUT);
-        crate::cluster_ready(&mut up, 0, &metadata.to_string(), &options, &storage, &deadline).await?;
+        crate::cluster_ready(&mut up, 0, &metadata_addr, &options, &storage, &deadline).await?;
         let [up] = up;
-        Ok(EmbeddedCluster { up, dir, host, ports, metadata_addr: metadata.to_string() })
+        Ok(EmbeddedCluster { up, dir, host, ports, metadata_addr })
+    }
+
+    /// `tern up`'s directory (its `daemons.json`, logs and state).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Metadata replica `k`'s gRPC address (`k` from 0).
+    pub fn metadata_replica_addr(&self, k: u16) -> String {
+        self.host.addr(self.ports.metadata_replica(k)).to_string()
+    }
+
+    /// Metadata replica `k`'s admin (metrics) address (`k` from 0).
+    pub fn metadata_replica_admin(&self, k: u16) -> std::net::SocketAddr {
+        self.host.addr(self.ports.metadata_replica_admin(k))
+    }
+
+    /// `tern up`'s process id.
+    pub fn up_pid(&self) -> u32 {
+        self.up.id()
+    }
+
+    /// Whether `tern up` is still running (it stops only when asked, or with `--exit-on-failure`).
+    pub fn up_running(&mut self) -> bool {
+        matches!(self.up.try_wait(), Ok(None))
     }
 
     /// The cluster's own TLS material (`tern up` makes it): what QUIC clients need.

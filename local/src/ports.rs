@@ -48,8 +48,14 @@ impl PortLayout {
 
     /// A layout on a range of loopback ports that was free a moment ago ([`free_port_range`]).
     pub fn free(storage_servers: u16) -> anyhow::Result<PortLayout> {
-        let span = PortLayout::single_span(storage_servers).context("too many storage servers for one port range")?;
-        PortLayout::new(free_port_range(span)?, storage_servers)
+        PortLayout::free_with_replicas(storage_servers, 1)
+    }
+
+    /// As [`PortLayout::free`], with `replicas` metadata servers.
+    pub fn free_with_replicas(storage_servers: u16, replicas: u16) -> anyhow::Result<PortLayout> {
+        let shape = PortLayout::new(0, storage_servers)?.with_metadata_replicas(replicas)?;
+        let span = shape.span().context("too many daemons for one port range")?;
+        PortLayout { base: free_port_range(span)?, ..shape }.checked()
     }
 
     /// How many consecutive ports a layout of one metadata server with `storage_servers` takes

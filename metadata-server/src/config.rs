@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tern_common::config::Serve;
 use tern_common::ByteSize;
@@ -81,7 +81,10 @@ pub struct Config {
     /// gRPC address the others reach it at), this server's own among them (`node_id`). Empty:
     /// one replica, the write-ahead log alone.
     pub peers: Vec<String>,
-    /// This server's id among `peers` (ignored without peers).
+    /// This server's id among `peers` (ignored without peers). 0 with peers: the id of the one
+    /// peer whose host's first DNS label is this host's name, as a StatefulSet's pods
+    /// (`tern-metadata-1` in `tern-metadata-1.tern-metadata:9060`) and hosts named in their
+    /// peers' lists are.
     pub node_id: u64,
     /// A replicated server snapshots its state every this many Raft entries and keeps a fifth
     /// of that behind the snapshot; a replica further behind catches up by the snapshot.
@@ -111,10 +114,41 @@ impl Config {
                 bail!("peers lists id {id} twice");
             }
         }
-        if !peers.is_empty() && !peers.contains_key(&self.node_id) {
+        if !peers.is_empty() && self.node_id != 0 && !peers.contains_key(&self.node_id) {
             bail!("node_id = {} is not among peers ({})", self.node_id, self.peers.join(", "));
         }
         Ok(peers)
+    }
+
+    /// This server's id among the peers: `node_id`, or with `node_id = 0` the peer named by this
+    /// host's name (read from the kernel: a container's own); 0 without peers.
+    pub fn node_id(&self) -> anyhow::Result<u64> {
+        let peers = self.peer_map()?;
+        if peers.is_empty() || self.node_id != 0 {
+            return Ok(self.node_id);
+        }
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("node_id = 0 with peers: reading this host's name from /proc/sys/kernel/hostname")?;
+        node_id_of_host(&peers, hostname.trim())
+    }
+}
+
+/// The id of the one peer whose host's first DNS label is `hostname`.
+fn node_id_of_host(peers: &BTreeMap<u64, String>, hostname: &str) -> anyhow::Result<u64> {
+    let first_label = |addr: &str| {
+        let host = addr.rsplit_once(':').map_or(addr, |(host, _)| host);
+        host.split('.').next().unwrap_or_default().to_string()
+    };
+    let matching: Vec<u64> =
+        peers.iter().filter(|(_, addr)| first_label(addr) == hostname).map(|(&id, _)| id).collect();
+    match matching[..] {
+        [id] => Ok(id),
+        [] => bail!(
+            "node_id is not set and no peer's host is named {hostname:?}, this host's name: set node_id \
+             to this server's id among peers ({})",
+            peers.iter().map(|(id, addr)| format!("{id}={addr}")).collect::<Vec<_>>().join(", ")
+        ),
+        _ => bail!("node_id is not set and peers {matching:?} are all on host {hostname:?}: set node_id"),
     }
 }
 
@@ -257,6 +291,24 @@ impl Config {
 mod tests {
     use super::*;
     use tern_common::config::from_toml;
+
+    #[test]
+    fn an_unset_node_id_is_the_peer_named_by_this_hosts_name() {
+        let peers: BTreeMap<u64, String> = [(1, "meta-0.meta.tern.svc:9060"), (2, "meta-1.meta.tern.svc:9060")]
+            .into_iter()
+            .map(|(id, addr)| (id, addr.to_string()))
+            .collect();
+        assert_eq!(node_id_of_host(&peers, "meta-1").unwrap(), 2);
+        let none = node_id_of_host(&peers, "meta").unwrap_err().to_string();
+        assert!(none.contains("no peer's host is named \"meta\"") && none.contains("1=meta-0"), "{none}");
+        let twice: BTreeMap<u64, String> = [(1, "h:1".to_string()), (2, "h:2".to_string())].into_iter().collect();
+        assert!(node_id_of_host(&twice, "h").unwrap_err().to_string().contains("all on host"));
+        // An id given wins, and must be among the peers.
+        let config = Config { peers: vec!["1=a:1".into(), "2=b:2".into()], node_id: 2, ..Config::default() };
+        assert_eq!(config.node_id().unwrap(), 2);
+        let config = Config { node_id: 3, ..config };
+        assert!(config.validate().unwrap_err().to_string().contains("node_id = 3 is not among peers"));
+    }
 
     #[test]
     fn defaults_are_valid_and_print_back() {

@@ -129,3 +129,33 @@ impl Collector for StateGauges {
         Ok(())
     }
 }
+
+/// A replica's place in Raft, read from its Raft node when scraped: whether it leads and
+/// serves, its term, and how far its log and state machine reach (a follower whose applied
+/// index trails the leader's is catching up).
+#[derive(Debug)]
+pub struct RaftGauges(pub Arc<crate::raft::Replica>);
+
+impl Collector for RaftGauges {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let place = self.0.place();
+        for (name, help, value) in [
+            ("tern_metadata_raft_serving", "1 while this replica leads and serves, else 0", u64::from(place.serving)),
+            ("tern_metadata_raft_term", "This replica's current Raft term", place.term),
+            (
+                "tern_metadata_raft_last_log_index",
+                "Index of the last entry in this replica's Raft log",
+                place.last_log_index,
+            ),
+            (
+                "tern_metadata_raft_applied_index",
+                "Index of the last Raft entry this replica applied",
+                place.applied_index,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}

@@ -53,9 +53,6 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let lock = DirLock::acquire(&config.dir, "metadata server")?;
     let secret = crate::keyfile::cluster_secret(&config)?;
     let (state, log) = if crate::raft::replicated(&config) {
-        if config.serve.tls_dir.is_some() {
-            anyhow::bail!("peers with tls_dir: Raft between metadata servers over TLS is not built yet");
-        }
         let raft_dir = crate::raft::dir(&config);
         std::fs::create_dir_all(&raft_dir).with_context(|| format!("creating {}", raft_dir.display()))?;
         let (replica, state) = crate::raft::Replica::start(&config, RealFs::shared(), &secret)
@@ -68,6 +65,9 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     };
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = Metrics::register(&mut registry, state.clone());
+    if let Log::Raft(replica) = &log {
+        registry.register_collector(Box::new(crate::metrics::RaftGauges(replica.clone())));
+    }
     let authz = Arc::new(crate::authz::Authz::new(secret, &mut registry));
     let refused = prometheus_client::metrics::counter::Counter::default();
     registry.register(

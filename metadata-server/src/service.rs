@@ -48,9 +48,14 @@ impl Log {
     }
 
     /// Waits until `ticket` is durable (a majority's, for Raft; a read confirms the leadership).
-    pub async fn wait(&self, ticket: u64, read: bool) -> Result<(), String> {
+    /// The refusal: `internal` when the WAL cannot be written, `unavailable` when a replica lost
+    /// its leadership or its majority (the failover channel asks the new leader).
+    pub async fn wait(&self, ticket: u64, read: bool) -> Result<(), Status> {
         match self {
-            Log::Wal(wal) => wal.wait(ticket).await.map_err(|e| e.to_string()),
+            Log::Wal(wal) => wal.wait(ticket).await.map_err(|why| {
+                ErrorKind::Internal
+                    .status(format!("the metadata log cannot be written, so nothing is acknowledged: {why}"))
+            }),
             Log::Raft(replica) => replica.wait(ticket, read).await,
         }
     }
@@ -98,10 +103,8 @@ impl Service {
         let now = Now::read();
         let (mut result, lsn) = self.serve(method, request, needs, op, now);
         if let Some((lsn, read)) = lsn {
-            if let Err(why) = self.log.wait(lsn, read).await {
-                result = Err(ErrorKind::Internal.status(format!(
-                    "{method}: the metadata log cannot be written, so nothing is acknowledged: {why}"
-                )));
+            if let Err(status) = self.log.wait(lsn, read).await {
+                result = Err(ErrorKind::of_status(&status).status(format!("{method}: {}", status.message())));
             }
         }
         self.metrics.record(method, now.instant.elapsed(), result.as_ref().err());

@@ -8,6 +8,7 @@ mod common;
 
 mod admin;
 mod authz;
+mod bench_failover;
 mod bench_io;
 mod bench_scale;
 mod cli;

@@ -8,16 +8,18 @@ use std::time::{Duration, Instant};
 use tern_client::{Client, ErrorKind};
 
 use tern_local::Daemon;
+use tern_transport::tls::{grpc_endpoint, TlsMaterial};
 
 use crate::common::{cluster_secret, free_port, logs_in, spawn_logged};
 
-/// The index of the replica that answers a Status call (the serving leader), within 20 s.
-pub(crate) async fn leader(addrs: &[String], alive: &[usize]) -> usize {
+/// The index of the replica that answers a Status call (the serving leader), within 20 s; over
+/// mutual TLS with `tls`.
+pub(crate) async fn leader(addrs: &[String], alive: &[usize], tls: Option<&TlsMaterial>) -> usize {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         for &i in alive {
             // Lazily: a replica still starting (or killed) refuses connections.
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", addrs[i])).unwrap();
+            let channel = grpc_endpoint(&addrs[i], tls).unwrap();
             let mut client = tern_proto::v1::metadata_client::MetadataClient::new(channel.connect_lazy());
             if client.status(tern_proto::v1::StatusRequest {}).await.is_ok() {
                 return i;
@@ -70,7 +72,7 @@ async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
     let dir = tempfile::tempdir().unwrap();
     let secret = cluster_secret(dir.path());
     let (addrs, mut daemons) = start_replicas(dir.path(), &secret, &[]);
-    let first = leader(&addrs, &[0, 1, 2]).await;
+    let first = leader(&addrs, &[0, 1, 2], None).await;
     // A client given a follower first is sent on to the leader.
     let follower = (first + 1) % 3;
     let order = [follower, first, (first + 2) % 3].map(|i| addrs[i].clone()).join(",");
@@ -84,7 +86,7 @@ async fn metadata_replicas_fail_over_and_the_client_follows_the_leader() {
     assert_eq!(info.kind(), tern_client::EntryKind::Directory, "{info:?}\n{}", logs_in(dir.path()));
     eventually("mkdir /after", async || client.mkdir("/after", false).await).await;
     let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
-    let second = leader(&addrs, &others).await;
+    let second = leader(&addrs, &others, None).await;
     assert_ne!(second, first);
     for daemon in &mut daemons {
         let _ = daemon.kill();
@@ -104,7 +106,7 @@ async fn a_storage_server_and_a_job_follow_the_leader_across_a_failover() {
     let secret = cluster_secret(dir.path());
     let (addrs, mut daemons) =
         start_replicas(dir.path(), &secret, &["heartbeat_interval_ms=200", "server_timeout_ms=2000"]);
-    let first = leader(&addrs, &[0, 1, 2]).await;
+    let first = leader(&addrs, &[0, 1, 2], None).await;
     let all = addrs.join(",");
     let block = format!("127.0.0.1:{}", free_port());
     let args = ["storage-server", "--metadata", &all, "--listen", &block, "--admin", "127.0.0.1:0"];

@@ -316,15 +316,16 @@ async fn up_restarts_a_killed_storage_server_and_a_two_copy_file_stays_readable(
     assert!(!dir.path().join("daemons.json").exists(), "nothing runs: the daemons file goes");
 }
 
-/// `tern up --metadata-replicas 3`: three metadata servers replicating over Raft, which the
-/// storage servers and clients are given as one list. The leader is SIGKILLed: the cluster keeps
-/// serving (the file written before reads back, a new one is written), and `tern up` restarts the
-/// killed replica while the others keep running.
+/// `tern up --metadata-replicas 3 --tls`: three metadata servers replicating over Raft on mutual
+/// TLS, which the storage servers and clients are given as one list. The leader is SIGKILLed: the
+/// cluster keeps serving (the file written before reads back, a new one is written), and `tern
+/// up` restarts the killed replica while the others keep running. (The replicated tests in
+/// `replicated_metadata` run plain gRPC.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_with_three_metadata_replicas_serves_through_the_leaders_death() {
     let dir = tempfile::tempdir().unwrap();
     let port = tern_local::free_port_range(20).unwrap();
-    let (up, banner) = start_up(dir.path(), port, &["--metadata-replicas", "3"]);
+    let (up, banner) = start_up(dir.path(), port, &["--metadata-replicas", "3", "--tls"]);
     let mut up = Up(Some(up));
     assert!(banner.contains("3 metadata replicas (Raft)"), "{banner}");
     let list = banner
@@ -335,18 +336,16 @@ async fn up_with_three_metadata_replicas_serves_through_the_leaders_death() {
     let addrs: Vec<&str> = list.split(',').collect();
     assert_eq!(addrs.len(), 3, "{list}");
     assert_eq!(addrs[0], format!("127.0.0.1:{port}"), "replica 1 is on --port");
-    let client = tern_client::Client::connect(&list).await.unwrap();
+    let tls_dir = dir.path().join("tls");
+    let options = tern_client::ClientOptions { tls_dir: Some(tls_dir.clone()), ..Default::default() };
+    let client = tern_client::Client::connect_with(&list, options).await.unwrap();
     let data = Bytes::from(common::random_bytes((3 << 20) + 5));
     client.put("/kept", data.clone()).await.unwrap();
 
-    // The leader is the one replica that answers a status call itself.
-    let mut leader = None;
-    for (i, addr) in addrs.iter().enumerate() {
-        if common::raw_metadata(addr, None).await.status(tern_proto::v1::StatusRequest {}).await.is_ok() {
-            leader = Some(i);
-        }
-    }
-    let name = format!("metadata-{}", leader.expect("one replica leads") + 1);
+    let addrs: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+    let tls = tern_transport::tls::TlsMaterial::load(&tls_dir).unwrap();
+    let leader = crate::replicated_metadata::leader(&addrs, &[0, 1, 2], Some(&tls)).await;
+    let name = format!("metadata-{}", leader + 1);
     let pid = daemon_entry(dir.path(), &name)["pid"].as_u64().unwrap();
     // SAFETY: kill(2) on a daemon of our own `tern up`, by the pid it reported.
     unsafe {
@@ -388,7 +387,7 @@ async fn up_with_three_metadata_replicas_serves_through_the_leaders_death() {
     up.interrupt();
 }
 
-/// `--metadata-replicas` is 1, 3 or 5, not with --tls (yet), and not on a directory that holds
+/// `--metadata-replicas` is 1, 3 or 5, and not on a directory that holds
 /// the state of another count: each refused in one line before anything is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_refuses_metadata_replicas_it_cannot_start() {
@@ -396,8 +395,6 @@ async fn up_refuses_metadata_replicas_it_cannot_start() {
     let d = dir.path().to_str().unwrap();
     let (out, _) = up_refused(&["--dir", d, "--metadata-replicas", "2"], Duration::from_secs(10));
     assert!(String::from_utf8_lossy(&out.stderr).contains("give 1, 3 or 5"), "{out:?}");
-    let (out, _) = up_refused(&["--dir", d, "--metadata-replicas", "3", "--tls"], Duration::from_secs(10));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("does not run over TLS yet"), "{out:?}");
     std::fs::create_dir(dir.path().join("metadata")).unwrap();
     let before = snapshot(dir.path());
     let port = tern_local::free_port_range(20).unwrap().to_string();

@@ -36,3 +36,24 @@ pub(crate) async fn join_all<T: Send + 'static>(
     }
     Ok(out)
 }
+
+/// A daemon's `/metrics` text, from its admin endpoint at `admin`, within 2 s.
+pub(crate) async fn scrape(admin: std::net::SocketAddr) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let read = async {
+        let mut stream = tokio::net::TcpStream::connect(admin).await?;
+        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").await?;
+        let mut text = String::new();
+        stream.read_to_string(&mut text).await?;
+        anyhow::Ok(text)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(2), read)
+        .await
+        .with_context(|| format!("{admin}/metrics not answered within 2 s"))?
+        .with_context(|| format!("reading {admin}/metrics"))
+}
+
+/// The value of the unlabelled metric `name` in a `/metrics` text.
+pub(crate) fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}

@@ -36,7 +36,6 @@ use tern_proto::v1::{
     AllocateBlocksRequest, CommitMapRequest, CreateRequest, OpenRequest, RegisterJobRequest, RegisterShuffleRequest,
     SealRequest, UnregisterShuffleRequest,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 use tonic::transport::Channel;
 
@@ -354,10 +353,7 @@ where
 
 /// Sum and count of the server's request-duration metric for `method`, from its admin endpoint.
 async fn server_time(admin: std::net::SocketAddr, method: &str) -> anyhow::Result<(f64, f64)> {
-    let mut stream = tokio::net::TcpStream::connect(admin).await?;
-    stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").await?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await?;
+    let text = crate::harness::scrape(admin).await?;
     let label = format!("method=\"{method}\"");
     let value = |suffix: &str| {
         text.lines()

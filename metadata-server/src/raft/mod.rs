@@ -93,21 +93,40 @@ pub struct Replica {
     key_file: std::path::PathBuf,
 }
 
+/// A replica's place in Raft (`Replica::place`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    /// Whether it leads and serves (it has applied every entry of earlier terms).
+    pub serving: bool,
+    pub term: u64,
+    pub last_log_index: u64,
+    pub applied_index: u64,
+}
+
 impl std::fmt::Debug for Replica {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Replica").field("me", &self.me).field("peers", &self.peers).finish()
     }
 }
 
-/// openraft's settings: elections in 1.5-3 s, heartbeats every 300 ms, a snapshot every
-/// `raft_snapshot_entries` entries (a fifth of that kept behind it), entries sent in bounded
+/// openraft's settings: heartbeats every 100 ms, election timeouts of 600-1200 ms, a snapshot
+/// every `raft_snapshot_entries` entries (a fifth of that kept behind it), entries sent in bounded
 /// batches.
+///
+/// A follower that has seen a leader waits out that leader's lease (openraft 0.9: the maximum
+/// election timeout) and then its own election timeout before it stands, 1.2 + 0.6-1.2 s after
+/// the last heartbeat here; and one that was refused a vote by a replica with a longer log waits
+/// another 2x the maximum. Timeouts of 1.5-3 s made that 4.5-6 s, and `tern bench failover` timed
+/// a write 5.7-13.7 s after the leader's SIGKILL (6 kills, 2026-12-03), against a target of
+/// p50 <= 3 s and max <= 6 s. etcd's defaults (100 ms, 1 s) are the model: a heartbeat is one
+/// small message per follower, so 100 ms costs nothing, and 1.2 s leaves twelve heartbeats of
+/// room for a busy machine before a follower stands.
 fn raft_config(snapshot_entries: u64) -> anyhow::Result<Arc<openraft::Config>> {
     let config = openraft::Config {
         cluster_name: "tern-metadata".into(),
-        heartbeat_interval: 300,
-        election_timeout_min: 1500,
-        election_timeout_max: 3000,
+        heartbeat_interval: 100,
+        election_timeout_min: 600,
+        election_timeout_max: 1200,
         max_payload_entries: 64,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(snapshot_entries),
         max_in_snapshot_log_to_keep: snapshot_entries / 5,
@@ -128,17 +147,22 @@ impl Replica {
         secret: &ClusterSecret,
     ) -> anyhow::Result<(Arc<Replica>, Arc<Mutex<State>>)> {
         let peers = config.peer_map()?;
-        let me = config.node_id;
+        let me = config.node_id()?;
         let store = store::Store::open(fs, &config.dir, config, Now::read())?;
         tracing::debug!("Raft files in {}", dir(config).display());
         let state = store.machine.state.clone();
         let (log, sm) = openraft::storage::Adaptor::new(store.clone());
-        let network = net::Network::new(secret, me, config.max_message_size.bytes() as usize)?;
+        let tls = config.serve.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
+        let network = net::Network::new(secret, me, config.max_message_size.bytes() as usize, tls)?;
         let raft = Raft::new(me, raft_config(config.raft_snapshot_entries)?, network, log, sm).await?;
-        if !raft.is_initialized().await? {
+        // On a fresh cluster only the replica with the smallest id founds the membership; the
+        // others learn it from its first entries. (openraft's `initialize` starts an election at
+        // once: when every replica did, one that voted for the first leader before receiving
+        // its entries could still initialize and call a second election, deposing the leader
+        // within a second of its winning; raft::tests caught it in CI.)
+        if peers.keys().next() == Some(&me) && !raft.is_initialized().await? {
             let members: BTreeMap<u64, BasicNode> =
                 peers.iter().map(|(&id, addr)| (id, BasicNode::new(addr.clone()))).collect();
-            // Every node may try: the first vote settles it; the others' attempts are refused.
             if let Err(e) = raft.initialize(members).await {
                 info!("Raft membership not initialized here: {e}");
             }
@@ -158,9 +182,15 @@ impl Replica {
         Ok((replica, state))
     }
 
-    /// The address of the node `id`.
-    fn address(&self, id: u64) -> String {
-        self.peers.get(&id).cloned().unwrap_or_else(|| format!("node {id}"))
+    /// Where this replica stands, for its metrics.
+    pub fn place(&self) -> Place {
+        let metrics = self.raft.metrics().borrow().clone();
+        Place {
+            serving: self.store.machine.meta.lock().serving.is_some(),
+            term: metrics.current_term,
+            last_log_index: metrics.last_log_index.unwrap_or(0),
+            applied_index: metrics.last_applied.map_or(0, |id| id.index),
+        }
     }
 
     /// Ok while this node serves (leads, caught up); the refusal naming the leader otherwise.
@@ -172,7 +202,8 @@ impl Replica {
         let metrics = self.raft.metrics().borrow().clone();
         Err(match metrics.current_leader {
             Some(leader) if leader != self.me => {
-                ErrorKind::Unavailable.status(format!("not the leader; the leader is {}", self.address(leader)))
+                let address = self.peers.get(&leader).cloned().unwrap_or_else(|| format!("node {leader}"));
+                ErrorKind::Unavailable.status(format!("not the leader; the leader is {address}"))
             }
             _ => ErrorKind::Unavailable
                 .status("not the leader; no leader is known yet (an election is under way): retry shortly"),
@@ -195,30 +226,44 @@ impl Replica {
     }
 
     /// Waits until proposal `seq` is committed; a read (`read`) also confirms the leadership.
-    pub async fn wait(&self, seq: u64, read: bool) -> Result<(), String> {
+    /// Every refusal is `unavailable`; one for a lost leadership says "not the leader", so the
+    /// failover channel asks the new leader (a change retried with its request id is answered,
+    /// not made twice, should the new leader have committed it after all).
+    pub async fn wait(&self, seq: u64, read: bool) -> Result<(), Status> {
+        let unavailable = |why: String| ErrorKind::Unavailable.status(why);
         let mut outcome = self.outcome.subscribe();
         let waited = tokio::time::timeout(COMMIT_DEADLINE, async {
             loop {
                 let now = *outcome.borrow_and_update();
                 if seq >= now.failed.0 && seq <= now.failed.1 && now.failed.1 > 0 {
-                    return Err("leadership was lost before the change committed; it was not made".to_string());
+                    return Err(unavailable(
+                        "not the leader any more: the leadership was lost before the change was known to commit"
+                            .to_string(),
+                    ));
                 }
                 if now.committed >= seq {
                     return Ok(());
                 }
                 if outcome.changed().await.is_err() {
-                    return Err("the Raft node stopped".to_string());
+                    return Err(unavailable("the Raft node stopped".to_string()));
                 }
             }
         })
         .await
-        .map_err(|_| format!("not committed within {COMMIT_DEADLINE:?} (no majority reachable?)"))?;
+        .map_err(|_| unavailable(format!("not committed within {COMMIT_DEADLINE:?} (no majority reachable?)")))?;
         waited?;
         if read {
             match tokio::time::timeout(COMMIT_DEADLINE, self.raft.ensure_linearizable()).await {
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Err(format!("the leadership could not be confirmed: {e}")),
-                Err(_) => return Err(format!("the leadership was not confirmed within {COMMIT_DEADLINE:?}")),
+                Ok(Err(e)) if e.forward_to_leader().is_some() => {
+                    return Err(unavailable(format!(
+                        "not the leader any more: the leadership could not be confirmed ({e})"
+                    )))
+                }
+                Ok(Err(e)) => return Err(unavailable(format!("the leadership could not be confirmed: {e}"))),
+                Err(_) => {
+                    return Err(unavailable(format!("the leadership was not confirmed within {COMMIT_DEADLINE:?}")))
+                }
             }
         }
         Ok(())

@@ -2,7 +2,9 @@
 //! own port) and the client side openraft calls through. Each message is openraft's request or
 //! `Result<response, error>` as JSON in a `RaftMessage`, bounded by `max_message_size`; callers
 //! present a `metadata` credential made from the cluster secret, and the service admits no
-//! other (`Authz::decide_metadata`). Every RPC has a deadline (openraft's TTL, at most
+//! other (`Authz::decide_metadata`). With `tls_dir` the peers talk mutual TLS, as every other
+//! gRPC caller does: each presents its node certificate and accepts only a peer certificate
+//! from the cluster CA for the peer's address. Every RPC has a deadline (openraft's TTL, at most
 //! `RPC_DEADLINE`).
 
 use std::sync::Arc;
@@ -22,23 +24,31 @@ use tern_proto::identity::{ClusterSecret, Identity, Presenting, Presents, Role};
 use tern_proto::v1::raft_client::RaftClient;
 use tern_proto::v1::RaftMessage;
 use tern_proto::ErrorKind;
-use tonic::transport::{Channel, Endpoint};
+use tern_transport::tls::{grpc_endpoint, TlsMaterial};
+use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use super::{TypeConfig, RPC_DEADLINE};
 use crate::authz::Authz;
 
-/// Makes a client per peer, each presenting this node's `metadata` credential.
+/// Makes a client per peer, each presenting this node's `metadata` credential (and, with TLS,
+/// its node certificate).
 pub struct Network {
     credential: String,
     max_message_bytes: usize,
+    tls: Option<TlsMaterial>,
 }
 
 impl Network {
-    pub fn new(secret: &ClusterSecret, me: u64, max_message_bytes: usize) -> anyhow::Result<Network> {
+    pub fn new(
+        secret: &ClusterSecret,
+        me: u64,
+        max_message_bytes: usize,
+        tls: Option<TlsMaterial>,
+    ) -> anyhow::Result<Network> {
         let credential = secret.credential(&Identity::new(Role::Metadata, "", &format!("node-{me}")));
         Presents::credential(&credential).map_err(|e| anyhow::anyhow!("{}", e.0))?;
-        Ok(Network { credential, max_message_bytes })
+        Ok(Network { credential, max_message_bytes, tls })
     }
 }
 
@@ -53,7 +63,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> Peer {
-        let made = Endpoint::from_shared(format!("http://{}", node.addr)).map(|endpoint| {
+        let made = grpc_endpoint(&node.addr, self.tls.as_ref()).map(|endpoint| {
             let channel = endpoint.connect_timeout(RPC_DEADLINE).tcp_nodelay(true).connect_lazy();
             let presents = Presents::credential(&self.credential).expect("checked in Network::new");
             RaftClient::with_interceptor(channel, presents)
@@ -62,7 +72,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
         });
         match made {
             Ok(client) => Peer { target, client: Some(client), error: None },
-            Err(e) => Peer { target, client: None, error: Some(format!("peer address {:?}: {e}", node.addr)) },
+            Err(e) => Peer { target, client: None, error: Some(format!("peer address {:?}: {e:#}", node.addr)) },
         }
     }
 }

@@ -58,6 +58,19 @@ pub fn storage_host(i: usize) -> String {
     format!("s{}", i + 1)
 }
 
+/// `tern cert init` in `DIR/tls` with certificates for every host's address; returns that dir.
+pub fn cert_init(network: &Network, dir: &Path) -> PathBuf {
+    let tls_dir = dir.join("tls");
+    let mut cert = Command::new(TERN);
+    cert.args(["cert", "init", "--dir"]).arg(&tls_dir);
+    for host in network.hosts() {
+        cert.args(["--host", &host.ip().to_string()]);
+    }
+    let out = cert.output().unwrap();
+    assert!(out.status.success(), "tern cert init: {}", String::from_utf8_lossy(&out.stderr));
+    tls_dir
+}
+
 impl MultiHost {
     /// Makes the hosts, the TLS material for their addresses, starts the daemons on them and waits
     /// (from the client host) until every storage server has registered. Fails the test, saying
@@ -69,14 +82,7 @@ impl MultiHost {
         let network = Network::create(&names.iter().map(String::as_str).collect::<Vec<_>>())
             .unwrap_or_else(|e| panic!("the multi-host cluster needs network namespaces: {e:#}"));
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let tls_dir = dir.path().join("tls");
-        let mut cert = Command::new(TERN);
-        cert.args(["cert", "init", "--dir"]).arg(&tls_dir);
-        for host in network.hosts() {
-            cert.args(["--host", &host.ip().to_string()]);
-        }
-        let out = cert.output().unwrap();
-        assert!(out.status.success(), "tern cert init: {}", String::from_utf8_lossy(&out.stderr));
+        let tls_dir = cert_init(&network, dir.path());
         let tls = tls_dir.to_string_lossy().into_owned();
 
         let meta = network.host(METADATA_HOST).clone();

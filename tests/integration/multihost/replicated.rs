@@ -1,14 +1,14 @@
 //! Replicated metadata across hosts (issue 34): three metadata replicas, each on a host of its own,
-//! a storage server and a client on two more. Raft does not run over TLS yet, so this cluster is
-//! plain gRPC on a network declared trusted (`trusted_network`), unlike the other multi-host tests.
+//! a storage server and a client on two more, mutual TLS between all of them (Raft included).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tern_client::Client;
+use tern_client::{Client, ClientOptions};
 use tern_local::{Daemon, DaemonSpec, Network};
 
-use crate::common::{cluster_secret, logs_in, TERN};
+use crate::common::multihost::cert_init;
+use crate::common::{logs_in, TERN};
 use crate::replicated_metadata::leader;
 
 const METADATA_PORT: u16 = 9060;
@@ -47,7 +47,9 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
     let network =
         Network::create(&hosts).unwrap_or_else(|e| panic!("this test needs network namespaces (root): {e:#}"));
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let secret = cluster_secret(dir.path());
+    let tls_dir = cert_init(&network, dir.path());
+    let tls = tls_dir.to_string_lossy().into_owned();
+    let material = tern_transport::tls::TlsMaterial::load(&tls_dir).unwrap();
     let addrs: Vec<String> = METADATA_HOSTS.iter().map(|h| network.host(h).addr(METADATA_PORT).to_string()).collect();
     let peers = format!(
         "peers=[{}]",
@@ -61,8 +63,7 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
         let spec = daemon(dir.path(), host)
             .on(network.host(host).clone())
             .args(["metadata-server", "--listen", &addrs[i], "--dir", &data, "--admin", "127.0.0.1:9072"])
-            .args(["--set", &peers, "--set", &node, "--set", &secret, "--set", &timeout])
-            .args(["--set", "trusted_network=true"]);
+            .args(["--tls-dir", &tls, "--set", &peers, "--set", &node, "--set", &timeout]);
         daemons.push(spec.spawn().unwrap_or_else(|e| panic!("{e:#}")));
     }
     let all = addrs.join(",");
@@ -70,7 +71,7 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
     let storage = daemon(dir.path(), "storage")
         .on(network.host(STORAGE_HOST).clone())
         .args(["storage-server", "--metadata", &all, "--listen", &block, "--admin", "127.0.0.1:9071"])
-        .args(["--dram", "64MiB", "--set", &secret, "--set", "trusted_network=true"]);
+        .args(["--dram", "64MiB", "--tls-dir", &tls]);
     daemons.push(storage.spawn().unwrap_or_else(|e| panic!("{e:#}")));
     let logs = || logs_in(dir.path());
 
@@ -89,8 +90,9 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
         });
         network.on_host(CLIENT_HOST, move || {
             runtime().block_on(async {
-                let first = leader(&addrs, &[0, 1, 2]).await;
-                let client = Client::connect(&all).await.unwrap();
+                let first = leader(&addrs, &[0, 1, 2], Some(&material)).await;
+                let options = ClientOptions { tls_dir: Some(tls_dir.clone()), ..Default::default() };
+                let client = Client::connect_with(&all, options).await.unwrap();
                 let deadline = Instant::now() + Duration::from_secs(30);
                 loop {
                     let status = client.status().await.ok();
@@ -109,7 +111,7 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
                 cut_leader.send(first).unwrap();
                 when_cut.recv().unwrap();
                 let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
-                leader(&addrs, &others).await;
+                leader(&addrs, &others, Some(&material)).await;
                 // The new leader counts the lease and the server timeout from its election, which
                 // a follower holds off until its leader's lease lapsed: wait a whole lease and
                 // more after it serves. The job's lease is renewed in the background all along,
