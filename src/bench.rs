@@ -55,6 +55,27 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// What replication costs a metadata call: clusters of 3 Raft replicas and of 1 (today's
+    /// single server), same shape, started in turn in each of --runs runs (the order rotates);
+    /// on each, --files creates of empty files one after another (p50, p99) and --maps x
+    /// --partitions map commits, one at a time and 32 at once. Medians, ranges and the ratio of 3
+    /// to 1 in each run. Targets: create p50 <= 2x, commits >= 0.5x the single replica's rate.
+    Replicas {
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Empty files created on each cluster in each run.
+        #[arg(long, default_value_t = 2000)]
+        files: usize,
+        /// Maps committed (the M of M x R).
+        #[arg(long, default_value_t = 1000)]
+        maps: u32,
+        /// Partitions of the shuffle (the R of M x R: lengths in each commit).
+        #[arg(long, default_value_t = 1000)]
+        partitions: u32,
+        /// Print one JSON object instead of the table (progress lines still go to stderr).
+        #[arg(long)]
+        json: bool,
+    },
     /// Shuffle service: metadata cost of M maps x R partitions beside plain Stat calls, and a
     /// reducer's partition read rate beside a plain file read.
     Shuffle {
@@ -493,6 +514,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 report.missing[0]
             );
             Ok(())
+        }
+        BenchCommand::Replicas { runs, files, maps, partitions, json } => {
+            let options = tern_bench::replicas::ReplicasOptions {
+                tern: std::env::current_exe().context("locating the tern binary")?,
+                runs,
+                files,
+                maps,
+                partitions,
+            };
+            let report = tern_bench::replicas::run(&options).await?;
+            show(json, &report, tern_bench::replicas::print_table)
         }
         BenchCommand::Shuffle { maps, partitions, read_size, read_maps, runs, json } => {
             let options = tern_bench::shuffle::ShuffleBenchOptions {

@@ -8,6 +8,7 @@ pub mod core;
 pub mod failover;
 pub mod harness;
 pub mod io;
+pub mod replicas;
 pub mod scale;
 // kill(2) on the cold-start benchmark's executor.
 #[allow(unsafe_code)]

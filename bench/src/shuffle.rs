@@ -14,8 +14,10 @@ use bytes::Bytes;
 use serde::Serialize;
 use tern_client::{Client, Shuffle, ShuffleOptions};
 use tern_common::median;
+use tern_proto::identity::{Presenting, Presents};
 use tern_proto::v1::metadata_client::MetadataClient;
 use tern_proto::v1::{CommitMapRequest, LocateShuffleRequest, RegisterShuffleRequest, StatRequest};
+use tern_transport::failover::Failover;
 
 use tern_local::cluster::EmbeddedCluster;
 
@@ -56,41 +58,45 @@ pub struct ShuffleBenchReport {
 /// Tasks committing at once in the concurrent commit measurement.
 const COMMITTERS: u32 = 32;
 
-/// Registers another shuffle like the first and commits all its maps from [`COMMITTERS`] tasks.
-async fn concurrent_commits(
-    metadata: &MetadataClient<tern_proto::identity::Presenting<tonic::transport::Channel>>,
+/// A metadata client presenting a job's token, over the failover channel to `addrs` (one
+/// address, or a replicated service's list), as the client library's shuffle calls are.
+pub(crate) type Metadata = MetadataClient<Presenting<Failover>>;
+
+pub(crate) fn metadata_for_job(addrs: &str, token: &str) -> anyhow::Result<Metadata> {
+    let addrs: Vec<&str> = addrs.split(',').collect();
+    let failover = tern_transport::failover::lazy_failover(&addrs, None, |endpoint| endpoint)?;
+    let presents = Presents::job_token(token).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(MetadataClient::with_interceptor(failover, presents)
+        .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES))
+}
+
+/// Registers a shuffle of `maps` x `partitions` for `job`, commits all its maps (exact lengths)
+/// from `committers` tasks at once, and unregisters it; the seconds the commits took.
+pub(crate) async fn commit_all(
+    metadata: &Metadata,
     job: &str,
-    options: &ShuffleBenchOptions,
+    (maps, partitions): (u32, u32),
+    committers: u32,
 ) -> anyhow::Result<f64> {
-    let ask = RegisterShuffleRequest {
-        job_id: job.to_string(),
-        partitions: options.partitions,
-        maps: options.maps,
-        ..Default::default()
-    };
+    let ask = RegisterShuffleRequest { job_id: job.to_string(), partitions, maps, ..Default::default() };
     let shuffle_id = metadata.clone().register_shuffle(ask).await?.into_inner().shuffle_id;
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for first in 0..COMMITTERS.min(options.maps) {
+    for first in 0..committers.min(maps) {
         let mut metadata = metadata.clone();
-        let (maps, partitions) = (options.maps, options.partitions);
         tasks.spawn(async move {
-            for map in (first..maps).step_by(COMMITTERS as usize) {
-                let lengths = (0..partitions).map(|p| 1 + u64::from(map ^ p)).collect();
-                let commit = CommitMapRequest {
-                    shuffle_id,
-                    map_index: map,
-                    attempt: 0,
-                    partition_bytes: lengths,
-                    ..Default::default()
-                };
+            for map in (first..maps).step_by(committers as usize) {
+                let partition_bytes = (0..partitions).map(|p| 1 + u64::from(map ^ p)).collect();
+                let commit =
+                    CommitMapRequest { shuffle_id, map_index: map, attempt: 0, partition_bytes, ..Default::default() };
                 metadata.commit_map(commit).await?;
             }
             Ok::<(), tonic::Status>(())
         });
     }
     while let Some(done) = tasks.join_next().await {
-        done.context("a committing task failed")??;
+        done.context("a committing task panicked")?.context("a map commit failed")?;
     }
     let seconds = started.elapsed().as_secs_f64();
     metadata.clone().unregister_shuffle(tern_proto::v1::UnregisterShuffleRequest { shuffle_id }).await?;
@@ -102,13 +108,7 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
     let cluster = EmbeddedCluster::start(&options.tern, 2, &dram).await?;
     let client = Client::connect(&cluster.metadata_addr).await?;
     let job = client.start_job(Some("bench-shuffle"), Duration::from_secs(60)).await?;
-    // The shuffle's calls present the job's token, as the client library's do.
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.metadata_addr))?.connect().await?;
-    let presents = tern_proto::identity::Presents::job_token(&job.token()).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut metadata = MetadataClient::with_interceptor(channel, presents)
-        .max_decoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES)
-        .max_encoding_message_size(tern_proto::MAX_GRPC_MESSAGE_BYTES);
+    let mut metadata = metadata_for_job(&cluster.metadata_addr, &job.token())?;
 
     eprintln!("measuring shuffle metadata: {} maps x {} partitions ...", options.maps, options.partitions);
     let started = Instant::now();
@@ -136,7 +136,8 @@ pub async fn run(options: &ShuffleBenchOptions) -> anyhow::Result<ShuffleBenchRe
             .await?;
     }
     let commit_seconds = started.elapsed().as_secs_f64();
-    let concurrent_commit_seconds = concurrent_commits(&metadata, job.id(), options).await?;
+    let concurrent_commit_seconds =
+        commit_all(&metadata, job.id(), (options.maps, options.partitions), COMMITTERS).await?;
     let started = Instant::now();
     for partition in 0..options.partitions {
         let located = metadata
