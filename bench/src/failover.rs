@@ -243,7 +243,7 @@ struct Replicas {
 
 impl Replicas {
     fn new(cluster: &EmbeddedCluster) -> anyhow::Result<Replicas> {
-        let count = cluster.metadata_addr.split(',').count() as u16;
+        let count = cluster.metadata_replicas();
         let mut clients = Vec::new();
         for k in 0..count {
             let endpoint = tern_transport::tls::grpc_endpoint(&cluster.metadata_replica_addr(k), None)?

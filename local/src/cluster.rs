@@ -82,9 +82,8 @@ impl EmbeddedCluster {
             .spawn()?];
         // `tern up` runs every daemon, so it is the one to blame for any of them.
         let storage: Vec<_> = (0..ports.storage_servers()).map(|i| (0, host.addr(ports.storage(i)))).collect();
-        let metadata_addr = (0..ports.metadata_replicas())
-            .map(|k| host.addr(ports.metadata_replica(k)).to_string())
-            .collect::<Vec<_>>();
+        let metadata_addr: Vec<String> =
+            (0..ports.metadata_replicas()).map(|k| host.addr(ports.metadata_replica(k)).to_string()).collect();
         let metadata_addr = metadata_addr.join(",");
         let options = tern_client::ClientOptions::default();
         let deadline = Deadline::after(STARTUP_TIMEOUT);
@@ -96,6 +95,11 @@ impl EmbeddedCluster {
     /// `tern up`'s directory (its `daemons.json`, logs and state).
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// How many metadata replicas it runs.
+    pub fn metadata_replicas(&self) -> u16 {
+        self.ports.metadata_replicas()
     }
 
     /// Metadata replica `k`'s gRPC address (`k` from 0).

@@ -120,16 +120,15 @@ impl Config {
         Ok(peers)
     }
 
-    /// This server's id among the peers: `node_id`, or with `node_id = 0` the peer named by this
+    /// This server's id among `peers` (its `peer_map`): `node_id`, or with `node_id = 0` the peer named by this
     /// host's name (read from the kernel: a container's own); 0 without peers.
-    pub fn node_id(&self) -> anyhow::Result<u64> {
-        let peers = self.peer_map()?;
+    pub fn node_id(&self, peers: &BTreeMap<u64, String>) -> anyhow::Result<u64> {
         if peers.is_empty() || self.node_id != 0 {
             return Ok(self.node_id);
         }
         let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .context("node_id = 0 with peers: reading this host's name from /proc/sys/kernel/hostname")?;
-        node_id_of_host(&peers, hostname.trim())
+        node_id_of_host(peers, hostname.trim())
     }
 }
 
@@ -305,7 +304,7 @@ mod tests {
         assert!(node_id_of_host(&twice, "h").unwrap_err().to_string().contains("all on host"));
         // An id given wins, and must be among the peers.
         let config = Config { peers: vec!["1=a:1".into(), "2=b:2".into()], node_id: 2, ..Config::default() };
-        assert_eq!(config.node_id().unwrap(), 2);
+        assert_eq!(config.node_id(&config.peer_map().unwrap()).unwrap(), 2);
         let config = Config { node_id: 3, ..config };
         assert!(config.validate().unwrap_err().to_string().contains("node_id = 3 is not among peers"));
     }

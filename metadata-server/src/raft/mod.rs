@@ -147,7 +147,7 @@ impl Replica {
         secret: &ClusterSecret,
     ) -> anyhow::Result<(Arc<Replica>, Arc<Mutex<State>>)> {
         let peers = config.peer_map()?;
-        let me = config.node_id()?;
+        let me = config.node_id(&peers)?;
         let store = store::Store::open(fs, &config.dir, config, Now::read())?;
         tracing::debug!("Raft files in {}", dir(config).display());
         let state = store.machine.state.clone();
