@@ -61,6 +61,7 @@ enum BenchCommand {
     /// --partitions map commits, one at a time and 32 at once. Medians, ranges and the ratio of 3
     /// to 1 in each run. Targets: create p50 <= 2x, commits >= 0.5x the single replica's rate.
     Replicas {
+        /// Runs, each measuring both clusters; the first cluster started alternates.
         #[arg(long, default_value_t = 3)]
         runs: usize,
         /// Empty files created on each cluster in each run.
