@@ -15,6 +15,7 @@
 //! its leadership discards its live state and rebuilds it from the snapshot and the committed log
 //! (`store::Machine::rebuild`). Other nodes refuse calls with `not the leader; the leader is ADDR`.
 
+mod codec;
 mod net;
 #[cfg(test)]
 mod power_loss;
@@ -62,6 +63,7 @@ pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Batch {
     pub last_seq: u64,
+    #[serde(with = "serde_bytes")]
     pub records: Vec<u8>,
 }
 

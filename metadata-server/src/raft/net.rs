@@ -1,6 +1,6 @@
 //! Raft's messages between metadata servers: the `Raft` gRPC service (on the metadata server's
 //! own port) and the client side openraft calls through. Each message is openraft's request or
-//! `Result<response, error>` as JSON in a `RaftMessage`, bounded by `max_message_size`; callers
+//! `Result<response, error>` in `codec`'s encoding in a `RaftMessage`, bounded by `max_message_size`; callers
 //! present a `metadata` credential made from the cluster secret, and the service admits no
 //! other (`Authz::decide_metadata`). With `tls_dir` the peers talk mutual TLS, as every other
 //! gRPC caller does: each presents its node certificate and accepts only a peer certificate
@@ -28,7 +28,7 @@ use tern_transport::tls::{grpc_endpoint, TlsMaterial};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use super::{TypeConfig, RPC_DEADLINE};
+use super::{codec, TypeConfig, RPC_DEADLINE};
 use crate::authz::Authz;
 
 /// Makes a client per peer, each presenting this node's `metadata` credential (and, with TLS,
@@ -78,7 +78,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 }
 
 fn encode<T: Serialize>(value: &T) -> RaftMessage {
-    RaftMessage { json: serde_json::to_vec(value).expect("openraft's messages serialize") }
+    RaftMessage { payload: codec::encode(value) }
 }
 
 impl Peer {
@@ -121,7 +121,7 @@ impl Peer {
             }
             Ok(Ok(reply)) => reply.into_inner(),
         };
-        let result: Result<Resp, RaftError<u64, E>> = serde_json::from_slice(&reply.json)
+        let result: Result<Resp, RaftError<u64, E>> = codec::decode(&reply.payload)
             .map_err(|e| RPCError::Network(NetworkError::new(&std::io::Error::other(format!("{which} reply: {e}")))))?;
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }
@@ -181,7 +181,7 @@ impl RaftService {
                 ErrorKind::Invalid.status(format!("{method}: this metadata server is not replicated (no peers)"))
             );
         };
-        let rpc = serde_json::from_slice(&request.into_inner().json)
+        let rpc = codec::decode(&request.into_inner().payload)
             .map_err(|e| ErrorKind::Invalid.status(format!("{method}: the message does not decode: {e}")))?;
         Ok((raft, rpc))
     }

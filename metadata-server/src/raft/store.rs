@@ -3,12 +3,12 @@
 //! [`State::replay`] (and so [`State::apply`]) that a restart replays.
 //!
 //! Files in `<dir>/raft/`, each `[u32 length][u32 crc32c][payload]` frames as in `wal.rs`:
-//! - `log`: a first frame `{"purged": LogId}` (the last log id a snapshot made redundant), then
-//!   one frame per entry (openraft's `Entry`, JSON). Appended and fdatasynced before openraft is
+//! - `log`: a first frame with the last log id a snapshot made redundant, then one frame per
+//!   entry (openraft's `Entry`). Every frame's payload is in `codec`'s encoding. Appended and fdatasynced before openraft is
 //!   told; a torn last frame is discarded on start (never acknowledged). Truncations and purges
 //!   rewrite it (`log.tmp`, synced, renamed, directory synced).
-//! - `vote`: one frame (the vote, JSON), replaced whole the same way.
-//! - `snapshot`: a frame with the snapshot's meta (JSON), then the state's snapshot records in
+//! - `vote`: one frame (the vote), replaced whole the same way.
+//! - `snapshot`: a frame with the snapshot's meta, then the state's snapshot records in
 //!   today's frame format (`wal::encode_frame`).
 //!
 //! A leader runs calls on its live state before their entry commits (speculative apply, see
@@ -35,13 +35,13 @@ use tern_common::durable::{Fs, Open};
 use tern_common::Now;
 use tracing::{error, warn};
 
-use super::{Batch, TypeConfig};
+use super::{codec, Batch, TypeConfig};
 use crate::config::Config;
 use crate::state::State;
 use crate::wal;
 
-/// Largest frame of the Raft files (an entry is bounded well below: `MAX_ENTRY_BYTES`).
-const MAX_FRAME_BYTES: usize = 256 << 20;
+/// Largest frame of the Raft files: the largest value `codec` decodes.
+const MAX_FRAME_BYTES: usize = codec::MAX_BYTES as usize;
 
 type Error = StorageError<u64>;
 
@@ -204,9 +204,9 @@ impl LogStore {
     /// Rewrites the log file from memory (after a truncation or a purge).
     fn rewrite(&self) -> Result<(), Error> {
         let mut out = Vec::new();
-        frame(&serde_json::to_vec(&*self.header.lock()).expect("serializes"), &mut out);
+        frame(&codec::encode(&*self.header.lock()), &mut out);
         for entry in self.entries.lock().values() {
-            frame(&serde_json::to_vec(entry).expect("serializes"), &mut out);
+            frame(&codec::encode(entry), &mut out);
         }
         self.replace("log", &out)?;
         *self.file_len.lock() = out.len() as u64;
@@ -229,7 +229,7 @@ impl Store {
         };
         let vote = match read("vote")? {
             Some(bytes) => match frames(&bytes, "raft/vote")?.0.first() {
-                Some(payload) => Some(serde_json::from_slice(payload)?),
+                Some(payload) => Some(codec::decode(payload)?),
                 None => None,
             },
             None => None,
@@ -241,9 +241,9 @@ impl Store {
             let (payloads, good) = frames(&bytes, "raft/log")?;
             for (i, payload) in payloads.iter().enumerate() {
                 if i == 0 {
-                    header = serde_json::from_slice(payload)?;
+                    header = codec::decode(payload)?;
                 } else {
-                    let entry: Entry<TypeConfig> = serde_json::from_slice(payload)?;
+                    let entry: Entry<TypeConfig> = codec::decode(payload)?;
                     entries.insert(entry.log_id.index, entry);
                 }
             }
@@ -270,7 +270,7 @@ impl Store {
         if let Some(bytes) = read("snapshot")? {
             let (payloads, _) = frames(&bytes, "raft/snapshot")?;
             let meta: SnapshotMeta<u64, openraft::BasicNode> =
-                serde_json::from_slice(payloads.first().ok_or_else(|| anyhow::anyhow!("raft/snapshot is empty"))?)?;
+                codec::decode(payloads.first().ok_or_else(|| anyhow::anyhow!("raft/snapshot is empty"))?)?;
             let data: Vec<u8> = payloads.get(1).map(|d| d.to_vec()).unwrap_or_default();
             *machine.state.lock() = machine.state_from(&data, now)?;
             let mut m = machine.meta.lock();
@@ -283,7 +283,7 @@ impl Store {
 
     fn save_snapshot(&self, meta: &SnapshotMeta<u64, openraft::BasicNode>, data: &[u8]) -> Result<(), Error> {
         let mut out = Vec::with_capacity(data.len() + 1024);
-        frame(&serde_json::to_vec(meta).expect("serializes"), &mut out);
+        frame(&codec::encode(meta), &mut out);
         frame(data, &mut out);
         self.log.replace("snapshot", &out)
     }
@@ -334,7 +334,7 @@ impl RaftStorage<TypeConfig> for Store {
 
     async fn save_vote(&mut self, vote: &Vote<u64>) -> Result<(), Error> {
         let mut out = Vec::new();
-        frame(&serde_json::to_vec(vote).expect("serializes"), &mut out);
+        frame(&codec::encode(vote), &mut out);
         self.log.replace("vote", &out)?;
         *self.log.vote.lock() = Some(*vote);
         Ok(())
@@ -361,7 +361,7 @@ impl RaftStorage<TypeConfig> for Store {
         let entries: Vec<_> = entries.into_iter().collect();
         let mut out = Vec::new();
         for entry in &entries {
-            frame(&serde_json::to_vec(entry).expect("serializes"), &mut out);
+            frame(&codec::encode(entry), &mut out);
         }
         {
             let mut len = self.log.file_len.lock();
