@@ -41,10 +41,7 @@ mod tests {
         let entries: Vec<Entry<TypeConfig>> = vec![
             Entry { log_id, payload: EntryPayload::Blank },
             Entry { log_id, payload: EntryPayload::Normal(Batch { last_seq: 7, records: vec![0, 1, 255] }) },
-            Entry {
-                log_id,
-                payload: EntryPayload::Membership(Membership::new(vec![[1, 2].into()], members)),
-            },
+            Entry { log_id, payload: EntryPayload::Membership(Membership::new(vec![[1, 2].into()], members)) },
         ];
         let back: Vec<Entry<TypeConfig>> = decode(&encode(&entries)).expect("decodes");
         assert_eq!(format!("{back:?}"), format!("{entries:?}"));
