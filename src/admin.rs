@@ -85,11 +85,45 @@ enum AdminCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The replicated metadata service's members: list, add or remove one at a time.
+    Metadata {
+        #[command(subcommand)]
+        command: MetadataCommand,
+    },
     /// Free every segment of shuffle SHUFFLE (its id, as `tern job status` shows it).
     UnregisterShuffle {
         /// The shuffle's id.
         shuffle: u64,
         /// Print {"shuffle_id", "unregistered"} as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum MetadataCommand {
+    /// Members as the leader sees them: id, address, voter or learner, leader, log entries behind.
+    Members {
+        /// Print the answer as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Add metadata server ID at ADDR as a voter, once it has caught up. Start it first, with
+    /// `node_id = ID` and `peers` naming the members and itself (an empty state: it only follows).
+    Add {
+        /// Its Raft node id: at least 1 and no other member's.
+        id: u64,
+        /// Its gRPC address host:port, as the other members reach it.
+        address: String,
+        /// Print the members after the change as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove member ID (a voter or a learner); stop that server afterwards.
+    Remove {
+        /// Its id, as `tern admin metadata members` lists it.
+        id: u64,
+        /// Print the members after the change as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -174,6 +208,28 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                     tern_common::text::count(ended.files_deleted, "file"),
                     tern_common::text::count(ended.blocks_freed, "block")
                 );
+            }
+        }
+        AdminCommand::Metadata { command } => {
+            let (members, json, done) = match command {
+                MetadataCommand::Members { json } => (client.metadata_members().await?, json, None),
+                MetadataCommand::Add { id, address, json } => {
+                    let added = client.add_metadata_member(id, &address).await?;
+                    (added, json, Some(format!("member {id} at {address} added: it votes")))
+                }
+                MetadataCommand::Remove { id, json } => (
+                    client.remove_metadata_member(id).await?,
+                    json,
+                    Some(format!("member {id} removed: stop that metadata server now")),
+                ),
+            };
+            if json {
+                show::print_json(&show::members_json(&members));
+            } else {
+                if let Some(done) = done {
+                    outln!("{done}");
+                }
+                show::print_members(&members);
             }
         }
         AdminCommand::UnregisterShuffle { shuffle, json } => {

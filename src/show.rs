@@ -7,6 +7,7 @@
 use serde_json::{json, Value};
 use tern_client::{BlockLocation, EntryKind, FileInfo, ServerStatus, StatusResponse};
 use tern_common::ByteSize;
+use tern_proto::v1::MetadataMembersResponse;
 
 /// An id in JSON: a string, since ids reach past 2^53 (NVMe block ids carry a high bit, shuffle
 /// ids start from the clock), beyond the integers JavaScript and jq hold exactly.
@@ -104,8 +105,9 @@ pub fn block_json(block: &BlockLocation, alive: bool) -> Value {
     })
 }
 
-pub fn status_json(status: &StatusResponse) -> Value {
+pub fn status_json(status: &StatusResponse, members: &MetadataMembersResponse) -> Value {
     json!({
+        "metadata": members_json(members),
         "block_size": status.block_size,
         "files": status.files,
         "lost_files": status.lost_files,
@@ -126,6 +128,53 @@ pub fn status_json(status: &StatusResponse) -> Value {
             "nvme_limit_bytes": t.nvme_limit_bytes,
         })).collect::<Vec<_>>(),
     })
+}
+
+/// The metadata service's members (`tern admin metadata members`); `replicated: false` and
+/// no members for a single metadata server.
+pub fn members_json(m: &MetadataMembersResponse) -> Value {
+    json!({
+        "replicated": m.replicated,
+        "term": m.term,
+        "last_log_index": m.last_log_index,
+        "members": m.members.iter().map(|member| json!({
+            "id": member.id,
+            "address": member.addr,
+            "voter": member.voter,
+            "leader": member.leader,
+            "matched_index": member.matched_index,
+            "behind": member.matched_index.map(|matched| m.last_log_index.saturating_sub(matched)),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The members as a table, or one line for a single metadata server.
+pub fn print_members(m: &MetadataMembersResponse) {
+    if !m.replicated {
+        outln!("metadata: one server, not replicated");
+        return;
+    }
+    outln!(
+        "metadata: {} (term {}, log at {})",
+        tern_common::text::count(m.members.len() as u64, "member"),
+        m.term,
+        m.last_log_index
+    );
+    outln!("{:<6} {:<22} {:<8} {:<7} {:>8}", "MEMBER", "ADDRESS", "ROLE", "LEADER", "BEHIND");
+    for member in &m.members {
+        let behind = match member.matched_index {
+            Some(matched) => m.last_log_index.saturating_sub(matched).to_string(),
+            None => "unknown".to_string(),
+        };
+        outln!(
+            "{:<6} {:<22} {:<8} {:<7} {:>8}",
+            member.id,
+            member.addr,
+            if member.voter { "voter" } else { "learner" },
+            if member.leader { "yes" } else { "" },
+            behind
+        );
+    }
 }
 
 /// Re-replication and drain copies of blocks and shuffle segments (counts since the metadata

@@ -15,9 +15,11 @@ pub struct StatusArgs {
 }
 
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
-    let status = args.metadata.connect().await?.status().await?;
+    let client = args.metadata.connect().await?;
+    let status = client.status().await?;
+    let members = client.metadata_members().await?;
     if args.json {
-        show::print_json(&show::status_json(&status));
+        show::print_json(&show::status_json(&status, &members));
         return Ok(());
     }
     let alive = status.servers.iter().filter(|s| s.alive).count();
@@ -33,6 +35,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         tern_common::text::count(status.directories, "directory"),
         tern_common::text::count(status.jobs.len() as u64, "job")
     );
+    show::print_members(&members);
     outln!();
     outln!(
         "{:<6} {:<22} {:<8} {:<5} {:<6} {:>10} {:>10} {:>10} {:>5} {:>15} {:>10}",

@@ -42,4 +42,22 @@ impl Client {
             .map_err(|s| Error::from(s).context(format_args!("shuffle {shuffle_id}")))?;
         Ok(())
     }
+
+    /// The replicated metadata service's members as its leader sees them (`replicated: false`
+    /// from a metadata server without peers).
+    pub async fn metadata_members(&self) -> Result<pb::MetadataMembersResponse> {
+        Ok(self.inner.admin.clone().metadata_members(pb::MetadataMembersRequest {}).await?.into_inner())
+    }
+
+    /// Adds metadata server `id` at `addr` as a voting member (it must be running); waits until
+    /// it has caught up and the change has committed.
+    pub async fn add_metadata_member(&self, id: u64, addr: &str) -> Result<pb::MetadataMembersResponse> {
+        let request = pb::AddMetadataMemberRequest { id, addr: addr.to_string() };
+        Ok(self.inner.admin.clone().add_metadata_member(request).await?.into_inner())
+    }
+
+    /// Removes metadata member `id`.
+    pub async fn remove_metadata_member(&self, id: u64) -> Result<pb::MetadataMembersResponse> {
+        Ok(self.inner.admin.clone().remove_metadata_member(pb::RemoveMetadataMemberRequest { id }).await?.into_inner())
+    }
 }

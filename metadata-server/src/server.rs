@@ -90,7 +90,9 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         tern_common::admin::serve(config.serve.admin_listen, "metadata-server", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
     let raft = match &log {
-        Log::Raft(replica) => crate::raft::RaftService::new(Some(replica.raft.clone()), authz.clone()),
+        Log::Raft(replica) => {
+            crate::raft::RaftService::new(Some((replica.raft.clone(), replica.heard.clone())), authz.clone())
+        }
         Log::Wal(_) => crate::raft::RaftService::new(None, authz.clone()),
     };
     let service = Arc::new(Service::new(state.clone(), log.clone(), metrics, authz));

@@ -427,6 +427,79 @@ impl Admin for Service {
     async fn end_job(&self, request: Request<AdminEndJobRequest>) -> Result<Response<EndJobResponse>, Status> {
         self.call("admin_end_job", request, |_| Needs::Admin, |state, now, req| state.admin_end_job(req, now)).await
     }
+
+    async fn metadata_members(
+        &self,
+        request: Request<MetadataMembersRequest>,
+    ) -> Result<Response<MetadataMembersResponse>, Status> {
+        self.membership("metadata_members", request, Needs::Anyone, async |replica, _| match replica {
+            Some(replica) => replica.members(),
+            None => Ok(MetadataMembersResponse::default()),
+        })
+        .await
+    }
+
+    async fn add_metadata_member(
+        &self,
+        request: Request<AddMetadataMemberRequest>,
+    ) -> Result<Response<MetadataMembersResponse>, Status> {
+        self.membership("add_metadata_member", request, Needs::Admin, async |replica, req| {
+            not_replicated(replica)?.add_member(req.id, &req.addr).await
+        })
+        .await
+    }
+
+    async fn remove_metadata_member(
+        &self,
+        request: Request<RemoveMetadataMemberRequest>,
+    ) -> Result<Response<MetadataMembersResponse>, Status> {
+        self.membership("remove_metadata_member", request, Needs::Admin, async |replica, req| {
+            not_replicated(replica)?.remove_member(req.id).await
+        })
+        .await
+    }
+}
+
+/// The replica a membership change goes to; a refusal for a metadata server without peers.
+fn not_replicated(replica: Option<&Replica>) -> Result<&Replica, Status> {
+    replica.ok_or_else(|| {
+        ErrorKind::Invalid.status("this metadata server is not replicated (no peers): it has no members to change")
+    })
+}
+
+impl Service {
+    /// A membership call: who the caller is and whether `needs` allows it, then `op` on the
+    /// replica (None for a single server). Membership lives in Raft's log beneath the state, so
+    /// `op` runs outside the state's lock and is not a request-id call (a retried add or remove
+    /// finds its change made and answers the members).
+    async fn membership<R, T: prost::Message>(
+        &self,
+        method: &'static str,
+        request: Request<R>,
+        needs: Needs,
+        op: impl AsyncFnOnce(Option<&Replica>, R) -> Result<T, Status>,
+    ) -> Result<Response<T>, Status> {
+        #[expect(clippy::disallowed_methods, reason = "the edge: each call reads the clock once")]
+        let now = Now::read();
+        let admitted = self
+            .authz
+            .caller(method, &request, now.instant)
+            .and_then(|caller| self.authz.decide(method, &caller, &needs, &self.state.lock(), now.instant));
+        let result = match admitted {
+            Ok(()) => {
+                let replica = match &self.log {
+                    Log::Raft(replica) => Some(&**replica),
+                    Log::Wal(_) => None,
+                };
+                op(replica, request.into_inner())
+                    .await
+                    .map_err(|status| ErrorKind::of_status(&status).status(format!("{method}: {}", status.message())))
+            }
+            Err(refused) => Err(refused),
+        };
+        self.metrics.record(method, now.instant.elapsed(), result.as_ref().err());
+        result.map(Response::new)
+    }
 }
 
 #[cfg(test)]

@@ -53,9 +53,11 @@ fn allowed(rpc: &str) -> &'static [Kind] {
         "RegisterJob" => &[Nobody, TenantClient, JobHolder, Admin],
         "Status" | "ReportUnreachable" => &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin],
         "RegisterServer" | "Heartbeat" | "ReportInventory" => &[Server],
-        "SetServerMode" | "Admin.EndJob" => &[Admin],
+        "SetServerMode" | "Admin.EndJob" | "AddMetadataMember" | "RemoveMetadataMember" => &[Admin],
+        // The members and who leads, as Status shows the servers.
+        "MetadataMembers" => &[Nobody, TenantClient, JobHolder, OtherTenant, Server, Admin],
         // Between metadata servers only (a `metadata` credential, which no kind here holds).
-        "AppendEntries" | "Vote" | "InstallSnapshot" => &[],
+        "AppendEntries" | "Vote" | "InstallSnapshot" | "PreVote" => &[],
         other => {
             panic!("RPC {other} is not in the authorization table (tests/integration/authz.rs and ARCHITECTURE.md)")
         }
@@ -305,9 +307,19 @@ impl Fixture {
                 caller.admin.set_server_mode(ask).await.map(drop)
             }
             "Admin.EndJob" => caller.admin.end_job(AdminEndJobRequest { job_id: target.job.clone() }).await.map(drop),
+            "MetadataMembers" => caller.admin.metadata_members(MetadataMembersRequest {}).await.map(drop),
+            // An operator is told this single server has no members to change.
+            "AddMetadataMember" => {
+                let ask = AddMetadataMemberRequest { id: 2, addr: "127.0.0.1:1".into() };
+                caller.admin.add_metadata_member(ask).await.map(drop)
+            }
+            "RemoveMetadataMember" => {
+                caller.admin.remove_metadata_member(RemoveMetadataMemberRequest { id: 1 }).await.map(drop)
+            }
             "AppendEntries" => caller.raft.append_entries(RaftMessage::default()).await.map(drop),
             "Vote" => caller.raft.vote(RaftMessage::default()).await.map(drop),
             "InstallSnapshot" => caller.raft.install_snapshot(RaftMessage::default()).await.map(drop),
+            "PreVote" => caller.raft.pre_vote(RaftMessage::default()).await.map(drop),
             other => panic!("no call for RPC {other}"),
         };
         done

@@ -48,23 +48,26 @@ async fn eventually<T, F: AsyncFnMut() -> tern_client::Result<T>>(what: &str, mu
 /// processes.
 fn start_replicas(dir: &std::path::Path, secret: &str, settings: &[&str]) -> (Vec<String>, Vec<Daemon>) {
     let addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    let daemons = (1..=3).map(|id| start_replica(dir, secret, id, &addrs, settings)).collect();
+    (addrs, daemons)
+}
+
+/// Replica `id` (1-based) of the replicas at `addrs` (its peers), with `settings`.
+fn start_replica(dir: &std::path::Path, secret: &str, id: usize, addrs: &[String], settings: &[&str]) -> Daemon {
     let peers = format!(
         "peers=[{}]",
         addrs.iter().enumerate().map(|(i, a)| format!("\"{}={a}\"", i + 1)).collect::<Vec<_>>().join(",")
     );
-    let mut daemons = Vec::new();
-    for (i, addr) in addrs.iter().enumerate() {
-        let data = dir.join(format!("metadata-{}", i + 1)).to_string_lossy().into_owned();
-        let node = format!("node_id={}", i + 1);
-        let args = ["metadata-server", "--listen", addr, "--dir", &data, "--admin", "127.0.0.1:0", "--set", &peers];
-        let mut args: Vec<&str> = args.to_vec();
-        args.extend(["--set", &node, "--set", secret]);
-        for setting in settings {
-            args.extend(["--set", setting]);
-        }
-        daemons.push(spawn_logged(dir, &format!("metadata-{}", i + 1), &args));
+    let data = dir.join(format!("metadata-{id}")).to_string_lossy().into_owned();
+    let node = format!("node_id={id}");
+    let addr = &addrs[id - 1];
+    let args = ["metadata-server", "--listen", addr, "--dir", &data, "--admin", "127.0.0.1:0", "--set", &peers];
+    let mut args: Vec<&str> = args.to_vec();
+    args.extend(["--set", &node, "--set", secret]);
+    for setting in settings {
+        args.extend(["--set", setting]);
     }
-    (addrs, daemons)
+    spawn_logged(dir, &format!("metadata-{id}"), &args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,6 +163,93 @@ async fn a_storage_server_and_a_job_follow_the_leader_across_a_failover() {
     assert!(storage.try_wait().unwrap().is_none(), "the storage server exited\n{}", logs());
     let _ = job.end().await;
     let _ = storage.kill();
+    for daemon in &mut daemons {
+        let _ = daemon.kill();
+    }
+}
+
+/// `tern admin metadata ARGS` against `addrs`, as the operator (`DIR/credentials/admin`, which
+/// `tern cert secret` wrote) or as the default tenant's client.
+fn admin_metadata(dir: &std::path::Path, addrs: &str, operator: bool, args: &[&str]) -> std::process::Output {
+    let mut command = std::process::Command::new(crate::common::TERN);
+    command.args(["admin", "--metadata", addrs]);
+    if operator {
+        command.arg("--as").arg(dir.join("credentials/admin"));
+    }
+    command.args(["metadata"]).args(args).output().unwrap()
+}
+
+/// The members `tern admin metadata members --json` lists: (id, voter, leader) each.
+fn members(dir: &std::path::Path, addrs: &str) -> Vec<(u64, bool, bool)> {
+    let out = admin_metadata(dir, addrs, false, &["members", "--json"]);
+    assert!(out.status.success(), "members: {}", String::from_utf8_lossy(&out.stderr));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["replicated"], true, "{answer}");
+    let members = answer["members"].as_array().unwrap().iter();
+    members.map(|m| (m["id"].as_u64().unwrap(), m["voter"] == true, m["leader"] == true)).collect()
+}
+
+/// Membership, one change at a time over the control plane: anyone may list the members, only
+/// the operator may change them; a fourth server added catches up and votes (the service keeps
+/// its majority through two of the first three gone), and removing the leader itself moves the
+/// leadership; nothing written before is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_are_added_and_removed_one_at_a_time_by_the_operator_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = cluster_secret(dir.path());
+    let addrs: Vec<String> = (0..4).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    let mut daemons: Vec<Daemon> = (1..=3).map(|id| start_replica(dir.path(), &secret, id, &addrs[..3], &[])).collect();
+    let first = leader(&addrs[..3], &[0, 1, 2], None).await;
+    let all = addrs.join(",");
+    let logs = || logs_in(dir.path());
+    let client = Client::connect(&all).await.unwrap();
+    eventually("mkdir /before", async || client.mkdir("/before", false).await).await;
+    let three = members(dir.path(), &all);
+    assert_eq!(three.len(), 3, "{three:?}");
+    assert!(three.iter().all(|&(_, voter, _)| voter), "{three:?}");
+    assert_eq!(three.iter().filter(|&&(_, _, leads)| leads).count(), 1, "{three:?}");
+
+    // The fourth, started with the members and itself as peers; a client may not add it.
+    daemons.push(start_replica(dir.path(), &secret, 4, &addrs, &[]));
+    let refused = admin_metadata(dir.path(), &all, false, &["add", "4", &addrs[3]]);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && said.contains("operator"), "a client added a member: {said}");
+    let refused = admin_metadata(dir.path(), &all, false, &["remove", "1"]);
+    assert!(!refused.status.success(), "a client removed a member");
+    assert_eq!(members(dir.path(), &all).len(), 3, "a refused change changed the members");
+    let bad = admin_metadata(dir.path(), &all, true, &["add", "4", "nohost"]);
+    let said = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && said.contains("not host:port"), "a bad address: {said}");
+    let bad = admin_metadata(dir.path(), &all, true, &["remove", "9"]);
+    let said = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && said.contains("9 is not a member"), "a stranger removed: {said}");
+
+    let added = admin_metadata(dir.path(), &all, true, &["add", "4", &addrs[3]]);
+    assert!(added.status.success(), "add: {}\n{}", String::from_utf8_lossy(&added.stderr), logs());
+    let four = members(dir.path(), &all);
+    assert_eq!(four.len(), 4, "{four:?}");
+    assert!(four.iter().all(|&(_, voter, _)| voter), "the added member does not vote: {four:?}");
+    // A retried add is answered, not refused.
+    let again = admin_metadata(dir.path(), &all, true, &["add", "4", &addrs[3]]);
+    assert!(again.status.success(), "a retried add: {}", String::from_utf8_lossy(&again.stderr));
+
+    // Removing the leader itself: the others elect one among them, and the removed one is stopped.
+    let removed = admin_metadata(dir.path(), &all, true, &["remove", &(first + 1).to_string()]);
+    assert!(removed.status.success(), "remove: {}\n{}", String::from_utf8_lossy(&removed.stderr), logs());
+    daemons[first].kill().unwrap();
+    eventually("mkdir /after-remove", async || client.mkdir("/after-remove", false).await).await;
+    let left = members(dir.path(), &all);
+    assert_eq!(left.len(), 3, "{left:?}");
+    assert!(!left.iter().any(|m| m.0 == first as u64 + 1), "the removed member is listed: {left:?}");
+
+    // Of the three voters left, one of the first three is killed: the majority needs the fourth.
+    let other = (0..3).find(|&i| i != first).unwrap();
+    daemons[other].kill().unwrap();
+    eventually("mkdir /on-the-fourth", async || client.mkdir("/on-the-fourth", false).await).await;
+    let paths: Vec<String> = client.list("/").await.unwrap().iter().map(|e| e.path.clone()).collect();
+    for path in ["/before", "/after-remove", "/on-the-fourth"] {
+        assert!(paths.iter().any(|p| p == path), "{path} is missing: {paths:?}\n{}", logs());
+    }
     for daemon in &mut daemons {
         let _ = daemon.kill();
     }

@@ -3,8 +3,9 @@
 //! its addresses (`--metadata a,b,c`, [`metadata_addresses`]). A call answered `not the leader; the leader is ADDR`
 //! is sent again to ADDR; a call that cannot reach its server goes to the next address. Each
 //! call makes at most [`MAX_ATTEMPTS_PER_ADDRESS`] tries per address, [`RETRY_PAUSE`] apart
-//! after a failure to connect or while an election is under way; the last answer (or error) is
-//! the call's. With one address the channel passes calls straight through, as before.
+//! after a failure to connect or a not-leader answer naming no leader (an election, or a server
+//! removed from the membership or not yet added, which never learns of one), each of which moves
+//! to the next address; the last answer (or error) is the call's. With one address the channel passes calls straight through, as before.
 //!
 //! A call's own deadline (its `grpc-timeout`, as `tonic::Request::set_timeout` writes it) bounds
 //! each try, not only the whole call: tonic's connection enforces the shorter of it and the
@@ -186,7 +187,10 @@ impl Service<http::Request<Body>> for Failover {
                                 last = Some(Ok(response));
                             }
                             Some(None) => {
+                                // An election, or a server no longer (or not yet) a member, which
+                                // will never learn of a leader: the next one may know.
                                 last = Some(Ok(response));
+                                next(&this.current);
                                 tokio::time::sleep(RETRY_PAUSE).await;
                             }
                         },

@@ -16,6 +16,7 @@
 //! (`store::Machine::rebuild`). Other nodes refuse calls with `not the leader; the leader is ADDR`.
 
 mod codec;
+pub mod elect;
 mod net;
 #[cfg(test)]
 mod power_loss;
@@ -23,19 +24,19 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use openraft::{BasicNode, Raft, ServerState};
+use openraft::{BasicNode, ChangeMembers, Raft, ServerState};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tern_common::durable::Fs;
 use tern_common::Now;
 use tern_proto::identity::ClusterSecret;
-use tern_proto::v1::LogRecord;
+use tern_proto::v1::{LogRecord, MetadataMember, MetadataMembersResponse};
 use tern_proto::ErrorKind;
 use tokio::sync::{watch, Notify, Semaphore};
 use tonic::Status;
@@ -58,6 +59,12 @@ pub const MAX_ENTRY_BYTES: usize = 4 << 20;
 pub const MAX_IN_FLIGHT: usize = 2;
 /// Longest wait for a proposal to commit, or for the leadership to be confirmed.
 pub const COMMIT_DEADLINE: Duration = Duration::from_secs(10);
+/// Longest wait for each step of a membership change (a new member's catching up, the change's
+/// commit): within a client's default 30 s request timeout, so the caller hears why.
+pub const MEMBERSHIP_DEADLINE: Duration = Duration::from_secs(12);
+/// openraft's election timeouts: its maximum is also its leader lease (`elect::LEADER_LEASE`).
+const ELECTION_TIMEOUT_MIN_MS: u64 = 600;
+const ELECTION_TIMEOUT_MAX_MS: u64 = 1200;
 /// Deadline of one Raft RPC to a peer (openraft's own TTLs are shorter for heartbeats).
 pub const RPC_DEADLINE: Duration = Duration::from_secs(5);
 
@@ -96,6 +103,8 @@ pub struct Replica {
     wake: Notify,
     outcome: watch::Sender<Outcome>,
     key_file: std::path::PathBuf,
+    /// When this replica last heard a leader (`elect`), touched by the `Raft` service.
+    pub heard: Arc<elect::Heard>,
 }
 
 /// A replica's place in Raft (`Replica::place`).
@@ -118,10 +127,10 @@ impl std::fmt::Debug for Replica {
 /// every `raft_snapshot_entries` entries (a fifth of that kept behind it), entries sent in bounded
 /// batches.
 ///
-/// A follower that has seen a leader waits out that leader's lease (openraft 0.9: the maximum
-/// election timeout) and then its own election timeout before it stands, 1.2 + 0.6-1.2 s after
-/// the last heartbeat here; and one that was refused a vote by a replica with a longer log waits
-/// another 2x the maximum. Timeouts of 1.5-3 s made that 4.5-6 s, and `tern bench failover` timed
+/// openraft's own election timer made a follower that had seen a leader wait out that leader's
+/// lease (openraft 0.9: the maximum election timeout) and then its own election timeout before
+/// it stood, and one refused a vote by a replica with a longer log another 2x the maximum; it is
+/// off now (`elect`: 1.2 s and a random 0-0.6 s, then a pre-vote). Timeouts of 1.5-3 s made that 4.5-6 s, and `tern bench failover` timed
 /// a write 5.7-13.7 s after the leader's SIGKILL (6 kills, 2026-12-03), against a target of
 /// p50 <= 3 s and max <= 6 s. etcd's defaults (100 ms, 1 s) are the model: a heartbeat is one
 /// small message per follower, so 100 ms costs nothing, and 1.2 s leaves twelve heartbeats of
@@ -130,8 +139,10 @@ fn raft_config(snapshot_entries: u64) -> anyhow::Result<Arc<openraft::Config>> {
     let config = openraft::Config {
         cluster_name: "tern-metadata".into(),
         heartbeat_interval: 100,
-        election_timeout_min: 600,
-        election_timeout_max: 1200,
+        election_timeout_min: ELECTION_TIMEOUT_MIN_MS,
+        election_timeout_max: ELECTION_TIMEOUT_MAX_MS,
+        // `elect::stand` stands for election, after a pre-vote.
+        enable_elect: false,
         max_payload_entries: 64,
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(snapshot_entries),
         max_in_snapshot_log_to_keep: snapshot_entries / 5,
@@ -153,13 +164,15 @@ impl Replica {
     ) -> anyhow::Result<(Arc<Replica>, Arc<Mutex<State>>)> {
         let peers = config.peer_map()?;
         let me = config.node_id(&peers)?;
-        let store = store::Store::open(fs, &config.dir, config, Now::read())?;
+        let started = Now::read();
+        let store = store::Store::open(fs, &config.dir, config, started)?;
+        let heard = Arc::new(elect::Heard::new(started.instant));
         tracing::debug!("Raft files in {}", dir(config).display());
         let state = store.machine.state.clone();
         let (log, sm) = openraft::storage::Adaptor::new(store.clone());
         let tls = config.serve.tls_dir.as_deref().map(tern_transport::tls::TlsMaterial::load).transpose()?;
         let network = net::Network::new(secret, me, config.max_message_size.bytes() as usize, tls)?;
-        let raft = Raft::new(me, raft_config(config.raft_snapshot_entries)?, network, log, sm).await?;
+        let raft = Raft::new(me, raft_config(config.raft_snapshot_entries)?, network.clone(), log, sm).await?;
         // On a fresh cluster only the replica with the smallest id founds the membership; the
         // others learn it from its first entries. (openraft's `initialize` starts an election at
         // once: when every replica did, one that voted for the first leader before receiving
@@ -181,7 +194,9 @@ impl Replica {
             wake: Notify::new(),
             outcome: watch::channel(Outcome::default()).0,
             key_file: config.dir.clone(),
+            heard: heard.clone(),
         });
+        tokio::spawn(elect::stand(replica.raft.clone(), me, network, heard));
         tokio::spawn(replica.clone().propose_loop());
         tokio::spawn(replica.clone().lead_loop());
         Ok((replica, state))
@@ -207,7 +222,14 @@ impl Replica {
         let metrics = self.raft.metrics().borrow().clone();
         Err(match metrics.current_leader {
             Some(leader) if leader != self.me => {
-                let address = self.peers.get(&leader).cloned().unwrap_or_else(|| format!("node {leader}"));
+                // The membership names every member, those added since start too.
+                let address = metrics
+                    .membership_config
+                    .membership()
+                    .get_node(&leader)
+                    .map(|node| node.addr.clone())
+                    .or_else(|| self.peers.get(&leader).cloned())
+                    .unwrap_or_else(|| format!("node {leader}"));
                 ErrorKind::Unavailable.status(format!("not the leader; the leader is {address}"))
             }
             _ => ErrorKind::Unavailable
@@ -272,6 +294,124 @@ impl Replica {
             }
         }
         Ok(())
+    }
+
+    /// The members as this leader sees them (only the leader knows how far each one is).
+    pub fn members(&self) -> Result<MetadataMembersResponse, Status> {
+        self.check_serving()?;
+        let metrics = self.raft.metrics().borrow().clone();
+        let membership = metrics.membership_config.membership();
+        let voters: BTreeSet<u64> = membership.voter_ids().collect();
+        let matched = |id: u64| match &metrics.replication {
+            _ if id == self.me => metrics.last_log_index,
+            Some(progress) => progress.get(&id).copied().flatten().map(|log_id| log_id.index),
+            None => None,
+        };
+        let members = membership
+            .nodes()
+            .map(|(&id, node)| MetadataMember {
+                id,
+                addr: node.addr.clone(),
+                voter: voters.contains(&id),
+                leader: id == self.me,
+                matched_index: matched(id),
+            })
+            .collect();
+        Ok(MetadataMembersResponse {
+            replicated: true,
+            term: metrics.current_term,
+            last_log_index: metrics.last_log_index.unwrap_or(0),
+            members,
+        })
+    }
+
+    /// Adds member `id` at `addr`: a learner until it has caught up, then a voter. Adding a
+    /// voter already there at the same address answers the members (a retried add).
+    pub async fn add_member(&self, id: u64, addr: &str) -> Result<MetadataMembersResponse, Status> {
+        let invalid = |why: String| ErrorKind::Invalid.status(why);
+        if id == 0 {
+            return Err(invalid("a member's id is at least 1".into()));
+        }
+        let port = addr.rsplit_once(':').filter(|(host, _)| !host.is_empty()).map(|(_, port)| port.parse::<u16>());
+        if !matches!(port, Some(Ok(port)) if port > 0) {
+            return Err(invalid(format!("member {id}'s address {addr:?} is not host:port")));
+        }
+        let now = self.members()?;
+        if now.members.len() >= crate::config::MAX_PEERS && !now.members.iter().any(|m| m.id == id) {
+            return Err(invalid(format!(
+                "the service has {} members already; at most {}",
+                now.members.len(),
+                crate::config::MAX_PEERS
+            )));
+        }
+        if let Some(same) = now.members.iter().find(|m| m.id == id) {
+            if same.addr != addr {
+                return Err(invalid(format!("member {id} is already at {}: remove it first", same.addr)));
+            }
+            if same.voter {
+                return Ok(now);
+            }
+        }
+        // A server with an empty directory whose id is the smallest in its `peers` founds a new
+        // cluster (`start`): a newcomer below every member would found one of its own.
+        let smallest = now.members.iter().map(|m| m.id).min().unwrap_or(id);
+        if id < smallest {
+            return Err(invalid(format!(
+                "a new member's id must be above the smallest member's ({smallest}): a server whose id is the smallest \
+                 in its peers founds a cluster of its own on an empty directory"
+            )));
+        }
+        if let Some(other) = now.members.iter().find(|m| m.addr == addr && m.id != id) {
+            return Err(invalid(format!("{addr} is already member {}'s address", other.id)));
+        }
+        let deadline = MEMBERSHIP_DEADLINE;
+        let caught_up = tokio::time::timeout(deadline, self.raft.add_learner(id, BasicNode::new(addr), true)).await;
+        match caught_up {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(membership_refusal(&format!("adding member {id} as a learner"), &e)),
+            Err(_) => {
+                return Err(ErrorKind::Unavailable.status(format!(
+                    "member {id} at {addr} did not catch up within {deadline:?}: is it running, with node_id = \
+                     {id} and peers naming it? It stays a learner (no vote) until added again or removed"
+                )))
+            }
+        }
+        let mut voters: BTreeSet<u64> = now.members.iter().filter(|m| m.voter).map(|m| m.id).collect();
+        voters.insert(id);
+        self.change_voters(ChangeMembers::ReplaceAllVoters(voters), &format!("making member {id} a voter")).await
+    }
+
+    /// Removes member `id` (voter or learner). The last voter cannot be removed.
+    pub async fn remove_member(&self, id: u64) -> Result<MetadataMembersResponse, Status> {
+        let now = self.members()?;
+        let Some(member) = now.members.iter().find(|m| m.id == id) else {
+            let ids: Vec<String> = now.members.iter().map(|m| m.id.to_string()).collect();
+            return Err(ErrorKind::NotFound.status(format!("{id} is not a member (members: {})", ids.join(", "))));
+        };
+        let change = if member.voter {
+            let voters: BTreeSet<u64> = now.members.iter().filter(|m| m.voter && m.id != id).map(|m| m.id).collect();
+            if voters.is_empty() {
+                return Err(ErrorKind::Invalid.status(format!("member {id} is the last voter: it cannot be removed")));
+            }
+            ChangeMembers::ReplaceAllVoters(voters)
+        } else {
+            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        };
+        self.change_voters(change, &format!("removing member {id}")).await
+    }
+
+    /// Commits a membership change (`retain: false`: a removed voter leaves the nodes too).
+    async fn change_voters(
+        &self,
+        change: ChangeMembers<u64, BasicNode>,
+        what: &str,
+    ) -> Result<MetadataMembersResponse, Status> {
+        match tokio::time::timeout(MEMBERSHIP_DEADLINE, self.raft.change_membership(change, false)).await {
+            Ok(Ok(_)) => self.members(),
+            Ok(Err(e)) => Err(membership_refusal(what, &e)),
+            Err(_) => Err(ErrorKind::Unavailable
+                .status(format!("{what}: not committed within {MEMBERSHIP_DEADLINE:?} (no majority reachable?)"))),
+        }
     }
 
     /// Packs queued proposals into entries and hands them to openraft in order. A permit is
@@ -383,6 +523,18 @@ impl Replica {
                 return;
             }
         }
+    }
+}
+
+/// A refused membership change: `unavailable` when this node no longer leads (the failover
+/// channel asks the leader), `invalid` for what openraft refuses (a change under way).
+fn membership_refusal(
+    what: &str,
+    e: &openraft::error::RaftError<u64, openraft::error::ClientWriteError<u64, BasicNode>>,
+) -> Status {
+    match e.forward_to_leader() {
+        Some(_) => ErrorKind::Unavailable.status(format!("{what}: not the leader any more")),
+        None => ErrorKind::Invalid.status(format!("{what}: {e}")),
     }
 }
 

@@ -27,12 +27,15 @@ use tern_proto::ErrorKind;
 use tern_transport::tls::{grpc_endpoint, TlsMaterial};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+use tracing::debug;
 
+use super::elect::{would_vote, Heard, PreVote, PRE_VOTE_DEADLINE};
 use super::{codec, TypeConfig, RPC_DEADLINE};
 use crate::authz::Authz;
 
 /// Makes a client per peer, each presenting this node's `metadata` credential (and, with TLS,
 /// its node certificate).
+#[derive(Clone)]
 pub struct Network {
     credential: String,
     max_message_bytes: usize,
@@ -63,16 +66,35 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> Peer {
-        let made = grpc_endpoint(&node.addr, self.tls.as_ref()).map(|endpoint| {
-            let channel = endpoint.connect_timeout(RPC_DEADLINE).tcp_nodelay(true).connect_lazy();
-            let presents = Presents::credential(&self.credential).expect("checked in Network::new");
-            RaftClient::with_interceptor(channel, presents)
-                .max_decoding_message_size(self.max_message_bytes)
-                .max_encoding_message_size(self.max_message_bytes)
-        });
-        match made {
+        match self.client(&node.addr) {
             Ok(client) => Peer { target, client: Some(client), error: None },
-            Err(e) => Peer { target, client: None, error: Some(format!("peer address {:?}: {e:#}", node.addr)) },
+            Err(error) => Peer { target, client: None, error: Some(error) },
+        }
+    }
+}
+
+/// A peer's `Raft` client.
+pub type Client = RaftClient<Presenting<Channel>>;
+
+impl Network {
+    /// A lazily connected client of the peer at `addr`.
+    pub fn client(&self, addr: &str) -> Result<Client, String> {
+        let endpoint = grpc_endpoint(addr, self.tls.as_ref()).map_err(|e| format!("peer address {addr:?}: {e:#}"))?;
+        let channel = endpoint.connect_timeout(RPC_DEADLINE).tcp_nodelay(true).connect_lazy();
+        let presents = Presents::credential(&self.credential).expect("checked in Network::new");
+        Ok(RaftClient::with_interceptor(channel, presents)
+            .max_decoding_message_size(self.max_message_bytes)
+            .max_encoding_message_size(self.max_message_bytes))
+    }
+
+    /// Whether the peer would vote for `ask`'s candidate (`elect`); no answer within
+    /// `PRE_VOTE_DEADLINE`, or any error, is a no.
+    pub async fn pre_vote(mut client: Client, ask: &PreVote) -> bool {
+        let mut message = Request::new(encode(ask));
+        message.set_timeout(PRE_VOTE_DEADLINE);
+        match tokio::time::timeout(PRE_VOTE_DEADLINE, client.pre_vote(message)).await {
+            Ok(Ok(reply)) => codec::decode::<bool>(&reply.into_inner().payload).unwrap_or(false),
+            _ => false,
         }
     }
 }
@@ -157,50 +179,71 @@ impl RaftNetwork<TypeConfig> for Peer {
 /// Served by every metadata server: a single one (no `peers`) refuses other callers alike and
 /// tells a metadata server that it is not replicated.
 pub struct RaftService {
-    raft: Option<Raft<TypeConfig>>,
+    /// This node's Raft and when it last heard a leader (`elect`); None for a single server.
+    raft: Option<(Raft<TypeConfig>, Arc<Heard>)>,
     authz: Arc<Authz>,
 }
 
 impl RaftService {
-    pub fn new(raft: Option<Raft<TypeConfig>>, authz: Arc<Authz>) -> RaftService {
+    pub fn new(raft: Option<(Raft<TypeConfig>, Arc<Heard>)>, authz: Arc<Authz>) -> RaftService {
         RaftService { raft, authz }
     }
 
-    /// Checks the caller is a metadata server and decodes the request.
+    /// Checks the caller is a metadata server and decodes the request; the time it came in.
     fn admit<T: DeserializeOwned>(
         &self,
         method: &'static str,
         request: Request<RaftMessage>,
-    ) -> Result<(&Raft<TypeConfig>, T), Status> {
-        #[expect(clippy::disallowed_methods, reason = "the edge: the refusal log's time is read here")]
+    ) -> Result<(&Raft<TypeConfig>, &Heard, T, Now), Status> {
+        #[expect(clippy::disallowed_methods, reason = "the edge: each Raft message reads the clock once")]
         let now = Now::read();
         let caller = self.authz.caller(method, &request, now.instant)?;
         self.authz.decide_metadata(method, &caller, now.instant)?;
-        let Some(raft) = &self.raft else {
+        let Some((raft, heard)) = &self.raft else {
             return Err(
                 ErrorKind::Invalid.status(format!("{method}: this metadata server is not replicated (no peers)"))
             );
         };
         let rpc = codec::decode(&request.into_inner().payload)
             .map_err(|e| ErrorKind::Invalid.status(format!("{method}: the message does not decode: {e}")))?;
-        Ok((raft, rpc))
+        Ok((raft, heard, rpc, now))
     }
 }
 
 #[tonic::async_trait]
 impl tern_proto::v1::raft_server::Raft for RaftService {
     async fn append_entries(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let (raft, rpc): (_, AppendEntriesRequest<TypeConfig>) = self.admit("raft_append_entries", request)?;
-        Ok(Response::new(encode(&raft.append_entries(rpc).await)))
+        let (raft, heard, rpc, now): (_, _, AppendEntriesRequest<TypeConfig>, _) =
+            self.admit("raft_append_entries", request)?;
+        let answer = raft.append_entries(rpc).await;
+        // A leader of this term or a later one (a stale one is answered HigherVote).
+        if answer.as_ref().is_ok_and(|a| !matches!(a, AppendEntriesResponse::HigherVote(_))) {
+            heard.touch(now.instant);
+        }
+        Ok(Response::new(encode(&answer)))
     }
 
     async fn vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let (raft, rpc): (_, VoteRequest<u64>) = self.admit("raft_vote", request)?;
+        let (raft, _, rpc, _): (_, _, VoteRequest<u64>, _) = self.admit("raft_vote", request)?;
         Ok(Response::new(encode(&raft.vote(rpc).await)))
     }
 
     async fn install_snapshot(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
-        let (raft, rpc): (_, InstallSnapshotRequest<TypeConfig>) = self.admit("raft_install_snapshot", request)?;
-        Ok(Response::new(encode(&raft.install_snapshot(rpc).await)))
+        let (raft, heard, rpc, now): (_, _, InstallSnapshotRequest<TypeConfig>, _) =
+            self.admit("raft_install_snapshot", request)?;
+        let vote = rpc.vote;
+        let answer = raft.install_snapshot(rpc).await;
+        // A stale sender is answered with this node's higher vote.
+        if answer.as_ref().is_ok_and(|a| a.vote <= vote) {
+            heard.touch(now.instant);
+        }
+        Ok(Response::new(encode(&answer)))
+    }
+
+    async fn pre_vote(&self, request: Request<RaftMessage>) -> Result<Response<RaftMessage>, Status> {
+        let (raft, heard, ask, now): (_, _, PreVote, _) = self.admit("raft_pre_vote", request)?;
+        let granted = would_vote(raft, heard, &ask, now.instant);
+        debug!(candidate = ask.candidate, granted, "pre-vote");
+        Ok(Response::new(encode(&granted)))
     }
 }

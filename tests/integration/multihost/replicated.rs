@@ -10,6 +10,7 @@ use tern_local::{Daemon, DaemonSpec, Network};
 use crate::common::multihost::cert_init;
 use crate::common::{logs_in, TERN};
 use crate::replicated_metadata::leader;
+use tern_transport::tls::grpc_endpoint;
 
 const METADATA_PORT: u16 = 9060;
 const STORAGE_PORT: u16 = 9070;
@@ -35,11 +36,56 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
 }
 
+/// What the client host asks of the root namespace, where the hosts' links are.
+enum Link {
+    Cut(usize),
+    Heal(usize),
+}
+
+/// Longest a metadata write may take while a minority replica is cut off or rejoins: far above a
+/// write's 2-3 ms here, below the 0.9 s a write waited for the election that a rejoining
+/// follower forced on openraft's own timer (this test, before `raft::elect`'s pre-vote).
+const NO_PAUSE: Duration = Duration::from_millis(750);
+
+/// Every member a voter and caught up with the leader (its matched index at the leader's last
+/// log index), within 10 s; the leader's index.
+async fn all_caught_up(client: &Client, logs: &dyn Fn() -> String) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let members = client.metadata_members().await.unwrap();
+        let caught_up = |m: &tern_proto::v1::MetadataMember| m.voter && m.matched_index == Some(members.last_log_index);
+        if members.members.len() == 3 && members.members.iter().all(caught_up) {
+            let leader = members.members.iter().find(|m| m.leader).expect("the answering replica leads");
+            return (leader.id - 1) as usize;
+        }
+        assert!(Instant::now() < deadline, "the members did not catch up: {members:?}\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Metadata writes (directories under `root`) one after another for `period`: the slowest one's
+/// time.
+async fn slowest_of_writes(client: &Client, root: &str, period: Duration) -> Duration {
+    let mut slowest = Duration::ZERO;
+    let end = Instant::now() + period;
+    for i in 0.. {
+        let started = Instant::now();
+        if started > end {
+            break;
+        }
+        client.mkdir(&format!("{root}/{i}"), true).await.unwrap();
+        slowest = slowest.max(started.elapsed());
+    }
+    slowest
+}
+
 /// The leader's host is cut off (its packets vanish; nothing is refused). The client, renewing a
 /// job's 3 s lease every second, and the storage server, heartbeating every second, give up on
 /// each silent try after the call's own deadline and find the new leader through the others: the
 /// job lives on, no replica that stayed connected declares the server dead, the file written
-/// before the cut reads back, and a new one is written.
+/// before the cut reads back, and a new one is written. Healed, the old leader rejoins as a
+/// follower whose log matches the new leader's. Then a follower is cut off and healed while the
+/// client writes: no write waits for an election, and the follower catches up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
     let mut hosts = METADATA_HOSTS.to_vec();
@@ -78,14 +124,21 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
     let data: Vec<u8> = (0..(3u32 << 20)).map(|i| (i % 251) as u8).collect();
     // The client's calls run on the client host; the cut is made from here, the root namespace
     // (where the hosts' links are), when the client asks for it.
-    let (cut_leader, leader_to_cut) = std::sync::mpsc::channel::<usize>();
-    let (cut_made, when_cut) = std::sync::mpsc::channel::<()>();
+    let (ask, asked) = std::sync::mpsc::channel::<Link>();
+    let (done, when_done) = std::sync::mpsc::channel::<()>();
+    let link = move |change: Link| {
+        ask.send(change).unwrap();
+        when_done.recv().unwrap();
+    };
     let hosts = &network;
     let first = std::thread::scope(|scope| {
         scope.spawn(move || {
-            if let Ok(leader) = leader_to_cut.recv() {
-                hosts.cut(METADATA_HOSTS[leader]).unwrap();
-                let _ = cut_made.send(());
+            for change in asked {
+                match change {
+                    Link::Cut(replica) => hosts.cut(METADATA_HOSTS[replica]).unwrap(),
+                    Link::Heal(replica) => hosts.heal(METADATA_HOSTS[replica]).unwrap(),
+                }
+                let _ = done.send(());
             }
         });
         network.on_host(CLIENT_HOST, move || {
@@ -108,8 +161,7 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
                 writer.write(&data).await.unwrap();
                 writer.close().await.unwrap();
 
-                cut_leader.send(first).unwrap();
-                when_cut.recv().unwrap();
+                link(Link::Cut(first));
                 let others: Vec<usize> = (0..3).filter(|&i| i != first).collect();
                 leader(&addrs, &others, Some(&material)).await;
                 // The new leader counts the lease and the server timeout from its election, which
@@ -128,6 +180,33 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
                 let mut writer = client.create(&after, false).await.unwrap();
                 writer.write(&data[..1 << 20]).await.unwrap();
                 writer.close().await.unwrap();
+
+                // Healed, the old leader follows: it catches up to the new leader's log (Raft's
+                // log matching: equal at the last index, equal before it) and leads no more.
+                link(Link::Heal(first));
+                let leads = all_caught_up(&client, &logs).await;
+                assert_ne!(leads, first, "the old leader leads again after the heal\n{}", logs());
+                let mut old = tern_proto::v1::metadata_client::MetadataClient::new(
+                    grpc_endpoint(&addrs[first], Some(&material)).unwrap().connect_lazy(),
+                );
+                let refused = old.status(tern_proto::v1::StatusRequest {}).await.unwrap_err();
+                assert!(refused.message().contains("not the leader"), "the old leader: {refused:?}");
+
+                // A follower cut off and healed while the client writes: no pause. Cut off for
+                // longer than its election timeouts (1.2 s and 0-0.6 s), so it would have stood
+                // for election more than once on openraft's own timer.
+                let follower = (0..3).find(|&i| i != leads).unwrap();
+                let term = client.metadata_members().await.unwrap().term;
+                link(Link::Cut(follower));
+                let cut = slowest_of_writes(&client, &format!("{}/cut", job.root()), Duration::from_secs(5)).await;
+                link(Link::Heal(follower));
+                let healed =
+                    slowest_of_writes(&client, &format!("{}/healed", job.root()), Duration::from_secs(3)).await;
+                eprintln!("slowest write with a follower cut off: {cut:?}; after it rejoined: {healed:?}");
+                assert!(cut < NO_PAUSE && healed < NO_PAUSE, "a write paused: {cut:?}, {healed:?}\n{}", logs());
+                assert_eq!(all_caught_up(&client, &logs).await, leads, "the leadership moved\n{}", logs());
+                let now = client.metadata_members().await.unwrap().term;
+                assert_eq!(now, term, "a new term began while a follower was cut off and healed\n{}", logs());
                 job.end().await.unwrap();
                 first
             })
