@@ -43,7 +43,7 @@ use crate::Usage;
 /// How long start-up waits for the metadata server to accept the registration.
 const REGISTER_DEADLINE: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-const RPC_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const RPC_TIMEOUT: Duration = Duration::from_secs(5);
 /// Shortest deadline of a heartbeat (see [`heartbeat_deadline`]).
 const MIN_HEARTBEAT_DEADLINE: Duration = Duration::from_secs(1);
 /// Backoff between registration attempts, doubling from the first to the last (with jitter).
@@ -93,14 +93,17 @@ pub(crate) fn instance_id() -> u64 {
 }
 
 /// Reports everything `store` holds to the metadata server, in pages of at most
-/// [`tern_proto::MAX_INVENTORY_PAGE`] entries; the last page settles it.
+/// [`tern_proto::MAX_INVENTORY_PAGE`] entries, each within `deadline`; the last page settles it.
 pub(crate) async fn report_inventory(
     client: &mut RegistryClient<Channel>,
     server_id: u64,
     store: &BlockStore,
+    deadline: Duration,
 ) -> Result<(u64, u64), tonic::Status> {
-    for request in inventory_pages(server_id, store.inventory()) {
-        let last = request.last;
+    for page in inventory_pages(server_id, store.inventory()) {
+        let last = page.last;
+        let mut request = tonic::Request::new(page);
+        request.set_timeout(deadline);
         let reply = client.report_inventory(request).await?.into_inner();
         if last {
             return Ok((reply.blocks_unreferenced, reply.blocks_lost));
@@ -468,16 +471,24 @@ impl Heartbeater {
         let mut backoff = Backoff::new(RETRY_FIRST, RETRY_MAX);
         let mut failures = Throttle::new(UNREACHABLE_LOG_EVERY);
         let registered = loop {
-            let request = RegisterServerRequest {
+            // Each call within a heartbeat's deadline, as heartbeats are: after a failover a call
+            // sent to the old leader, whose packets may vanish, must give up in time to try the
+            // next address. Without one it waited out the 5 s RPC timeout, longer than an
+            // election takes, and multihost::replicated once found this server still
+            // registering with the new leader 4 s after the election.
+            let deadline = heartbeat_deadline(self.interval);
+            let mut request = tonic::Request::new(RegisterServerRequest {
                 address: self.address.clone(),
                 tiers: tiers(&self.store),
                 quic_address: self.quic_address.clone(),
                 instance_id: instance_id(),
-            };
+            });
+            request.set_timeout(deadline);
             let attempt = match self.client.register_server(request).await {
                 Ok(reply) => {
                     let registered = reply.into_inner();
-                    report_inventory(&mut self.client, registered.server_id, &self.store).await.map(|_| registered)
+                    let reported = report_inventory(&mut self.client, registered.server_id, &self.store, deadline);
+                    reported.await.map(|_| registered)
                 }
                 Err(status) => Err(status),
             };

@@ -264,7 +264,7 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     heartbeat::take_key(&store, &registered)?;
     let store = Arc::new(store);
     // Nothing is placed here until the inventory is in: report it before serving anyone.
-    heartbeat::report_inventory(&mut client, registered.server_id, &store)
+    heartbeat::report_inventory(&mut client, registered.server_id, &store, heartbeat::RPC_TIMEOUT)
         .await
         .map_err(|status| anyhow::anyhow!("reporting the inventory to {}: {}", config.metadata, status.message()))?;
     metrics.observe_store(&store);
