@@ -7,7 +7,7 @@
 use serde_json::{json, Value};
 use tern_client::{BlockLocation, EntryKind, FileInfo, ServerStatus, StatusResponse};
 use tern_common::ByteSize;
-use tern_proto::v1::MetadataMembersResponse;
+use tern_proto::v1::{MetadataMember, MetadataMembersResponse};
 
 /// An id in JSON: a string, since ids reach past 2^53 (NVMe block ids carry a high bit, shuffle
 /// ids start from the clock), beyond the integers JavaScript and jq hold exactly.
@@ -143,9 +143,14 @@ pub fn members_json(m: &MetadataMembersResponse) -> Value {
             "voter": member.voter,
             "leader": member.leader,
             "matched_index": member.matched_index,
-            "behind": member.matched_index.map(|matched| m.last_log_index.saturating_sub(matched)),
+            "behind": behind(m, member),
         })).collect::<Vec<_>>(),
     })
+}
+
+/// How many log entries `member` is behind the leader; None while the leader does not know.
+fn behind(m: &MetadataMembersResponse, member: &MetadataMember) -> Option<u64> {
+    member.matched_index.map(|matched| m.last_log_index.saturating_sub(matched))
 }
 
 /// The members as a table, or one line for a single metadata server.
@@ -162,10 +167,7 @@ pub fn print_members(m: &MetadataMembersResponse) {
     );
     outln!("{:<6} {:<22} {:<8} {:<7} {:>8}", "MEMBER", "ADDRESS", "ROLE", "LEADER", "BEHIND");
     for member in &m.members {
-        let behind = match member.matched_index {
-            Some(matched) => m.last_log_index.saturating_sub(matched).to_string(),
-            None => "unknown".to_string(),
-        };
+        let behind = behind(m, member).map_or("unknown".to_string(), |entries| entries.to_string());
         outln!(
             "{:<6} {:<22} {:<8} {:<7} {:>8}",
             member.id,

@@ -89,12 +89,8 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
     let admin_addr =
         tern_common::admin::serve(config.serve.admin_listen, "metadata-server", registry, readiness.clone()).await?;
     let (stop, stopped) = watch::channel(false);
-    let raft = match &log {
-        Log::Raft(replica) => {
-            crate::raft::RaftService::new(Some((replica.raft.clone(), replica.heard.clone())), authz.clone())
-        }
-        Log::Wal(_) => crate::raft::RaftService::new(None, authz.clone()),
-    };
+    let replica = log.replica().cloned();
+    let raft = crate::raft::RaftService::new(replica.clone(), authz.clone());
     let service = Arc::new(Service::new(state.clone(), log.clone(), metrics, authz));
     let reap_period = config.heartbeat_interval().min(MAX_REAP_PERIOD);
     let snapshots = Snapshots {
@@ -106,10 +102,6 @@ pub async fn start(config: Config) -> anyhow::Result<MetadataServer> {
         readiness.subscribe(),
         &[metadata_server::SERVICE_NAME, registry_server::SERVICE_NAME, admin_server::SERVICE_NAME],
     );
-    let replica = match &log {
-        Log::Raft(replica) => Some(replica.clone()),
-        Log::Wal(_) => None,
-    };
     let mut tasks = vec![
         tokio::spawn(serve(grpc, listener, service, raft, health, limits, stopped.clone())),
         tokio::spawn(reap(state.clone(), log.clone(), reap_period, stopped.clone())),

@@ -39,6 +39,14 @@ pub enum Log {
 }
 
 impl Log {
+    /// The Raft replica beneath, if the service is replicated.
+    pub fn replica(&self) -> Option<&Arc<Replica>> {
+        match self {
+            Log::Raft(replica) => Some(replica),
+            Log::Wal(_) => None,
+        }
+    }
+
     /// Hands `changes` on (under the state's lock); the ticket to wait for.
     pub fn append(&self, changes: Vec<tern_proto::v1::LogRecord>) -> u64 {
         match self {
@@ -486,15 +494,9 @@ impl Service {
             .caller(method, &request, now.instant)
             .and_then(|caller| self.authz.decide(method, &caller, &needs, &self.state.lock(), now.instant));
         let result = match admitted {
-            Ok(()) => {
-                let replica = match &self.log {
-                    Log::Raft(replica) => Some(&**replica),
-                    Log::Wal(_) => None,
-                };
-                op(replica, request.into_inner())
-                    .await
-                    .map_err(|status| ErrorKind::of_status(&status).status(format!("{method}: {}", status.message())))
-            }
+            Ok(()) => op(self.log.replica().map(|replica| &**replica), request.into_inner())
+                .await
+                .map_err(|status| ErrorKind::of_status(&status).status(format!("{method}: {}", status.message()))),
             Err(refused) => Err(refused),
         };
         self.metrics.record(method, now.instant.elapsed(), result.as_ref().err());

@@ -93,26 +93,30 @@ pub async fn stand(raft: Raft<TypeConfig>, me: u64, network: Network, heard: Arc
         tokio::time::sleep(TICK).await;
         #[expect(clippy::disallowed_methods, reason = "the edge: an election timer reads the clock")]
         let now = Now::read().instant;
-        let metrics = raft.metrics().borrow().clone();
-        if metrics.running_state.is_err() {
-            return;
-        }
-        let membership = metrics.membership_config.membership();
-        let voters: Vec<(u64, BasicNode)> =
-            membership.voter_ids().filter_map(|id| membership.get_node(&id).map(|node| (id, node.clone()))).collect();
-        if metrics.state == ServerState::Leader {
+        let (state, term, membership) = {
+            let metrics = raft.metrics();
+            let metrics = metrics.borrow();
+            if metrics.running_state.is_err() {
+                return;
+            }
+            (metrics.state, metrics.current_term, metrics.membership_config.clone())
+        };
+        if state == ServerState::Leader {
             heard.touch(now);
             continue;
         }
         // A learner, or a replica that has no membership yet (on a fresh cluster, until the
         // founder's first entries reach it), does not stand; it still answers pre-votes, as one
         // that has heard no leader (it would grant the founder's).
-        if !voters.iter().any(|(id, _)| *id == me) {
+        let membership = membership.membership();
+        if !membership.voter_ids().any(|id| id == me) {
             continue;
         }
         if heard.since(now) < wait || now.saturating_duration_since(last_round) < wait {
             continue;
         }
+        let voters: Vec<(u64, &BasicNode)> =
+            membership.voter_ids().filter_map(|id| membership.get_node(&id).map(|node| (id, node))).collect();
         let ask = PreVote { candidate: me, last_log: raft.data_metrics().borrow().last_log };
         let mut answers = Vec::new();
         for (id, node) in voters.iter().filter(|(id, _)| *id != me) {
@@ -131,7 +135,7 @@ pub async fn stand(raft: Raft<TypeConfig>, me: u64, network: Network, heard: Arc
         }
         let grants = 1 + futures::future::join_all(answers).await.into_iter().filter(|&granted| granted).count();
         if grants * 2 > voters.len() {
-            info!(term = metrics.current_term, grants, voters = voters.len(), "no leader heard: standing for election");
+            info!(term, grants, voters = voters.len(), "no leader heard: standing for election");
             if raft.trigger().elect().await.is_err() {
                 return;
             }

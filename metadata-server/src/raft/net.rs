@@ -30,7 +30,7 @@ use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use super::elect::{would_vote, Heard, PreVote, PRE_VOTE_DEADLINE};
-use super::{codec, TypeConfig, RPC_DEADLINE};
+use super::{codec, Replica, TypeConfig, RPC_DEADLINE};
 use crate::authz::Authz;
 
 /// Makes a client per peer, each presenting this node's `metadata` credential (and, with TLS,
@@ -179,14 +179,14 @@ impl RaftNetwork<TypeConfig> for Peer {
 /// Served by every metadata server: a single one (no `peers`) refuses other callers alike and
 /// tells a metadata server that it is not replicated.
 pub struct RaftService {
-    /// This node's Raft and when it last heard a leader (`elect`); None for a single server.
-    raft: Option<(Raft<TypeConfig>, Arc<Heard>)>,
+    /// This node's replica; None for a single server.
+    replica: Option<Arc<Replica>>,
     authz: Arc<Authz>,
 }
 
 impl RaftService {
-    pub fn new(raft: Option<(Raft<TypeConfig>, Arc<Heard>)>, authz: Arc<Authz>) -> RaftService {
-        RaftService { raft, authz }
+    pub fn new(replica: Option<Arc<Replica>>, authz: Arc<Authz>) -> RaftService {
+        RaftService { replica, authz }
     }
 
     /// Checks the caller is a metadata server and decodes the request; the time it came in.
@@ -199,14 +199,14 @@ impl RaftService {
         let now = Now::read();
         let caller = self.authz.caller(method, &request, now.instant)?;
         self.authz.decide_metadata(method, &caller, now.instant)?;
-        let Some((raft, heard)) = &self.raft else {
+        let Some(replica) = &self.replica else {
             return Err(
                 ErrorKind::Invalid.status(format!("{method}: this metadata server is not replicated (no peers)"))
             );
         };
         let rpc = codec::decode(&request.into_inner().payload)
             .map_err(|e| ErrorKind::Invalid.status(format!("{method}: the message does not decode: {e}")))?;
-        Ok((raft, heard, rpc, now))
+        Ok((&replica.raft, &replica.heard, rpc, now))
     }
 }
 
