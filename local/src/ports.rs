@@ -169,14 +169,54 @@ impl PortLayout {
 const PROBED: std::ops::Range<u16> = 20_000..32_000;
 
 /// Where this process starts probing, at random: processes probing at the same moment (parallel
-/// tests) then rarely probe the same ports, since a probed port is only free until somebody binds it.
+/// tests) then rarely probe the same ports.
 fn probe_start() -> u32 {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     now.subsec_nanos() ^ std::process::id().rotate_left(16)
 }
 
-/// A loopback port that was free a moment ago; this process is not handed it again until it has
-/// been handed every other port of [`PROBED`].
+/// The ports this process has claimed: each an open file, locked, under [`claims_dir`]. A probed
+/// port is only free until somebody binds it, and a daemon binds its port some milliseconds after
+/// the probe; two test processes that probed the same port in that time both started a daemon on
+/// it, and one died of "Address already in use" (CI, 2026-12-07). A port is now handed out only
+/// to the process that holds its lock, and the lock lives as long as that process: its daemons,
+/// restarted on the same ports, find them still theirs. The kernel drops the locks of a process
+/// that dies, however it dies.
+static CLAIMED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// Where claims are locked: one empty file per port, shared by every process on the host.
+fn claims_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join("tern-port-claims")
+}
+
+/// Claims `port` for this process if no other process holds it and it can be bound on loopback
+/// now; false otherwise.
+fn claim(port: u16) -> anyhow::Result<bool> {
+    let dir = claims_dir();
+    std::fs::create_dir_all(&dir).with_context(|| format!("making {}", dir.display()))?;
+    let path = dir.join(port.to_string());
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Ok(false),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
+    }
+    // Claimed among Tern's processes; the probe still skips ports anything else holds.
+    if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+        return Ok(false);
+    }
+    CLAIMED.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(file);
+    Ok(true)
+}
+
+/// A loopback port that was free a moment ago and that no other process has been handed
+/// ([`CLAIMED`]); this process is not handed it again until it has been handed every other port
+/// of [`PROBED`].
 pub fn free_port() -> anyhow::Result<u16> {
     // Not the kernel's pick for port 0: two test processes starting clusters at the same moment
     // were handed the same port, and one's storage servers registered with the other's metadata
@@ -187,7 +227,7 @@ pub fn free_port() -> anyhow::Result<u16> {
     let start = *next.get_or_insert_with(probe_start);
     for i in 0..span {
         let port = PROBED.start + (start.wrapping_add(i) % span) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if claim(port)? {
             *next = Some(start.wrapping_add(i + 1));
             return Ok(port);
         }
@@ -196,7 +236,7 @@ pub fn free_port() -> anyhow::Result<u16> {
 }
 
 /// The first port of `len` consecutive free loopback ports, probed in [`PROBED`] from a random
-/// start.
+/// start and claimed as [`free_port`] claims one.
 pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
     let (low, high) = (PROBED.start, PROBED.end);
     anyhow::ensure!(len > 0 && len < high - low, "a range of {len} ports");
@@ -204,9 +244,14 @@ pub fn free_port_range(len: u16) -> anyhow::Result<u16> {
     let slots = (high - low) / len;
     for i in 0..u32::from(slots) {
         let start = low + ((seed.wrapping_add(i) % u32::from(slots)) as u16) * len;
-        if (start..start + len).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok()) {
+        let mut claimed = 0;
+        while claimed < len && claim(start + claimed)? {
+            claimed += 1;
+        }
+        if claimed == len {
             return Ok(start);
         }
+        // A range cut short keeps the ports it claimed: they are this process's, unused.
     }
     bail!("no {len} consecutive free ports on 127.0.0.1 between {low} and {high}")
 }
@@ -270,6 +315,21 @@ mod tests {
             err.contains(&format!("port {}", layout.storage_admin(0))) && err.contains("storage server 0"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_port_claimed_by_another_process_is_not_handed_out() {
+        // Another process's claim is a lock on the same file by another open file description.
+        let port = free_port().unwrap();
+        let held = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
+        let second = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
+        assert!(second.try_lock().is_err(), "this process's claim holds the lock");
+        drop((held, second));
+        let range = free_port_range(4).unwrap();
+        for port in range..range + 4 {
+            let file = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
+            assert!(file.try_lock().is_err(), "port {port} of the range is claimed");
+        }
     }
 
     #[test]
