@@ -56,9 +56,23 @@ pub fn bare_address(address: &str) -> &str {
     address.trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/')
 }
 
+/// How often a failover channel pings each replica it is connected to (HTTP/2 PING), busy or idle.
+pub const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a ping may go unanswered before the connection is taken for dead: every call in
+/// flight on it fails and goes to the next address.
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// A failover channel over lazy channels to each of `addresses` (as [`metadata_addresses`] gives
 /// them; TLS by each one's scheme, else when `tls` is given), each endpoint `tune`d. Lazy: a
 /// replica that is down must not keep the caller from the others.
+///
+/// Each connection is pinged ([`KEEP_ALIVE_INTERVAL`], [`KEEP_ALIVE_TIMEOUT`]): a call with no
+/// deadline of its own sent to a leader whose packets vanish was otherwise held for the
+/// endpoint's whole request timeout (30 s for a client) before the next address was asked, though
+/// the caller's lease renewals had long found the new leader (multihost::replicated, about one
+/// run in two). A ping unanswered for 2 s ends the connection and fails the calls on it, so such a
+/// call is on the next address within about 3 s, and a slow answer to a live leader (which keeps
+/// answering pings) is still waited for.
 pub fn lazy_failover(
     addresses: &[&str],
     tls: Option<&crate::tls::TlsMaterial>,
@@ -66,7 +80,10 @@ pub fn lazy_failover(
 ) -> anyhow::Result<Failover> {
     let mut channels = Vec::with_capacity(addresses.len());
     for one in addresses {
-        let endpoint = crate::tls::grpc_endpoint(one, tls)?;
+        let endpoint = crate::tls::grpc_endpoint(one, tls)?
+            .http2_keep_alive_interval(KEEP_ALIVE_INTERVAL)
+            .keep_alive_timeout(KEEP_ALIVE_TIMEOUT)
+            .keep_alive_while_idle(true);
         channels.push(tune(endpoint).connect_lazy());
     }
     Ok(Failover::new(addresses.iter().map(|a| bare_address(a).to_string()).collect(), channels))
@@ -268,11 +285,10 @@ mod tests {
         }
     }
 
-    /// The first address accepts connections and never answers (a leader whose packets vanish
-    /// after the connection was made): a call with a deadline of its own gives up on it after
-    /// that deadline and is answered by the second address, though the endpoints have no timeout.
-    #[tokio::test]
-    async fn a_try_that_outlives_the_calls_deadline_moves_to_the_next_address() {
+    /// A failover channel over a silent address (it accepts connections and never answers: a
+    /// leader whose packets vanish after the connection was made) and then an answering one,
+    /// with no endpoint timeout.
+    async fn silent_then_answering() -> Failover {
         let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let silent_address = silent.local_addr().unwrap();
         tokio::spawn(async move {
@@ -289,27 +305,46 @@ mod tests {
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(answering)),
         );
         let addresses = [format!("{silent_address}"), format!("{answering_address}")];
-        let channels = addresses
-            .iter()
-            .map(|a| tonic::transport::Endpoint::from_shared(format!("http://{a}")).unwrap().connect_lazy())
-            .collect();
-        let mut failover = Failover::new(addresses.to_vec(), channels);
-        let call = http::Request::builder()
+        let addresses: Vec<&str> = addresses.iter().map(String::as_str).collect();
+        lazy_failover(&addresses, None, |endpoint| endpoint).unwrap()
+    }
+
+    /// Calls `failover` (its grpc-timeout `deadline`, if any) and expects the answering address to
+    /// answer within `within`.
+    async fn answered_by_the_second_within(failover: &mut Failover, deadline: Option<&str>, within: Duration) {
+        let mut call = http::Request::builder()
             .method("POST")
             .uri("http://metadata/test.Answers/Call")
-            .header("content-type", "application/grpc")
-            .header("grpc-timeout", "300m")
-            .body(Body::empty())
-            .unwrap();
+            .header("content-type", "application/grpc");
+        if let Some(deadline) = deadline {
+            call = call.header("grpc-timeout", deadline);
+        }
         let started = std::time::Instant::now();
-        let response = tokio::time::timeout(Duration::from_secs(10), failover.ready().await.unwrap().call(call))
+        let call = failover.ready().await.unwrap().call(call.body(Body::empty()).unwrap());
+        let response = tokio::time::timeout(Duration::from_secs(10), call)
             .await
-            .expect("the call ended: the silent address held it past its deadline")
+            .expect("the call ended: the silent address held it 10 s")
             .unwrap();
         let status = tonic::Status::from_header_map(response.headers()).expect("a gRPC status");
         assert_eq!((status.code(), status.message()), (tonic::Code::NotFound, "answered by the second address"));
-        assert!(started.elapsed() < Duration::from_secs(3), "took {:?}", started.elapsed());
+        assert!(started.elapsed() < within, "took {:?}", started.elapsed());
         assert_eq!(failover.current.load(Ordering::Relaxed), 1, "the next call starts at the address that answered");
+    }
+
+    /// A call with a deadline of its own gives up on the silent address after that deadline.
+    #[tokio::test]
+    async fn a_try_that_outlives_the_calls_deadline_moves_to_the_next_address() {
+        let mut failover = silent_then_answering().await;
+        answered_by_the_second_within(&mut failover, Some("300m"), Duration::from_secs(3)).await;
+    }
+
+    /// A call with no deadline gives up on the silent address when its pings go unanswered
+    /// ([`KEEP_ALIVE_TIMEOUT`] after the first one, [`KEEP_ALIVE_INTERVAL`] in).
+    #[tokio::test]
+    async fn a_try_without_a_deadline_leaves_a_connection_whose_pings_go_unanswered() {
+        let mut failover = silent_then_answering().await;
+        let within = KEEP_ALIVE_INTERVAL + KEEP_ALIVE_TIMEOUT + Duration::from_secs(2);
+        answered_by_the_second_within(&mut failover, None, within).await;
     }
 
     #[test]

@@ -27,6 +27,11 @@ const SERVER_TIMEOUT_MS: u64 = 2000;
 /// the client's 30 s request timeout, and the new leader, counting the lease from its election,
 /// ended the job first (this test failed so before renewals had deadlines of their own).
 const JOB_LEASE: Duration = Duration::from_secs(3);
+/// The first Status after the cut, which has no deadline of its own: a ping unanswered for 2 s
+/// (1 s after the last answered one) takes the channel off the cut-off leader, and a connection
+/// attempt to it has the client's 5 s connect timeout; anything past that was a try held for the
+/// 30 s request timeout.
+const FIRST_STATUS: Duration = Duration::from_secs(9);
 
 fn daemon(dir: &Path, name: &str) -> DaemonSpec {
     DaemonSpec::new(name, TERN, dir.join(format!("{name}.log"))).without_tern_env()
@@ -174,7 +179,14 @@ async fn a_job_and_a_storage_server_live_on_when_the_leaders_packets_vanish() {
                 // through the same client.
                 let settled = Instant::now() + JOB_LEASE + Duration::from_secs(1);
                 tokio::time::sleep_until(settled.into()).await;
-                let status = client.status().await.unwrap();
+                // A call with no deadline of its own: it took the client's whole 30 s request
+                // timeout on the cut-off leader in about one run in two, until the failover
+                // channel pinged its connections (`failover::KEEP_ALIVE_TIMEOUT`).
+                let asked = Instant::now();
+                let status = tokio::time::timeout(FIRST_STATUS, client.status()).await;
+                let status =
+                    status.unwrap_or_else(|_| panic!("Status took past {FIRST_STATUS:?}\n{}", logs())).unwrap();
+                eprintln!("the first Status after the cut took {:?}", asked.elapsed());
                 assert!(status.jobs.iter().any(|j| j.job_id == job.id()), "the job's lease lapsed:\n{}", logs());
                 // Alive on the new leader once it has registered again and its inventory is in.
                 // Usually by now; about one run in ten it was still registering here (0.1-0.4 s
