@@ -75,14 +75,54 @@ pub struct BlockPlace {
 
 /// A server placement may choose for a block; the smallest is the best.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct Candidate {
+pub struct Candidate {
     /// Not on the client's host.
-    remote: bool,
+    pub remote: bool,
     /// Blocks of the tier in use.
-    used: u64,
-    server_id: ServerId,
+    pub used: u64,
+    pub server_id: ServerId,
     /// The tier's capacity.
-    capacity: u64,
+    pub capacity: u64,
+}
+
+/// The room blocks are placed by, as the server registry keeps it (in order, so that a
+/// placement reads only the servers it may choose: `servers::index`), or as a list of [`Room`]s.
+pub trait BlockRooms {
+    /// How many servers take new blocks.
+    fn servers(&self) -> u64;
+    /// Blocks of `tier` free, and in use but being freed, over those servers.
+    fn free(&self, tier: Tier) -> (u64, u64);
+    /// The servers with room in `tier`, best first: those on `host` (normalized; "" for none),
+    /// then the least used, ties by id. At least the first `n` of them; a list gives them all, so
+    /// that placement over it is placement as it was before the index, for tests to compare.
+    fn best(&self, tier: Tier, host: &str, n: usize) -> Vec<Candidate>;
+}
+
+impl BlockRooms for [Room] {
+    fn servers(&self) -> u64 {
+        self.len() as u64
+    }
+
+    fn free(&self, tier: Tier) -> (u64, u64) {
+        self.iter().map(|room| room.tier(tier)).fold((0, 0), |(free, freeing), room| {
+            (free + room.capacity_blocks.saturating_sub(room.used_blocks), freeing + room.being_freed_blocks)
+        })
+    }
+
+    fn best(&self, tier: Tier, host: &str, _n: usize) -> Vec<Candidate> {
+        let mut candidates: Vec<Candidate> = self
+            .iter()
+            .filter(|room| room.tier(tier).used_blocks < room.tier(tier).capacity_blocks)
+            .map(|room| Candidate {
+                remote: host.is_empty() || room.host != host,
+                used: room.tier(tier).used_blocks,
+                server_id: room.server_id,
+                capacity: room.tier(tier).capacity_blocks,
+            })
+            .collect();
+        candidates.sort_unstable();
+        candidates
+    }
 }
 
 /// Places `count` new blocks of storage class `class`, `replicas` copies each (each copy on a
@@ -108,7 +148,7 @@ pub fn enough_live_for_copies(live: u64, replicas: u32) -> Result<(), Refusal> {
 }
 
 pub fn place_blocks(
-    rooms: &[Room],
+    rooms: &(impl BlockRooms + ?Sized),
     count: u32,
     client_host: &str,
     class: StorageClass,
@@ -116,7 +156,7 @@ pub fn place_blocks(
 ) -> Result<Vec<BlockPlace>, Refusal> {
     let replicas = replicas.max(1);
     let client_host = normalize_host(client_host);
-    let live = rooms.len() as u64;
+    let live = rooms.servers();
     if live == 0 {
         return Err(Refusal::new(ErrorKind::Unavailable, NO_SERVER_TAKES_DATA));
     }
@@ -125,11 +165,8 @@ pub fn place_blocks(
     let mut free = Vec::with_capacity(tiers.len());
     let mut being_freed: u64 = 0;
     for &tier in tiers {
-        let mut tier_free = 0;
-        for room in rooms.iter().map(|r| r.tier(tier)) {
-            tier_free += room.capacity_blocks.saturating_sub(room.used_blocks);
-            being_freed += room.being_freed_blocks;
-        }
+        let (tier_free, tier_being_freed) = rooms.free(tier);
+        being_freed += tier_being_freed;
         free.push((tier, tier_free));
     }
     let free_total: u64 = free.iter().map(|(_, f)| f).sum();
@@ -162,24 +199,16 @@ pub fn place_blocks(
         ));
     }
     // One heap of candidates per tier, ordered by (remote, used); a block's later copies skip
-    // the servers its earlier copies took.
+    // the servers its earlier copies took. Only the best N = `count x replicas + replicas - 1`
+    // servers of each tier can be chosen: a server past them is the heap's smallest only when
+    // each of them has been chosen before (so its key grew past the server's, or it filled up)
+    // or holds another copy of the same block (at most `replicas - 1` do), which takes at least
+    // N - replicas + 1 = `count x replicas` earlier choices, more than the batch makes. So a
+    // batch reads the servers it may choose, not every server.
+    let reach = (count64 + u64::from(replicas) - 1).try_into().unwrap_or(usize::MAX);
     let mut heaps: Vec<(Tier, BinaryHeap<Reverse<Candidate>>)> = free
         .iter()
-        .map(|&(tier, _)| {
-            let candidates = rooms
-                .iter()
-                .filter(|room| room.tier(tier).used_blocks < room.tier(tier).capacity_blocks)
-                .map(|room| {
-                    Reverse(Candidate {
-                        remote: client_host.is_empty() || room.host != client_host,
-                        used: room.tier(tier).used_blocks,
-                        server_id: room.server_id,
-                        capacity: room.tier(tier).capacity_blocks,
-                    })
-                })
-                .collect();
-            (tier, candidates)
-        })
+        .map(|&(tier, _)| (tier, rooms.best(tier, &client_host, reach).into_iter().map(Reverse).collect()))
         .collect();
     let mut plan = Vec::with_capacity(count64 as usize);
     for block in 0..count {
@@ -265,6 +294,34 @@ impl Copies {
     }
 }
 
+/// The servers segments are placed on, as the server registry keeps them (in order:
+/// `servers::index`), or as a list of [`SegmentLoad`]s.
+pub trait SegmentRooms {
+    /// How many servers take new segments.
+    fn servers(&self) -> usize;
+    /// Whether `server_id` is one of them.
+    fn takes(&self, server_id: ServerId) -> bool;
+    /// Them in placement order (full ones last, then the least loaded, ties by id), leaving out
+    /// those in `skip`: at least the first `n`; a list gives them all (see [`BlockRooms::best`]).
+    fn least_loaded(&self, n: usize, skip: &[ServerId]) -> Vec<SegmentLoad>;
+}
+
+impl SegmentRooms for [SegmentLoad] {
+    fn servers(&self) -> usize {
+        self.len()
+    }
+
+    fn takes(&self, server_id: ServerId) -> bool {
+        self.iter().any(|load| load.server_id == server_id)
+    }
+
+    fn least_loaded(&self, _n: usize, skip: &[ServerId]) -> Vec<SegmentLoad> {
+        let mut loads: Vec<SegmentLoad> = self.iter().copied().filter(|load| !skip.contains(&load.server_id)).collect();
+        loads.sort_unstable();
+        loads
+    }
+}
+
 /// Chooses servers for `count` new segments of `replicas` copies (1 or 2): round-robin over the
 /// servers in `loads` (those that take new segments) ordered by load, so the least loaded take
 /// one more when `count` does not divide evenly; a second copy goes to the next server in the
@@ -273,30 +330,31 @@ impl Copies {
 /// than copies. Which tier a segment's bytes live in is its server's business (DRAM first, moved
 /// to NVMe as the shuffle's class allows); `loads` says which servers have room for it.
 pub fn place_segments(
-    loads: &[SegmentLoad],
+    loads: &(impl SegmentRooms + ?Sized),
     count: usize,
     avoid: &[ServerId],
     replicas: u32,
 ) -> Result<Vec<Copies>, Refusal> {
     let replicas = replicas.clamp(1, tern_proto::MAX_REPLICAS) as usize;
-    let mut live = loads.to_vec();
-    if live.iter().filter(|l| !avoid.contains(&l.server_id)).count() >= replicas {
-        live.retain(|l| !avoid.contains(&l.server_id));
+    let mut avoided: Vec<ServerId> = avoid.iter().copied().filter(|&id| loads.takes(id)).collect();
+    avoided.sort_unstable();
+    avoided.dedup();
+    if loads.servers() - avoided.len() < replicas {
+        avoided.clear();
     }
-    if live.is_empty() {
+    let n = loads.servers() - avoided.len();
+    if n == 0 {
         return Err(Refusal::new(ErrorKind::Unavailable, NO_SERVER_TAKES_DATA));
     }
-    if live.len() < replicas {
+    if n < replicas {
         return Err(Refusal::new(
             ErrorKind::Unavailable,
-            format!(
-                "{replicas} copies of each segment need {replicas} live storage servers, and only {} is live",
-                live.len()
-            ),
+            format!("{replicas} copies of each segment need {replicas} live storage servers, and only {n} is live"),
         ));
     }
-    live.sort_unstable();
-    let n = live.len();
+    // Fewer segments than servers reach only the first `count + 1`: a shuffle's registration
+    // reads the servers it places on, not every server.
+    let live = loads.least_loaded(n.min(count.saturating_add(replicas)), &avoided);
     Ok((0..count)
         .map(|i| Copies { first: live[i % n].server_id, second: (replicas > 1).then(|| live[(i + 1) % n].server_id) })
         .collect())
@@ -329,19 +387,19 @@ mod tests {
     #[test]
     fn places_on_the_client_host_first_then_by_use_without_changing_anything() {
         let rooms = [room(1, "a", 2, 0), room(2, "b", 2, 0)];
-        let plan = place_blocks(&rooms, 3, "b", StorageClass::Any, 1).unwrap();
+        let plan = place_blocks(&rooms[..], 3, "b", StorageClass::Any, 1).unwrap();
         let servers: Vec<u64> = plan.iter().map(|p| p.server_id.get()).collect();
         assert_eq!(servers, [2, 2, 1]);
         // The view is not changed: the same question gets the same answer.
-        assert_eq!(place_blocks(&rooms, 3, "b", StorageClass::Any, 1).unwrap(), plan);
+        assert_eq!(place_blocks(&rooms[..], 3, "b", StorageClass::Any, 1).unwrap(), plan);
     }
 
     #[test]
     fn nvme_only_when_dram_is_full_for_any() {
         let rooms = [room(1, "a", 1, 3)];
-        let plan = place_blocks(&rooms, 3, "", StorageClass::Any, 1).unwrap();
+        let plan = place_blocks(&rooms[..], 3, "", StorageClass::Any, 1).unwrap();
         assert_eq!(plan.iter().map(|p| p.tier).collect::<Vec<_>>(), [Tier::Dram, Tier::Nvme, Tier::Nvme]);
-        let refusal = place_blocks(&rooms, 2, "", StorageClass::Dram, 1).unwrap_err();
+        let refusal = place_blocks(&rooms[..], 2, "", StorageClass::Dram, 1).unwrap_err();
         assert_eq!(refusal.kind, ErrorKind::OutOfSpace);
     }
 
@@ -350,9 +408,9 @@ mod tests {
         let load = |full, load, id| SegmentLoad { full, load, server_id: ServerId::from_wire(id) };
         let loads = [load(true, 0, 1), load(false, 5, 2), load(false, 1, 3)];
         let firsts = |plan: Vec<Copies>| plan.iter().map(|c| c.first.get()).collect::<Vec<_>>();
-        assert_eq!(firsts(place_segments(&loads, 4, &[], 1).unwrap()), [3, 2, 1, 3]);
-        assert_eq!(firsts(place_segments(&loads, 1, &[ServerId::from_wire(3)], 1).unwrap()), [2]);
-        let pair = place_segments(&loads, 1, &[], 2).unwrap()[0];
+        assert_eq!(firsts(place_segments(&loads[..], 4, &[], 1).unwrap()), [3, 2, 1, 3]);
+        assert_eq!(firsts(place_segments(&loads[..], 1, &[ServerId::from_wire(3)], 1).unwrap()), [2]);
+        let pair = place_segments(&loads[..], 1, &[], 2).unwrap()[0];
         assert_eq!(pair, Copies::from_wire(3, 2));
         assert!(pair.on(ServerId::from_wire(2)) && !pair.on(ServerId::from_wire(1)));
     }

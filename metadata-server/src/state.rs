@@ -31,7 +31,7 @@ use crate::jobs::{Jobs, DEFAULT_TENANT};
 use crate::metrics::Gauges;
 use crate::namespace::{FileMeta, Namespace};
 use crate::path::{self, Place, JOBS_DIR};
-use crate::planner::{self, parse_storage_class};
+use crate::planner::{self, parse_storage_class, BlockRooms};
 use crate::servers::Servers;
 use crate::shuffles::{registration_record, segment_record, SegmentCopy, Shuffles};
 use commit::Applied;
@@ -157,7 +157,7 @@ impl State {
         let storage_class = planner::file_class(asked, self.durable_files);
         let replicas = parse_replicas(req.replicas).context(&context)?;
         if replicas > 1 && !req.sealed {
-            planner::enough_live_for_copies(self.servers.rooms().len() as u64, replicas).context(&context)?;
+            planner::enough_live_for_copies(self.servers.block_rooms().servers(), replicas).context(&context)?;
         }
         self.check_new_entry(&path, false, req.parents, now).context(&context)?;
         let file_id = self.namespace.next_file_id();
@@ -182,7 +182,7 @@ impl State {
             return Err(invalid("the file is already sealed").status(context));
         }
         let (class, replicas) = (file.storage_class, file.replicas);
-        let plan = planner::place_blocks(&self.servers.rooms(), req.count, &req.client_host, class, replicas)
+        let plan = planner::place_blocks(self.servers.block_rooms(), req.count, &req.client_host, class, replicas)
             .context(&context)?;
         // Placement picks the tiers; a batch taking the job's tenant past a tier's quota is
         // refused, and nothing is placed. Every copy counts: each takes a block of its tier.
@@ -473,7 +473,7 @@ impl State {
         self.jobs.check_live(&req.job_id, now.instant).context(&context)?;
         let registration = self.shuffles.check_register(&req, self.block_size).context(&context)?;
         self.check_shuffle_quota(&req.job_id, registration.storage_class).context(&context)?;
-        let loads = self.servers.segment_loads(registration.storage_class);
+        let loads = self.servers.segment_rooms(registration.storage_class);
         let firsts =
             planner::place_segments(&loads, req.partitions as usize, &[], registration.replicas).context(&context)?;
         let mut response = Shuffles::first_segments(registration, &firsts, &self.servers).context(&context)?;
@@ -495,7 +495,7 @@ impl State {
             if let Some(job) = self.shuffles.job_of(shuffle_id) {
                 self.check_shuffle_quota(job, next.storage_class).context(&context)?;
             }
-            let loads = self.servers.segment_loads(next.storage_class);
+            let loads = self.servers.segment_rooms(next.storage_class);
             let copies = planner::place_segments(&loads, 1, &next.avoid, next.replicas).context(&context)?[0];
             let change = Change::AddSegment(segment_record(shuffle_id, req.partition, copies));
             self.commit(change, now).context(&context)?;
@@ -806,7 +806,7 @@ impl State {
             let Some(tails) = self.shuffles.tails_on(shuffle_id, server_id) else {
                 continue;
             };
-            let loads = self.servers.segment_loads(tails.storage_class);
+            let loads = self.servers.segment_rooms(tails.storage_class);
             let Ok(plan) = planner::place_segments(&loads, tails.partitions.len(), &[server_id], tails.replicas) else {
                 continue;
             };

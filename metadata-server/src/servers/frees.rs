@@ -80,7 +80,7 @@ impl Servers {
     /// dead or forgotten servers are gone already and are simply dropped.
     pub fn free(&mut self, blocks: &[BlockRef]) {
         for block in blocks {
-            let Some(server) = self.servers.get_mut(&block.server_id) else {
+            let Some(mut server) = self.servers.get_mut(&block.server_id) else {
                 continue;
             };
             if server.lost_blocks.remove(&block.block_id).is_some() {
@@ -100,7 +100,7 @@ impl Servers {
     /// segments there), and takes those segments out of the servers' load.
     pub fn free_shuffle(&mut self, shuffle_id: ShuffleId, holders: &BTreeMap<ServerId, u64>) {
         for (id, &segments) in holders {
-            let Some(server) = self.servers.get_mut(id) else {
+            let Some(mut server) = self.servers.get_mut(id) else {
                 continue;
             };
             server.segments = server.segments.saturating_sub(segments);
@@ -113,7 +113,7 @@ impl Servers {
 
     /// Queues a single segment copy's free on its server, if it is alive (a dead one's is gone).
     pub fn free_segment(&mut self, server_id: ServerId, segment: SegmentCopy) {
-        if let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) {
+        if let Some(mut server) = self.servers.get_mut(&server_id).filter(|s| s.alive) {
             server.queue_free(Free::Segment(segment));
         }
     }

@@ -45,12 +45,14 @@ impl Servers {
         segments: &[SegmentCopy],
         block_size: u32,
     ) -> Result<(), Refusal> {
-        let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
+        let Some(mut server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
             return Err(Refusal::new(
                 ErrorKind::NotFound,
                 format!("storage server {server_id} is not registered; register again"),
             ));
         };
+        // One borrow of the server, so that its fields can be borrowed apart.
+        let server = &mut *server;
         let Some(inventory) = server.inventory.as_mut() else {
             return Err(invalid(format!("storage server {server_id} already reported its inventory; register again")));
         };
@@ -98,9 +100,10 @@ impl Servers {
         registered_shuffle: impl Fn(ShuffleId) -> bool,
         needed_segment: impl Fn(SegmentCopy) -> bool,
     ) -> (Reconciled, HashSet<SegmentCopy>) {
-        let Some(server) = self.servers.get_mut(&server_id) else {
+        let Some(mut server) = self.servers.get_mut(&server_id) else {
             return (Reconciled::default(), HashSet::new());
         };
+        let server = &mut *server;
         let inventory = server.inventory.take().unwrap_or_default();
         let mut done = Reconciled::default();
         server.frees = VecDeque::new();

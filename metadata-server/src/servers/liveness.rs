@@ -18,7 +18,7 @@ impl Servers {
         freed_through_seq: u64,
         now: Instant,
     ) -> HeartbeatResponse {
-        let Some(server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
+        let Some(mut server) = self.servers.get_mut(&server_id).filter(|s| s.alive) else {
             return HeartbeatResponse { reregister: true, ..HeartbeatResponse::default() };
         };
         server.last_seen = now;
@@ -36,9 +36,7 @@ impl Servers {
     /// Counts every server's silence from `now` (see `State::count_leases_from`); a client's
     /// report that one is unreachable stands.
     pub fn count_timeouts_from(&mut self, now: Instant) {
-        for server in self.servers.values_mut() {
-            server.last_seen = now;
-        }
+        self.servers.for_each_mut(|_, server| server.last_seen = now);
     }
 
     /// Declares dead every live server silent for longer than `timeout`; returns their ids and
@@ -46,8 +44,16 @@ impl Servers {
     pub fn expire(&mut self, now: Instant, timeout: Duration) -> Vec<(ServerId, String)> {
         // Reports of unreachability lapse: the server takes placements again (a client that
         // still cannot reach it reports again).
-        for server in self.servers.values_mut() {
-            server.unreachable_until = server.unreachable_until.filter(|&until| until > now);
+        let lapsed: Vec<ServerId> = self
+            .servers
+            .iter()
+            .filter(|(_, s)| s.unreachable_until.is_some_and(|until| until <= now))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lapsed {
+            if let Some(mut server) = self.servers.get_mut(&id) {
+                server.unreachable_until = None;
+            }
         }
         let silent: Vec<(ServerId, Duration)> = self
             .servers
@@ -76,10 +82,11 @@ impl Servers {
     /// alive, nothing new is placed there until `until` (see [`Servers::expire`]). Returns
     /// whether it is alive, or `None` for an address no server has.
     pub fn report_unreachable(&mut self, address: &str, until: Instant) -> Option<(ServerId, bool)> {
-        let (&id, server) = self
+        let (&id, _) = self
             .servers
-            .iter_mut()
+            .iter()
             .find(|(_, s)| s.address == address || (!s.quic_address.is_empty() && s.quic_address == address))?;
+        let mut server = self.servers.get_mut(&id).expect("found above");
         if server.alive {
             server.unreachable_until = Some(server.unreachable_until.map_or(until, |t| t.max(until)));
         }
@@ -90,7 +97,7 @@ impl Servers {
     /// the bound; returns a description for the log.
     pub(super) fn mark_dead(&mut self, server_id: ServerId, reason: String) -> String {
         let mut description = String::new();
-        if let Some(server) = self.servers.get_mut(&server_id) {
+        if let Some(mut server) = self.servers.get_mut(&server_id) {
             description = format!("{}: {reason}", server.describe(server_id));
             server.alive = false;
             server.restored = false;

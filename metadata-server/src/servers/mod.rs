@@ -33,11 +33,10 @@
 //! - `inventory`: a (re)registered server's inventory, reconciled with what is referenced there;
 //! - `placement`: the room the planner places blocks and segments by, and counting what it
 //!   placed;
+//! - `index`: the servers, kept with the index of room and load that placement reads in order;
 //! - `frees`: each server's queue of frees, carried on heartbeat replies until acknowledged;
 //! - `modes`: operators' cordons and drains;
 //! - `status`: servers as `tern admin servers` shows them.
-
-use std::collections::BTreeMap;
 
 use tern_proto::v1::BlockLocation;
 use tern_proto::{ErrorKind, ServerId, Tier};
@@ -46,6 +45,7 @@ use crate::error::Refusal;
 use crate::namespace::BlockRef;
 
 mod frees;
+mod index;
 mod inventory;
 mod liveness;
 mod modes;
@@ -54,7 +54,7 @@ mod registration;
 mod server;
 mod status;
 
-use server::Server;
+use index::Indexed;
 
 /// Most frees one heartbeat reply carries (8 bytes each: 512 KiB, well under a gRPC message).
 pub const MAX_FREES_PER_HEARTBEAT: usize = 65536;
@@ -65,7 +65,7 @@ pub const DRAM_TIER: &str = Tier::Dram.name();
 
 #[derive(Debug)]
 pub struct Servers {
-    servers: BTreeMap<ServerId, Server>,
+    servers: Indexed,
     next_server_id: ServerId,
     next_block_id: u64,
 }
@@ -73,7 +73,7 @@ pub struct Servers {
 impl Default for Servers {
     fn default() -> Servers {
         // Ids start at 1 so that 0 can never name a server or block by accident.
-        Servers { servers: BTreeMap::new(), next_server_id: ServerId::FIRST, next_block_id: 1 }
+        Servers { servers: Indexed::default(), next_server_id: ServerId::FIRST, next_block_id: 1 }
     }
 }
 

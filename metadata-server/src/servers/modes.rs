@@ -38,7 +38,7 @@ impl Servers {
     /// Sets a server's mode (a logged change, live or replayed). A server no longer known (long
     /// dead, forgotten) is left alone.
     pub fn set_mode(&mut self, server_id: ServerId, mode: ServerMode, drain_deadline: Option<Instant>) {
-        if let Some(server) = self.servers.get_mut(&server_id) {
+        if let Some(mut server) = self.servers.get_mut(&server_id) {
             server.set_mode(mode, drain_deadline);
         }
     }
@@ -65,7 +65,7 @@ impl Servers {
     /// Records how a drain stands: what it still waits for ("" = nothing), and whether the
     /// server is to exit now. Returns true when the server was newly told to exit.
     pub fn settle_drain(&mut self, server_id: ServerId, waiting_for: String, exit: bool) -> bool {
-        let Some(server) = self.servers.get_mut(&server_id) else {
+        let Some(mut server) = self.servers.get_mut(&server_id) else {
             return false;
         };
         server.drain_waiting_for = waiting_for;
@@ -76,7 +76,7 @@ impl Servers {
 
     /// Records how many blocks on the server no other readable copy backs.
     pub fn set_sole_copy_blocks(&mut self, server_id: ServerId, blocks: u64) {
-        if let Some(server) = self.servers.get_mut(&server_id) {
+        if let Some(mut server) = self.servers.get_mut(&server_id) {
             server.sole_copy_blocks = blocks;
         }
     }

@@ -3,10 +3,11 @@
 
 use tern_proto::{BlockId, ServerId, StorageClass, Tier};
 
+use super::index::SegmentOrder;
 use super::server::Server;
 use super::Servers;
 use crate::namespace::BlockRef;
-use crate::planner::{BlockPlace, Room, SegmentLoad, TierRoom};
+use crate::planner::{BlockPlace, BlockRooms, Room, SegmentLoad, TierRoom};
 
 impl Servers {
     /// Names the blocks of a placement plan, in order, from the next block ids. Changes nothing:
@@ -35,13 +36,24 @@ impl Servers {
     pub fn count_placed(&mut self, blocks: &[BlockRef]) {
         for block in blocks {
             self.next_block_id = self.next_block_id.max(block.block_id.index() + 1);
-            if let Some(server) = self.servers.get_mut(&block.server_id) {
+            if let Some(mut server) = self.servers.get_mut(&block.server_id) {
                 *server.allocated_mut(block.block_id.tier()) += 1;
             }
         }
     }
 
-    /// What the planner places blocks by: the room of each server that takes new blocks.
+    /// What the planner places blocks by, in order (`index`).
+    pub fn block_rooms(&self) -> &(impl BlockRooms + '_) {
+        self.servers.block_rooms()
+    }
+
+    /// What the planner places segments of `class` by, in order (`index`).
+    pub fn segment_rooms(&self, class: StorageClass) -> SegmentOrder<'_> {
+        self.servers.segment_rooms(class)
+    }
+
+    /// The room of each server that takes new blocks, for a look at them all (re-replication
+    /// chooses its targets by it).
     pub fn rooms(&self) -> Vec<Room> {
         let room = |server: &Server, tier| TierRoom {
             capacity_blocks: server.tier_capacity(tier),
@@ -60,7 +72,8 @@ impl Servers {
             .collect()
     }
 
-    /// What the planner places segments by: the load of each server that takes new segments.
+    /// The load of each server that takes new segments, for a look at them all (re-replication
+    /// chooses its targets by it).
     pub fn segment_loads(&self, class: StorageClass) -> Vec<SegmentLoad> {
         self.servers
             .iter()
@@ -72,7 +85,7 @@ impl Servers {
     /// Counts newly placed segments in their servers' load.
     pub fn add_segments(&mut self, server_ids: &[ServerId]) {
         for id in server_ids {
-            if let Some(server) = self.servers.get_mut(id) {
+            if let Some(mut server) = self.servers.get_mut(id) {
                 server.segments += 1;
             }
         }
@@ -80,7 +93,7 @@ impl Servers {
 
     /// A segment copy moved from `old` to `new`: counts it in `new`'s load, not in `old`'s.
     pub fn move_segment(&mut self, old: ServerId, new: ServerId) {
-        if let Some(server) = self.servers.get_mut(&old) {
+        if let Some(mut server) = self.servers.get_mut(&old) {
             server.segments = server.segments.saturating_sub(1);
         }
         self.add_segments(&[new]);

@@ -36,12 +36,13 @@ impl Servers {
     pub fn record(&mut self, server_id: ServerId, address: &str, quic_address: &str, instance_id: u64, now: Instant) {
         let host = host_of_address(address).unwrap_or_default();
         // Another server known at this address is an older record of the same one.
-        self.servers.retain(|&id, s| id == server_id || s.address != address);
-        let server = self.servers.entry(server_id).or_insert_with(|| {
+        self.servers.retain(|id, s| id == server_id || s.address != address);
+        if !self.servers.contains_key(&server_id) {
             let mut server = Server::new(address, host.clone(), instance_id, now);
             server.restored = true;
-            server
-        });
+            self.servers.insert(server_id, server);
+        }
+        let mut server = self.servers.get_mut(&server_id).expect("inserted above");
         // A drained server that comes back as a new process (a restarted pod) is not drained
         // again: the drain was of the process that exited. A cordon is the operator's and stays.
         if server.instance_id != instance_id && server.mode == ServerMode::Draining {
@@ -71,7 +72,7 @@ impl Servers {
     /// with the usage it reported, and awaiting its inventory; nothing is placed there until the
     /// inventory is reconciled. `restarted`: the registration came from a new process.
     pub fn take_registration(&mut self, server_id: ServerId, tiers: Vec<TierUsage>, restarted: bool, now: Instant) {
-        let Some(server) = self.servers.get_mut(&server_id) else {
+        let Some(mut server) = self.servers.get_mut(&server_id) else {
             return;
         };
         server.alive = true;

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use tern_proto::v1::TierUsage;
+use tern_proto::v1::{ServerMode, TierUsage};
 use tern_proto::{BlockId, ShuffleId, StorageClass, NVME_BLOCK_BIT};
 
 use super::inventory::Reconciled;
@@ -57,7 +57,7 @@ impl Placement for Servers {
         class: StorageClass,
         replicas: u32,
     ) -> Result<Vec<BlockRef>, Refusal> {
-        let plan = place_blocks(&self.rooms(), count, client_host, class, replicas)?;
+        let plan = place_blocks(self.block_rooms(), count, client_host, class, replicas)?;
         let blocks = self.name_blocks(&plan);
         self.count_placed(&blocks);
         Ok(blocks)
@@ -65,7 +65,7 @@ impl Placement for Servers {
 
     fn plan_segments(&self, count: usize, avoid: Option<u64>) -> Result<Vec<u64>, Refusal> {
         let avoid: Vec<ServerId> = avoid.into_iter().map(ServerId::from_wire).collect();
-        Ok(place_segments(&self.segment_loads(StorageClass::Any), count, &avoid, 1)?
+        Ok(place_segments(&self.segment_rooms(StorageClass::Any), count, &avoid, 1)?
             .into_iter()
             .map(|c| c.first.get())
             .collect())
@@ -475,4 +475,77 @@ fn forgets_the_oldest_dead_servers() {
     assert_eq!((servers.live_count(), servers.dead_count()), (0, MAX_DEAD_SERVERS as u64));
     let lost = servers.lost(&BlockRef { block_id: BlockId::from_wire(5), server_id: ServerId::from_wire(1) }).unwrap();
     assert!(lost.contains("no longer known"), "{lost}");
+}
+
+/// Placement read from the index (the servers it may choose, in order) chooses as placement over
+/// a room for every server does, through a long run of random changes to the servers: heartbeats
+/// with new use, allocations, frees, cordons, unreachable reports and their lapse, deaths and
+/// registrations again, segments placed; clients on a server's host and elsewhere, every class
+/// and one or two copies. (Every placement in these tests also checks the index against one
+/// rebuilt from the servers.)
+#[test]
+fn placement_from_the_index_is_placement_over_every_server() {
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move |below: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % below
+    };
+    let now = Instant::now();
+    let mut servers = Servers::default();
+    let addresses: Vec<String> = (0..24).map(|i| format!("10.0.{}.{}:{}", i % 5, i % 7, 9000 + i)).collect();
+    let mut ids = Vec::new();
+    for address in &addresses {
+        ids.push(join(&mut servers, address, tiers(next(40), next(3) * 20), now));
+    }
+    let mut placed: Vec<BlockRef> = Vec::new();
+    let classes = [StorageClass::Any, StorageClass::Dram, StorageClass::Nvme];
+    for step in 0..3000 {
+        let id = ids[next(ids.len() as u64) as usize];
+        let address = servers.address(id);
+        match next(9) {
+            0 => {
+                let used = next(45);
+                let mut usage = tiers(40, 40);
+                usage[0].used_blocks = used;
+                servers.heartbeat(id, usage, 0, now);
+            }
+            1 if !placed.is_empty() => {
+                let at = next(placed.len() as u64) as usize;
+                servers.free(&[placed.swap_remove(at)]);
+            }
+            2 => servers.set_mode(id, [ServerMode::Active, ServerMode::Cordoned][next(2) as usize], None),
+            3 => {
+                servers.report_unreachable(&address, now + Duration::from_secs(next(3)));
+                servers.expire(now + Duration::from_secs(1), Duration::from_secs(3600));
+            }
+            4 if next(4) == 0 => {
+                servers.mark_dead(id, "test".into());
+                if next(2) == 0 {
+                    join(&mut servers, &address, tiers(next(40), next(3) * 20), now);
+                }
+            }
+            5 => servers.add_segments(&[id]),
+            _ => {}
+        }
+        let count = 1 + next(6) as u32;
+        let host = ["", "10.0.1.1", "10.0.3.6", "10.0.9.9"][next(4) as usize];
+        let class = classes[next(3) as usize];
+        let replicas = 1 + next(2) as u32;
+        let from_index = place_blocks(servers.block_rooms(), count, host, class, replicas);
+        let from_all = place_blocks(&servers.rooms()[..], count, host, class, replicas);
+        assert_eq!(from_index, from_all, "step {step}: {count} blocks of {class} x{replicas} from {host:?}");
+        if let Ok(plan) = from_index {
+            let blocks = servers.name_blocks(&plan);
+            servers.count_placed(&blocks);
+            placed.extend(blocks);
+        }
+        let segments = 1 + next(30) as usize;
+        let avoid: Vec<ServerId> = (0..next(3)).map(|_| ids[next(ids.len() as u64) as usize]).collect();
+        let from_index = place_segments(&servers.segment_rooms(class), segments, &avoid, replicas);
+        let from_all = place_segments(&servers.segment_loads(class)[..], segments, &avoid, replicas);
+        assert_eq!(from_index, from_all, "step {step}: {segments} segments of {class} x{replicas} avoiding {avoid:?}");
+    }
+    assert!(placed.len() > 1000, "the run placed {} blocks: too few to have tried much", placed.len());
 }
