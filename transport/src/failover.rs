@@ -136,6 +136,26 @@ fn not_leader(response: &http::Response<Body>) -> Option<Option<String>> {
     }))
 }
 
+/// A `grpc-timeout` header's duration (an integer of at most 8 digits and a unit: H, M, S, m, u
+/// or n), or None for a malformed one.
+fn grpc_timeout(value: &http::HeaderValue) -> Option<Duration> {
+    let value = value.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// Gives a call that changes metadata its request id, unless it has one already.
 fn with_request_id<B>(request: &mut http::Request<B>, ids: &RequestIds) {
     if is_mutating(request.uri().path()) && !request.headers().contains_key(REQUEST_ID_HEADER) {
@@ -164,9 +184,16 @@ impl Service<http::Request<Body>> for Failover {
                 return Ok(channel.ready().await?.call(request).await?);
             }
             let (parts, body) = request.into_parts();
+            // Tonic enforces a call's deadline on a request once it is on a connection, not while
+            // the channel connects: bounded here, a try of a replica whose connection the pings
+            // ended waits its deadline, not the connect timeout.
+            let per_try = parts.headers.get("grpc-timeout").and_then(grpc_timeout);
             let bytes = body.collect().await?.to_bytes();
             let n = this.channels.len();
             let mut last: Option<Result<http::Response<Body>, BoxError>> = None;
+            // The address that last said it is not the leader and named none: a leader cut off
+            // from its majority says so, while the others may still name it until they elect.
+            let mut unled: Option<usize> = None;
             for _ in 0..n * MAX_ATTEMPTS_PER_ADDRESS {
                 let at = this.current.load(Ordering::Relaxed) % n;
                 let mut again = http::Request::builder().method(parts.method.clone()).uri(parts.uri.clone());
@@ -181,36 +208,46 @@ impl Service<http::Request<Body>> for Failover {
                 let next = |current: &AtomicUsize| {
                     let _ = current.compare_exchange(at, (at + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
                 };
-                match channel.ready().await {
+                let attempt = async { channel.ready().await?.call(again).await };
+                let answer: Result<http::Response<Body>, BoxError> = match per_try {
+                    Some(deadline) => match tokio::time::timeout(deadline, attempt).await {
+                        Ok(answer) => answer.map_err(Into::into),
+                        Err(_) => {
+                            Err(format!("no answer from {} within the call's {deadline:?}", this.addrs[at]).into())
+                        }
+                    },
+                    None => attempt.await.map_err(Into::into),
+                };
+                match answer {
                     Err(e) => {
-                        last = Some(Err(e.into()));
+                        last = Some(Err(e));
                         next(&this.current);
                         tokio::time::sleep(RETRY_PAUSE).await;
-                        continue;
                     }
-                    Ok(ready) => match ready.call(again).await {
-                        Err(e) => {
-                            last = Some(Err(e.into()));
+                    Ok(response) => match not_leader(&response) {
+                        None => return Ok(response),
+                        Some(Some(leader)) => {
+                            match this.addrs.iter().position(|a| *a == leader) {
+                                // The one that just said it does not lead: the others have
+                                // not elected yet; ask the next in a moment.
+                                Some(i) if unled == Some(i) => {
+                                    next(&this.current);
+                                    tokio::time::sleep(RETRY_PAUSE).await;
+                                }
+                                Some(i) => this.current.store(i, Ordering::Relaxed),
+                                None => next(&this.current),
+                            }
+                            last = Some(Ok(response));
+                        }
+                        Some(None) => {
+                            // An election, a leader cut off from its majority, or a server no
+                            // longer (or not yet) a member, which will never learn of a
+                            // leader: the next one may know.
+                            unled = Some(at);
+                            last = Some(Ok(response));
                             next(&this.current);
                             tokio::time::sleep(RETRY_PAUSE).await;
                         }
-                        Ok(response) => match not_leader(&response) {
-                            None => return Ok(response),
-                            Some(Some(leader)) => {
-                                match this.addrs.iter().position(|a| *a == leader) {
-                                    Some(i) => this.current.store(i, Ordering::Relaxed),
-                                    None => next(&this.current),
-                                }
-                                last = Some(Ok(response));
-                            }
-                            Some(None) => {
-                                // An election, or a server no longer (or not yet) a member, which
-                                // will never learn of a leader: the next one may know.
-                                last = Some(Ok(response));
-                                next(&this.current);
-                                tokio::time::sleep(RETRY_PAUSE).await;
-                            }
-                        },
                     },
                 }
             }
@@ -345,6 +382,18 @@ mod tests {
         let mut failover = silent_then_answering().await;
         let within = KEEP_ALIVE_INTERVAL + KEEP_ALIVE_TIMEOUT + Duration::from_secs(2);
         answered_by_the_second_within(&mut failover, None, within).await;
+    }
+
+    #[test]
+    fn grpc_timeouts_are_read_as_tonic_writes_them() {
+        let read = |v: &'static str| grpc_timeout(&http::HeaderValue::from_static(v));
+        assert_eq!(read("300m"), Some(Duration::from_millis(300)));
+        assert_eq!(read("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(read("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(read("5u"), Some(Duration::from_micros(5)));
+        for bad in ["", "S", "123456789m", "10x", "-1S"] {
+            assert_eq!(read(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

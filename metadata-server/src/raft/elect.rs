@@ -57,6 +57,40 @@ impl Heard {
     }
 }
 
+/// When each voter last answered this node's AppendEntries (heartbeats included) as one that
+/// follows it: what a leader judges whether it still has a majority by ([`Answers::majority`]).
+/// openraft 0.9's leader never steps down by itself: cut off from the other replicas but not from
+/// its clients, it kept taking calls, each waiting out the 10 s commit deadline and then failing
+/// with an error that sent no caller elsewhere, while the majority had long elected a new leader.
+/// A leader that has not heard a majority within [`LEADER_LEASE`] now refuses calls as not the
+/// leader (`Replica::check_serving`, `Replica::wait`), which moves its callers to the others.
+/// This is for availability only: what it answers is still confirmed by a commit or a read index.
+#[derive(Debug, Default)]
+pub struct Answers(Mutex<BTreeMap<u64, Instant>>);
+
+impl Answers {
+    pub fn touch(&self, voter: u64, now: Instant) {
+        let mut answered = self.0.lock();
+        let at = answered.entry(voter).or_insert(now);
+        *at = (*at).max(now);
+    }
+
+    /// Whether `me` and the voters that answered within [`LEADER_LEASE`] of `now` are a majority
+    /// of `voters`.
+    pub fn majority(&self, me: u64, voters: impl Iterator<Item = u64>, now: Instant) -> bool {
+        let answered = self.0.lock();
+        let (mut heard, mut all) = (0, 0);
+        for voter in voters {
+            all += 1;
+            let recent = answered.get(&voter).is_some_and(|&at| now.saturating_duration_since(at) < LEADER_LEASE);
+            if voter == me || recent {
+                heard += 1;
+            }
+        }
+        heard * 2 > all
+    }
+}
+
 /// A would-be candidate's question: would you vote for `candidate`, whose log ends at `last_log`?
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PreVote {
@@ -146,5 +180,28 @@ pub async fn stand(raft: Raft<TypeConfig>, me: u64, network: Network, heard: Arc
         let after = Now::read().instant;
         last_round = after;
         wait = silence_to_stand(&mut rng);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[expect(clippy::disallowed_methods, reason = "a test's clock")]
+    fn a_leader_has_a_majority_while_enough_voters_answered_within_the_lease() {
+        let start = Instant::now();
+        let answers = Answers::default();
+        let voters = || [1, 2, 3].into_iter();
+        assert!(!answers.majority(1, voters(), start), "none answered: itself alone is not a majority of three");
+        answers.touch(2, start);
+        assert!(answers.majority(1, voters(), start + LEADER_LEASE / 2));
+        assert!(!answers.majority(1, voters(), start + LEADER_LEASE), "the answer is a lease old");
+        answers.touch(3, start + LEADER_LEASE);
+        assert!(answers.majority(1, voters(), start + LEADER_LEASE));
+        answers.touch(3, start);
+        assert!(answers.majority(1, voters(), start + LEADER_LEASE), "an older answer does not move it back");
+        assert!(answers.majority(1, [1].into_iter(), start + LEADER_LEASE * 10), "a lone voter is its own majority");
+        assert!(!answers.majority(1, [1, 2, 3, 4, 5].into_iter(), start + LEADER_LEASE), "two of five");
     }
 }

@@ -105,6 +105,8 @@ pub struct Replica {
     key_file: std::path::PathBuf,
     /// When this replica last heard a leader (`elect`), touched by the `Raft` service.
     pub heard: Arc<elect::Heard>,
+    /// When each voter last answered this replica as its leader (`elect::Answers`).
+    answers: Arc<elect::Answers>,
 }
 
 /// A replica's place in Raft (`Replica::place`).
@@ -195,6 +197,7 @@ impl Replica {
             outcome: watch::channel(Outcome::default()).0,
             key_file: config.dir.clone(),
             heard: heard.clone(),
+            answers: network.answers.clone(),
         });
         tokio::spawn(elect::stand(replica.raft.clone(), me, network, heard));
         tokio::spawn(replica.clone().propose_loop());
@@ -217,7 +220,10 @@ impl Replica {
     /// Called under the state's lock.
     pub fn check_serving(&self) -> Result<(), Status> {
         if self.store.machine.meta.lock().serving.is_some() {
-            return Ok(());
+            return match self.cut_off() {
+                Some(refusal) => Err(refusal),
+                None => Ok(()),
+            };
         }
         let metrics = self.raft.metrics().borrow().clone();
         Err(match metrics.current_leader {
@@ -235,6 +241,41 @@ impl Replica {
             _ => ErrorKind::Unavailable
                 .status("not the leader; no leader is known yet (an election is under way): retry shortly"),
         })
+    }
+
+    /// The refusal of a leader that has not heard a majority of the voters within the leader
+    /// lease (`elect::Answers`): it says "not the leader", so that the failover channel asks the
+    /// others, among which the majority elects a new leader once the lease has passed.
+    fn cut_off(&self) -> Option<Status> {
+        #[expect(clippy::disallowed_methods, reason = "the edge: a lease is judged by the clock")]
+        let now = Now::read().instant;
+        let metrics = self.raft.metrics();
+        let voters = metrics.borrow().membership_config.membership().voter_ids().collect::<Vec<_>>();
+        (!self.answers.majority(self.me, voters.into_iter(), now)).then(|| {
+            ErrorKind::Unavailable.status(format!(
+                "not the leader; no majority of the metadata replicas has answered this one within {:?} (is it cut \
+                 off from them?)",
+                elect::LEADER_LEASE
+            ))
+        })
+    }
+
+    /// `waited`, unless this leader is cut off from its majority first ([`Replica::cut_off`],
+    /// looked at four times a lease): a call need not wait out its commit deadline on a leader
+    /// the others have replaced.
+    async fn unless_cut_off<T>(&self, waited: impl std::future::Future<Output = T>) -> Result<T, Status> {
+        let cut_off = async {
+            loop {
+                tokio::time::sleep(elect::LEADER_LEASE / 4).await;
+                if let Some(refusal) = self.cut_off() {
+                    return refusal;
+                }
+            }
+        };
+        tokio::select! {
+            done = waited => Ok(done),
+            refusal = cut_off => Err(refusal),
+        }
     }
 
     /// Queues a call's records (under the state's lock, so proposals keep the state's order);
@@ -259,35 +300,44 @@ impl Replica {
     pub async fn wait(&self, seq: u64, read: bool) -> Result<(), Status> {
         let unavailable = |why: String| ErrorKind::Unavailable.status(why);
         let mut outcome = self.outcome.subscribe();
-        let waited = tokio::time::timeout(COMMIT_DEADLINE, async {
-            loop {
-                let now = *outcome.borrow_and_update();
-                if seq >= now.failed.0 && seq <= now.failed.1 && now.failed.1 > 0 {
-                    return Err(unavailable(
-                        "not the leader any more: the leadership was lost before the change was known to commit"
-                            .to_string(),
-                    ));
+        let waited = tokio::time::timeout(
+            COMMIT_DEADLINE,
+            self.unless_cut_off(async {
+                loop {
+                    let now = *outcome.borrow_and_update();
+                    if seq >= now.failed.0 && seq <= now.failed.1 && now.failed.1 > 0 {
+                        return Err(unavailable(
+                            "not the leader any more: the leadership was lost before the change was known to commit"
+                                .to_string(),
+                        ));
+                    }
+                    if now.committed >= seq {
+                        return Ok(());
+                    }
+                    if outcome.changed().await.is_err() {
+                        return Err(unavailable("the Raft node stopped".to_string()));
+                    }
                 }
-                if now.committed >= seq {
-                    return Ok(());
-                }
-                if outcome.changed().await.is_err() {
-                    return Err(unavailable("the Raft node stopped".to_string()));
-                }
-            }
-        })
+            }),
+        )
         .await
         .map_err(|_| unavailable(format!("not committed within {COMMIT_DEADLINE:?} (no majority reachable?)")))?;
-        waited?;
+        waited??;
         if read {
-            match tokio::time::timeout(COMMIT_DEADLINE, self.raft.ensure_linearizable()).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) if e.forward_to_leader().is_some() => {
+            let confirmed = self.unless_cut_off(self.raft.ensure_linearizable());
+            match tokio::time::timeout(COMMIT_DEADLINE, confirmed).await {
+                Ok(Err(refusal)) => return Err(refusal),
+                Ok(Ok(Ok(_))) => {}
+                Ok(Ok(Err(e))) if e.forward_to_leader().is_some() => {
                     return Err(unavailable(format!(
                         "not the leader any more: the leadership could not be confirmed ({e})"
                     )))
                 }
-                Ok(Err(e)) => return Err(unavailable(format!("the leadership could not be confirmed: {e}"))),
+                // No quorum answered the read index's heartbeats (those to a cut-off host fail at
+                // once): "not the leader", so that the failover channel asks the others.
+                Ok(Ok(Err(e))) => {
+                    return Err(unavailable(format!("not the leader; the leadership could not be confirmed: {e}")))
+                }
                 Err(_) => {
                     return Err(unavailable(format!("the leadership was not confirmed within {COMMIT_DEADLINE:?}")))
                 }

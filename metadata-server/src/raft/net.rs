@@ -29,7 +29,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use super::elect::{would_vote, Heard, PreVote, PRE_VOTE_DEADLINE};
+use super::elect::{would_vote, Answers, Heard, PreVote, PRE_VOTE_DEADLINE};
 use super::{codec, Replica, TypeConfig, RPC_DEADLINE};
 use crate::authz::Authz;
 
@@ -40,6 +40,8 @@ pub struct Network {
     credential: String,
     max_message_bytes: usize,
     tls: Option<TlsMaterial>,
+    /// When each peer last answered an AppendEntries as a follower of this node.
+    pub answers: Arc<Answers>,
 }
 
 impl Network {
@@ -51,7 +53,7 @@ impl Network {
     ) -> anyhow::Result<Network> {
         let credential = secret.credential(&Identity::new(Role::Metadata, "", &format!("node-{me}")));
         Presents::credential(&credential).map_err(|e| anyhow::anyhow!("{}", e.0))?;
-        Ok(Network { credential, max_message_bytes, tls })
+        Ok(Network { credential, max_message_bytes, tls, answers: Arc::default() })
     }
 }
 
@@ -60,15 +62,17 @@ pub struct Peer {
     target: u64,
     client: Option<RaftClient<Presenting<Channel>>>,
     error: Option<String>,
+    answers: Arc<Answers>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = Peer;
 
     async fn new_client(&mut self, target: u64, node: &BasicNode) -> Peer {
+        let answers = self.answers.clone();
         match self.client(&node.addr) {
-            Ok(client) => Peer { target, client: Some(client), error: None },
-            Err(error) => Peer { target, client: None, error: Some(error) },
+            Ok(client) => Peer { target, client: Some(client), error: None, answers },
+            Err(error) => Peer { target, client: None, error: Some(error), answers },
         }
     }
 }
@@ -155,7 +159,14 @@ impl RaftNetwork<TypeConfig> for Peer {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<u64>, RPCError<u64, BasicNode, RaftError<u64>>> {
-        self.send(&rpc, &option, "append_entries").await
+        let reply = self.send(&rpc, &option, "append_entries").await;
+        // Any answer but a higher vote is a follower's (a conflict too: it follows, behind).
+        if reply.as_ref().is_ok_and(|answer| !matches!(answer, AppendEntriesResponse::HigherVote(_))) {
+            #[expect(clippy::disallowed_methods, reason = "the edge: a peer's answer is timed as it comes")]
+            let now = Now::read().instant;
+            self.answers.touch(self.target, now);
+        }
+        reply
     }
 
     async fn install_snapshot(
