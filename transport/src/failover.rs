@@ -8,10 +8,12 @@
 //! to the next address; the last answer (or error) is the call's. With one address the channel passes calls straight through, as before.
 //!
 //! A call's own deadline (its `grpc-timeout`, as `tonic::Request::set_timeout` writes it) bounds
-//! each try, not only the whole call: tonic's connection enforces the shorter of it and the
-//! endpoint's timeout on every request it sends, so a leader whose packets vanish holds a try
-//! that long before the next address is asked. Calls that must reach a new leader quickly (lease
-//! renewals, heartbeats) set one; a test below holds tonic to it.
+//! each try, not only the whole call, connecting included (tonic enforces it only once the
+//! request is on a connection), so a leader whose packets vanish holds a try that long before the
+//! next address is asked. Calls that must reach a new leader quickly (lease renewals, heartbeats)
+//! set one. A call without one is bounded by the connections' pings (`KEEP_ALIVE_*`). A replica
+//! named as the leader just after it said it does not lead (a leader cut off from its majority,
+//! before the others elect) is not asked again at once: the next address is, after the pause.
 //!
 //! Every call that changes metadata ([`tern_proto::request_id::is_mutating`]) gets a request id
 //! here, once, in its [`REQUEST_ID_HEADER`]: its tries resend the same bytes and headers, so the
