@@ -184,17 +184,22 @@ fn probe_start() -> u32 {
 /// that dies, however it dies.
 static CLAIMED: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
 
-/// Where claims are locked: one empty file per port, shared by every process on the host.
-fn claims_dir() -> std::path::PathBuf {
-    std::env::temp_dir().join("tern-port-claims")
+/// Where claims are locked: one empty file per port, shared by every process on the host; made
+/// once per process.
+fn claims_dir() -> anyhow::Result<&'static std::path::Path> {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    if let Some(dir) = DIR.get() {
+        return Ok(dir);
+    }
+    let dir = std::env::temp_dir().join("tern-port-claims");
+    std::fs::create_dir_all(&dir).with_context(|| format!("making {}", dir.display()))?;
+    Ok(DIR.get_or_init(|| dir))
 }
 
 /// Claims `port` for this process if no other process holds it and it can be bound on loopback
 /// now; false otherwise.
 fn claim(port: u16) -> anyhow::Result<bool> {
-    let dir = claims_dir();
-    std::fs::create_dir_all(&dir).with_context(|| format!("making {}", dir.display()))?;
-    let path = dir.join(port.to_string());
+    let path = claims_dir()?.join(port.to_string());
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -321,13 +326,13 @@ mod tests {
     fn a_port_claimed_by_another_process_is_not_handed_out() {
         // Another process's claim is a lock on the same file by another open file description.
         let port = free_port().unwrap();
-        let held = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
-        let second = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
+        let held = std::fs::File::open(claims_dir().unwrap().join(port.to_string())).unwrap();
+        let second = std::fs::File::open(claims_dir().unwrap().join(port.to_string())).unwrap();
         assert!(second.try_lock().is_err(), "this process's claim holds the lock");
         drop((held, second));
         let range = free_port_range(4).unwrap();
         for port in range..range + 4 {
-            let file = std::fs::File::open(claims_dir().join(port.to_string())).unwrap();
+            let file = std::fs::File::open(claims_dir().unwrap().join(port.to_string())).unwrap();
             assert!(file.try_lock().is_err(), "port {port} of the range is claimed");
         }
     }

@@ -58,7 +58,7 @@ pub struct Room {
 }
 
 impl Room {
-    fn tier(&self, tier: Tier) -> &TierRoom {
+    pub fn tier(&self, tier: Tier) -> &TierRoom {
         match tier {
             Tier::Dram => &self.dram,
             Tier::Nvme => &self.nvme,
@@ -98,6 +98,8 @@ pub trait BlockRooms {
     fn best(&self, tier: Tier, host: &str, n: usize) -> Vec<Candidate>;
 }
 
+/// The whole-list placement the index must agree with (`servers::tests`).
+#[cfg(test)]
 impl BlockRooms for [Room] {
     fn servers(&self) -> u64 {
         self.len() as u64
@@ -306,6 +308,8 @@ pub trait SegmentRooms {
     fn least_loaded(&self, n: usize, skip: &[ServerId]) -> Vec<SegmentLoad>;
 }
 
+/// The whole-list placement the index must agree with (`servers::tests`).
+#[cfg(test)]
 impl SegmentRooms for [SegmentLoad] {
     fn servers(&self) -> usize {
         self.len()

@@ -220,10 +220,7 @@ impl Replica {
     /// Called under the state's lock.
     pub fn check_serving(&self) -> Result<(), Status> {
         if self.store.machine.meta.lock().serving.is_some() {
-            return match self.cut_off() {
-                Some(refusal) => Err(refusal),
-                None => Ok(()),
-            };
+            return self.cut_off().map_or(Ok(()), Err);
         }
         let metrics = self.raft.metrics().borrow().clone();
         Err(match metrics.current_leader {
@@ -249,9 +246,10 @@ impl Replica {
     fn cut_off(&self) -> Option<Status> {
         #[expect(clippy::disallowed_methods, reason = "the edge: a lease is judged by the clock")]
         let now = Now::read().instant;
+        // On every call's path: the voters are read in place, not collected.
         let metrics = self.raft.metrics();
-        let voters = metrics.borrow().membership_config.membership().voter_ids().collect::<Vec<_>>();
-        (!self.answers.majority(self.me, voters.into_iter(), now)).then(|| {
+        let majority = self.answers.majority(self.me, metrics.borrow().membership_config.membership().voter_ids(), now);
+        (!majority).then(|| {
             ErrorKind::Unavailable.status(format!(
                 "not the leader; no majority of the metadata replicas has answered this one within {:?} (is it cut \
                  off from them?)",

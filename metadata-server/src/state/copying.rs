@@ -43,10 +43,7 @@ impl State {
         let mut free: HashMap<(ServerId, Tier), u64> = HashMap::new();
         for server in self.servers.rooms() {
             for tier in [Tier::Dram, Tier::Nvme] {
-                let r = match tier {
-                    Tier::Dram => &server.dram,
-                    Tier::Nvme => &server.nvme,
-                };
+                let r = server.tier(tier);
                 free.insert((server.server_id, tier), r.capacity_blocks.saturating_sub(r.used_blocks));
             }
         }
