@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use tern_proto::buffers::BufferPool;
 use tern_proto::frame::{self, Frame, Lease, LentPage, RemoteLease, LEASE_TTL, MAX_PAYLOAD_BYTES, MAX_SLOT};
 use tern_proto::token::Grant;
 use tern_transport::local::SharedArena;
@@ -119,6 +120,7 @@ impl BlockConnection {
         timeout: Duration,
         request_timeout: Duration,
         stalls: Arc<Stalls>,
+        buffers: Arc<BufferPool>,
     ) -> Result<BlockConnection> {
         let stream = tokio::time::timeout(timeout, connector.connect(addr))
             .await
@@ -131,7 +133,8 @@ impl BlockConnection {
         let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(64 << 10, write_half)));
         tokio::spawn(send_frames(inbox, out.clone(), broken.clone()));
         let receiver =
-            tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string())).abort_handle();
+            tokio::spawn(receive_frames(read_half, pending.clone(), broken.clone(), addr.to_string(), buffers))
+                .abort_handle();
         Ok(BlockConnection {
             addr: addr.to_string(),
             outbox,
@@ -521,9 +524,15 @@ async fn send_frames(mut inbox: mpsc::Receiver<Frame>, out: FrameWriter, broken:
     }
 }
 
-async fn receive_frames(mut read_half: BoxRead, pending: Pending, broken: Arc<AtomicBool>, addr: String) {
+async fn receive_frames(
+    mut read_half: BoxRead,
+    pending: Pending,
+    broken: Arc<AtomicBool>,
+    addr: String,
+    buffers: Arc<BufferPool>,
+) {
     let why = loop {
-        match frame::read_frame(&mut read_half, MAX_PAYLOAD_BYTES).await {
+        match frame::read_frame_pooled(&mut read_half, MAX_PAYLOAD_BYTES, &buffers).await {
             Ok(Some(reply)) => {
                 let waiter = pending.lock().remove(&reply.header.request_id);
                 match waiter {
@@ -567,7 +576,13 @@ pub(crate) struct BlockPool {
     /// Per server, one connect at a time: a server that cannot be reached holds up only the
     /// calls to it, for at most the connect deadline, not the calls to every other server.
     connecting: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where replies' payloads are read into, shared by every connection.
+    buffers: Arc<BufferPool>,
 }
+
+/// Most bytes of idle receive buffers a client keeps for reuse (see `tern_proto::buffers`):
+/// enough for a few in-flight reads of the largest blocks.
+const IDLE_RECEIVE_BUFFER_BYTES: usize = 64 << 20;
 
 impl BlockPool {
     pub(crate) fn new(
@@ -587,6 +602,7 @@ impl BlockPool {
             next: AtomicUsize::new(0),
             stalls: Arc::default(),
             connecting: Mutex::default(),
+            buffers: BufferPool::new(IDLE_RECEIVE_BUFFER_BYTES),
         }
     }
 
@@ -610,6 +626,7 @@ impl BlockPool {
                 self.connect_timeout,
                 self.request_timeout,
                 self.stalls.clone(),
+                self.buffers.clone(),
             )
             .await?,
         );

@@ -26,10 +26,12 @@
 
 use std::fmt;
 use std::io;
+use std::sync::Arc;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::buffers::{BufferPool, Pooled};
 use crate::error::{cut_message, ErrorKind};
 use crate::shuffle::SegmentAddress;
 use crate::token::{Grant, GRANT_LEN, MAX_TOKEN_BYTES};
@@ -231,6 +233,24 @@ pub struct Frame {
 
 impl Frame {
     fn new(op: Op, response: bool, request_id: u64, block_id: u64, offset: u32, length: u32, payload: Bytes) -> Frame {
+        let payload_crc = crc32c::crc32c(&payload);
+        Frame::with_crc(op, response, request_id, block_id, offset, length, payload, payload_crc)
+    }
+
+    /// A frame whose payload crc32c the sender already knows (kept since the bytes were written,
+    /// or combined from its parts' checksums), sparing a pass over the payload. `payload_crc` is
+    /// what the receiver checks the payload against.
+    #[allow(clippy::too_many_arguments)]
+    fn with_crc(
+        op: Op,
+        response: bool,
+        request_id: u64,
+        block_id: u64,
+        offset: u32,
+        length: u32,
+        payload: Bytes,
+        payload_crc: u32,
+    ) -> Frame {
         let payload_len = u32::try_from(payload.len()).expect("payloads are bounded by MAX_PAYLOAD_BYTES");
         Frame {
             header: Header {
@@ -242,7 +262,7 @@ impl Frame {
                 offset,
                 length,
                 payload_len,
-                payload_crc: crc32c::crc32c(&payload),
+                payload_crc,
                 slot: 0,
                 grant: [0; GRANT_LEN],
             },
@@ -257,6 +277,12 @@ impl Frame {
     pub fn write(request_id: u64, block_id: u64, offset: u32, data: Bytes) -> Frame {
         let len = data.len() as u32;
         Frame::new(Op::Write, false, request_id, block_id, offset, len, data)
+    }
+
+    /// A Write of bytes whose crc32c is known (see [`Frame::reply_with_crc`]).
+    pub fn write_with_crc(request_id: u64, block_id: u64, offset: u32, data: Bytes, crc: u32) -> Frame {
+        let len = data.len() as u32;
+        Frame::with_crc(Op::Write, false, request_id, block_id, offset, len, data, crc)
     }
 
     pub fn read(request_id: u64, block_id: u64, offset: u32, length: u32) -> Frame {
@@ -338,23 +364,12 @@ impl Frame {
         Frame::new(request.op, true, request.request_id, request.block_id, request.offset, length, payload)
     }
 
-    /// A successful reply whose payload crc32c the sender already knows (e.g. combined from
-    /// checksums of its parts), sparing a pass over the payload. `payload_crc` must be the
-    /// payload's crc32c: the receiver checks it.
+    /// A successful reply whose payload crc32c the sender already knows (kept since the bytes
+    /// were written, or combined from checksums of its parts), sparing a pass over the payload.
+    /// `payload_crc` must be the payload's crc32c: the receiver checks it.
     pub fn reply_with_crc(request: &Header, length: u32, payload: Bytes, payload_crc: u32) -> Frame {
-        let payload_len = u32::try_from(payload.len()).expect("payloads are bounded by MAX_PAYLOAD_BYTES");
-        let header = Header {
-            op: request.op,
-            response: true,
-            status: 0,
-            length,
-            payload_len,
-            payload_crc,
-            slot: 0,
-            grant: [0; GRANT_LEN],
-            ..*request
-        };
-        Frame { header, payload }
+        let (op, id, block, offset) = (request.op, request.request_id, request.block_id, request.offset);
+        Frame::with_crc(op, true, id, block, offset, length, payload, payload_crc)
     }
 
     /// An error reply: `status` carries the kind, the payload the message (UTF-8, bounded).
@@ -602,14 +617,31 @@ pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> R
 
 /// Reads `header`'s payload into a buffer of exactly its size and checks its crc.
 pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, header: &Header) -> Result<Bytes, FrameError> {
+    read_payload_into(r, header, Pooled::unpooled(header.payload_len as usize)).await
+}
+
+/// Reads `header`'s payload into a buffer of `pool` (see [`crate::buffers`]) and checks its crc.
+pub async fn read_payload_pooled<R: AsyncRead + Unpin>(
+    r: &mut R,
+    header: &Header,
+    pool: &Arc<BufferPool>,
+) -> Result<Bytes, FrameError> {
+    read_payload_into(r, header, pool.take(header.payload_len as usize)).await
+}
+
+async fn read_payload_into<R: AsyncRead + Unpin>(
+    r: &mut R,
+    header: &Header,
+    mut into: Pooled,
+) -> Result<Bytes, FrameError> {
     let len = header.payload_len as usize;
     // Read into uninitialised capacity: zeroing a 1 MiB payload first costs as much as a tenth
     // of receiving it. The crc is taken as the bytes arrive, while they are still in cache.
-    let mut buf = BytesMut::with_capacity(len);
+    let buf = into.buf();
     let mut crc = 0;
     while buf.len() < len {
         let before = buf.len();
-        let mut rest = (&mut buf).limit(len - before);
+        let mut rest = (&mut *buf).limit(len - before);
         if r.read_buf(&mut rest).await? == 0 {
             return Err(FrameError::Truncated { expected: len, got: before });
         }
@@ -619,7 +651,7 @@ pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, header: &Header) -> R
     if actual != header.payload_crc {
         return Err(FrameError::PayloadChecksum { expected: header.payload_crc, actual });
     }
-    Ok(buf.freeze())
+    Ok(into.freeze())
 }
 
 /// Reads and discards `len` payload bytes (of a frame that will be answered with an error).
@@ -637,6 +669,19 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> Re
         return Ok(None);
     };
     let payload = read_payload(r, &header).await?;
+    Ok(Some(Frame { header, payload }))
+}
+
+/// [`read_frame`], its payload read into a buffer of `pool`.
+pub async fn read_frame_pooled<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_payload: u32,
+    pool: &Arc<BufferPool>,
+) -> Result<Option<Frame>, FrameError> {
+    let Some(header) = read_header(r, max_payload).await? else {
+        return Ok(None);
+    };
+    let payload = read_payload_pooled(r, &header, pool).await?;
     Ok(Some(Frame { header, payload }))
 }
 

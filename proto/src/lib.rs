@@ -2,6 +2,8 @@
 //! - [`v1`]: the gRPC control plane (namespace, jobs, storage-server registry), from `proto/tern.proto`;
 //! - [`sched`]: the task scheduler's service (jobs of stages, executors), from `proto/scheduler.proto`;
 //! - [`frame`]: the binary block-frame codec of the data plane;
+//! - [`buffers`]: receive buffers recycled from a bounded pool, so large payloads reuse warm pages;
+//! - [`crc`]: crc32c of joined parts from the parts' crcs, for checksums kept instead of retaken;
 //! - [`shuffle`]: what Push and Fetch frames carry inside their payloads;
 //! - [`health`]: the standard gRPC health service, following a daemon's readiness;
 //! - [`error`]: the error kinds both planes carry, so a caller can act on them;
@@ -11,6 +13,8 @@
 //! - [`token`]: job tokens and grants, the data plane's capabilities;
 //! - [`request_id`]: client request ids, so a retried change is answered, not done twice.
 
+pub mod buffers;
+pub mod crc;
 pub mod error;
 pub mod frame;
 pub mod health;

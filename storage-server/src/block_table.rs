@@ -13,6 +13,12 @@
 //! - the new length is published (Release) only once the bytes are in place and their crc32c
 //!   checked; readers load it (Acquire) and only ever read below it, so no byte is read while it
 //!   is being written, and a published byte never changes while its slot is held;
+//! - a block keeps the crc32c of each [`CRC_CHUNK`] of its bytes, taken in the pass that checks
+//!   each write's crc, so a read replies with the crcs its bytes had when they arrived, combined,
+//!   instead of taking them again: only the parts of chunks a read cuts through are checksummed
+//!   as they are sent. A byte that rots at rest is then caught by the reader's check rather than
+//!   covered by a fresh crc. The crc of the last, partial chunk is published with the length in
+//!   one store, so a reader sees a length and the crc of exactly those bytes;
 //! - a slot returns to the free list only when its last `Arc` drops: a Free (or a
 //!   re-registration) racing a read removes the block from the map, but the bytes being sent stay
 //!   intact until the read is done with them.
@@ -26,7 +32,16 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use tern_proto::crc::{combine, Shift};
 use tern_proto::{BlockId, ErrorKind, ServerId, Tier};
+
+/// The bytes each kept crc32c covers. A read aligned to it replies with kept crcs alone; one that
+/// cuts through a chunk checksums the part it sends (at most two parts of 64 KiB). Kept crcs take
+/// 4 bytes per chunk: 64 KiB of them per 1 GiB of tier.
+pub(crate) const CRC_CHUNK: u32 = 64 << 10;
+
+/// Joins a whole chunk's crc onto the crc of the bytes before it.
+const CHUNK_SHIFT: Shift = Shift::new(CRC_CHUNK as u64);
 
 /// Why a block operation was refused. Messages name the op, block, range and limit involved; a
 /// block is named by its id as the wire carries it.
@@ -103,13 +118,21 @@ pub(crate) struct Slots<M> {
     /// Indices of unused slots; used as a stack so recently freed (cache-warm) slots go first.
     free: Mutex<Vec<usize>>,
     used_bytes: AtomicU64,
+    /// The crc32c of every whole chunk of every slot, `chunks_per_slot` per slot: set by the
+    /// slot's one writer before it publishes a length past the chunk, and never changed while the
+    /// slot is held after that.
+    chunk_crcs: Box<[AtomicU32]>,
+    chunks_per_slot: usize,
 }
 
 impl<M> Slots<M> {
     /// `count` slots of `block_size` bytes of `medium`, all free; slot 0 is handed out first.
     pub(crate) fn new(medium: M, tier: Tier, block_size: u32, count: usize) -> Arc<Slots<M>> {
-        let free = (0..count).rev().collect();
-        Arc::new(Slots { medium, tier, block_size, count, free: Mutex::new(free), used_bytes: AtomicU64::new(0) })
+        let free = Mutex::new((0..count).rev().collect());
+        let chunks_per_slot = block_size.div_ceil(CRC_CHUNK) as usize;
+        let chunk_crcs = (0..count * chunks_per_slot).map(|_| AtomicU32::new(0)).collect();
+        let used_bytes = AtomicU64::new(0);
+        Arc::new(Slots { medium, tier, block_size, count, free, used_bytes, chunk_crcs, chunks_per_slot })
     }
 
     pub(crate) fn medium(&self) -> &M {
@@ -134,10 +157,11 @@ impl<M> Slots<M> {
         }
     }
 
-    /// An empty slot off the free list, or `None` when every slot is in use.
-    fn take(self: &Arc<Slots<M>>, writing: bool) -> Option<Arc<Slot<M>>> {
+    /// An empty slot off the free list, or `None` when every slot is in use. A block's slot
+    /// (`for_block`) is taken by its first writer and keeps its crc; an appender's does not.
+    fn take(self: &Arc<Slots<M>>, for_block: bool) -> Option<Arc<Slot<M>>> {
         let index = self.free.lock().pop()?;
-        Some(Arc::new(Slot { slots: self.clone(), index, len: AtomicU32::new(0), writing: AtomicBool::new(writing) }))
+        Some(Arc::new(Slot::new(self.clone(), index, 0, for_block, for_block)))
     }
 
     /// The listed slots (index, published length) as found at start, off the free list; `None`,
@@ -152,7 +176,7 @@ impl<M> Slots<M> {
         drop(free);
         let slots = listed.iter().map(|&(index, len)| {
             self.used_bytes.fetch_add(u64::from(len), Ordering::Relaxed);
-            Arc::new(Slot { slots: self.clone(), index, len: AtomicU32::new(len), writing: AtomicBool::new(false) })
+            Arc::new(Slot::new(self.clone(), index, len, false, false))
         });
         Some(slots.collect())
     }
@@ -166,13 +190,52 @@ impl<M> Slots<M> {
 pub(crate) struct Slot<M> {
     slots: Arc<Slots<M>>,
     index: usize,
-    /// Published length: every byte below it is written, checked and immutable.
-    len: AtomicU32,
+    /// The published length (low half: every byte below it is written, checked and immutable)
+    /// and the crc32c of its last, partial chunk (high half), in one word so that a reader's one
+    /// load sees a length and the crc of exactly those bytes.
+    published: AtomicU64,
+    /// Whether crcs are kept: only for a block written through this table from empty. A slot
+    /// restored from a durable index has no crcs of its bytes to start from, and an appender's
+    /// extent keeps a checksum per batch instead.
+    crc_kept: bool,
     /// Held by the one write in progress (see [`Writer`]); never taken for an appender's slot.
     writing: AtomicBool,
 }
 
+/// A read of a block: the bytes, the block's published length, and the bytes' crc32c (from the
+/// crcs kept since they were written, as far as [`Slot::crc_of`] can).
+#[derive(Debug, Clone)]
+pub struct BlockRead {
+    pub data: bytes::Bytes,
+    pub held: u32,
+    pub crc: u32,
+}
+
+/// What a reader may read of a slot, from one load: the published length, and the crc32c of
+/// the last chunk's published bytes (see [`Slot::crc_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Published {
+    pub len: u32,
+    tail_crc: u32,
+}
+
+impl Published {
+    fn unpack(word: u64) -> Published {
+        Published { len: word as u32, tail_crc: (word >> 32) as u32 }
+    }
+
+    fn pack(self) -> u64 {
+        u64::from(self.tail_crc) << 32 | u64::from(self.len)
+    }
+}
+
 impl<M> Slot<M> {
+    fn new(slots: Arc<Slots<M>>, index: usize, len: u32, crc_kept: bool, writing: bool) -> Slot<M> {
+        // crc32c of no bytes is 0; a slot restored with bytes keeps no crc.
+        debug_assert!(!crc_kept || len == 0);
+        Slot { slots, index, published: AtomicU64::new(u64::from(len)), crc_kept, writing: AtomicBool::new(writing) }
+    }
+
     /// Which slot of the medium it is.
     pub(crate) fn index(&self) -> usize {
         self.index
@@ -189,18 +252,56 @@ impl<M> Slot<M> {
     /// The published length (Acquire): every byte below it may be read, and the bytes' writes
     /// happen-before this load.
     pub(crate) fn published(&self) -> u32 {
-        self.len.load(Ordering::Acquire)
+        self.state().len
     }
 
-    /// Publishes `added` bytes written right above the published length; only the slot's one
-    /// writer calls it (a [`Writer`] holding the flag, or the [`Appender`]), so the length cannot
-    /// change between the load and the store. Returns the new length.
-    fn publish(&self, added: u32) -> u32 {
-        let new_len = self.len.load(Ordering::Relaxed) + added;
+    /// What is published (Acquire), as [`Slot::published`]; the chunk crcs below its length were
+    /// stored before it.
+    pub(crate) fn state(&self) -> Published {
+        Published::unpack(self.published.load(Ordering::Acquire))
+    }
+
+    /// Publishes `added` bytes written right above the published length, the last chunk's crc32c
+    /// now being `tail_crc`; only the slot's one writer calls it (a [`Writer`] holding the flag,
+    /// or the [`Appender`]), so nothing changes between the load and the store. Returns the new
+    /// length.
+    fn publish(&self, added: u32, tail_crc: u32) -> u32 {
+        let len = Published::unpack(self.published.load(Ordering::Relaxed)).len + added;
         self.slots.used_bytes.fetch_add(u64::from(added), Ordering::Relaxed);
-        // Release: the bytes written before this happen-before any reader's Acquire load of it.
-        self.len.store(new_len, Ordering::Release);
-        new_len
+        // Release: the bytes (and chunk crcs) stored before this happen-before any reader's
+        // Acquire load of it.
+        self.published.store(Published { len, tail_crc }.pack(), Ordering::Release);
+        len
+    }
+
+    fn chunk_crc(&self, chunk: usize) -> &AtomicU32 {
+        &self.slots.chunk_crcs[self.index * self.slots.chunks_per_slot + chunk]
+    }
+
+    /// The crc32c of `bytes`, this slot's published bytes from `offset` (read under `published`):
+    /// the kept crcs of the chunks they cover whole, combined with crcs taken of the parts of
+    /// chunks they cut through (what a slot keeping no crcs takes of all of them).
+    pub(crate) fn crc_of(&self, published: Published, offset: u32, bytes: &[u8]) -> u32 {
+        if !self.crc_kept {
+            return crc32c::crc32c(bytes);
+        }
+        let (chunk, start, end) = (CRC_CHUNK as usize, offset as usize, offset as usize + bytes.len());
+        debug_assert!(end <= published.len as usize, "{start}..{end} read of {} published bytes", published.len);
+        let (mut crc, mut at) = (0, start);
+        while at < end {
+            let (index, within) = (at / chunk, at % chunk);
+            let piece_end = ((index + 1) * chunk).min(end);
+            crc = if within == 0 && piece_end - at == chunk {
+                // Acquire of `published` ordered the store of a whole chunk's crc before it.
+                CHUNK_SHIFT.combine(crc, self.chunk_crc(index).load(Ordering::Relaxed))
+            } else if within == 0 && piece_end == published.len as usize {
+                combine(crc, published.tail_crc, piece_end - at)
+            } else {
+                combine(crc, crc32c::crc32c(&bytes[at - start..piece_end - start]), piece_end - at)
+            };
+            at = piece_end;
+        }
+        crc
     }
 }
 
@@ -220,7 +321,7 @@ impl<M> Slot<M> {
 impl<M> Drop for Slot<M> {
     fn drop(&mut self) {
         // The last reference is gone: no reader or writer can touch these bytes any more.
-        self.slots.used_bytes.fetch_sub(u64::from(*self.len.get_mut()), Ordering::Relaxed);
+        self.slots.used_bytes.fetch_sub(u64::from(*self.published.get_mut() as u32), Ordering::Relaxed);
         self.slots.free.lock().push(self.index);
     }
 }
@@ -263,12 +364,7 @@ impl<M> BlockTable<M> {
         free.retain(|slot| !taken.contains(slot));
         drop(free);
         for r in found {
-            let slot = Arc::new(Slot {
-                slots: self.slots.clone(),
-                index: r.slot,
-                len: AtomicU32::new(r.len),
-                writing: AtomicBool::new(false),
-            });
+            let slot = Arc::new(Slot::new(self.slots.clone(), r.slot, r.len, false, false));
             self.slots.used_bytes.fetch_add(u64::from(r.len), Ordering::Relaxed);
             if blocks.insert(r.block, slot).is_some() {
                 return Err(r.block);
@@ -316,27 +412,27 @@ impl<M> BlockTable<M> {
                 }
             }
         };
-        Ok(Writer { table, block, slot, offset, len, created, published: false })
+        Ok(Writer { table, block, slot, offset, len, created, verified: None, published: false })
     }
 
-    /// The slot holding `block` and its published length, once the range `offset+len` is checked
-    /// to lie below it. The slot is held (not reusable) while the caller keeps it.
+    /// The slot holding `block` and what is published of it, once the range `offset+len` is
+    /// checked to lie below its length. The slot is held (not reusable) while the caller keeps it.
     pub(crate) fn read(
         &self,
         block: BlockId,
         offset: u32,
         len: u32,
         server: ServerId,
-    ) -> Result<(Arc<Slot<M>>, u32), StoreError> {
+    ) -> Result<(Arc<Slot<M>>, Published), StoreError> {
         let slot = self.blocks.lock().get(&block).cloned();
         let Some(slot) = slot else {
             return Err(StoreError::NotHeld { block, server });
         };
-        let held = slot.published();
-        if u64::from(offset) + u64::from(len) > u64::from(held) {
-            return Err(StoreError::ReadOutOfRange { block, offset, len, held });
+        let published = slot.state();
+        if u64::from(offset) + u64::from(len) > u64::from(published.len) {
+            return Err(StoreError::ReadOutOfRange { block, offset, len, held: published.len });
         }
-        Ok((slot, held))
+        Ok((slot, published))
     }
 
     /// Removes the listed blocks (ids not held are skipped) and hands back their slots; each goes
@@ -369,6 +465,9 @@ pub(crate) struct Writer<M, T: Deref<Target = BlockTable<M>>> {
     offset: u32,
     len: u32,
     created: bool,
+    /// The last chunk's crc32c with the payload, once [`Writer::verify`] found the payload's crc
+    /// to be the frame's.
+    verified: Option<u32>,
     published: bool,
 }
 
@@ -390,8 +489,29 @@ impl<M, T: Deref<Target = BlockTable<M>>> Writer<M, T> {
         self.len
     }
 
-    /// Checks the crc32c of the payload as it lies in place (`actual`) against the frame's.
-    pub(crate) fn verify(&self, actual: u32, expected: u32) -> Result<(), StoreError> {
+    /// Checks the crc32c of the `payload` as it lies in place against the frame's (`expected`),
+    /// keeping the crcs of the chunks it fills on the way: one pass over the bytes for both.
+    pub(crate) fn verify(&mut self, payload: &[u8], expected: u32) -> Result<(), StoreError> {
+        debug_assert_eq!(payload.len(), self.len as usize);
+        let chunk = CRC_CHUNK as usize;
+        // This write holds the writer flag: the published word is its own to read Relaxed.
+        let mut tail = Published::unpack(self.slot.published.load(Ordering::Relaxed)).tail_crc;
+        let (mut actual, mut at, mut rest) = (0, self.offset as usize, payload);
+        while !rest.is_empty() {
+            let (piece, more) = rest.split_at((chunk - at % chunk).min(rest.len()));
+            let crc = crc32c::crc32c(piece);
+            actual = combine(actual, crc, piece.len());
+            tail = combine(tail, crc, piece.len());
+            at += piece.len();
+            if at % chunk == 0 && self.slot.crc_kept {
+                // A chunk at or above the published length: no reader loads its crc before the
+                // publication of a length past it, and a write that fails its check leaves a
+                // value the next write to it replaces.
+                self.slot.chunk_crc(at / chunk - 1).store(tail, Ordering::Relaxed);
+                tail = 0;
+            }
+            rest = more;
+        }
         if actual != expected {
             return Err(StoreError::Corrupt {
                 block: self.block,
@@ -401,12 +521,14 @@ impl<M, T: Deref<Target = BlockTable<M>>> Writer<M, T> {
                 actual,
             });
         }
+        self.verified = Some(if at % chunk == 0 { 0 } else { tail });
         Ok(())
     }
 
     /// Publishes the payload, which must be in place and verified; returns the block's new length.
     pub(crate) fn publish(&mut self) -> u32 {
-        let new_len = self.slot.publish(self.len);
+        let tail_crc = self.verified.expect("a write is verified before it is published");
+        let new_len = self.slot.publish(self.len, tail_crc);
         self.published = true;
         new_len
     }
@@ -464,7 +586,7 @@ impl<M> Appender<M> {
     /// Bytes appended so far.
     pub(crate) fn len(&self) -> u32 {
         // Only this appender stores the length.
-        self.slot.len.load(Ordering::Relaxed)
+        self.slot.published.load(Ordering::Relaxed) as u32
     }
 
     /// Bytes still free at the end of the slot.
@@ -475,6 +597,7 @@ impl<M> Appender<M> {
     /// Publishes `added` bytes written at [`Appender::len`]; returns the new length.
     pub(crate) fn publish(&mut self, added: u32) -> u32 {
         assert!(added <= self.room(), "publishing {added} bytes of a slot with {} bytes of room", self.room());
-        self.slot.publish(added)
+        // An appender's slot keeps no crcs (its batches carry theirs).
+        self.slot.publish(added, 0)
     }
 }

@@ -209,7 +209,7 @@ impl Copier {
     async fn copy(&self, task: &CopyBlock) -> anyhow::Result<u64> {
         let block = BlockId::from_wire(task.block_id);
         let server = self.store.server_id();
-        let (data, _) = match self.store.tier(block)? {
+        let read = match self.store.tier(block)? {
             TierRef::Dram(tier) => tier.read(block, 0, task.length, server)?,
             TierRef::Nvme(tier) => tier.read(block, 0, task.length, server).await?,
         };
@@ -219,7 +219,10 @@ impl Copier {
         let mut conn = self.checkout(&task.target_address).await?;
         let slot = conn.slot_for(&task.token, max_payload).await?;
         let id = conn.take_id();
-        conn.call(Frame::write(id, task.target_block_id, 0, data).authorized(slot, grant), max_payload).await?;
+        // The crc the bytes were written with goes with them, so the target checks the copy
+        // against the original, not against a crc taken from what this server now holds.
+        let write = Frame::write_with_crc(id, task.target_block_id, 0, read.data, read.crc);
+        conn.call(write.authorized(slot, grant), max_payload).await?;
         self.give_back_conn(&task.target_address, conn);
         Ok(u64::from(task.length))
     }

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tern_proto::{BlockId, ServerId, Tier};
 
 use crate::arena::Arena;
-use crate::block_table::{Appender, BlockTable, Slot, Slots, StoreError, Usage, Writer};
+use crate::block_table::{Appender, BlockRead, BlockTable, Slot, Slots, StoreError, Usage, Writer};
 use pieces::Piece;
 pub(crate) use pieces::Pieces;
 
@@ -214,8 +214,10 @@ impl DramWrite<'_> {
     /// Checks the written bytes against the frame's crc32c and publishes them; returns the block's
     /// new length.
     pub fn commit(mut self, payload_crc: u32) -> Result<u32, StoreError> {
-        let actual = crc32c::crc32c(self.buf());
-        self.writer.verify(actual, payload_crc)?;
+        let (offset, len) = (self.writer.offset(), self.writer.len());
+        // SAFETY: as in `buf`; the slice is shared, and the writer flag keeps every other writer out.
+        let payload = unsafe { std::slice::from_raw_parts(self.writer.slot().ptr(offset), len as usize) };
+        self.writer.verify(payload, payload_crc)?;
         Ok(self.writer.publish())
     }
 }
@@ -272,19 +274,34 @@ impl DramTier {
         Ok(DramWrite { writer: BlockTable::begin_write(&self.table, block, offset, len)? })
     }
 
-    /// `len` bytes of `block` from `offset`, without copying, and the block's length. The
-    /// returned bytes keep the slot from reuse until dropped. `server` names this server in a
-    /// not-held error.
-    pub fn read(&self, block: BlockId, offset: u32, len: u32, server: ServerId) -> Result<(Bytes, u32), StoreError> {
-        let (slot, held) = self.table.read(block, offset, len, server)?;
-        Ok((SlotView::bytes(slot, offset, len), held))
+    /// `len` bytes of `block` from `offset`, without copying, with the block's length and their
+    /// crc32c (from the crcs kept since they were written). The returned bytes keep the slot from
+    /// reuse until dropped. `server` names this server in a not-held error.
+    pub fn read(&self, block: BlockId, offset: u32, len: u32, server: ServerId) -> Result<BlockRead, StoreError> {
+        let (slot, published) = self.table.read(block, offset, len, server)?;
+        let data = SlotView::bytes(slot.clone(), offset, len);
+        let crc = slot.crc_of(published, offset, &data);
+        Ok(BlockRead { data, held: published.len, crc })
     }
 
-    /// Every published byte of `block`, without copying (what a same-host lease lends); the
-    /// returned bytes keep the slot from reuse until dropped.
-    pub fn read_published(&self, block: BlockId, server: ServerId) -> Result<Bytes, StoreError> {
-        let (slot, held) = self.table.read(block, 0, 0, server)?;
-        Ok(SlotView::bytes(slot, 0, held))
+    /// Every published byte of `block`, without copying (what a same-host lease lends), and their
+    /// crc32c; the returned bytes keep the slot from reuse until dropped.
+    pub fn read_published(&self, block: BlockId, server: ServerId) -> Result<BlockRead, StoreError> {
+        let (slot, published) = self.table.read(block, 0, 0, server)?;
+        let data = SlotView::bytes(slot.clone(), 0, published.len);
+        let crc = slot.crc_of(published, 0, &data);
+        Ok(BlockRead { data, held: published.len, crc })
+    }
+
+    /// Test hook: flips a published byte of `block`, as a fault in DRAM would.
+    #[cfg(test)]
+    pub(crate) fn rot(&self, block: BlockId, offset: u32) {
+        let (slot, published) = self.table.read(block, offset, 1, ServerId::from_wire(0)).unwrap();
+        assert!(offset < published.len);
+        assert_eq!(Arc::strong_count(&slot), 2, "a view of block {} is alive", block.get());
+        // SAFETY: the byte lies in the slot; no view of it is alive (checked above; the table's
+        // reference hands out none while the test holds the tier), so no slice of it exists.
+        unsafe { *slot.ptr(offset) ^= 0xff };
     }
 
     /// Drops the listed blocks (ids not held are skipped); returns how many were held.
@@ -319,7 +336,7 @@ mod tests {
     }
 
     fn get(store: &DramTier, block: u64, offset: u32, len: u32) -> Result<(Bytes, u32), StoreError> {
-        store.read(id(block), offset, len, SERVER)
+        store.read(id(block), offset, len, SERVER).map(|read| (read.data, read.held))
     }
 
     fn write(store: &DramTier, block: u64, offset: u32, data: &[u8]) -> Result<u32, StoreError> {
@@ -330,6 +347,44 @@ mod tests {
 
     fn read(store: &DramTier, block: u64, offset: u32, len: u32) -> Result<Vec<u8>, StoreError> {
         get(store, block, offset, len).map(|(bytes, _)| bytes.to_vec())
+    }
+
+    #[test]
+    fn reads_carry_the_crcs_kept_since_the_writes_and_so_catch_rot_at_rest() {
+        use crate::block_table::CRC_CHUNK;
+        let chunk = CRC_CHUNK as usize;
+        let store = DramTier::new(5 * CRC_CHUNK, 2 * 5 * u64::from(CRC_CHUNK)).unwrap();
+        // Appends of odd sizes, across chunk boundaries, ending inside the fourth chunk.
+        let data: Vec<u8> = (0..3 * chunk + 1000).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut at = 0;
+        for len in [1, chunk - 1, 1000, chunk + 5, data.len() - 1 - (chunk - 1) - 1000 - (chunk + 5)] {
+            write(&store, 1, at as u32, &data[at..at + len]).unwrap();
+            at += len;
+        }
+        assert_eq!(at, data.len());
+        let ranges =
+            [(0, data.len()), (0, chunk), (chunk, 2 * chunk), (10, 2 * chunk), (chunk, data.len() - chunk), (5, 6)];
+        let crc = |offset: usize, len: usize| store.read(id(1), offset as u32, len as u32, SERVER).unwrap().crc;
+        for (offset, len) in ranges.iter().chain(&[(3 * chunk, 1000), (data.len(), 0), (3 * chunk + 1, 999)]) {
+            assert_eq!(crc(*offset, *len), crc32c::crc32c(&data[*offset..offset + len]), "{offset}+{len}");
+        }
+        assert_eq!(store.read_published(id(1), SERVER).unwrap().crc, crc32c::crc32c(&data));
+        // A write whose crc does not match changes neither the bytes nor the kept crcs.
+        let mut pending = store.begin_write(id(1), data.len() as u32, chunk as u32).unwrap();
+        pending.buf().fill(9);
+        assert!(pending.commit(0).is_err());
+        assert_eq!(crc(0, data.len()), crc32c::crc32c(&data));
+
+        // A byte of the second chunk rots in DRAM: every read that covers that chunk whole
+        // replies with the crc it was written with, which the rotted bytes no longer match; a read
+        // that cuts through it is checksummed as it is sent, so it cannot tell.
+        store.rot(id(1), (chunk + 100) as u32);
+        let sent = |offset: usize, len: usize| {
+            let read = store.read(id(1), offset as u32, len as u32, SERVER).unwrap();
+            read.crc == crc32c::crc32c(&read.data)
+        };
+        assert!(!sent(0, data.len()) && !sent(chunk, chunk) && !sent(10, 2 * chunk));
+        assert!(sent(0, chunk) && sent(2 * chunk, chunk + 1000) && sent(chunk + 50, 100));
     }
 
     #[test]

@@ -554,7 +554,7 @@ mod tests {
     }
 
     /// The first byte of a DRAM block.
-    fn read(store: &BlockStore, block: u64) -> Result<(bytes::Bytes, u32), crate::StoreError> {
+    fn read(store: &BlockStore, block: u64) -> Result<crate::BlockRead, crate::StoreError> {
         store.dram().read(BlockId::from_wire(block), 0, 1, ServerId::from_wire(0))
     }
 

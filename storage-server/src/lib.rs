@@ -53,7 +53,7 @@ use tern_proto::v1::admin_client::AdminClient;
 use tern_proto::v1::{ServerMode, SetServerModeRequest};
 use tern_transport::tls_tcp::{PlainFrom, TcpOrTlsListener};
 
-pub use block_table::{StoreError, Usage};
+pub use block_table::{BlockRead, StoreError, Usage};
 pub use config::Config;
 pub use metrics::Metrics;
 pub use service::{serve_block_listeners, serve_blocks, Limits};

@@ -318,7 +318,7 @@ async fn a_freed_block_being_read_is_not_reused_until_sent() {
     let mut s = TcpStream::connect(server.addr).await.unwrap();
     let data = pattern(1, 0, BS as usize);
     call_ok(&mut s, &Frame::write(1, 1, 0, data.clone())).await;
-    let (view, _) = server.store.dram().read(BlockId::from_wire(1), 0, BS, ServerId::from_wire(3)).unwrap();
+    let view = server.store.dram().read(BlockId::from_wire(1), 0, BS, ServerId::from_wire(3)).unwrap().data;
     assert_eq!(call_ok(&mut s, &Frame::free(2, &[1])).await.header.length, 1);
     assert_eq!(call_err(&mut s, &Frame::write(3, 2, 0, Bytes::from_static(b"x"))).await.0, ErrorKind::OutOfSpace);
     assert_eq!(view, data);

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tern_proto::{BlockId, ServerId, Tier};
 
-use crate::block_table::{Appender, BlockTable, Restored, Slot, Slots, StoreError, Usage, Writer};
+use crate::block_table::{Appender, BlockRead, BlockTable, Restored, Slot, Slots, StoreError, Usage, Writer};
 use aligned::{round_down, round_up, AlignedBuf, AlignedSlice};
 use engine::IoEngine;
 
@@ -138,18 +138,15 @@ impl NvmeTier {
         Ok(NvmeWrite { writer, start, buf })
     }
 
-    /// `len` bytes of `block` from `offset` and the block's length; the bytes are a view of the
-    /// aligned buffer the disk filled. `server` names this server in a not-held error.
-    pub async fn read(
-        &self,
-        block: BlockId,
-        offset: u32,
-        len: u32,
-        server: ServerId,
-    ) -> Result<(Bytes, u32), StoreError> {
-        let (slot, held) = self.table.read(block, offset, len, server)?;
+    /// `len` bytes of `block` from `offset`, the block's length and the bytes' crc32c: for the
+    /// chunks of a block written since the tier started, the crcs they had when written, so the
+    /// reader checks what came off the disk against them. The bytes are a view of the aligned
+    /// buffer the disk filled. `server` names this server in a not-held error.
+    pub async fn read(&self, block: BlockId, offset: u32, len: u32, server: ServerId) -> Result<BlockRead, StoreError> {
+        let (slot, published) = self.table.read(block, offset, len, server)?;
+        let held = published.len;
         if len == 0 {
-            return Ok((Bytes::new(), held));
+            return Ok(BlockRead { data: Bytes::new(), held, crc: 0 });
         }
         let Disk { engine, align, .. } = self.disk();
         let start = round_down(u64::from(offset), *align);
@@ -163,9 +160,9 @@ impl NvmeTier {
             op: "read",
             error: e.to_string(),
         })?;
-        drop(slot);
         let slice = AlignedSlice { buf, start: (u64::from(offset) - start) as usize, len: len as usize };
-        Ok((Bytes::from_owner(slice), held))
+        let crc = slot.crc_of(published, offset, slice.as_ref());
+        Ok(BlockRead { data: Bytes::from_owner(slice), held, crc })
     }
 
     /// An empty slot for a shuffle segment's batches; `None` when every slot is in use.
@@ -330,9 +327,8 @@ impl NvmeWrite {
     /// Checks the payload against the frame's crc32c, writes the aligned units it touches (the
     /// published head of the first one read back from disk), and publishes the new length.
     pub async fn commit(mut self, payload_crc: u32) -> Result<u32, StoreError> {
-        let actual = crc32c::crc32c(self.payload());
-        self.writer.verify(actual, payload_crc)?;
         let head = (u64::from(self.writer.offset()) - self.start) as usize;
+        self.writer.verify(&self.buf[head..head + self.writer.len() as usize], payload_crc)?;
         let slot = self.writer.slot().clone();
         let Disk { engine, align, index } = slot.medium();
         let at = slot.disk_offset() + self.start;

@@ -36,7 +36,7 @@ async fn write(store: &Arc<NvmeTier>, block: u64, offset: u32, data: &[u8]) -> R
 }
 
 async fn read(store: &NvmeTier, block: u64, offset: u32, len: u32) -> Result<Vec<u8>, StoreError> {
-    store.read(id(block), offset, len, ServerId::from_wire(9)).await.map(|(bytes, _)| bytes.to_vec())
+    store.read(id(block), offset, len, ServerId::from_wire(9)).await.map(|read| read.data.to_vec())
 }
 
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -58,6 +58,11 @@ async fn odd_appends_round_trip() {
             assert_eq!(held as usize, all.len(), "{choice}");
         }
         assert_eq!(read(&store, 5, 0, all.len() as u32).await.unwrap(), all, "{choice}");
+        // Reads carry the crc of what they read, from the crcs kept since the appends.
+        for (offset, len) in [(0, all.len()), (1, 600), (0, 4096)] {
+            let read = store.read(id(5), offset as u32, len as u32, ServerId::from_wire(9)).await.unwrap();
+            assert_eq!(read.crc, crc32c::crc32c(&all[offset..offset + len]), "{choice} {offset}+{len}");
+        }
         for (offset, len) in [(0, 1), (1, 600), (511, 2), (4000, 5000), (all.len() - 1, 1), (513, 0)] {
             let got = read(&store, 5, offset as u32, len as u32).await.unwrap();
             assert_eq!(got, all[offset..offset + len], "{choice} {offset}+{len}");
@@ -134,7 +139,7 @@ async fn a_full_tier_refuses_then_reuses_freed_slots() {
         assert_eq!(err, StoreError::Full { tier: Tier::Nvme, in_use: 2, total: 2 });
         assert_eq!(err.kind(), ErrorKind::OutOfSpace);
         // A read holding the bytes survives a free; the slot is reused afterwards.
-        let (held, _) = store.read(id(1), 10, 20, ServerId::from_wire(0)).await.unwrap();
+        let held = store.read(id(1), 10, 20, ServerId::from_wire(0)).await.unwrap().data;
         assert_eq!(store.free(&[id(1), id(99)]), 1);
         assert!(read(&store, 1, 0, 1).await.is_err());
         let fresh = pattern(5000, 7);

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use super::{error_reply, frame_error, read_exactly, read_request_payload, record, refuse, refuse_payload};
 use super::{Connection, Served};
-use crate::block_table::StoreError;
+use crate::block_table::{BlockRead, StoreError};
 use crate::metrics::Metrics;
 use crate::store::{BlockStore, TierRef};
 
@@ -44,14 +44,8 @@ pub(super) async fn read(
     let server = conn.store.server_id();
     let nvme = match conn.store.tier(block) {
         Ok(TierRef::Dram(dram)) => {
-            let served = match dram.read(block, h.offset, h.length, server) {
-                Ok((data, held)) => {
-                    let bytes = data.len() as u64;
-                    Served::Reply(Frame::reply(h, held, data), bytes)
-                }
-                Err(e) => Served::Reply(store_error(h, &e), 0),
-            };
-            return Ok(served);
+            let (reply, bytes) = read_reply(h, dram.read(block, h.offset, h.length, server));
+            return Ok(Served::Reply(reply, bytes));
         }
         Ok(TierRef::Nvme(nvme)) => nvme.clone(),
         Err(e) => return refused(rd, h, &e).await,
@@ -61,16 +55,21 @@ pub(super) async fn read(
     };
     let h = *h;
     tokio::spawn(async move {
-        let (reply, bytes) = match nvme.read(block, h.offset, h.length, server).await {
-            Ok((data, held)) => {
-                let bytes = data.len() as u64;
-                (Frame::reply(&h, held, data), bytes)
-            }
-            Err(e) => (store_error(&h, &e), 0),
-        };
+        let (reply, bytes) = read_reply(&h, nvme.read(block, h.offset, h.length, server).await);
         task.finish(&h, reply, bytes).await;
     });
     Ok(Served::Spawned)
+}
+
+/// The reply to Read `h` and the bytes it carries, with the crc32c the tier has for them.
+fn read_reply(h: &Header, read: Result<BlockRead, StoreError>) -> (Frame, u64) {
+    match read {
+        Ok(BlockRead { data, held, crc }) => {
+            let bytes = data.len() as u64;
+            (Frame::reply_with_crc(h, held, data, crc), bytes)
+        }
+        Err(e) => (store_error(h, &e), 0),
+    }
 }
 
 /// Appends a Write's payload to its block: read from the socket straight into the arena, or into

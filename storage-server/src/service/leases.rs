@@ -264,15 +264,15 @@ pub(super) async fn lease(rd: &mut BoxRead, conn: &mut Connection, h: &Header) -
         Err(e) => Err(e),
     };
     // A block this server does not hold (or may not serve) is refused as a Read of it would be.
-    let view = match view {
-        Ok(view) => view,
+    let (view, crc) = match view {
+        Ok(read) => (read.data, read.crc),
         Err(e) => return Ok(Served::Reply(error_reply(h, e.kind(), &e.to_string()), 0)),
     };
     let len = view.len() as u32;
     let (reply, outcome) = match lend(conn.lender(), view.clone()).await {
         Ok(Loan::Local(lease)) => (Frame::reply(h, len, lease.encode()), LendOutcome::Lent),
         Ok(Loan::Remote(id, window)) => {
-            let lease = RemoteLease { id, addr: window.addr, rkey: window.rkey, len, crc: crc32c::crc32c(&view) };
+            let lease = RemoteLease { id, addr: window.addr, rkey: window.rkey, len, crc };
             (Frame::reply(h, len, lease.encode()), LendOutcome::Lent)
         }
         Err(why) => {

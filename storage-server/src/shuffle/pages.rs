@@ -96,7 +96,7 @@ impl Shuffles {
             let mut crc = 0;
             for (header, stored) in &page {
                 let (encoded, bytes) = stored.split_at(BATCH_HEADER_LEN);
-                crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, encoded), check(header, bytes)?, bytes.len());
+                crc = tern_proto::crc::combine(crc32c::crc32c_append(crc, encoded), check(header, bytes)?, bytes.len());
             }
             return Ok(FetchPage { payload: span, next_cursor, batches, crc, layout });
         }
@@ -110,7 +110,7 @@ impl Shuffles {
             let start = payload.len();
             payload.extend_from_slice(bytes);
             // Checked over the copy, so what is sent is what was pushed.
-            crc = crc32c::crc32c_combine(crc, check(header, &payload[start..])?, bytes.len());
+            crc = tern_proto::crc::combine(crc, check(header, &payload[start..])?, bytes.len());
         }
         Ok(FetchPage { payload: payload.freeze(), next_cursor, batches, crc, layout })
     }
