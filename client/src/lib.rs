@@ -504,7 +504,7 @@ impl Client {
     pub async fn write_block(&self, job: &str, block: &BlockLocation, offset: u32, data: bytes::Bytes) -> Result<()> {
         let access = self.access(job, &block.grant).await?;
         let conn = self.inner.blocks.get(&block.address).await?;
-        conn.call_as(&access, |id| tern_proto::frame::Frame::write(id, block.block_id, offset, data))
+        conn.write(&access, block.block_id, offset, data)
             .await
             .map(|_| ())
             .map_err(|e| e.context(format_args!("write block {} at offset {offset}", block.block_id)))

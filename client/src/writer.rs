@@ -14,7 +14,6 @@ use bytes::{Bytes, BytesMut};
 use futures::stream::FuturesUnordered;
 use futures::StreamExt;
 use tern_common::Backoff;
-use tern_proto::frame::Frame;
 use tern_proto::v1::{self as pb, FileInfo};
 use tern_proto::FileId;
 use tokio::task::JoinHandle;
@@ -164,7 +163,7 @@ impl FileWriter {
                 let (client, path, data) = (client.clone(), path.clone(), data.clone());
                 async move {
                     let written = match client.block_connection(&location.holder).await {
-                        Ok(conn) => conn.call_as(&access, |id| Frame::write(id, location.block.get(), 0, data)).await,
+                        Ok(conn) => conn.write(&access, location.block.get(), 0, data).await,
                         Err(e) => Err(e),
                     };
                     // The file's writer fails (a retry writes it anew), but its new blocks must

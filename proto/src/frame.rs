@@ -102,6 +102,11 @@ pub enum Op {
     /// most [`MAX_RELEASE_IDS`]); unknown ids are skipped. The reply's `length` is the number
     /// ended (on RDMA: whose windows were invalidated before the reply).
     Release = 9,
+    /// Same-host connections only: a Write whose payload the client copied into the connection's
+    /// staging area (`tern_transport::local::Staging`) instead of sending it. `length` is the
+    /// bytes to append at `offset`, and the frame's payload a [`Staged`]: where they lie in the
+    /// staging area and their crc32c. Authorized as a Write; the reply is a Write's.
+    WriteStaged = 10,
     /// Only in error replies to frames whose op could not be read.
     Malformed = 0x7f,
 }
@@ -118,6 +123,7 @@ impl Op {
             7 => Some(Op::Auth),
             8 => Some(Op::Lease),
             9 => Some(Op::Release),
+            10 => Some(Op::WriteStaged),
             0x7f => Some(Op::Malformed),
             _ => None,
         }
@@ -317,6 +323,12 @@ impl Frame {
         Frame::new(Op::Lease, false, request_id, block_id, 0, 0, Bytes::new())
     }
 
+    /// A WriteStaged (same-host connections only) of `len` bytes staged as `staged`, appended to
+    /// `block_id` at `offset`.
+    pub fn write_staged(request_id: u64, block_id: u64, offset: u32, len: u32, staged: Staged) -> Frame {
+        Frame::new(Op::WriteStaged, false, request_id, block_id, offset, len, staged.encode())
+    }
+
     /// A Release of `leases` (same-host connections only).
     pub fn release(request_id: u64, leases: &[u64]) -> Frame {
         assert!(leases.len() <= MAX_RELEASE_IDS, "at most {MAX_RELEASE_IDS} ids per Release frame");
@@ -434,6 +446,33 @@ impl Lease {
             return Err(FrameError::BadLease { bytes: payload.len() });
         }
         Ok(Lease { id: payload.get_u64_le(), offset: payload.get_u64_le() })
+    }
+}
+
+/// Where a staged write's bytes lie: the payload of a WriteStaged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staged {
+    /// Offset of the first byte in the connection's staging area.
+    pub at: u64,
+    /// crc32c of the staged bytes, which the server checks its copy of them against.
+    pub crc: u32,
+}
+
+impl Staged {
+    pub const LEN: usize = 12;
+
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(Staged::LEN);
+        out.put_u64_le(self.at);
+        out.put_u32_le(self.crc);
+        out.freeze()
+    }
+
+    pub fn decode(mut payload: &[u8]) -> Result<Staged, FrameError> {
+        if payload.len() != Staged::LEN {
+            return Err(FrameError::BadStaged { bytes: payload.len() });
+        }
+        Ok(Staged { at: payload.get_u64_le(), crc: payload.get_u32_le() })
     }
 }
 
@@ -566,6 +605,8 @@ pub enum FrameError {
         RemoteLease::LEN
     )]
     BadLease { bytes: usize },
+    #[error("a WriteStaged's payload is {bytes} bytes, not the {} of where the bytes are staged", Staged::LEN)]
+    BadStaged { bytes: usize },
     #[error("malformed shuffle payload: {0}")]
     BadShufflePayload(String),
     #[error("i/o error: {0}")]
@@ -583,6 +624,7 @@ impl FrameError {
                 | FrameError::BadFreeList { .. }
                 | FrameError::BadReleaseList { .. }
                 | FrameError::BadLease { .. }
+                | FrameError::BadStaged { .. }
                 | FrameError::BadShufflePayload(_)
         )
     }

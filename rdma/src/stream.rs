@@ -220,7 +220,7 @@ fn into_stream(endpoint: verbs::Endpoint, peer: SocketAddr, counted: Option<Coun
     let reader = RdmaRead { rx: in_rx, chunk: Vec::new(), pos: 0 };
     let writer = RdmaWrite { tx: PollSender::new(out_tx) };
     let one_sided: Arc<dyn tern_transport::rdma_provider::OneSided> = Arc::new(one_sided::Handle { cmds: cmd_tx });
-    Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: Some(one_sided) }
+    Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: Some(one_sided) }
 }
 
 /// Drives one connection: posts what the writer queued as SENDs (an empty one is the end of the

@@ -157,7 +157,7 @@ impl Principal<'_> {
 /// What a request's header grant covers: `Some((kind, id))` for ops on one block or shuffle.
 pub fn covered(h: &Header) -> Option<(GrantKind, u64)> {
     match h.op {
-        Op::Read | Op::Write | Op::Lease => Some((GrantKind::Block, h.block_id)),
+        Op::Read | Op::Write | Op::WriteStaged | Op::Lease => Some((GrantKind::Block, h.block_id)),
         Op::Push | Op::Fetch => Some((GrantKind::Shuffle, h.segment_address().shuffle.get())),
         _ => None,
     }

@@ -204,7 +204,7 @@ impl Listener for DuplexListener {
                         reader: Box::new(reader),
                         writer: Box::new(writer),
                         peer: FAKE_PEER,
-                        arena: None,
+                        local: None,
                         one_sided: None,
                     })
                 }

@@ -60,6 +60,11 @@ pub use service::{serve_block_listeners, serve_blocks, Limits};
 pub use shuffle::{FetchPage, SegmentId, ShuffleError};
 pub use store::BlockStore;
 
+/// Bytes of each same-host connection's staging area (see `tern_transport::local::Staging`): room
+/// for four 4 MiB writes in flight. Pages are taken as a client first writes them and go when the
+/// connection closes; a write that does not fit a client's share goes through the socket.
+const STAGING_BYTES: usize = 16 << 20;
+
 /// A running storage server. Dropping it stops its tasks; [`StorageServer::shutdown`] also waits
 /// for them to end.
 pub struct StorageServer {
@@ -223,9 +228,10 @@ pub async fn start(config: Config) -> anyhow::Result<StorageServer> {
     }
     if let Some(memfd) = arena.memfd() {
         let shared = tern_transport::local::SharedArena::lent(arena.base(), arena.len());
-        let local = tern_transport::local::LocalListener::bind(addr, &address, memfd, shared).with_context(|| {
-            format!("binding the same-host socket @{}", tern_transport::local::socket_name(&address))
-        })?;
+        let local = tern_transport::local::LocalListener::bind(addr, &address, memfd, shared, STAGING_BYTES)
+            .with_context(|| {
+                format!("binding the same-host socket @{}", tern_transport::local::socket_name(&address))
+            })?;
         listeners.push(Box::new(local));
     }
     let mut registry = prometheus_client::registry::Registry::default();

@@ -73,13 +73,25 @@ pub struct Metrics {
     lends: Family<LendLabels, Counter>,
 }
 
-const OPS: [Op; 10] =
-    [Op::Ping, Op::Write, Op::Read, Op::Free, Op::Push, Op::Fetch, Op::Auth, Op::Lease, Op::Release, Op::Malformed];
+const OPS: [Op; 11] = [
+    Op::Ping,
+    Op::Write,
+    Op::WriteStaged,
+    Op::Read,
+    Op::Free,
+    Op::Push,
+    Op::Fetch,
+    Op::Auth,
+    Op::Lease,
+    Op::Release,
+    Op::Malformed,
+];
 
 fn op_name(op: Op) -> &'static str {
     match op {
         Op::Ping => "ping",
         Op::Write => "write",
+        Op::WriteStaged => "write_staged",
         Op::Read => "read",
         Op::Free => "free",
         Op::Push => "push",

@@ -1,6 +1,8 @@
-//! Same-host reads (`tern_transport::local`): a client on a storage server's host reaches it
-//! through the server's abstract Unix socket and reads leased DRAM blocks straight from the
-//! server's arena, mapped read-only; leases are authorized as reads, and served only there.
+//! Same-host reads and writes (`tern_transport::local`): a client on a storage server's host
+//! reaches it through the server's abstract Unix socket, reads leased DRAM blocks straight from
+//! the server's arena, mapped read-only, and writes by staging the bytes in its connection's
+//! staging area; leases are authorized as reads and staged writes as writes, and both are served
+//! only there.
 
 use crate::common;
 
@@ -85,7 +87,7 @@ async fn leases_are_authorized_as_reads_lend_the_blocks_bytes_and_are_served_onl
     let (first, grant): (_, [u8; 16]) = (blocks[0].0.clone(), blocks[0].0.grant[..].try_into().unwrap());
 
     let mut local = raw_local(&addr).await;
-    let arena = local.arena.clone().expect("a same-host stream carries the server's arena");
+    let arena = local.local.as_ref().expect("a same-host stream carries the server's arena").arena.clone();
     call(&mut local, Frame::auth(1, 1, Bytes::from(token_a.encode()))).await.unwrap();
     call(&mut local, Frame::auth(2, 2, Bytes::from(token_b.encode()))).await.unwrap();
     // Job A holds B's grant but not B's token: refused, as a Read would be.
@@ -189,4 +191,99 @@ async fn blocks_on_nvme_are_read_through_the_same_host_socket() {
         assert!(file.read_at(0, data.len()).await.unwrap() == data);
         assert_eq!(file.read_at(BLOCK as u64 - 1, 5).await.unwrap()[..], data[BLOCK - 1..BLOCK + 4]);
     }
+}
+
+#[tokio::test]
+async fn staged_writes_are_authorized_as_writes_checked_on_the_servers_copy_and_served_only_on_the_host() {
+    use tern_proto::frame::Staged;
+    use tern_proto::v1::{AllocateBlocksRequest, CreateRequest};
+    let cluster = Cluster::start(1, "64MiB").await;
+    let addr = cluster.storage_addrs[0].clone();
+    let client_b = cluster.client().await;
+    let _job_b = client_b.start_job(Some("b"), Duration::from_secs(30)).await.unwrap();
+    let token_b = JobToken::from_text(&client_b.job_token("b").unwrap()).unwrap();
+    let client_a = cluster.client().await;
+    let _job_a = client_a.start_job(Some("a"), Duration::from_secs(30)).await.unwrap();
+    let token_a = JobToken::from_text(&client_a.job_token("a").unwrap()).unwrap();
+    // A block of B's, allocated and unwritten, and its grant.
+    let mut metadata =
+        crate::common::raw_metadata(&cluster.metadata_addr, Some(&client_b.job_token("b").unwrap())).await;
+    let create = CreateRequest { path: "/jobs/b/staged".into(), ..Default::default() };
+    let file_id = metadata.create(create).await.unwrap().into_inner().file_id;
+    let ask = AllocateBlocksRequest { file_id, count: 1, client_host: "127.0.0.1".into() };
+    let block = metadata.allocate_blocks(ask).await.unwrap().into_inner().blocks.remove(0);
+    let grant: [u8; 16] = block.grant[..].try_into().unwrap();
+
+    let mut local = raw_local(&addr).await;
+    let staging = local.local.as_ref().expect("a same-host stream carries a staging area").staging.clone();
+    call(&mut local, Frame::auth(1, 1, Bytes::from(token_a.encode()))).await.unwrap();
+    call(&mut local, Frame::auth(2, 2, Bytes::from(token_b.encode()))).await.unwrap();
+    let data = random_bytes(300 << 10);
+    let crc = staging.stage(4096, &data).unwrap();
+    assert_eq!(crc, crc32c::crc32c(&data), "staging takes the crc of what it copies");
+    let len = data.len() as u32;
+    let staged = |at, crc| Staged { at, crc };
+    // Job A holding B's grant, but not B's token: refused, as a Write would be.
+    let (kind, message) =
+        call(&mut local, Frame::write_staged(3, block.block_id, 0, len, staged(4096, crc)).authorized(1, grant))
+            .await
+            .expect_err("A writing B's block");
+    assert_eq!(kind, ErrorKind::PermissionDenied, "{message}");
+    // Bytes outside the staging area are refused, never read; the connection goes on.
+    for at in [staging.len() as u64 - 10, u64::MAX - 5] {
+        let (kind, message) =
+            call(&mut local, Frame::write_staged(4, block.block_id, 0, len, staged(at, crc)).authorized(2, grant))
+                .await
+                .expect_err("a staged range outside the area");
+        assert_eq!(kind, ErrorKind::Invalid, "{message}");
+        assert!(message.contains("outside"), "{message}");
+    }
+    // A crc that does not match what the server copied: nothing is stored.
+    let (kind, message) =
+        call(&mut local, Frame::write_staged(5, block.block_id, 0, len, staged(4096, crc ^ 1)).authorized(2, grant))
+            .await
+            .expect_err("a staged write whose crc does not match");
+    assert_eq!(kind, ErrorKind::Corrupt, "{message}");
+    // The right crc: stored, and what the client then does to its staging area does not reach
+    // the block (the server copied it).
+    let reply =
+        call(&mut local, Frame::write_staged(6, block.block_id, 0, len, staged(4096, crc)).authorized(2, grant))
+            .await
+            .unwrap();
+    assert_eq!(reply.header.length, len, "the block's length after the write");
+    staging.stage(4096, &vec![0u8; data.len()]).unwrap();
+    let back = call(&mut local, Frame::read(7, block.block_id, 0, len).authorized(2, grant)).await.unwrap();
+    assert!(back.payload[..] == data[..], "the block holds the staged bytes as they were at the write");
+
+    // Over TCP a WriteStaged is not served, even to the block's own job.
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    frame::write_frame(&mut tcp, &Frame::auth(8, 1, Bytes::from(token_b.encode()))).await.unwrap();
+    frame::read_frame(&mut tcp, frame::MAX_PAYLOAD_BYTES).await.unwrap().unwrap().into_result().unwrap();
+    let request = Frame::write_staged(9, block.block_id, len, 1, staged(0, 0)).authorized(1, grant);
+    frame::write_frame(&mut tcp, &request).await.unwrap();
+    let reply = frame::read_frame(&mut tcp, frame::MAX_PAYLOAD_BYTES).await.unwrap().unwrap();
+    let (kind, message) = reply.into_result().expect_err("a WriteStaged over TCP");
+    assert_eq!(kind, ErrorKind::Invalid, "{message}");
+    assert!(message.contains("own host"), "{message}");
+
+    // The client writes through its staging area on a same-host connection: files of every edge
+    // size read back exactly over TCP, and every block went staged.
+    let requests = |op: &str| {
+        let metrics = crate::monitoring::http_get(cluster.storage_admin_addr(0).parse().unwrap(), "/metrics").unwrap();
+        let line = format!("tern_storage_requests_total{{op=\"{op}\"}} ");
+        let count = metrics.lines().find_map(|l| l.strip_prefix(line.as_str())?.parse::<u64>().ok());
+        count.unwrap_or_else(|| panic!("no {line} in the storage server's metrics"))
+    };
+    let (writes, staged) = (requests("write"), requests("write_staged"));
+    let writer = cluster.client_over(TransportKind::Local).await;
+    let reader = cluster.client_over(TransportKind::Tcp).await;
+    for size in [1, BLOCK - 1, BLOCK, 3 * BLOCK + 7] {
+        let data = Bytes::from(random_bytes(size));
+        let path = format!("/same-host/written-{size}");
+        writer.put(&path, data.clone()).await.unwrap();
+        let back = reader.open(&path).await.unwrap().read_to_end().await.unwrap();
+        assert!(back == data, "{path} read back differently");
+    }
+    assert_eq!(requests("write"), writes, "a same-host client's block written through the socket");
+    assert_eq!(requests("write_staged") - staged, 1 + 1 + 1 + 4, "one staged write per block");
 }

@@ -46,8 +46,8 @@ pub struct Stream {
     /// The other end's address.
     pub peer: SocketAddr,
     /// On a same-host connection ([`local`]), the storage server's DRAM arena, which the client
-    /// reads leased blocks from directly.
-    pub arena: Option<std::sync::Arc<local::SharedArena>>,
+    /// reads leased blocks from directly, and the connection's staging area for writes.
+    pub local: Option<local::SameHost>,
     /// On an RDMA connection, its one-sided operations (memory windows a server lends, RDMA
     /// READs a client makes): see [`rdma_provider::OneSided`].
     pub one_sided: Option<std::sync::Arc<dyn rdma_provider::OneSided>>,

@@ -249,7 +249,7 @@ async fn serve_connection(incoming: quinn::Incoming, tx: mpsc::Sender<Stream>) {
                     reader: Box::new(recv),
                     writer: Box::new(send),
                     peer: remote,
-                    arena: None,
+                    local: None,
                     one_sided: None,
                 };
                 if tx.send(stream).await.is_err() {
@@ -367,7 +367,7 @@ impl Connector for QuicConnector {
             let index = self.next.fetch_add(1, Ordering::Relaxed) % self.endpoint_count;
             let connection = self.connection(peer, &name, index).await?;
             let (send, recv) = connection.open_bi().await.map_err(to_io)?;
-            Ok(Stream { reader: Box::new(recv), writer: Box::new(send), peer, arena: None, one_sided: None })
+            Ok(Stream { reader: Box::new(recv), writer: Box::new(send), peer, local: None, one_sided: None })
         }
         .boxed()
     }

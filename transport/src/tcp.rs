@@ -19,7 +19,7 @@ impl Connector for TcpConnector {
             stream.set_nodelay(true)?;
             let peer = stream.peer_addr()?;
             let (reader, writer) = stream.into_split();
-            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: None })
+            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: None })
         }
         .boxed()
     }
@@ -64,7 +64,7 @@ async fn accept(listener: &tokio::net::TcpListener) -> io::Result<Stream> {
         tracing::debug!("TCP_NODELAY on {peer}: {e}");
     }
     let (reader, writer) = stream.into_split();
-    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: None })
+    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: None })
 }
 
 /// A bare tokio listener serves as is (TCP_NODELAY set on each accepted socket).

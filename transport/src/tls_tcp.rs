@@ -57,7 +57,7 @@ impl Connector for TlsTcpConnector {
                     io::Error::new(io::ErrorKind::ConnectionRefused, format!("TLS handshake with {addr}: {e}"))
                 })?;
             let (reader, writer) = tokio::io::split(stream);
-            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: None })
+            Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: None })
         }
         .boxed()
     }
@@ -189,7 +189,7 @@ async fn identify(
     if first[0] == TLS_HANDSHAKE_RECORD {
         let stream = acceptor.accept(tcp).await.map_err(|e| format!("TLS handshake failed: {e}"))?;
         let (reader, writer) = tokio::io::split(stream);
-        return Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: None });
+        return Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: None });
     }
     if plain == PlainFrom::Loopback && !peer.ip().is_loopback() {
         return Err("plain TCP is served to this host's clients only (the network is not declared trusted); \
@@ -197,7 +197,7 @@ async fn identify(
             .into());
     }
     let (reader, writer) = tcp.into_split();
-    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, arena: None, one_sided: None })
+    Ok(Stream { reader: Box::new(reader), writer: Box::new(writer), peer, local: None, one_sided: None })
 }
 
 impl Listener for TcpOrTlsListener {

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use tern_proto::frame::{self, Frame, FrameError, Header, Op, MAX_FREE_IDS};
+use tern_proto::frame::{self, Frame, FrameError, Header, Op, Staged, MAX_FREE_IDS};
 use tern_proto::token::GrantKind;
 use tern_proto::{BlockId, ErrorKind};
+use tern_transport::local::Staging;
 use tern_transport::BoxRead;
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
@@ -81,37 +82,109 @@ pub(super) async fn write(
     h: &Header,
     started: Instant,
 ) -> Result<Served, FrameError> {
+    append(rd, conn, h, started, Payload::Stream).await
+}
+
+/// Appends the bytes a same-host client staged (see `tern_transport::local::Staging`) to its
+/// block: copied from the connection's staging area into the arena or the aligned buffer, where
+/// their crc is checked, so what the client does to its staging area meanwhile cannot reach the
+/// block unchecked.
+pub(super) async fn write_staged(
+    rd: &mut BoxRead,
+    conn: &Connection,
+    h: &Header,
+    started: Instant,
+) -> Result<Served, FrameError> {
+    let Some(staging) = conn.staging.clone() else {
+        let message = format!("{h}: WriteStaged is served only to clients on the server's own host (its local socket)");
+        return refuse(rd, h, ErrorKind::Invalid, &message).await;
+    };
+    let staged = match read_request_payload(rd, h).await? {
+        Ok(payload) => match Staged::decode(&payload) {
+            Ok(staged) => staged,
+            Err(e) => return Ok(Served::Reply(frame_error(h, &e), 0)),
+        },
+        Err(reply) => return Ok(Served::Reply(reply, 0)),
+    };
+    if let Err(e) = staging.check(staged.at, h.length as usize) {
+        return Ok(Served::Reply(error_reply(h, ErrorKind::Invalid, &format!("{h}: {e}")), 0));
+    }
+    append(rd, conn, h, started, Payload::Staged { staging: &staging, staged }).await
+}
+
+/// Where an append's bytes come from.
+enum Payload<'a> {
+    /// The request's own payload, next on the stream (`payload_len` bytes, `payload_crc`).
+    Stream,
+    /// The connection's staging area (`length` bytes), where a WriteStaged says.
+    Staged { staging: &'a Staging, staged: Staged },
+}
+
+impl Payload<'_> {
+    /// The bytes appended and their crc32c, as the request says.
+    fn len_and_crc(&self, h: &Header) -> (u32, u32) {
+        match self {
+            Payload::Stream => (h.payload_len, h.payload_crc),
+            Payload::Staged { staged, .. } => (h.length, staged.crc),
+        }
+    }
+
+    /// Puts the bytes in `buf`. On an error the write's pending state is dropped unpublished:
+    /// nothing of it becomes visible.
+    async fn fill(&self, rd: &mut BoxRead, buf: &mut [u8]) -> Result<(), FrameError> {
+        match self {
+            Payload::Stream => read_exactly(rd, buf).await,
+            // In range: checked before the write began.
+            Payload::Staged { staging, staged } => Ok(staging.copy_out(staged.at, buf)?),
+        }
+    }
+
+    /// Answers `e`, skipping what is left of a payload on the stream.
+    async fn refused(&self, rd: &mut BoxRead, h: &Header, e: &StoreError) -> Result<Served, FrameError> {
+        match self {
+            Payload::Stream => refused(rd, h, e).await,
+            Payload::Staged { .. } => Ok(Served::Reply(store_error(h, e), 0)),
+        }
+    }
+}
+
+/// Appends `payload` to the block `h` names (see [`write`]).
+async fn append(
+    rd: &mut BoxRead,
+    conn: &Connection,
+    h: &Header,
+    started: Instant,
+    payload: Payload<'_>,
+) -> Result<Served, FrameError> {
     let block = BlockId::from_wire(h.block_id);
+    let (len, crc) = payload.len_and_crc(h);
     let nvme = match conn.store.tier(block) {
         Ok(TierRef::Dram(_)) => {
-            let mut pending = match conn.store.begin_dram_write(block, h.offset, h.payload_len).await {
+            let mut pending = match conn.store.begin_dram_write(block, h.offset, len).await {
                 Ok(pending) => pending,
-                Err(e) => return refused(rd, h, &e).await,
+                Err(e) => return payload.refused(rd, h, &e).await,
             };
-            // On a stream error `pending` is dropped unpublished: nothing of this payload becomes
-            // visible.
-            read_exactly(rd, pending.buf()).await?;
-            return Ok(match pending.commit(h.payload_crc) {
-                Ok(len) => Served::Reply(Frame::reply(h, len, Bytes::new()), u64::from(h.payload_len)),
+            payload.fill(rd, pending.buf()).await?;
+            return Ok(match pending.commit(crc) {
+                Ok(held) => Served::Reply(Frame::reply(h, held, Bytes::new()), u64::from(len)),
                 Err(e) => Served::Reply(store_error(h, &e), 0),
             });
         }
         Ok(TierRef::Nvme(nvme)) => nvme,
-        Err(e) => return refused(rd, h, &e).await,
+        Err(e) => return payload.refused(rd, h, &e).await,
     };
-    let mut pending = match nvme.begin_write(block, h.offset, h.payload_len) {
+    let mut pending = match nvme.begin_write(block, h.offset, len) {
         Ok(pending) => pending,
-        Err(e) => return refused(rd, h, &e).await,
+        Err(e) => return payload.refused(rd, h, &e).await,
     };
     let Some(task) = NvmeTask::start(conn, started).await else {
         return Ok(Served::Reply(closing(h), 0));
     };
-    // On a stream error `pending` is dropped unpublished: nothing of this payload becomes visible.
-    read_exactly(rd, pending.payload()).await?;
+    payload.fill(rd, pending.payload()).await?;
     let h = *h;
     tokio::spawn(async move {
-        let (reply, bytes) = match pending.commit(h.payload_crc).await {
-            Ok(len) => (Frame::reply(&h, len, Bytes::new()), u64::from(h.payload_len)),
+        let (reply, bytes) = match pending.commit(crc).await {
+            Ok(held) => (Frame::reply(&h, held, Bytes::new()), u64::from(len)),
             Err(e) => (store_error(&h, &e), 0),
         };
         task.finish(&h, reply, bytes).await;

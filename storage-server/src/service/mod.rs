@@ -142,7 +142,7 @@ pub async fn serve_block_listeners(
                 };
                 metrics.connection_opened(transport);
                 let guard = Arc::new(ConnectionGuard { _permit: permit, metrics: metrics.clone() });
-                let Stream { reader, writer, peer, arena, one_sided } = stream;
+                let Stream { reader, writer, peer, local, one_sided } = stream;
                 let (tx, rx) = mpsc::channel(limits.max_in_flight_per_connection);
                 let out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(WRITE_BUFFER_BYTES, writer)));
                 tasks.spawn(write_replies(out.clone(), rx, guard.clone(), peer));
@@ -152,7 +152,8 @@ pub async fn serve_block_listeners(
                     replies: Replies { tx, out },
                     nvme_ops: Arc::new(Semaphore::new(limits.max_in_flight_per_connection)),
                     slots: Slots::default(),
-                    leases: arena.map(|arena| leases.open(arena)),
+                    leases: local.as_ref().map(|local| leases.open(local.arena.clone())),
+                    staging: local.map(|local| local.staging),
                     one_sided,
                 };
                 tasks.spawn(read_requests(reader, conn, guard, peer));
@@ -267,6 +268,8 @@ struct Connection {
     slots: Slots,
     /// On a same-host connection, the blocks it leased.
     leases: Option<Arc<parking_lot::Mutex<leases::Leases>>>,
+    /// On a same-host connection, its staging area (WriteStaged).
+    staging: Option<Arc<tern_transport::local::Staging>>,
     /// On an RDMA connection, the memory windows it lends blocks through (see `leases`).
     one_sided: Option<Arc<dyn tern_transport::rdma_provider::OneSided>>,
 }
@@ -343,6 +346,7 @@ async fn serve(rd: &mut BoxRead, conn: &mut Connection, h: &Header, started: Ins
         Op::Ping => control::ping(rd, h).await,
         Op::Read => blocks::read(rd, conn, h, started).await,
         Op::Write => blocks::write(rd, conn, h, started).await,
+        Op::WriteStaged => blocks::write_staged(rd, conn, h, started).await,
         Op::Free => blocks::free(rd, conn, h).await,
         Op::Push => shuffles::push(rd, conn, h).await,
         Op::Fetch => shuffles::fetch(rd, conn, h).await,
@@ -362,7 +366,7 @@ fn record(metrics: &Metrics, store: &BlockStore, op: Op, started: Instant, reply
         code => Some(ErrorKind::from_code(code).unwrap_or(ErrorKind::Internal)),
     };
     metrics.record(op, started.elapsed(), bytes, error);
-    if error.is_none() && matches!(op, Op::Write | Op::Free | Op::Push) {
+    if error.is_none() && matches!(op, Op::Write | Op::WriteStaged | Op::Free | Op::Push) {
         metrics.observe_store(store);
     }
 }

@@ -361,9 +361,19 @@ impl Cluster {
 
     /// The metadata server's admin (HTTP) address, from the line its log opens with.
     pub fn metadata_admin_addr(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("metadata.log")).unwrap_or_default();
-        let found = log.lines().find_map(|line| line.split("admin ").nth(1)?.split(')').next().map(str::to_string));
-        found.unwrap_or_else(|| panic!("the metadata log names no admin address:\n{log}"))
+        self.admin_addr("metadata")
+    }
+
+    /// Storage server `i`'s admin (HTTP) address, from the line its log opens with.
+    pub fn storage_admin_addr(&self, i: usize) -> String {
+        self.admin_addr(&format!("storage-{i}"))
+    }
+
+    fn admin_addr(&self, daemon: &str) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join(format!("{daemon}.log"))).unwrap_or_default();
+        let found =
+            log.lines().find_map(|line| line.split("admin ").nth(1)?.split([')', ',']).next().map(str::to_string));
+        found.unwrap_or_else(|| panic!("the {daemon} log names no admin address:\n{log}"))
     }
 
     /// Polls `check` until it yields a value, or fails the test after `timeout`.
