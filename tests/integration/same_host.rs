@@ -180,9 +180,12 @@ async fn a_shuffle_written_and_read_on_the_servers_host_reads_back_exactly_over_
 #[tokio::test]
 async fn blocks_on_nvme_are_read_through_the_same_host_socket() {
     let cluster = Cluster::start_with_nvme(1, "4MiB", common::Nvme { size: "16MiB", engine: "psync" }).await;
-    let writer = cluster.client().await;
+    // Written staged (the server copies the staged bytes into the NVMe write's aligned buffer).
+    let writer = cluster.client_over(TransportKind::Local).await;
     let data = Bytes::from(random_bytes(2 * BLOCK + 3));
     writer.put_with_class("/nvme", data.clone(), tern_proto::StorageClass::Nvme).await.unwrap();
+    let over_tcp = cluster.client().await.open("/nvme").await.unwrap().read_to_end().await.unwrap();
+    assert!(over_tcp == data, "an NVMe file written staged reads back differently over TCP");
     let reader = cluster.client_over(TransportKind::Local).await;
     let file = reader.open("/nvme").await.unwrap();
     // NVMe blocks are not lent: read through the socket, the refusal remembered, so a second

@@ -31,7 +31,7 @@ use bytes::Bytes;
 use tern_proto::{BlockId, ServerId, Tier};
 
 use crate::block_table::{Appender, BlockRead, BlockTable, Restored, Slot, Slots, StoreError, Usage, Writer};
-use aligned::{round_down, round_up, AlignedBuf, AlignedSlice};
+use aligned::{round_down, round_up, AlignedBuf, AlignedPool, AlignedSlice};
 use engine::IoEngine;
 
 /// The medium the tier's slots are cut from: the device behind its io engine, and the durable
@@ -41,7 +41,13 @@ struct Disk {
     /// Direct-I/O alignment of the device: offsets, lengths and buffer addresses.
     align: u64,
     index: Option<index::BlockIndex>,
+    /// Where reads and writes take their buffers from.
+    buffers: Arc<AlignedPool>,
 }
+
+/// Most bytes of idle I/O buffers a tier keeps for reuse: a few requests' worth of the largest
+/// blocks.
+const IDLE_BUFFER_BYTES: usize = 64 << 20;
 
 impl Slot<Disk> {
     /// Where the slot starts on the device.
@@ -63,7 +69,8 @@ impl NvmeTier {
         align: u64,
         block_size: u32,
     ) -> anyhow::Result<NvmeTier> {
-        NvmeTier::cut(Disk { engine, align, index: None }, capacity_bytes, block_size)
+        let buffers = AlignedPool::new(align as usize, IDLE_BUFFER_BYTES);
+        NvmeTier::cut(Disk { engine, align, index: None, buffers }, capacity_bytes, block_size)
     }
 
     fn cut(disk: Disk, capacity_bytes: u64, block_size: u32) -> anyhow::Result<NvmeTier> {
@@ -104,7 +111,8 @@ impl NvmeTier {
         let (index, entries) = index::BlockIndex::open_in(fs, path, block_size, count)?;
         let path = index.path().to_path_buf();
         // Nothing was written yet: cut the device again, with the index this time.
-        let disk = Disk { engine: self.disk().engine.clone(), align: self.disk().align, index: Some(index) };
+        let Disk { engine, align, buffers, .. } = self.disk();
+        let disk = Disk { engine: engine.clone(), align: *align, index: Some(index), buffers: buffers.clone() };
         let tier = NvmeTier::cut(disk, count as u64 * u64::from(block_size), block_size)?;
         let found: Vec<Restored> =
             entries.iter().map(|e| Restored { block: e.block_id, slot: e.slot, len: e.len }).collect();
@@ -131,10 +139,12 @@ impl NvmeTier {
     /// [`NvmeWrite::commit`] stores it.
     pub fn begin_write(&self, block: BlockId, offset: u32, len: u32) -> Result<NvmeWrite, StoreError> {
         let writer = BlockTable::begin_write(self.table.clone(), block, offset, len)?;
-        let align = self.disk().align;
-        let start = round_down(u64::from(offset), align);
-        let end = round_up(u64::from(offset) + u64::from(len), align).max(start + align);
-        let buf = AlignedBuf::zeroed((end - start) as usize, align as usize);
+        let Disk { align, buffers, .. } = self.disk();
+        let start = round_down(u64::from(offset), *align);
+        let end = round_up(u64::from(offset) + u64::from(len), *align).max(start + align);
+        let mut buf = buffers.take((end - start) as usize);
+        // The padding after the payload up to the unit's end goes to disk: zeroed, not stale.
+        buf[(u64::from(offset) + u64::from(len) - start) as usize..].fill(0);
         Ok(NvmeWrite { writer, start, buf })
     }
 
@@ -148,10 +158,10 @@ impl NvmeTier {
         if len == 0 {
             return Ok(BlockRead { data: Bytes::new(), held, crc: 0 });
         }
-        let Disk { engine, align, .. } = self.disk();
+        let Disk { engine, align, buffers, .. } = self.disk();
         let start = round_down(u64::from(offset), *align);
         let end = round_up(u64::from(offset) + u64::from(len), *align);
-        let buf = AlignedBuf::zeroed((end - start) as usize, *align as usize);
+        let buf = buffers.take((end - start) as usize);
         // `slot` is held across the read, so it cannot be reused (and overwritten) meanwhile.
         let buf = engine.read_at(buf, slot.disk_offset() + start).await.map_err(|e| StoreError::Io {
             block,
@@ -265,14 +275,16 @@ impl NvmeExtent {
             assert!(H + data.len() <= appender.room() as usize, "append of {H}+{} bytes past the slot", data.len());
             (appender.slot().clone(), appender.len())
         };
-        let Disk { engine, align, .. } = slot.medium();
+        let Disk { engine, align, buffers, .. } = slot.medium();
         let start = round_down(u64::from(offset), *align);
         let keep = (u64::from(offset) - start) as usize;
         let total = keep + H + data.len();
-        let mut buf = AlignedBuf::zeroed(round_up(total as u64, *align).max(*align) as usize, *align as usize);
+        let mut buf = buffers.take(round_up(total as u64, *align).max(*align) as usize);
+        // The padding up to the unit's end goes to disk: zeroed, not stale.
+        buf[total..].fill(0);
         if keep > 0 {
             // The unit holds published bytes below `offset`: written whole before, so it reads back.
-            let unit = AlignedBuf::zeroed(*align as usize, *align as usize);
+            let unit = buffers.take(*align as usize);
             let unit = engine.read_at(unit, slot.disk_offset() + start).await?;
             buf[..keep].copy_from_slice(&unit[..keep]);
         }
@@ -297,10 +309,10 @@ impl NvmeExtent {
         if len == 0 {
             return Ok(Bytes::new());
         }
-        let Disk { engine, align, .. } = slot.medium();
+        let Disk { engine, align, buffers, .. } = slot.medium();
         let start = round_down(u64::from(offset), *align);
         let end = round_up(u64::from(offset) + u64::from(len), *align);
-        let buf = AlignedBuf::zeroed((end - start) as usize, *align as usize);
+        let buf = buffers.take((end - start) as usize);
         // `slot` is held across the read, so it cannot be reused (and overwritten) meanwhile.
         let buf = engine.read_at(buf, slot.disk_offset() + start).await?;
         let slice = AlignedSlice { buf, start: (u64::from(offset) - start) as usize, len: len as usize };
@@ -330,11 +342,11 @@ impl NvmeWrite {
         let head = (u64::from(self.writer.offset()) - self.start) as usize;
         self.writer.verify(&self.buf[head..head + self.writer.len() as usize], payload_crc)?;
         let slot = self.writer.slot().clone();
-        let Disk { engine, align, index } = slot.medium();
+        let Disk { engine, align, index, buffers } = slot.medium();
         let at = slot.disk_offset() + self.start;
         if head > 0 {
             // The unit holds published bytes below `offset`: written whole before, so it reads back.
-            let unit = AlignedBuf::zeroed(*align as usize, *align as usize);
+            let unit = buffers.take(*align as usize);
             let unit = engine.read_at(unit, at).await.map_err(|e| self.writer.io_error("read", e))?;
             self.buf[..head].copy_from_slice(&unit[..head]);
         }
