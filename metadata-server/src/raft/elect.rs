@@ -168,7 +168,17 @@ pub async fn stand(raft: Raft<TypeConfig>, me: u64, network: Network, heard: Arc
             answers.push(Network::pre_vote(client, &ask));
         }
         let grants = 1 + futures::future::join_all(answers).await.into_iter().filter(|&granted| granted).count();
-        if grants * 2 > voters.len() {
+        #[expect(clippy::disallowed_methods, reason = "the edge: an election timer reads the clock")]
+        let after = Now::read().instant;
+        // The round waits up to PRE_VOTE_DEADLINE on a silent voter. Meanwhile another replica
+        // may have won an election this one granted in the round, and standing now would depose
+        // it: two replicas that lost the same leader did so to each other for seconds on end
+        // (multihost::replicated, a Status past 12 s). Stand only if still nobody leads.
+        let term_after = raft.metrics().borrow().current_term;
+        let moved_on = term_after != term || heard.since(after) < after.saturating_duration_since(now);
+        if moved_on {
+            debug!(term, term_after, "a leader was heard, or the term moved, during the pre-vote round: not standing");
+        } else if grants * 2 > voters.len() {
             info!(term, grants, voters = voters.len(), "no leader heard: standing for election");
             if raft.trigger().elect().await.is_err() {
                 return;
@@ -176,8 +186,6 @@ pub async fn stand(raft: Raft<TypeConfig>, me: u64, network: Network, heard: Arc
         } else {
             debug!(grants, voters = voters.len(), "no leader heard, but no majority would vote: not standing");
         }
-        #[expect(clippy::disallowed_methods, reason = "the edge: an election timer reads the clock")]
-        let after = Now::read().instant;
         last_round = after;
         wait = silence_to_stand(&mut rng);
     }
