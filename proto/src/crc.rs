@@ -87,15 +87,8 @@ mod tests {
     use super::*;
 
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        let mut rng = tern_common::rng::SplitMix64(seed);
+        (0..len).map(|_| rng.next_u64() as u8).collect()
     }
 
     #[test]

@@ -662,15 +662,6 @@ pub async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, header: &Header) -> R
     read_payload_into(r, header, Pooled::unpooled(header.payload_len as usize)).await
 }
 
-/// Reads `header`'s payload into a buffer of `pool` (see [`crate::buffers`]) and checks its crc.
-pub async fn read_payload_pooled<R: AsyncRead + Unpin>(
-    r: &mut R,
-    header: &Header,
-    pool: &Arc<BufferPool>,
-) -> Result<Bytes, FrameError> {
-    read_payload_into(r, header, pool.take(header.payload_len as usize)).await
-}
-
 async fn read_payload_into<R: AsyncRead + Unpin>(
     r: &mut R,
     header: &Header,
@@ -714,7 +705,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_payload: u32) -> Re
     Ok(Some(Frame { header, payload }))
 }
 
-/// [`read_frame`], its payload read into a buffer of `pool`.
+/// [`read_frame`], its payload read into a buffer of `pool` (see [`crate::buffers`]).
 pub async fn read_frame_pooled<R: AsyncRead + Unpin>(
     r: &mut R,
     max_payload: u32,
@@ -723,7 +714,7 @@ pub async fn read_frame_pooled<R: AsyncRead + Unpin>(
     let Some(header) = read_header(r, max_payload).await? else {
         return Ok(None);
     };
-    let payload = read_payload_pooled(r, &header, pool).await?;
+    let payload = read_payload_into(r, &header, pool.take(header.payload_len as usize)).await?;
     Ok(Some(Frame { header, payload }))
 }
 

@@ -350,7 +350,7 @@ impl NvmeWrite {
             let unit = engine.read_at(unit, at).await.map_err(|e| self.writer.io_error("read", e))?;
             self.buf[..head].copy_from_slice(&unit[..head]);
         }
-        let buf = std::mem::replace(&mut self.buf, AlignedBuf::zeroed(*align as usize, *align as usize));
+        let buf = std::mem::replace(&mut self.buf, buffers.take(*align as usize));
         let keep: engine::KeepAlive = Some(slot.clone());
         engine.write_at(buf, at, keep).await.map_err(|e| self.writer.io_error("write", e))?;
         if index.is_some() {
